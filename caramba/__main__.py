@@ -1,0 +1,3 @@
+from caramba.cli import main
+
+main()

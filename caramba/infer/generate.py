@@ -1,0 +1,273 @@
+"""Autoregressive generation with a pre-allocated KV cache.
+
+`Generator` is stateful: each `generate()` continues from what is cached, so a multi-turn
+session only prefills the new tokens. `generate()` (the function) is the stateless shortcut.
+
+Batches of ragged prompts are left-padded. Every cache slot carries a validity bit
+(`slot_mask`), and every row its own rotary positions, so padding, rows that finished early
+and later turns never leak into another token's attention: greedy output per row equals
+running that prompt alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from caramba.cache import KVCache, KVCacheKind
+from caramba.cache.layer import CacheOverflowError
+from caramba.infer.sampling import SamplingParams, process_logits, select_tokens
+
+
+@dataclass
+class GenerateConfig:
+    max_new_tokens: int = 64
+    temperature: float = 1.0                  # 0 = greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float = 1.0
+    eos_token_id: int | list[int] | None = None   # None: the tokenizer's, when the Generator has one
+    pad_token_id: int | None = None               # None: the first eos id, else 0
+    stop_sequences: list[str | list[int]] = field(default_factory=list)  # strings need a tokenizer
+    max_seq_len: int = 2048
+    seed: int | None = None
+    cache_kind: str = "fp32"
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
+            ("temperature", self.temperature >= 0, "must be >= 0 (0 = greedy)"),
+            ("top_k", self.top_k is None or self.top_k >= 1, "must be >= 1 or None"),
+            ("top_p", self.top_p is None or 0 < self.top_p <= 1, "must be in (0, 1] or None"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("max_seq_len", self.max_seq_len >= 1, "must be >= 1"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"GenerateConfig.{name}={getattr(self, name)!r} {why}")
+        self.cache_kind = KVCacheKind.parse(self.cache_kind).value
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+
+    def eos_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+
+
+@dataclass
+class GenerationResult:
+    sequences: list[list[int]]     # new token ids per row (ending with EOS when it stopped on one)
+    finish_reasons: list[str]      # per row: "eos" | "stop_sequence" | "length"
+    prefill_s: float               # prompt forward + first token
+    decode_s: float                # every later token
+    decode_steps: int              # forward passes after the prefill
+
+    @property
+    def n_generated(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens produced by the decode steps (every row's tokens after its first) per second."""
+        after_first = sum(max(len(s) - 1, 0) for s in self.sequences)
+        return after_first / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class Generator:
+    def __init__(self, model, config: GenerateConfig | None = None, device: torch.device | str | None = None, tokenizer=None) -> None:
+        self.config = config or GenerateConfig()
+        self.tokenizer = tokenizer
+        if self.config.eos_token_id is None and tokenizer is not None:
+            self.config.eos_token_id = tokenizer.eos_token_id
+        self.model = model if device is None else model.to(device)
+        self.device = self.model.device
+        eos = self.config.eos_ids()
+        self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
+        self._stop_strings = [s for s in self.config.stop_sequences if isinstance(s, str)]
+        self._stop_ids = [list(s) for s in self.config.stop_sequences if not isinstance(s, str)]
+        if self._stop_strings and tokenizer is None:
+            raise ValueError("string stop_sequences need a tokenizer: Generator(..., tokenizer=tok)")
+        self.rng: torch.Generator | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation: the next generate() starts from an empty cache."""
+        self.cache: KVCache | None = None
+        self.slot_mask: torch.Tensor | None = None   # [B, max_seq_len] True where a slot is a real token
+        self.has_holes = False                        # any False slot below cache.length
+        self.next_pos: torch.Tensor | None = None     # [B] rotary position of each row's next token
+        self.seen: torch.Tensor | None = None         # [B, V] tokens in context (repetition penalty)
+        self.pending: torch.Tensor | None = None      # [B] last sampled token, not yet in the cache
+        self.pending_mask: torch.Tensor | None = None  # [B] which rows have one
+        if self.config.seed is not None:
+            self.rng = torch.Generator(device=self.device).manual_seed(self.config.seed)
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def generate(self, input_ids, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T] (or ragged lists) -> [B, T + N]: this call's input followed by the new tokens,
+        right-padded with the pad id where a row stopped early (HF's convention)."""
+        tokens, mask = self._as_batch(input_ids, attention_mask)
+        result = self.run(tokens, mask)
+        width = max(len(s) for s in result.sequences)
+        out = torch.full((tokens.shape[0], width), self.pad_id, dtype=torch.long)
+        for i, seq in enumerate(result.sequences):
+            out[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        return torch.cat([tokens.cpu(), out], dim=1)
+
+    def generate_iter(self, input_ids, attention_mask: torch.Tensor | None = None) -> Iterator:
+        """Stream tokens: ints for a single row; for a batch, a list per step with None for
+        rows that have finished."""
+        tokens, mask = self._as_batch(input_ids, attention_mask)
+        single = tokens.shape[0] == 1
+        for step_tokens, active in self._steps(tokens, mask):
+            ids = [t if a else None for t, a in zip(step_tokens.tolist(), active.tolist())]
+            yield ids[0] if single else ids
+
+    def run(self, input_ids, attention_mask: torch.Tensor | None = None,
+            on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
+        """Generate and return per-row tokens, finish reasons and timings.
+        on_token(row, token_id) is called as each token is produced (for streaming)."""
+        tokens, mask = self._as_batch(input_ids, attention_mask)
+        B = tokens.shape[0]
+        sequences: list[list[int]] = [[] for _ in range(B)]
+        t0 = time.perf_counter()
+        t_first = None
+        steps = 0
+        for step_tokens, active in self._steps(tokens, mask):
+            if t_first is None:
+                t_first = time.perf_counter()
+            else:
+                steps += 1
+            for row in active.nonzero().flatten().tolist():
+                tok = int(step_tokens[row])
+                sequences[row].append(tok)
+                if on_token is not None:
+                    on_token(row, tok)
+        t_end = time.perf_counter()
+        return GenerationResult(sequences, list(self._finish_reasons), t_first - t0, t_end - t_first, steps)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def _steps(self, tokens: torch.Tensor, mask: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield (tokens [B], active [B]) per generated position; inactive rows are padding."""
+        cfg = self.config
+        B = tokens.shape[0]
+        self._start_turn(B)
+        if self.pending is not None:  # the last turn's final token goes in before the new input
+            tokens = torch.cat([self.pending[:, None], tokens], dim=1)
+            mask = torch.cat([self.pending_mask[:, None], mask], dim=1)
+            self.pending = self.pending_mask = None
+        T = tokens.shape[1]
+        # The final sampled token is never fed, so the turn needs T + max_new_tokens - 1 slots.
+        self.cache.check_room(T + cfg.max_new_tokens - 1)
+
+        self._track_seen(tokens, mask)
+        logits = self._forward(tokens, mask)
+        active = torch.ones(B, dtype=torch.bool, device=self.device)
+        reasons = ["length"] * B
+        self._finish_reasons = reasons
+        recent: list[list[int]] = [[] for _ in range(B)]
+        eos = torch.tensor(cfg.eos_ids(), dtype=torch.long, device=self.device)
+        for step in range(cfg.max_new_tokens):
+            new = select_tokens(process_logits(logits, cfg.sampling, self.seen), cfg.sampling, self.rng)
+            new = torch.where(active, new, torch.full_like(new, self.pad_id))
+            yield new, active
+            was_active = active
+            if len(eos):
+                hit_eos = torch.isin(new, eos) & active
+                for row in hit_eos.nonzero().flatten().tolist():
+                    reasons[row] = "eos"
+                active = active & ~hit_eos
+            if self._stop_strings or self._stop_ids:
+                active = self._check_stops(new, active, recent, reasons)
+            self._track_seen(new[:, None], was_active[:, None])
+            if not bool(active.any()) or step == cfg.max_new_tokens - 1:
+                # Rows whose last token is real keep it pending for the next turn.
+                self.pending, self.pending_mask = new, was_active
+                return
+            logits = self._forward(new[:, None], was_active[:, None])
+
+    def _forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Feed tokens [B, T] (mask: which are real) at the next slots; logits of the last [B, V]."""
+        start, T = self.cache.length, tokens.shape[1]
+        positions = self.next_pos[:, None] + mask.long().cumsum(dim=1) - 1
+        positions = positions.clamp(min=0)  # padding's position is unused; keep it a valid index
+        self.slot_mask[:, start : start + T] = mask
+        self.has_holes = self.has_holes or not bool(mask.all())
+        self.next_pos += mask.long().sum(dim=1)
+        logits = self.model(tokens, positions, self.cache, self.slot_mask if self.has_holes else None, last_only=True)
+        return logits[:, -1]
+
+    def _start_turn(self, B: int) -> None:
+        if self.cache is None:
+            cfg = self.config
+            self.cache = self.model.new_cache(B, cfg.max_seq_len, cfg.cache_kind)
+            self.slot_mask = torch.zeros(B, cfg.max_seq_len, dtype=torch.bool, device=self.device)
+            self.next_pos = torch.zeros(B, dtype=torch.long, device=self.device)
+            if cfg.repetition_penalty != 1.0:
+                self.seen = torch.zeros(B, self.model.config.vocab_size, dtype=torch.bool, device=self.device)
+        elif self.cache.batch_size != B:
+            raise ValueError(f"this session holds {self.cache.batch_size} rows; got {B} (call reset() first)")
+
+    def _track_seen(self, tokens: torch.Tensor, mask: torch.Tensor) -> None:
+        if self.seen is not None:
+            self.seen.scatter_(1, tokens, mask | self.seen.gather(1, tokens))
+
+    def _check_stops(self, new: torch.Tensor, active: torch.Tensor, recent: list[list[int]], reasons: list[str]) -> torch.Tensor:
+        longest = max([len(s) for s in self._stop_strings] + [len(s) for s in self._stop_ids] + [1])
+        keep = longest + 8  # enough trailing tokens to contain any stop sequence
+        active = active.clone()
+        for row in active.nonzero().flatten().tolist():
+            recent[row].append(int(new[row]))
+            del recent[row][:-keep]
+            ids = recent[row]
+            hit = any(len(ids) >= len(s) and ids[-len(s):] == s for s in self._stop_ids)
+            if not hit and self._stop_strings:
+                text = self.tokenizer.decode(ids)
+                hit = any(s in text for s in self._stop_strings)
+            if hit:
+                active[row] = False
+                reasons[row] = "stop_sequence"
+        return active
+
+    # ---- input handling ---------------------------------------------------------------------
+
+    def _as_batch(self, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tensor [T] / [B, T] or (ragged) lists -> left-padded ids [B, T] and bool mask."""
+        if isinstance(input_ids, torch.Tensor):
+            tokens = input_ids if input_ids.dim() == 2 else input_ids[None]
+            mask = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            if mask.dim() == 1:
+                mask = mask[None]
+        else:
+            rows = [list(input_ids)] if input_ids and isinstance(input_ids[0], int) else [list(r) for r in input_ids]
+            width = max(len(r) for r in rows)
+            tokens = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros(len(rows), width, dtype=torch.bool)
+            for i, r in enumerate(rows):
+                if r:
+                    tokens[i, width - len(r):] = torch.tensor(r)
+                    mask[i, width - len(r):] = True
+        if tokens.shape[1] == 0 or not bool(mask.any(dim=1).all()):
+            if self.pending is None:
+                raise ValueError("every row needs at least one input token")
+        return tokens.to(self.device), mask.to(self.device)
+
+
+def generate(model, input_ids, config: GenerateConfig | None = None, tokenizer=None, **overrides) -> torch.Tensor:
+    """Stateless generation: [B, T] -> [B, T + N]. Keyword overrides set GenerateConfig fields."""
+    if config is None:
+        config = GenerateConfig(**overrides)
+    elif overrides:
+        config = GenerateConfig(**{**config.__dict__, **overrides})
+    return Generator(model, config, tokenizer=tokenizer).generate(input_ids)
+
+
+__all__ = ["CacheOverflowError", "GenerateConfig", "GenerationResult", "Generator", "generate"]

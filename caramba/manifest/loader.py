@@ -1,0 +1,104 @@
+"""Load a manifest: parse YAML (keeping lines), apply --set overrides, substitute vars, validate.
+
+Every problem becomes a UserError whose message has one line per problem in the form
+`manifest.yaml:LINE: targets[0].runs[0].generate.temperature: <what is wrong and how to fix it>`.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from caramba.errors import UserError
+from caramba.manifest.hints import did_you_mean, format_loc
+from caramba.manifest.overrides import apply_overrides
+from caramba.manifest.schema import Manifest, annotation_at
+from caramba.manifest.substitution import substitute_vars
+from caramba.manifest.yaml_lines import Locations, parse_yaml
+
+
+def load_manifest(path: str | Path, overrides: Sequence[str] = ()) -> Manifest:
+    """Read, override (`--set` strings, see caramba.manifest.overrides) and validate a manifest file."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{source}: manifest file not found") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"{source}: cannot read manifest: {error}") from None
+    return parse_manifest(text, source, overrides)
+
+
+def parse_manifest(text: str, source: str = "<manifest>", overrides: Sequence[str] = ()) -> Manifest:
+    """Like load_manifest, from YAML text; `source` names it in error messages."""
+    data, locations = parse_yaml(text, source)
+    if data is None:
+        raise UserError(f"{source}:1: the manifest is empty; start from manifests/quickstart.yaml")
+    if not isinstance(data, dict):
+        raise UserError(
+            f"{locations.where(())}: the top level must be a mapping (version:, name:, targets:, ...), "
+            f"not a {type(data).__name__}"
+        )
+    locations.overrides = apply_overrides(data, overrides)
+    data = substitute_vars(data, locations)
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as error:
+        # In file order, so the message reads top to bottom like the manifest.
+        errors = sorted(error.errors(include_url=False), key=lambda e: locations.line_of(e["loc"]) or 0)
+        problems = [_describe(problem, locations) for problem in errors]
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        raise UserError(f"invalid manifest {source} ({count}):\n" + "\n".join(problems)) from None
+
+
+def resolved_manifest_yaml(manifest: Manifest) -> str:
+    """The manifest as it runs (overrides and vars applied, defaults filled in), for run records.
+
+    Each run's `model` is written as the effective spec (defaults merged with its override), so
+    the record says exactly which model ran and loading it again gives the same runs.
+    """
+    data = manifest.model_dump(mode="json")
+    for target_data, target in zip(data["targets"], manifest.targets):
+        for run_data, run in zip(target_data["runs"], target.runs):
+            run_data["model"] = manifest.model_for(run).model_dump(mode="json")
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+
+
+def _describe(problem: dict[str, Any], locations: Locations) -> str:
+    """One pydantic error as `where: field.path: message`."""
+    loc = tuple(problem["loc"])
+    field = loc[-1] if loc else None
+    kind = problem["type"]
+    if kind == "extra_forbidden":
+        valid = _fields_at(loc[:-1])
+        message = f"unknown field {field!r}; valid fields: {', '.join(valid)}{did_you_mean(field, valid)}"
+    elif kind == "missing":
+        message = f"missing required field {field!r}"
+    elif kind == "literal_error":
+        choices = [str(choice) for choice in typing.get_args(annotation_at(loc))]
+        message = (
+            f"{problem['input']!r} is not a valid {field}; valid {field} values: {', '.join(choices)}"
+            f"{did_you_mean(problem['input'], choices)}"
+        )
+    elif kind == "value_error":  # our own validators: the message already says what to do
+        message = problem["msg"].removeprefix("Value error, ")
+    else:
+        message = f"{problem['msg']} (got {_short(problem['input'])})"
+    return f"{locations.where(loc)}: {format_loc(loc)}: {message}"
+
+
+def _fields_at(loc: tuple[str | int, ...]) -> list[str]:
+    annotation = annotation_at(loc)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return list(annotation.model_fields)
+    return []
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

