@@ -111,6 +111,10 @@ class RunDir:
                 file.write(f"{stamp} {line}\n")
             file.flush()
 
+    def discard(self) -> None:
+        """Remove this run's directory: its input turned out bad, so nothing of it is kept."""
+        shutil.rmtree(self.path, ignore_errors=True)
+
     def finish(self) -> None:
         """Mark the run complete; call after every other file is written."""
         atomic_write_text(self.path / DONE, utc_now() + "\n")

@@ -94,40 +94,7 @@ class Tokenizer:
         if reader is None:
             reader = _open_gguf(path)
         meta = _GGUFMeta(reader, path)
-
-        kind = meta.get("tokenizer.ggml.model", str)
-        if kind is None:
-            raise UserError(f"{path}: GGUF has no tokenizer (metadata 'tokenizer.ggml.model' is missing)")
-        if kind != "gpt2":
-            raise UserError(
-                f"{path}: tokenizer.ggml.model is {kind!r}; only 'gpt2' (byte-level BPE) is supported yet"
-            )
-        tokens = meta.require("tokenizer.ggml.tokens", list)
-        merges = meta.require("tokenizer.ggml.merges", list)
-        token_types = meta.get("tokenizer.ggml.token_type", list) or []
-        if not tokens or not all(isinstance(t, str) for t in tokens):
-            raise UserError(f"{path}: 'tokenizer.ggml.tokens' must be a non-empty list of strings")
-        if token_types and len(token_types) != len(tokens):
-            raise UserError(
-                f"{path}: 'tokenizer.ggml.token_type' has {len(token_types)} entries for {len(tokens)} tokens"
-            )
-        pairs = []
-        for merge in merges:
-            pair = merge.split(" ") if isinstance(merge, str) else []
-            if len(pair) != 2:
-                raise UserError(f"{path}: malformed entry in 'tokenizer.ggml.merges': {merge!r} (want 'left right')")
-            pairs.append((pair[0], pair[1]))
-
-        # The file's strings are already in the byte-level alphabet, so they go to BPE as they are.
-        backend = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs))
-        backend.normalizer, backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", str) or "default", path)
-        backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == _CONTROL]
-        )
-        backend.add_tokens(
-            [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types) if k == _USER_DEFINED]
-        )
+        backend, tokens = _byte_level_bpe(meta)
 
         def token_id(key: str) -> int | None:
             value = meta.get(key, int)
@@ -147,14 +114,14 @@ class Tokenizer:
                 special_tokens=[(tokens[i], i) for i in {*prefix, *suffix}],
             )
 
-        stops = [i for i in (token_id("tokenizer.ggml.eot_token_id"), token_id("tokenizer.ggml.eom_token_id")) if i is not None]
+        stops = [token_id(f"tokenizer.ggml.{name}_token_id") for name in ("eot", "eom")]
         return cls(
             backend,
             bos_token_id=bos,
             eos_token_id=eos,
             pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
             unk_token_id=token_id("tokenizer.ggml.unknown_token_id"),
-            stop_token_ids=stops,
+            stop_token_ids=[i for i in stops if i is not None],
             chat_template=meta.get("tokenizer.chat_template", str),
             source=str(path),
         )
@@ -322,7 +289,7 @@ class StreamDecoder:
 
 
 def _open_gguf(path: Path):
-    import gguf
+    import gguf  # loaded only when a GGUF is read: the CLI imports this module for every command
 
     if not path.is_file():
         raise UserError(f"{path}: no such file")
@@ -354,6 +321,38 @@ class _GGUFMeta:
         return value
 
 
+def _byte_level_bpe(meta: _GGUFMeta) -> tuple[tokenizers.Tokenizer, list[str]]:
+    """The BPE model, pre-tokenizer and added tokens a GGUF describes, and its token strings."""
+    path = meta.path
+    kind = meta.get("tokenizer.ggml.model", str)
+    if kind is None:
+        raise UserError(f"{path}: GGUF has no tokenizer (metadata 'tokenizer.ggml.model' is missing)")
+    if kind != "gpt2":
+        raise UserError(f"{path}: tokenizer.ggml.model is {kind!r}; only 'gpt2' (byte-level BPE) is supported yet")
+    tokens = meta.require("tokenizer.ggml.tokens", list)
+    merges = meta.require("tokenizer.ggml.merges", list)
+    token_types = meta.get("tokenizer.ggml.token_type", list) or []
+    if not tokens or not all(isinstance(t, str) for t in tokens):
+        raise UserError(f"{path}: 'tokenizer.ggml.tokens' must be a non-empty list of strings")
+    if token_types and len(token_types) != len(tokens):
+        raise UserError(f"{path}: 'tokenizer.ggml.token_type' has {len(token_types)} entries for {len(tokens)} tokens")
+    pairs = []
+    for merge in merges:
+        pair = merge.split(" ") if isinstance(merge, str) else []
+        if len(pair) != 2:
+            raise UserError(f"{path}: malformed entry in 'tokenizer.ggml.merges': {merge!r} (want 'left right')")
+        pairs.append((pair[0], pair[1]))
+
+    # The file's strings are already in the byte-level alphabet, so they go to BPE as they are.
+    backend = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs))
+    backend.normalizer, backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", str) or "default", path)
+    backend.decoder = decoders.ByteLevel()
+    typed = list(zip(tokens, token_types))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED])
+    return backend, tokens
+
+
 def _pre_tokenizer(name: str, path: Path):
     """(normalizer, pre-tokenizer) for a `tokenizer.ggml.pre` name, as llama.cpp reads it."""
     gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -368,7 +367,9 @@ def _pre_tokenizer(name: str, path: Path):
         ])
         return (normalizers.NFC() if name in _NFC_PRE else None), split
     known = sorted(_GPT2_PRE | _DIGITS_THEN_GPT2_PRE | set(_SPLIT_PRE))
-    raise UserError(f"{path}: pre-tokenizer 'tokenizer.ggml.pre' = {name!r} is not supported (known: {', '.join(known)})")
+    raise UserError(
+        f"{path}: pre-tokenizer 'tokenizer.ggml.pre' = {name!r} is not supported (known: {', '.join(known)})"
+    )
 
 
 def _load_tokenizer_json(path: Path) -> tokenizers.Tokenizer:

@@ -35,7 +35,8 @@ CHATML = (
 )
 
 
-def tiny_metadata(**overrides) -> dict:
+def tiny_metadata(overrides: dict | None = None) -> dict:
+    """The tiny tokenizer's GGUF metadata; an override of None leaves that key out."""
     meta = {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "smollm",
@@ -48,12 +49,12 @@ def tiny_metadata(**overrides) -> dict:
         "tokenizer.ggml.add_bos_token": False,
         "tokenizer.chat_template": CHATML,
     }
-    meta.update({k.replace("__", "."): v for k, v in overrides.items()})
+    meta.update(overrides or {})
     return {k: v for k, v in meta.items() if v is not None}
 
 
 def write_gguf(path: Path, meta: dict) -> Path:
-    """A GGUF with tokenizer metadata only (no tensors); None values leave the key out."""
+    """A GGUF with tokenizer metadata only (no tensors)."""
     w = gguf.GGUFWriter(str(path), arch="llama")
     for key, value in meta.items():
         if isinstance(value, bool):
@@ -73,8 +74,8 @@ def write_gguf(path: Path, meta: dict) -> Path:
 
 @pytest.fixture
 def make_tok(tmp_path):
-    def make(**overrides) -> Tokenizer:
-        return Tokenizer.from_gguf(write_gguf(tmp_path / "tiny.gguf", tiny_metadata(**overrides)))
+    def make(overrides: dict | None = None) -> Tokenizer:
+        return Tokenizer.from_gguf(write_gguf(tmp_path / "tiny.gguf", tiny_metadata(overrides)))
     return make
 
 
@@ -101,6 +102,22 @@ def test_digits_are_split_before_the_gpt2_regex(tok):
     assert [tok.id_to_token(i) for i in tok.encode("x  12")] == ["x", "ĠĠ", "1", "2"]
 
 
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        ("gpt2", ["I", "'m", "Ġ", "Ġ12345", "Ġok", "ĊĊ", "Ġx"]),
+        ("smollm", ["I", "'m", "ĠĠ", "1", "2", "3", "4", "5", "Ġok", "ĊĊ", "Ġx"]),
+        ("llama-bpe", ["I", "'m", "Ġ", "Ġ", "123", "45", "Ġok", "ĊĊ", "Ġx"]),
+        ("qwen2", ["I", "'m", "Ġ", "Ġ", "1", "2", "3", "4", "5", "Ġok", "ĊĊ", "Ġx"]),
+    ],
+)
+def test_pre_tokenizer_follows_gguf_pre_name(make_tok, pre, pieces):
+    backend = make_tok({"tokenizer.ggml.pre": pre}).backend
+    assert [s for s, _ in backend.pre_tokenizer.pre_tokenize_str("I'm  12345 ok\n\n x")] == pieces
+    if pre == "qwen2":  # Qwen2's tokenizer.json also normalizes to NFC
+        assert backend.normalizer.normalize_str("e\u0301") == "\u00e9"
+
+
 def test_special_tokens_are_matched_whole(tok):
     ids = tok.encode("<|im_start|>hello<think><|im_end|>")
     assert ids == [1, tok.token_to_id("hello"), 3, 2]
@@ -118,14 +135,14 @@ def test_special_ids_and_sizes(tok):
 
 def test_bos_is_added_only_when_the_metadata_says_so(tok, make_tok):
     assert tok.encode("hello")[0] != tok.bos_token_id
-    with_bos = make_tok(tokenizer__ggml__add_bos_token=True)
+    with_bos = make_tok({"tokenizer.ggml.add_bos_token": True})
     assert with_bos.encode("hello") == [1, with_bos.token_to_id("hello")]
     assert with_bos.encode("hello", add_special_tokens=False) == [with_bos.token_to_id("hello")]
     assert with_bos.encode_batch(["hello", "world"]) == [with_bos.encode("hello"), with_bos.encode("world")]
 
 
 def test_padding_and_eot_ids(make_tok):
-    t = make_tok(tokenizer__ggml__padding_token_id=0, tokenizer__ggml__eot_token_id=1)
+    t = make_tok({"tokenizer.ggml.padding_token_id": 0, "tokenizer.ggml.eot_token_id": 1})
     assert t.pad_token_id == 0
     assert t.stop_token_ids == (2, 1)
 
@@ -140,7 +157,7 @@ def test_from_file(tok, tmp_path):
 
 
 def test_save_then_from_dir_round_trips(make_tok, tmp_path):
-    t = make_tok(tokenizer__ggml__add_bos_token=True, tokenizer__ggml__eot_token_id=0)
+    t = make_tok({"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.eot_token_id": 0})
     t.save(tmp_path / "saved")
     back = Tokenizer.from_dir(tmp_path / "saved")
     text = "<|im_start|>hello world 🤖"
@@ -183,22 +200,23 @@ def test_chat_template_environment_matches_transformers(make_tok):
         "{% endfor %}\n"
         "{{ tools[0] }}"
     )
-    t = make_tok(tokenizer__chat_template=template)
+    t = make_tok({"tokenizer.chat_template": template})
     out = t.apply_chat_template([{"role": "user", "content": "<a & b>"}], tools=["calc"])
     assert out == '<a & b>|{"role": "user", "content": "<a & b>"}\ncalc'
 
 
 def test_chat_template_raise_exception_is_a_user_error(make_tok):
-    t = make_tok(tokenizer__chat_template="{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}")
+    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+    t = make_tok({"tokenizer.chat_template": template})
     with pytest.raises(UserError, match="user first"):
         t.apply_chat_template([{"role": "assistant", "content": "x"}])
 
 
 def test_chat_template_missing_or_broken(make_tok):
     with pytest.raises(UserError, match="no chat template"):
-        make_tok(tokenizer__chat_template=None).apply_chat_template([{"role": "user", "content": "x"}])
+        make_tok({"tokenizer.chat_template": None}).apply_chat_template([{"role": "user", "content": "x"}])
     with pytest.raises(UserError, match="not valid Jinja"):
-        make_tok(tokenizer__chat_template="{% for %}").apply_chat_template([])
+        make_tok({"tokenizer.chat_template": "{% for %}"}).apply_chat_template([])
 
 
 # ---- streaming -----------------------------------------------------------------------------------
@@ -261,19 +279,19 @@ def test_bad_tokenizer_json(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"tokenizer__ggml__model": None}, "has no tokenizer"),
-        ({"tokenizer__ggml__model": "llama"}, "'llama'.*only 'gpt2'"),
-        ({"tokenizer__ggml__tokens": None}, "lacks 'tokenizer.ggml.tokens'"),
-        ({"tokenizer__ggml__tokens": "hello"}, "'tokenizer.ggml.tokens' should be list"),
-        ({"tokenizer__ggml__merges": ["h e", "abc"]}, "malformed entry in 'tokenizer.ggml.merges': 'abc'"),
-        ({"tokenizer__ggml__token_type": [1, 1]}, "2 entries for"),
-        ({"tokenizer__ggml__eos_token_id": 99999}, "'tokenizer.ggml.eos_token_id' = 99999 is outside"),
-        ({"tokenizer__ggml__pre": "no-such-pre"}, "'no-such-pre' is not supported"),
-        ({"tokenizer__ggml__add_bos_token": True, "tokenizer__ggml__bos_token_id": None}, "no bos/eos token id"),
+        ({"tokenizer.ggml.model": None}, "has no tokenizer"),
+        ({"tokenizer.ggml.model": "llama"}, "'llama'.*only 'gpt2'"),
+        ({"tokenizer.ggml.tokens": None}, "lacks 'tokenizer.ggml.tokens'"),
+        ({"tokenizer.ggml.tokens": "hello"}, "'tokenizer.ggml.tokens' should be list"),
+        ({"tokenizer.ggml.merges": ["h e", "abc"]}, "malformed entry in 'tokenizer.ggml.merges': 'abc'"),
+        ({"tokenizer.ggml.token_type": [1, 1]}, "2 entries for"),
+        ({"tokenizer.ggml.eos_token_id": 99999}, "'tokenizer.ggml.eos_token_id' = 99999 is outside"),
+        ({"tokenizer.ggml.pre": "no-such-pre"}, "'no-such-pre' is not supported"),
+        ({"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": None}, "no bos/eos token id"),
     ],
 )
 def test_malformed_metadata(tmp_path, overrides, message):
-    path = write_gguf(tmp_path / "broken.gguf", tiny_metadata(**overrides))
+    path = write_gguf(tmp_path / "broken.gguf", tiny_metadata(overrides))
     with pytest.raises(UserError, match=message) as e:
         Tokenizer.from_gguf(path)
     assert "broken.gguf" in str(e.value)
@@ -317,7 +335,9 @@ def smol(gguf_path) -> Tokenizer:
 @pytest.fixture(scope="module")
 def hf(gguf_path):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return transformers.AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+    )
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,108 @@
+"""Run a validated manifest: one record per run under runs/, one small module per mode."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+
+from caramba.errors import RunError, UserError
+from caramba.manifest import Manifest, ModelSpec, ResolvedRun, resolved_manifest_yaml
+from caramba.model.zoo import LoadedModel, load_model, resolve_device, resolve_source
+from caramba.runners.generate import run_generate
+from caramba.runs import RunDir, capture_env
+
+# mode -> runner(loaded model, the mode's settings, seed, record, console) -> result dict
+MODE_RUNNERS: dict[str, Callable] = {"generate": run_generate}
+
+
+@dataclass
+class Outcome:
+    done: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+
+def select_runs(manifest: Manifest, only: list[str]) -> list[ResolvedRun]:
+    """All runs, or those named by `--run ID` (a run id, or target/run id)."""
+    runs = list(manifest.iter_runs())
+    if not only:
+        return runs
+    chosen = [r for r in runs if r.run.id in only or f"{r.target}/{r.run.id}" in only]
+    known = {r.run.id for r in runs} | {f"{r.target}/{r.run.id}" for r in runs}
+    unknown = [name for name in only if name not in known]
+    if unknown:
+        raise UserError(f"--run {', '.join(unknown)}: no such run; runs in this manifest: "
+                        + ", ".join(f"{r.target}/{r.run.id}" for r in runs))
+    return chosen
+
+
+def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool, console: Console) -> Outcome:
+    runs = select_runs(manifest, only)
+    for r in runs:  # check every model source before any record is written
+        resolve_source(r.model.source)
+        resolve_device(r.model.device)
+    outcome = Outcome()
+    models: dict[tuple, LoadedModel] = {}
+    resolved_yaml = resolved_manifest_yaml(manifest)
+    for r in runs:
+        name = f"{r.target}/{r.run.id}"
+        record = RunDir(manifest.name, r.target, r.run.id)
+        if record.is_done() and not force:
+            console.print(f"[dim]skip {name}: already done ({record.path}); --force reruns it[/dim]")
+            outcome.skipped.append(name)
+            continue
+        if dry_run:
+            console.print(f"would run {name} ({r.run.mode}) on {r.model.source} -> {record.path}")
+            continue
+        console.rule(f"{name} ({r.run.mode})")
+        record.begin(force=force)
+        try:
+            _run_one(r, record, resolved_yaml, models, console)
+        except UserError:
+            record.discard()  # bad input found late: leave nothing half-written
+            raise
+        except RunError as e:
+            _fail(record, name, str(e), outcome, console)
+        except (KeyboardInterrupt, SystemExit):
+            record.log("interrupted")
+            raise
+        except Exception as e:  # a failed run is reported and the manifest goes on
+            record.log(traceback.format_exc())
+            _fail(record, name, f"{type(e).__name__}: {e}", outcome, console)
+        else:
+            outcome.done.append(name)
+            console.print(f"[green]done[/green] {name} -> {record.path}")
+    return outcome
+
+
+def _run_one(r: ResolvedRun, record: RunDir, resolved_yaml: str, models: dict, console: Console) -> None:
+    record.write_text("manifest.yaml", resolved_yaml)
+    record.write_json("env.json", {**capture_env(r.run.seed, r.model.device), "run": f"{r.target}/{r.run.id}"})
+    record.log(f"run {r.target}/{r.run.id} mode={r.run.mode} model={r.model.source} dtype={r.model.dtype}")
+    if r.run.seed is not None:
+        torch.manual_seed(r.run.seed)
+    loaded = _model(r.model, models)
+    record.log(f"model {loaded.path} sha256={loaded.content_hash}")
+    settings = getattr(r.run, r.run.mode)
+    result = MODE_RUNNERS[r.run.mode](loaded, settings, r.run.seed, record, console)
+    result["model"] = {**r.model.model_dump(), "path": str(loaded.path), "sha256": loaded.content_hash}
+    record.write_json("result.json", result)
+    record.finish()
+
+
+def _model(spec: ModelSpec, models: dict) -> LoadedModel:
+    key = (spec.source, spec.dtype, spec.device)
+    if key not in models:
+        models.clear()  # one model in memory at a time
+        models[key] = load_model(spec.source, spec.dtype, spec.device)
+    return models[key]
+
+
+def _fail(record: RunDir, name: str, message: str, outcome: Outcome, console: Console) -> None:
+    record.log(f"FAILED: {message}")
+    console.print(f"[red]failed[/red] {name}: {message} (log: {record.path / 'log.txt'})")
+    outcome.failed.append(name)
