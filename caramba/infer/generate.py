@@ -84,7 +84,9 @@ class Generator:
         self.config = config or GenerateConfig()
         self.tokenizer = tokenizer
         if self.config.eos_token_id is None and tokenizer is not None:
-            self.config.eos_token_id = tokenizer.eos_token_id
+            # Every end-of-reply id the model declares (eos, eot, ...), not only eos.
+            stops = list(getattr(tokenizer, "stop_token_ids", ()) or [tokenizer.eos_token_id])
+            self.config.eos_token_id = [i for i in stops if i is not None] or None
         self.model = model if device is None else model.to(device)
         self.device = self.model.device
         eos = self.config.eos_ids()

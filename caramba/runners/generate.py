@@ -15,7 +15,7 @@ from caramba.runs import RunDir
 from caramba.tokenizer import StreamDecoder
 
 
-def generate_config(settings: GenerateSettings, seed: int | None, eos_token_id: int | None) -> GenerateConfig:
+def generate_config(settings: GenerateSettings, seed: int | None, eos_token_id: int | list[int] | None) -> GenerateConfig:
     return GenerateConfig(
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,
@@ -37,7 +37,7 @@ def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | No
     batches = [range(i, min(i + settings.batch_size, len(prompt_ids))) for i in range(0, len(prompt_ids), settings.batch_size)]
     for b, rows in enumerate(batches):
         # Each batch is its own session; with a seed, batch b draws from seed + b so batches differ.
-        config = generate_config(settings, None if seed is None else seed + b, tok.eos_token_id)
+        config = generate_config(settings, None if seed is None else seed + b, list(tok.stop_token_ids) or None)
         generator = Generator(loaded.model, config, tokenizer=tok)
         stream = settings.stream and len(rows) == 1
         if stream:

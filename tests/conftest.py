@@ -1,0 +1,120 @@
+"""Shared fixtures for the engine's unit tests: tiny random-init models, in memory.
+
+Weights are drawn with a large std (normal(0, 0.3) on every linear / embedding weight, norm
+weights near 1) so that logits are spread out and greedy decoding produces varied tokens; with
+the default tiny init every greedy continuation is one token repeated, which would let a
+broken cache or mask pass unnoticed. `test_model.py::test_tiny_model_greedy_output_is_diverse`
+guards that property.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must never reach for the hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from caramba.model.config import ModelConfig  # noqa: E402
+from caramba.model.transformer import RMSNorm, Transformer  # noqa: E402
+
+# dim 64, 4 query heads / 2 KV heads of 16, 2 layers, an odd vocabulary size.
+TINY = dict(
+    vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=128,
+    norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_embeddings=True,
+)
+WEIGHT_STD = 0.3
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls are dominated by thread hand-off on a shared 2-core box: ~30x faster on one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    return ModelConfig(**{**TINY, **overrides})
+
+
+@torch.no_grad()
+def init_weights_(module: nn.Module, seed: int = 0, std: float = WEIGHT_STD) -> nn.Module:
+    """Large-std init for caramba's and transformers' models alike (same rule for both)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(std * torch.randn(p.shape, generator=g))
+    return module
+
+
+def make_model(seed: int = 0, std: float = WEIGHT_STD, dtype: torch.dtype = torch.float32, **overrides) -> Transformer:
+    """A tiny caramba Transformer; keyword overrides set ModelConfig fields."""
+    model = Transformer(tiny_config(**overrides))
+    init_weights_(model, seed, std)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def hf_model(arch: str = "llama", seed: int = 0, std: float = WEIGHT_STD, **overrides):
+    """A tiny transformers LlamaForCausalLM / Qwen2ForCausalLM with the same shapes as TINY.
+
+    overrides are LlamaConfig / Qwen2Config keywords (rope_scaling, num_key_value_heads, ...)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    kw = dict(
+        vocab_size=TINY["vocab_size"], hidden_size=TINY["dim"], intermediate_size=TINY["intermediate_size"],
+        num_hidden_layers=TINY["n_layers"], num_attention_heads=TINY["n_heads"],
+        num_key_value_heads=TINY["n_kv_heads"], head_dim=TINY["head_dim"], rms_norm_eps=TINY["norm_eps"],
+        rope_theta=TINY["rope_theta"], max_position_embeddings=TINY["max_position_embeddings"],
+        tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config = config_cls(**kw)
+    config._attn_implementation = "eager"  # the plain reference path, independent of SDPA
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    init_weights_(model, seed, std)
+    return model.eval().requires_grad_(False)
+
+
+def caramba_from_hf(model, dtype: torch.dtype = torch.float32) -> Transformer:
+    """The caramba model holding a transformers model's weights (config via ModelConfig.from_hf)."""
+    from caramba.model.state_dict import fuse_hf_state_dict
+    from caramba.model.zoo import build_model
+
+    cfg = ModelConfig.from_hf(model.config.to_dict())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return build_model(cfg, fuse_hf_state_dict(state, cfg), dtype, torch.device("cpu"))
+
+
+@torch.no_grad()
+def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=tokens, use_cache=False).logits.float()
+
+
+@pytest.fixture
+def tiny():
+    """A factory: tiny(**ModelConfig overrides, seed=..., dtype=...) -> Transformer."""
+    return make_model
+
+
+@pytest.fixture(scope="session")
+def model() -> Transformer:
+    """One shared tiny GQA model (tests must not modify it)."""
+    return make_model()
+
+
+@pytest.fixture
+def prompts() -> list[list[int]]:
+    """Three ragged prompts (lengths 5, 9, 2)."""
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in (5, 9, 2)]
