@@ -165,10 +165,11 @@ class Generator:
         if self.pending is not None:  # the last turn's final token goes in before the new input
             tokens = torch.cat([self.pending[:, None], tokens], dim=1)
             mask = torch.cat([self.pending_mask[:, None], mask], dim=1)
-            self.pending = self.pending_mask = None
         T = tokens.shape[1]
         # The final sampled token is never fed, so the turn needs T + max_new_tokens - 1 slots.
+        # Checked before the pending token is consumed, so an overflow leaves the session intact.
         self.cache.check_room(T + cfg.max_new_tokens - 1)
+        self.pending = self.pending_mask = None
 
         self._track_seen(tokens, mask)
         logits = self._forward(tokens, mask)
@@ -257,6 +258,9 @@ class Generator:
                 if r:
                     tokens[i, width - len(r):] = torch.tensor(r)
                     mask[i, width - len(r):] = True
+        if bool((mask[:, :-1] & ~mask[:, 1:]).any()):  # a real token followed by padding
+            raise ValueError("attention_mask must be left-padded (padding before each row's tokens); "
+                             "use padding_side='left' or pass ragged lists of ids")
         if tokens.shape[1] == 0 or not bool(mask.any(dim=1).all()):
             if self.pending is None:
                 raise ValueError("every row needs at least one input token")
