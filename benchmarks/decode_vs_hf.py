@@ -26,7 +26,8 @@ from caramba.model.zoo import load_model, resolve_source  # noqa: E402
 
 PROMPT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-    "combined movable metal type with an oil-based ink and a wooden screw press"
+    "combined movable metal type with an oil-based ink and a wooden screw press adapted from "
+    "the presses that winemakers used in the Rhine valley"
 )
 
 

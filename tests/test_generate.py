@@ -350,3 +350,17 @@ def test_generate_config_accepts_edge_values():
     cfg = GenerateConfig(temperature=0, top_k=1, top_p=1.0, cache_kind="BF16", eos_token_id=[1, 2])
     assert cfg.sampling.greedy and cfg.cache_kind == "bf16" and cfg.eos_ids() == [1, 2]
     assert GenerateConfig(eos_token_id=7).eos_ids() == [7] and GenerateConfig().eos_ids() == []
+
+
+def test_seen_tokens_ignore_padding_that_shares_an_id(model):
+    """Repetition-penalty bookkeeping must not depend on the order padding and real tokens are written."""
+    gen = Generator(model, greedy(max_new_tokens=2, repetition_penalty=1.2))
+    gen._start_turn(2)
+    tokens = torch.tensor([[7, 7, 7, 9], [3, 3, 5, 5]])
+    mask = torch.tensor([[True, False, False, True], [False, True, True, False]])
+    gen._track_seen(tokens, mask)
+    assert gen.seen[0].nonzero().flatten().tolist() == [7, 9]
+    assert gen.seen[1].nonzero().flatten().tolist() == [3, 5]
+    gen._track_seen(torch.tensor([[9], [1]]), torch.tensor([[False], [True]]))
+    assert gen.seen[0].nonzero().flatten().tolist() == [7, 9]   # already seen stays seen
+    assert gen.seen[1].nonzero().flatten().tolist() == [1, 3, 5]

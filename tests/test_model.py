@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -149,7 +151,6 @@ def test_config_validation_and_round_trip():
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         ModelConfig.from_hf({"model_type": "gpt2"})
     cfg = tiny_config(rope_scaling=LLAMA3, qkv_bias=True)
-    import json
     assert ModelConfig.from_dict(json.loads(cfg.to_json())) == cfg
 
 

@@ -221,7 +221,10 @@ class Generator:
 
     def _track_seen(self, tokens: torch.Tensor, mask: torch.Tensor) -> None:
         if self.seen is not None:
-            self.seen.scatter_(1, tokens, mask | self.seen.gather(1, tokens))
+            # Mark real tokens only: every write is True, so duplicate ids cannot race (a scatter_
+            # of the mask let a padding slot sharing a real token's id unmark it, in any order on GPU).
+            rows, cols = mask.nonzero(as_tuple=True)
+            self.seen[rows, tokens[rows, cols]] = True
 
     def _check_stops(self, new: torch.Tensor, active: torch.Tensor, recent: list[list[int]], reasons: list[str]) -> torch.Tensor:
         longest = max([len(s) for s in self._stop_strings] + [len(s) for s in self._stop_ids] + [1])
