@@ -98,7 +98,7 @@ def test_fuse_concatenates_q_k_v_and_gate_up():
     expected = torch.cat([state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
     assert torch.equal(fused["layers.1.attn.wqkv.weight"], expected)
     assert torch.equal(fused["layers.1.attn.wqkv.bias"], torch.cat([state[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
-    assert torch.equal(fused["layers.1.mlp.w13.weight"], torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]))
+    assert torch.equal(fused["layers.1.mlp.w13.weight_t"], torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]).t())
     assert torch.equal(fused["layers.1.mlp_norm.weight"], state[p + "post_attention_layernorm.weight"])
     assert fused.keys() == build_model(cfg, fused, torch.float32, CPU).state_dict().keys()
 

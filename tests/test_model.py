@@ -136,13 +136,15 @@ def test_qkv_bias_is_applied():
 
 def test_untied_head_uses_lm_head_not_the_embedding():
     model = make_model(tie_embeddings=False)
-    assert model.lm_head is not None and model.lm_head.weight.data_ptr() != model.embed.weight.data_ptr()
+    assert model.embed is not None and model.head.weight_t.data_ptr() != model.embed.weight.data_ptr()
     tokens = rand_tokens(1, 6)
     before = model(tokens)
-    model.lm_head.weight.mul_(2.0)
+    model.head.weight_t.mul_(2.0)
     assert_logits_close(model(tokens), before * 2.0, atol=1e-4)
     tied = make_model(tie_embeddings=True)
-    assert tied.lm_head is None and "lm_head.weight" not in tied.state_dict()
+    assert tied.embed is None and "embed.weight" not in tied.state_dict()
+    # tied: the embedding of token i is column i of the head
+    assert torch.equal(tied.embed_tokens(torch.tensor([[3]]))[0, 0], tied.head.weight_t[:, 3])
 
 
 def test_config_validation_and_round_trip():
@@ -236,7 +238,7 @@ def test_matches_transformers_qwen2_with_qkv_bias():
 def test_half_precision_forward_is_close_to_fp32(dtype, tol):
     ref = make_model()
     half = make_model(dtype=dtype)
-    assert half.dtype == dtype and half.embed.weight.dtype == dtype
+    assert half.dtype == dtype and half.head.weight_t.dtype == dtype
     tokens = rand_tokens(2, 12)
     expected = ref(tokens)
     got = half(tokens)

@@ -197,6 +197,7 @@ class Generator:
                 return
             logits = self._forward(new[:, None], was_active[:, None])
 
+    @torch.inference_mode()
     def _forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Feed tokens [B, T] (mask: which are real) at the next slots; logits of the last [B, V]."""
         start, T = self.cache.length, tokens.shape[1]

@@ -45,7 +45,11 @@ class RotaryTable:
         inv_freq = rope_inv_freq(cfg).to(device)
         freqs = torch.arange(max_positions, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, head_dim]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos = emb.cos()
+        # sin with the first half negated: rotate_half(x) * sin == x.roll(half) * signed_sin,
+        # which saves the chunk/neg/cat of rotate_half on every call (bit-identical result).
+        half = emb.shape[-1] // 2
+        self.sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, 1, T, head_dim]."""
@@ -54,10 +58,6 @@ class RotaryTable:
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's x * cos + rotate_half(x) * sin, with sin's first half pre-negated (RotaryTable)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -10,7 +10,8 @@ from caramba.model.config import ModelConfig
 def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Map `model.layers.N.self_attn.q_proj.weight`-style tensors onto Transformer's names.
 
-    q|k|v and gate|up are concatenated so each runs as one matmul.
+    q|k|v and gate|up are concatenated so each runs as one matmul; gate|up and the head are
+    stored transposed (see InputMajorLinear).
     """
     missing = []
 
@@ -21,9 +22,13 @@ def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
             missing.append(name)
         return None
 
-    out: dict[str, torch.Tensor] = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = take("lm_head.weight")
+    embed = take("model.embed_tokens.weight")
+    out: dict[str, torch.Tensor] = {"norm.weight": take("model.norm.weight")}
+    if cfg.tie_embeddings:
+        out["head.weight_t"] = _t(embed)
+    else:
+        out["embed.weight"] = embed
+        out["head.weight_t"] = _t(take("lm_head.weight"))
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
         qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
@@ -31,7 +36,7 @@ def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         if cfg.qkv_bias:
             out[f"layers.{i}.attn.wqkv.bias"] = _cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
         out[f"layers.{i}.attn.wo.weight"] = take(p + "self_attn.o_proj.weight")
-        out[f"layers.{i}.mlp.w13.weight"] = _cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        out[f"layers.{i}.mlp.w13.weight_t"] = _t(_cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
         out[f"layers.{i}.mlp.w2.weight"] = take(p + "mlp.down_proj.weight")
         out[f"layers.{i}.attn_norm.weight"] = take(p + "input_layernorm.weight")
         out[f"layers.{i}.mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
@@ -39,6 +44,10 @@ def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing tensors: {shown}")
     return out
+
+
+def _t(w: torch.Tensor | None) -> torch.Tensor | None:
+    return None if w is None else w.t().contiguous()
 
 
 def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:

