@@ -16,8 +16,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Mode = Literal["generate"]
+Mode = Literal["generate", "decode-bench"]
 MODES: tuple[str, ...] = typing.get_args(Mode)
+# The settings section each mode reads (a mode whose section has its own name is left out).
+MODE_SECTIONS: dict[str, str] = {"decode-bench": "bench"}
+
+
+def section_for(mode: str) -> str:
+    return MODE_SECTIONS.get(mode, mode)
 
 # Names become directories under runs/, so they must not contain '/' or start with '.'.
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
@@ -73,19 +79,68 @@ class GenerateSettings(_Model):
         return self
 
 
+class BenchSettings(_Model):
+    """Settings of a `decode-bench` run: a grid of cells, each warmed up and repeated."""
+
+    prompt_lens: list[Annotated[int, Field(ge=1)]] = Field([128, 512, 2048], min_length=1)
+    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field([1], min_length=1)
+    cache_kinds: list[str] = Field(["fp32"], min_length=1)
+    new_tokens: int = Field(32, ge=2)       # >= 2: the first token is prefill, the rest decode
+    warmup: int = Field(1, ge=0)
+    repeats: int = Field(3, ge=1)
+    reference: Literal["none", "hf"] = "none"  # hf: the same cells through transformers' generate
+    text: str | None = None                 # prompt text file; default: caramba's bundled corpus
+    plots: bool = True                      # PNG plots (needs matplotlib)
+
+    @field_validator("cache_kinds")
+    @classmethod
+    def _known_kinds(cls, kinds: list[str]) -> list[str]:
+        from caramba.cache import KVCacheKind
+
+        return [KVCacheKind.parse(kind).value for kind in kinds]
+
+
+class Expect(_Model):
+    """What a run's result must show for `caramba run --check` (CI reproducibility)."""
+
+    output_sha256: str | None = None   # sha256 of the generated ids (greedy runs): see --check output
+    metrics: list[str] = []            # e.g. "decode_tok_s_median >= 5", "acceptance_rate >= 0.6"
+
+    @field_validator("metrics")
+    @classmethod
+    def _parse_bounds(cls, metrics: list[str]) -> list[str]:
+        from caramba.expect import parse_bound
+
+        for text in metrics:
+            parse_bound(text)
+        return metrics
+
+
 class Run(_Model):
     id: SafeId
     mode: Mode
     seed: int | None = Field(None, ge=0)
     model: ModelSpec | None = None  # fields given here override the defaults' model
     generate: GenerateSettings | None = None
+    bench: BenchSettings | None = None
+    expect: Expect | None = None
     notes: str | None = None
 
     @model_validator(mode="after")
     def _settings_for_mode(self) -> Run:
-        if getattr(self, self.mode) is None:
-            raise ValueError(f"mode {self.mode!r} needs a '{self.mode}:' section with its settings")
+        section = section_for(self.mode)
+        if getattr(self, section) is None:
+            raise ValueError(f"mode {self.mode!r} needs a '{section}:' section with its settings")
+        for other_mode in MODES:
+            other = section_for(other_mode)
+            if other != section and getattr(self, other, None) is not None:
+                raise ValueError(f"'{other}:' is the section of mode {other_mode!r}, but this run's mode is {self.mode!r}")
         return self
+
+    @property
+    def settings(self) -> BaseModel:
+        """The settings section of this run's mode."""
+        return getattr(self, section_for(self.mode))
 
 
 class Target(_Model):

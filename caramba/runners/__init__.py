@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,13 +11,16 @@ import torch
 from rich.console import Console
 
 from caramba.errors import RunError, UserError
+from caramba.expect import check as check_expect
+from caramba.expect import output_sha256
 from caramba.manifest import Manifest, ModelSpec, ResolvedRun, resolved_manifest_yaml
 from caramba.model.zoo import LoadedModel, load_model, resolve_device, resolve_source
+from caramba.runners.decode_bench import run_decode_bench
 from caramba.runners.generate import run_generate
 from caramba.runs import RunDir, capture_env
 
 # mode -> runner(loaded model, the mode's settings, seed, record, console) -> result dict
-MODE_RUNNERS: dict[str, Callable] = {"generate": run_generate}
+MODE_RUNNERS: dict[str, Callable] = {"generate": run_generate, "decode-bench": run_decode_bench}
 
 
 @dataclass
@@ -24,6 +28,7 @@ class Outcome:
     done: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    check_failed: list[str] = field(default_factory=list)
 
 
 def select_runs(manifest: Manifest, only: list[str]) -> list[ResolvedRun]:
@@ -40,7 +45,10 @@ def select_runs(manifest: Manifest, only: list[str]) -> list[ResolvedRun]:
     return chosen
 
 
-def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool, console: Console) -> Outcome:
+def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool, console: Console,
+                 check: bool = False) -> Outcome:
+    """Run the selected runs (skipping DONE ones unless force); with check, compare each finished
+    run's result with its `expect:` block."""
     runs = select_runs(manifest, only)
     for r in runs:  # check every model source before any record is written
         resolve_source(r.model.source)
@@ -54,6 +62,8 @@ def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool
         if record.is_done() and not force:
             console.print(f"[dim]skip {name}: already done ({record.path}); --force reruns it[/dim]")
             outcome.skipped.append(name)
+            if check:
+                _check(r, record, outcome, console)
             continue
         if dry_run:
             console.print(f"would run {name} ({r.run.mode}) on {r.model.source} -> {record.path}")
@@ -76,7 +86,27 @@ def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool
         else:
             outcome.done.append(name)
             console.print(f"[green]done[/green] {name} -> {record.path}")
+            if check:
+                _check(r, record, outcome, console)
     return outcome
+
+
+def _check(r: ResolvedRun, record: RunDir, outcome: Outcome, console: Console) -> None:
+    name = f"{r.target}/{r.run.id}"
+    result = json.loads((record.path / "result.json").read_text())
+    if r.run.expect is None:
+        digest = output_sha256(result)
+        hint = f"; its output_sha256 is {digest}" if digest else ""
+        console.print(f"[yellow]check {name}: no expect: block, nothing to compare{hint}[/yellow]")
+        return
+    problems = check_expect(result, r.run.expect)
+    if problems:
+        outcome.check_failed.append(name)
+        console.print(f"[red]check failed[/red] {name} ({record.path / 'result.json'}):")
+        for line in problems:
+            console.print(f"  - {line}", highlight=False, soft_wrap=True)
+    else:
+        console.print(f"[green]check ok[/green] {name}")
 
 
 def _run_one(r: ResolvedRun, record: RunDir, resolved_yaml: str, models: dict, console: Console) -> None:
@@ -87,8 +117,7 @@ def _run_one(r: ResolvedRun, record: RunDir, resolved_yaml: str, models: dict, c
         torch.manual_seed(r.run.seed)
     loaded = _model(r.model, models)
     record.log(f"model {loaded.path} sha256={loaded.content_hash}")
-    settings = getattr(r.run, r.run.mode)
-    result = MODE_RUNNERS[r.run.mode](loaded, settings, r.run.seed, record, console)
+    result = MODE_RUNNERS[r.run.mode](loaded, r.run.settings, r.run.seed, record, console)
     result["model"] = {**r.model.model_dump(), "path": str(loaded.path), "sha256": loaded.content_hash}
     record.write_json("result.json", result)
     record.finish()

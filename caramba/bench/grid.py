@@ -1,0 +1,57 @@
+"""Run a decode-bench grid: every (prompt length, batch size, cache kind) cell, for caramba and
+optionally the HF reference, with rich progress; rows come back as flat dicts."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.progress import Progress
+
+from caramba.bench.measure import Cell, CellResult, measure_caramba, measure_hf, prompt_batch
+
+
+@dataclass(frozen=True)
+class Grid:
+    prompt_lens: Sequence[int] = (128, 512, 2048)
+    batch_sizes: Sequence[int] = (1,)
+    cache_kinds: Sequence[str] = ("fp32",)
+    new_tokens: int = 32
+    warmup: int = 1
+    repeats: int = 3
+
+    def cells(self) -> list[Cell]:
+        return [Cell(L, B, kind, self.new_tokens)
+                for L, B, kind in itertools.product(self.prompt_lens, self.batch_sizes, self.cache_kinds)]
+
+
+def run_grid(model, text_ids: list[int], grid: Grid, hf_model=None, progress: bool = True) -> list[dict]:
+    """Measure every cell; with hf_model, the same cells through HF generate (batch 1 and the
+    model's own cache only: HF has no counterpart of caramba's cache kinds), with the ratio."""
+    rows: list[dict] = []
+    cells = grid.cells()
+    hf_cells = {(c.prompt_len, c.batch_size) for c in cells if c.batch_size == 1} if hf_model is not None else set()
+    with Progress(console=Console(stderr=True), disable=not progress) as bar:  # stdout stays clean for --json
+        task = bar.add_task("decode-bench", total=len(cells) + len(hf_cells))
+        hf_rates: dict[tuple[int, int], dict] = {}
+        for L, B in sorted(hf_cells):
+            bar.update(task, description=f"hf ctx={L} batch={B}")
+            ref_cell = Cell(L, B, "hf-default", grid.new_tokens)
+            ref = measure_hf(hf_model, ref_cell, prompt_batch(text_ids, L, B), grid.warmup, grid.repeats)
+            hf_rates[(L, B)] = ref.summary()
+            rows.append(hf_rates[(L, B)])
+            bar.advance(task)
+        for cell in cells:
+            bar.update(task, description=f"caramba {cell.label}")
+            result: CellResult = measure_caramba(model, cell, prompt_batch(text_ids, cell.prompt_len, cell.batch_size),
+                                                 grid.warmup, grid.repeats)
+            row = result.summary()
+            ref = hf_rates.get((cell.prompt_len, cell.batch_size))
+            if ref is not None:
+                row["decode_tok_s_vs_hf"] = row["decode_tok_s"] / ref["decode_tok_s"]
+                row["ttft_vs_hf"] = row["ttft_s"] / ref["ttft_s"]
+            rows.append(row)
+            bar.advance(task)
+    return rows

@@ -1,0 +1,203 @@
+"""Measure one decode-bench cell: prefill latency, per-token decode latency, memory, cache bytes.
+
+A cell is (prompt length, batch size, cache kind, new tokens). Each cell is warmed up, then
+repeated; every repeat times the first token (prefill, TTFT) and each later token separately,
+so percentiles come from real per-token samples rather than an average.
+
+Peak RSS is per cell: Linux lets a process reset its high-water mark (/proc/self/clear_refs,
+"5"), so VmHWM after the cell is that cell's peak. Where that is not possible the process-wide
+peak is reported and flagged as such.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from caramba.infer import GenerateConfig, Generator
+
+
+@dataclass(frozen=True)
+class Cell:
+    prompt_len: int
+    batch_size: int
+    cache_kind: str
+    new_tokens: int
+
+    @property
+    def label(self) -> str:
+        return f"ctx={self.prompt_len} batch={self.batch_size} cache={self.cache_kind}"
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    impl: str                                   # "caramba" or "hf"
+    ttft_s: list[float] = field(default_factory=list)            # one per repeat
+    token_latency_s: list[float] = field(default_factory=list)   # every decode step, all repeats
+    peak_rss_mb: float | None = None
+    peak_rss_scope: str = "cell"                # "cell" or "process" (could not reset the mark)
+    cuda_max_allocated_mb: float | None = None
+    cache_bytes: int | None = None
+
+    def summary(self) -> dict:
+        c, lat = self.cell, sorted(self.token_latency_s)
+        ttft = statistics.median(self.ttft_s)
+        step = statistics.median(lat) if lat else float("nan")
+        return {
+            "impl": self.impl, **asdict(c),
+            "ttft_s": ttft,
+            "prefill_tok_s": c.prompt_len * c.batch_size / ttft,
+            "decode_p50_ms": 1000 * percentile(lat, 50),
+            "decode_p90_ms": 1000 * percentile(lat, 90),
+            "decode_p99_ms": 1000 * percentile(lat, 99),
+            "decode_tok_s": c.batch_size / step,
+            "peak_rss_mb": self.peak_rss_mb,
+            "peak_rss_scope": self.peak_rss_scope,
+            "cuda_max_allocated_mb": self.cuda_max_allocated_mb,
+            "cache_bytes": self.cache_bytes,
+            "repeats": len(self.ttft_s),
+            "decode_samples": len(lat),
+        }
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile of already sorted values (numpy's default method)."""
+    if not sorted_values:
+        return float("nan")
+    pos = (len(sorted_values) - 1) * q / 100
+    lo, hi = int(pos), min(int(pos) + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def prompt_batch(text_ids: list[int], prompt_len: int, batch_size: int) -> list[list[int]]:
+    """batch_size prompts of exactly prompt_len real-text tokens (rows start at different offsets
+    so they are not identical; the text is repeated when it is shorter than needed)."""
+    if not text_ids:
+        raise ValueError("the bench text tokenized to nothing")
+    need = prompt_len + batch_size * 7
+    ids = (text_ids * (need // len(text_ids) + 1))[:need]
+    return [ids[7 * r : 7 * r + prompt_len] for r in range(batch_size)]
+
+
+class PeakMemory:
+    """Peak RSS (and CUDA max allocated) over a block of work."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.rss_mb: float | None = None
+        self.scope = "cell"
+        self.cuda_mb: float | None = None
+
+    def __enter__(self) -> "PeakMemory":
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            self.scope = "process"
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.rss_mb = _vm_hwm_mb()
+        if self.rss_mb is None:
+            import resource
+
+            self.rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+            self.scope = "process"
+        if self.device.type == "cuda":
+            self.cuda_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
+
+
+def _vm_hwm_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_tokens(steps: Iterator, device: torch.device) -> tuple[float, list[float]]:
+    """Drive a token iterator; return (time to first token, latency of every later token)."""
+    t0 = time.perf_counter()
+    stamps = []
+    for _ in steps:
+        _sync(device)
+        stamps.append(time.perf_counter())
+    if not stamps:
+        raise RuntimeError("the generator produced no tokens")
+    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def measure_caramba(model, cell: Cell, prompts: list[list[int]], warmup: int, repeats: int) -> CellResult:
+    config = GenerateConfig(max_new_tokens=cell.new_tokens, temperature=0.0, eos_token_id=None,
+                            max_seq_len=cell.prompt_len + cell.new_tokens, cache_kind=cell.cache_kind)
+
+    def one() -> tuple[float, list[float], Generator]:
+        gen = Generator(model, config)
+        ttft, lat = timed_tokens(gen.generate_iter(prompts), model.device)
+        return ttft, lat, gen
+
+    return _measure("caramba", cell, one, warmup, repeats, model.device, cache_bytes=lambda g: g.cache.nbytes)
+
+
+def measure_hf(hf_model, cell: Cell, prompts: list[list[int]], warmup: int, repeats: int) -> CellResult:
+    """The same cell through HF `generate`, timing each token with a streamer callback."""
+    from transformers.generation.streamers import BaseStreamer
+
+    device = hf_model.device
+    x = torch.tensor(prompts, device=device)
+
+    class Stamps(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.calls = 0
+
+        def put(self, value) -> None:
+            self.calls += 1
+            if self.calls > 1:  # the first put() is the prompt itself
+                _sync(device)
+                self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    def one() -> tuple[float, list[float], None]:
+        s = Stamps()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cell.new_tokens,
+                              min_new_tokens=cell.new_tokens, do_sample=False, pad_token_id=0, streamer=s)
+        return s.times[0] - t0, [b - a for a, b in zip(s.times, s.times[1:])], None
+
+    if cell.batch_size > 1:
+        raise ValueError("HF streamers only support batch size 1; run the HF reference at batch 1")
+    return _measure("hf", cell, one, warmup, repeats, device, cache_bytes=None)
+
+
+def _measure(impl: str, cell: Cell, one: Callable, warmup: int, repeats: int, device: torch.device,
+             cache_bytes: Callable | None) -> CellResult:
+    for _ in range(warmup):
+        one()
+    result = CellResult(cell, impl)
+    with PeakMemory(device) as peak:
+        for _ in range(repeats):
+            ttft, lat, gen = one()
+            result.ttft_s.append(ttft)
+            result.token_latency_s.extend(lat)
+    result.peak_rss_mb, result.peak_rss_scope, result.cuda_max_allocated_mb = peak.rss_mb, peak.scope, peak.cuda_mb
+    if cache_bytes is not None:
+        result.cache_bytes = cache_bytes(gen)
+    return result

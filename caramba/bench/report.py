@@ -1,0 +1,92 @@
+"""Bench outputs (CSV, JSON, PNG plots) and the comparison of run records behind `caramba report`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+from caramba.runs import atomic_write_text
+
+CELL_KEY = ("impl", "prompt_len", "batch_size", "cache_kind")
+COMPARED = ("ttft_s", "decode_tok_s", "decode_p50_ms", "decode_p99_ms", "peak_rss_mb", "cache_bytes")
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buf.getvalue())
+
+
+def write_plots(directory: Path, rows: list[dict]) -> list[Path]:
+    """decode tok/s vs context and memory vs context, one line per (impl, cache kind, batch).
+    Needs matplotlib (the `plots` extra); returns [] without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    series: dict[str, list[dict]] = {}
+    for row in rows:
+        series.setdefault(f"{row['impl']} {row['cache_kind']} b={row['batch_size']}", []).append(row)
+    written = []
+    for name, metric, ylabel in (
+        ("decode_tok_s.png", "decode_tok_s", "decode tokens/s"),
+        ("memory.png", "peak_rss_mb", "peak RSS (MB)"),
+        ("cache_bytes.png", "cache_bytes", "KV cache (MB)"),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, points in sorted(series.items()):
+            points = sorted((p for p in points if p.get(metric) is not None), key=lambda p: p["prompt_len"])
+            if not points:
+                continue
+            scale = 2**20 if metric == "cache_bytes" else 1
+            ax.plot([p["prompt_len"] for p in points], [p[metric] / scale for p in points], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (prompt tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        tmp = directory / f".{name}.tmp.png"
+        fig.savefig(tmp, dpi=120)
+        plt.close(fig)
+        tmp.replace(directory / name)
+        written.append(directory / name)
+    return written
+
+
+def load_rows(run_dir: Path) -> list[dict]:
+    """Comparable rows of a run record: bench cells, or a generate run's summary."""
+    result_file = run_dir / "result.json"
+    if not result_file.is_file():
+        raise FileNotFoundError(f"{run_dir} has no result.json (not a finished run record)")
+    result = json.loads(result_file.read_text())
+    if "cells" in result:
+        return result["cells"]
+    return [{"impl": "caramba", "prompt_len": None, "batch_size": None, "cache_kind": result.get("summary", {}).get("cache_kind"),
+             **{k: v for k, v in result.get("summary", {}).items() if isinstance(v, (int, float))}}]
+
+
+def compare(run_dirs: list[Path]) -> list[dict]:
+    """One row per (cell, run) with each metric's relative change against the first run."""
+    base = {tuple(r.get(k) for k in CELL_KEY): r for r in load_rows(run_dirs[0])}
+    out = []
+    for run_dir in run_dirs:
+        for row in load_rows(run_dir):
+            ref = base.get(tuple(row.get(k) for k in CELL_KEY))
+            entry = {"run": str(run_dir), **{k: row.get(k) for k in CELL_KEY}}
+            for metric in COMPARED + ("decode_tok_s_median",):
+                if row.get(metric) is None:
+                    continue
+                entry[metric] = row[metric]
+                if ref is not None and ref.get(metric) and run_dir != run_dirs[0]:
+                    entry[f"{metric}_delta"] = row[metric] / ref[metric] - 1
+            out.append(entry)
+    return out

@@ -1,0 +1,70 @@
+"""`mode: decode-bench`: a grid of measured cells, written as JSON, CSV and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from caramba.bench.grid import Grid, run_grid
+from caramba.bench.report import write_csv, write_plots
+from caramba.errors import UserError
+from caramba.manifest.schema import BenchSettings
+from caramba.model.zoo import LoadedModel
+from caramba.runs import RunDir
+
+CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
+
+
+def bench_text_ids(loaded: LoadedModel, text_file: str | None) -> list[int]:
+    path = Path(text_file) if text_file else CORPUS
+    if not path.is_file():
+        raise UserError(f"bench text file {path} does not exist; set bench.text to a text file")
+    return loaded.tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
+
+
+def load_hf_reference(loaded: LoadedModel):
+    """The same weights through transformers, as the reference implementation."""
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("reference: hf needs transformers: pip install -e '.[test]'") from None
+    path = loaded.path
+    kwargs = {"dtype": loaded.model.dtype}
+    if path.is_file():  # a GGUF: transformers dequantizes it on its own
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    return hf.eval().to(loaded.model.device)
+
+
+def run_decode_bench(loaded: LoadedModel, settings: BenchSettings, seed: int | None, record: RunDir, console: Console) -> dict[str, Any]:
+    grid = Grid(settings.prompt_lens, settings.batch_sizes, settings.cache_kinds, settings.new_tokens,
+                settings.warmup, settings.repeats)
+    hf = load_hf_reference(loaded) if settings.reference == "hf" else None
+    rows = run_grid(loaded.model, bench_text_ids(loaded, settings.text), grid, hf_model=hf)
+    write_csv(record.path / "cells.csv", rows)
+    plots = write_plots(record.path, rows) if settings.plots else []
+    if settings.plots and not plots:
+        record.log("plots skipped: matplotlib is not installed (pip install matplotlib)")
+    console.print(cells_table(rows))
+    record.log(f"{len(rows)} cells measured; plots: {', '.join(p.name for p in plots) or 'none'}")
+    return {"mode": "decode-bench", "cells": rows, "plots": [p.name for p in plots]}
+
+
+def cells_table(rows: list[dict]) -> Table:
+    table = Table(title="decode-bench (medians; latency per decode step)")
+    for col in ("impl", "ctx", "batch", "cache", "TTFT ms", "prefill tok/s", "p50 ms", "p90 ms", "p99 ms",
+                "decode tok/s", "vs HF", "peak RSS MB", "cache MB"):
+        table.add_column(col, justify="left" if col in ("impl", "cache") else "right")
+    for r in rows:
+        ratio = r.get("decode_tok_s_vs_hf")
+        table.add_row(
+            r["impl"], str(r["prompt_len"]), str(r["batch_size"]), r["cache_kind"], f"{1000 * r['ttft_s']:.1f}",
+            f"{r['prefill_tok_s']:.0f}", f"{r['decode_p50_ms']:.1f}", f"{r['decode_p90_ms']:.1f}", f"{r['decode_p99_ms']:.1f}",
+            f"{r['decode_tok_s']:.1f}", f"{ratio:.2f}x" if ratio else "", f"{r['peak_rss_mb']:.0f}",
+            f"{r['cache_bytes'] / 2**20:.1f}" if r.get("cache_bytes") is not None else "",
+        )
+    return table
