@@ -124,3 +124,16 @@ def test_quickstart_manifest_end_to_end(tmp_path, monkeypatch, ours):
     prompt = json.loads((record / "result.json").read_text())["prompts"][0]
     assert prompt["output_ids"] and "Paris" in prompt["text"]
     assert prompt["decode_tok_s"] > 0
+
+
+def test_ci_check_manifest_still_holds(tmp_path, monkeypatch, ours):
+    """manifests/ci-check.yaml pins the greedy output ids of three prompts (batched) by hash."""
+    from typer.testing import CliRunner
+
+    from caramba.cli import app
+
+    monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
+    manifest = os.path.join(os.path.dirname(__file__), "..", "manifests", "ci-check.yaml")
+    result = CliRunner().invoke(app, ["run", manifest, "--check"])
+    assert result.exit_code == 0, result.output
+    assert "check ok" in result.output
