@@ -1,6 +1,8 @@
-"""KV cache storage: kinds, per-layer caches and byte accounting."""
+"""KV cache storage: kinds, quantization, per-layer caches, policies and byte accounting."""
 
 from caramba.cache.kinds import KVCacheKind, KVCacheTensorConfig
 from caramba.cache.layer import CacheOverflowError, KVCache, LayerKVCache
+from caramba.cache.policy import CachePolicy, parse_policy
 
-__all__ = ["CacheOverflowError", "KVCache", "KVCacheKind", "KVCacheTensorConfig", "LayerKVCache"]
+__all__ = ["CacheOverflowError", "CachePolicy", "KVCache", "KVCacheKind", "KVCacheTensorConfig", "LayerKVCache",
+           "parse_policy"]

@@ -1,6 +1,6 @@
 """Pre-allocated KV cache: one `LayerKVCache` per layer, grouped in a `KVCache` for the model.
 
-Storage is [batch, kv_heads, max_seq_len, head_dim] per stream, allocated once. Slots are
+Storage is [batch, kv_heads, max_seq_len, head_dim] per stream (caramba.cache.streams), allocated once. Slots are
 filled left to right; `length` is how many are valid. Rolling back (`truncate`) only moves
 `length`, so speculative decoding never recomputes what it keeps.
 """
@@ -8,15 +8,40 @@ filled left to right; `length` is how many are valid. Rolling back (`truncate`) 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from caramba.cache.attend import attend_chunked
 from caramba.cache.kinds import KVCacheTensorConfig
+from caramba.cache.quant import quantize
+from caramba.cache.streams import make_stream
+
+# Queries per step up to which a quantized cache is read in chunks (decode, speculative
+# verification); longer forwards (prefill) dequantize the prefix once and use SDPA.
+CHUNKED_MAX_T = 16
 
 
 class CacheOverflowError(ValueError):
     """Writing past max_seq_len: raised before any work is done."""
 
 
+def hadamard(n: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix [n, n]; symmetric, so it is its own inverse."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"rotate_keys needs a power-of-two head_dim; got {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / n**0.5).to(device=device, dtype=dtype)
+
+
 class LayerKVCache:
+    """K and V of one layer, each stored as its own kind (KVCacheTensorConfig).
+
+    rotate_keys: keys are multiplied by a per-head Hadamard matrix before they are stored and
+    queries by the same matrix before q.k, which leaves q.k unchanged (the matrix is orthogonal)
+    but spreads outlier channels across the block, so 4-bit keys lose less.
+    """
+
     def __init__(
         self,
         batch_size: int,
@@ -27,24 +52,75 @@ class LayerKVCache:
         v_cfg: KVCacheTensorConfig,
         device: torch.device | str = "cpu",
         n_kv_heads: int = 1,
+        rotate_keys: bool = False,
+        dtype: torch.dtype = torch.float32,   # of the full-precision residual window
     ) -> None:
         if k_dim % n_kv_heads or v_dim % n_kv_heads:
             raise ValueError(f"k_dim={k_dim} and v_dim={v_dim} must divide into {n_kv_heads} heads")
         self.batch_size, self.max_seq_len, self.n_kv_heads = batch_size, max_seq_len, n_kv_heads
         self.k_cfg, self.v_cfg = k_cfg, v_cfg
-        self.k = torch.zeros(batch_size, n_kv_heads, max_seq_len, k_dim // n_kv_heads, dtype=k_cfg.dtype, device=device)
-        self.v = torch.zeros(batch_size, n_kv_heads, max_seq_len, v_dim // n_kv_heads, dtype=v_cfg.dtype, device=device)
+        hk, hv = k_dim // n_kv_heads, v_dim // n_kv_heads
+        self.k_stream = make_stream(batch_size, n_kv_heads, max_seq_len, hk, k_cfg, device, dtype, keys_major=True)
+        self.v_stream = make_stream(batch_size, n_kv_heads, max_seq_len, hv, v_cfg, device, dtype)
+        self.rotation = hadamard(hk, device) if rotate_keys else None   # [hk, hk]
         self.length = 0
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v [B, kv_heads, T, head_dim]; return every cached K and V in k's dtype."""
+    @property
+    def k(self) -> torch.Tensor:
+        """The stored K: values for float kinds, codes for quantized ones."""
+        return self.k_stream.data if not self.k_stream.quantized else self.k_stream.codes
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.v_stream.data if not self.v_stream.quantized else self.v_stream.codes
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_stream.quantized or self.v_stream.quantized
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> int:
         start, end = self.length, self.length + k.shape[2]
         if end > self.max_seq_len:
             raise CacheOverflowError(f"KV cache holds {self.max_seq_len} tokens; writing {k.shape[2]} more at {start} overflows it")
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
+        if self.rotation is not None:
+            k = k @ self.rotation.to(k.dtype)
+        ks, vs = self.k_stream, self.v_stream
+        if ks.quantized and vs.quantized and (ks.kind, ks.block) == (vs.kind, vs.block) and k.shape == v.shape:
+            # One quantize call for both: a decode step is dominated by per-op overhead.
+            codes, scales = quantize(torch.cat([k, v], dim=1), ks.kind, ks.block)
+            H = k.shape[1]
+            ks.write(start, k, (codes[:, :H], scales[:, :H]))
+            vs.write(start, v, (codes[:, H:], scales[:, H:]))
+        else:
+            ks.write(start, k)
+            vs.write(start, v)
         self.length = end
-        return self.k[:, :, :end].to(k.dtype), self.v[:, :, :end].to(v.dtype)
+        return end
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v [B, kv_heads, T, head_dim]; return every cached K and V in k's dtype
+        (dequantized, and with the key rotation undone)."""
+        end = self._append(k, v)
+        keys = self.k_stream.read(end, k.dtype)
+        if self.rotation is not None:
+            keys = keys @ self.rotation.to(k.dtype)
+        return keys, self.v_stream.read(end, v.dtype)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """Append k, v and attend q [B, H, T, D] over everything cached -> [B, H, T, Dv].
+
+        The new tokens are read back from the cache like the old ones, so a T-token forward
+        gives what T one-token forwards give (speculative verification relies on it)."""
+        if not self.quantized and self.rotation is None:
+            k, v = self.update(k, v)                                       # [B, KVH, S, D]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        end = self._append(k, v)
+        if self.rotation is not None:
+            q = q @ self.rotation.to(q.dtype)
+        if q.shape[2] <= CHUNKED_MAX_T and not causal:
+            return attend_chunked(q, self.k_stream, self.v_stream, end, mask)
+        keys, values = self.k_stream.read(end, q.dtype), self.v_stream.read(end, q.dtype)   # prefill: once
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
 
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self.length:
@@ -53,20 +129,26 @@ class LayerKVCache:
 
     def reset(self) -> None:
         self.length = 0
+        self.k_stream.reset()
+        self.v_stream.reset()
 
     def reorder(self, index: torch.Tensor) -> None:
         """Gather batch rows (beam search, dropping finished rows)."""
-        self.k = self.k.index_select(0, index)
-        self.v = self.v.index_select(0, index)
-        self.batch_size = self.k.shape[0]
+        self.k_stream.reorder(index)
+        self.v_stream.reorder(index)
+        self.batch_size = int(index.numel())
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        """Bytes allocated: codes, scales, values and residual windows of K and V."""
+        return sum(t.numel() * t.element_size() for s in (self.k_stream, self.v_stream) for t in s.tensors())
 
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies in this layer, over the whole batch."""
-        return self.nbytes // self.max_seq_len
+        """Bytes one token occupies in this layer, over the whole batch (analytic; the fixed
+        residual windows are not per-token and are left out)."""
+        k, v = self.k_stream, self.v_stream
+        return self.batch_size * (self.k_cfg.bytes_per_token(k.n_heads, k.head_dim)
+                                  + self.v_cfg.bytes_per_token(v.n_heads, v.head_dim))
 
 
 class KVCache:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from caramba.cache import KVCache, KVCacheKind, KVCacheTensorConfig, LayerKVCache
+from caramba.cache import CachePolicy, KVCache, KVCacheKind, LayerKVCache
 from caramba.model.config import ModelConfig
 from caramba.model.rope import RotaryTable, apply_rope
 
@@ -44,8 +44,9 @@ class Attention(nn.Module):
         q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)             # [B, H, T, D], [B, KVH, T, D]
         v = qkv[:, self.n_heads + self.n_kv_heads :]                        # [B, KVH, T, D]
         if cache is not None:
-            k, v = cache.update(k, v)                                      # [B, KVH, S, D]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+            y = cache.attend(q, k, v, mask, causal)                        # appends k, v; reads [0, S)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.q_width))
 
 
@@ -118,14 +119,17 @@ class Transformer(nn.Module):
         self,
         batch_size: int,
         max_seq_len: int,
-        kind: KVCacheKind | str = KVCacheKind.FP32,
+        kind: CachePolicy | KVCacheKind | str = KVCacheKind.FP32,
     ) -> KVCache:
-        cfg = KVCacheTensorConfig(kind)
+        """A cache of one kind for every stream, or as a CachePolicy says (per stream, per layer)."""
+        policy = CachePolicy.of(kind)
         width = self.config.n_kv_heads * self.config.head_dim
-        return KVCache([
-            LayerKVCache(batch_size, max_seq_len, width, width, cfg, cfg, self.device, self.config.n_kv_heads)
-            for _ in range(self.config.n_layers)
-        ])
+        layers = []
+        for i in range(self.config.n_layers):
+            k_cfg, v_cfg, rotate = policy.for_layer(i)
+            layers.append(LayerKVCache(batch_size, max_seq_len, width, width, k_cfg, v_cfg, self.device,
+                                       self.config.n_kv_heads, rotate_keys=rotate, dtype=self.dtype))
+        return KVCache(layers)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         needed = int(positions.max()) + 1

@@ -1,0 +1,104 @@
+"""Decode speed and memory of each KV cache kind on SmolLM2-135M at a long context.
+
+For each kind the context (default 2048 tokens of caramba's corpus) is prefilled once; each
+repeat then rolls the cache back to the context (truncate) and times `--steps` single-token
+greedy decode steps. Kinds alternate within every repeat, after a warm-up; medians are reported.
+Also prints, per kind, the bytes the cache allocated next to the analytic bytes/token formula.
+
+    .venv/bin/python benchmarks/cache_kinds.py [--context 2048] [--steps 32] [--repeats 5]
+        [--kinds fp32,q8_0,q4_0,nf4] [--chunk 512] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import caramba.cache.attend as attend  # noqa: E402
+from caramba.cache import CachePolicy  # noqa: E402
+from caramba.infer.evaluate import corpus_ids  # noqa: E402
+from caramba.model.zoo import load_model  # noqa: E402
+
+
+@torch.inference_mode()
+def decode_steps(model, cache, context: int, first: torch.Tensor, steps: int) -> float:
+    """Roll back to the context, then time `steps` greedy one-token forwards."""
+    cache.truncate(context)
+    tok = first
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--kinds", default="fp32,q8_0,q4_0,nf4", help="comma-separated kinds (or policies as k=..;v=..)")
+    ap.add_argument("--chunk", type=int, default=attend.READ_CHUNK, help="tokens per dequantized chunk")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    attend.READ_CHUNK = args.chunk
+
+    loaded = load_model(args.model, "float32", "cpu", progress=False)
+    model = loaded.model
+    ids = corpus_ids(loaded.tokenizer)
+    if len(ids) < args.context + 1:
+        ids = (ids * (args.context // len(ids) + 2))
+    context = torch.tensor([ids[: args.context]])
+    first = torch.tensor([[ids[args.context]]])
+    kinds = args.kinds.split(",")
+    caches = {}
+    for kind in kinds:
+        policy = CachePolicy.build(policy=kind.replace(";", ",")) if "=" in kind else CachePolicy.build(kind)
+        cache = model.new_cache(1, args.context + args.steps, policy)
+        with torch.inference_mode():
+            model(context, cache=cache, last_only=True)
+        caches[kind] = cache
+    for kind in kinds:  # warm-up
+        decode_steps(model, caches[kind], args.context, first, 4)
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(args.repeats):
+        for kind in kinds:
+            times[kind].append(args.steps / decode_steps(model, caches[kind], args.context, first, args.steps))
+
+    cfg = model.config
+    print(f"SmolLM2 decode at context {args.context}, {args.steps} steps x {args.repeats} repeats, "
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}, chunk {args.chunk}, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"{'kind':<16}{'tok/s':>8}{'vs fp32':>9}{'bytes/token':>13}{'analytic':>10}{'allocated MiB':>15}")
+    rows = []
+    base = statistics.median(times[kinds[0]])
+    for kind in kinds:
+        cache = caches[kind]
+        rate = statistics.median(times[kind])
+        # Analytic: per layer, K and V of n_kv_heads heads (codes + fp16 block scales).
+        analytic = sum(layer.k_cfg.bytes_per_token(cfg.n_kv_heads, cfg.head_dim)
+                       + layer.v_cfg.bytes_per_token(cfg.n_kv_heads, cfg.head_dim) for layer in cache.layers)
+        allocated_per_token = cache.nbytes / cache.max_seq_len
+        rows.append({"kind": kind, "tok_s": rate, "samples": times[kind], "vs_first": rate / base,
+                     "bytes_per_token": cache.bytes_per_token(), "analytic_bytes_per_token": analytic,
+                     "allocated_bytes": cache.nbytes, "allocated_per_token": allocated_per_token})
+        print(f"{kind:<16}{rate:>8.2f}{rate / base:>9.3f}{cache.bytes_per_token():>13}{analytic:>10}"
+              f"{cache.nbytes / 2**20:>15.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"context": args.context, "steps": args.steps, "repeats": args.repeats, "chunk": args.chunk,
+                       "threads": torch.get_num_threads(), "torch": torch.__version__,
+                       "cpu": platform.processor() or platform.machine(), "loadavg": os.getloadavg(), "rows": rows},
+                      f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

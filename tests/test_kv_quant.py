@@ -1,0 +1,348 @@
+"""Quantized KV caches: kinds and aliases, round-trip error bounds, nibble packing, byte
+accounting, the chunked read path against dequantize + SDPA, key rotation, the residual window,
+truncate/reorder on every kind, policies, and generation (batched, multi-turn) on every kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import caramba.cache.attend as attend
+from caramba.cache import CachePolicy, KVCacheKind, KVCacheTensorConfig, LayerKVCache, parse_policy
+from caramba.cache.layer import hadamard
+from caramba.cache.quant import NF4_CODEBOOK, dequantize, pack_nibbles, quantize, unpack_nibbles
+from caramba.infer import GenerateConfig, Generator
+from conftest import TINY, make_model
+
+ALL_KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4"]
+QUANT = ["q8_0", "q4_0", "nf4"]
+V = TINY["vocab_size"]
+
+
+def randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# ---- kinds -----------------------------------------------------------------------------------------
+
+def test_aliases_and_unknown_kinds():
+    assert KVCacheKind.parse("q8") is KVCacheKind.Q8_0 and KVCacheKind.parse("Q4") is KVCacheKind.Q4_0
+    assert KVCacheKind.parse("NF4") is KVCacheKind.NF4
+    with pytest.raises(ValueError) as e:
+        KVCacheKind.parse("q3_k")
+    assert "fp32, fp16, bf16, q8_0, q4_0, nf4" in str(e.value)
+    with pytest.raises(ValueError, match="valid kinds"):
+        GenerateConfig(cache_kind="int4")
+    assert GenerateConfig(cache_kind="q8").cache_kind == "q8_0"
+
+
+def test_policy_parsing():
+    assert parse_policy("k=q8_0, v=q4") == {"k": "q8_0", "v": "q4_0"}
+    assert parse_policy({"k": "nf4"}) == {"k": "nf4"}
+    p = CachePolicy.build("q4_0", "k=q8_0", qblock=16, residual_len=4, rotate_keys=True, fp16_prefix_layers=1)
+    assert (p.k.kind.value, p.v.kind.value, p.k.qblock, p.v.residual_len) == ("q8_0", "q4_0", 16, 4)
+    assert p.describe() == "k=q8_0,v=q4_0 qblock=16 residual_len=4 rotate_keys fp16_prefix_layers=1"
+    with pytest.raises(ValueError, match="unknown stream"):
+        parse_policy("q=q8_0")
+    with pytest.raises(ValueError, match="stream=kind"):
+        parse_policy("q8_0")
+    with pytest.raises(ValueError, match="valid kinds"):
+        parse_policy("k=q2")
+    with pytest.raises(ValueError, match="qblock=3"):
+        KVCacheTensorConfig("q8_0", qblock=3)
+    with pytest.raises(ValueError, match="must divide head_dim=16"):
+        KVCacheTensorConfig("q8_0", qblock=12).block_for(16)
+    assert KVCacheTensorConfig("q8_0", qblock=32).block_for(16) == 16   # clipped to one head
+
+
+# ---- quantization ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("block", [8, 32])
+def test_uniform_round_trip_error_is_at_most_half_a_step(kind, block):
+    x = randn(2, 3, 7, 64, seed=1) * torch.linspace(0.01, 5, 64)   # channels of very different size
+    codes, scales = quantize(x, KVCacheKind(kind), block)
+    assert scales.dtype == torch.float16 and scales.shape == (2, 3, 7, 64 // block)
+    x_hat = dequantize(codes, scales, KVCacheKind(kind), block)
+    err = (x - x_hat).abs().unflatten(-1, (-1, block))
+    step = scales.float().unsqueeze(-1)
+    assert bool((err <= step / 2 + 1e-6).all())
+    assert float((err / step).max()) > 0.4            # the bound is tight, not vacuous
+
+
+def test_codes_use_the_full_range():
+    x = randn(4, 2, 16, 64, seed=2)
+    c8, _ = quantize(x, KVCacheKind.Q8_0, 32)
+    assert int(c8.min()) == -128 and int(c8.max()) == 127
+    c4, _ = quantize(x, KVCacheKind.Q4_0, 32)
+    u = unpack_nibbles(c4)
+    assert int(u.min()) == 0 and int(u.max()) == 15 and len(torch.unique(u)) == 16
+
+
+def test_nf4_uses_the_qlora_codebook():
+    assert len(NF4_CODEBOOK) == 16 and float(NF4_CODEBOOK[0]) == -1 and float(NF4_CODEBOOK[7]) == 0
+    x = randn(2, 2, 5, 32, seed=3)
+    codes, scales = quantize(x, KVCacheKind.NF4, 32)
+    x_hat = dequantize(codes, scales, KVCacheKind.NF4, 32)
+    # Every value is a codebook entry times its block's absmax ...
+    ratio = x_hat / scales.float()
+    assert bool(torch.isclose(ratio[..., None], NF4_CODEBOOK, atol=1e-6).any(-1).all())
+    # ... the nearest one: the error is at most half the widest gap of the codebook.
+    half_gap = float((NF4_CODEBOOK[1:] - NF4_CODEBOOK[:-1]).max()) / 2
+    assert bool(((x - x_hat).abs() <= scales.float() * half_gap + 1e-6).all())
+    assert float((x / scales.float()).abs().amax()) <= 1.0
+
+
+def test_scales_are_the_stored_fp16_values():
+    x = randn(1, 1, 3, 32, seed=4) * 3
+    codes, scales = quantize(x, KVCacheKind.Q8_0, 32)
+    assert torch.equal(dequantize(codes, scales, KVCacheKind.Q8_0, 32), (codes.float() + 0.5) * scales.float())
+
+
+def test_zero_block_round_trips_to_zero():
+    x = torch.zeros(1, 1, 2, 32)
+    for kind in QUANT:
+        codes, scales = quantize(x, KVCacheKind(kind), 16)
+        assert not scales.any() and torch.equal(dequantize(codes, scales, KVCacheKind(kind), 16), x)
+
+
+def test_nibble_packing():
+    u = torch.randint(0, 16, (3, 8), dtype=torch.uint8)
+    packed = pack_nibbles(u)
+    assert packed.shape == (3, 4) and packed.dtype == torch.uint8
+    assert torch.equal(packed & 15, u[:, :4]) and torch.equal(packed >> 4, u[:, 4:])
+    assert torch.equal(unpack_nibbles(packed), u)
+
+
+def test_a_block_never_spans_two_heads():
+    # head 0 tiny, head 1 huge: head 0's error must follow its own scale.
+    k = torch.cat([randn(1, 1, 4, 16, seed=5) * 1e-3, randn(1, 1, 4, 16, seed=6) * 1e3], dim=1)
+    cfg = KVCacheTensorConfig("q4_0", qblock=32)
+    c = LayerKVCache(1, 8, 32, 32, cfg, cfg, "cpu", 2)
+    keys, _ = c.update(k, k)
+    # half a step of head 0's own range (it would be ~1e3/15 if the block took in head 1)
+    assert float((keys[:, 0] - k[:, 0]).abs().max()) <= float(k[:, 0].abs().max()) / 15 * 1.01
+
+
+# ---- the layer cache -------------------------------------------------------------------------------
+
+def layer(kind, B=2, S=24, H=2, D=16, qblock=8, residual_len=0, rotate=False, v_kind=None):
+    k_cfg = KVCacheTensorConfig(kind, qblock, residual_len)
+    v_cfg = KVCacheTensorConfig(v_kind or kind, qblock, residual_len)
+    return LayerKVCache(B, S, H * D, H * D, k_cfg, v_cfg, "cpu", H, rotate_keys=rotate)
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("residual_len", [0, 5])
+def test_allocated_bytes_equal_the_analytic_formula(kind, residual_len):
+    B, S, H, D = 2, 24, 2, 16
+    c = layer(kind, B, S, H, D, residual_len=residual_len)
+    per_token = {"fp32": 4 * D, "fp16": 2 * D, "bf16": 2 * D, "q8_0": D + 2 * 2, "q4_0": D // 2 + 2 * 2,
+                 "nf4": D // 2 + 2 * 2}[kind] * H       # codes + one fp16 scale per block of 8
+    assert c.bytes_per_token() == B * 2 * per_token
+    ring = B * 2 * residual_len * H * D * 4 if kind in QUANT else 0   # fp32 window for K and V
+    assert c.nbytes == S * c.bytes_per_token() + ring
+    streams = [c.k_stream, c.v_stream]
+    assert c.nbytes == sum(t.numel() * t.element_size() for s in streams for t in s.tensors())
+
+
+@pytest.mark.parametrize("kind", QUANT)
+def test_update_returns_the_dequantized_prefix(kind):
+    c = layer(kind)
+    k1, v1 = randn(2, 2, 3, 16, seed=1), randn(2, 2, 3, 16, seed=2)
+    k, v = c.update(k1, v1)
+    ref_k = dequantize(*quantize(k1, KVCacheKind(kind), 8), KVCacheKind(kind), 8)
+    assert torch.equal(k, ref_k)
+    k2, v2 = randn(2, 2, 2, 16, seed=3), randn(2, 2, 2, 16, seed=4)
+    k, v = c.update(k2, v2)
+    assert k.shape == v.shape == (2, 2, 5, 16) and torch.equal(k[:, :, :3], ref_k)
+    assert float((v - torch.cat([v1, v2], 2)).abs().max()) < 0.5
+
+
+def sdpa_reference(c: LayerKVCache, q, mask):
+    keys, values = c.k_stream.read(c.length, q.dtype), c.v_stream.read(c.length, q.dtype)
+    if c.rotation is not None:
+        q = q @ c.rotation
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("kind,v_kind", [("q8_0", None), ("q4_0", None), ("nf4", None), ("q8_0", "q4_0"),
+                                          ("fp16", "q4_0"), ("nf4", "fp32")])
+@pytest.mark.parametrize("residual_len,rotate,qblock", [(0, False, 8), (6, False, 8), (0, True, 8), (0, False, 16)])
+def test_chunked_read_equals_dequantize_then_sdpa(kind, v_kind, residual_len, rotate, qblock, monkeypatch):
+    monkeypatch.setattr(attend, "READ_CHUNK", 7)            # several chunks plus a ragged one
+    c = layer(kind, S=40, qblock=qblock, residual_len=residual_len, rotate=rotate, v_kind=v_kind)
+    c.update(randn(2, 2, 20, 16, seed=1), randn(2, 2, 20, 16, seed=2))
+    q, k, v = randn(2, 4, 1, 16, seed=3), randn(2, 2, 1, 16, seed=4), randn(2, 2, 1, 16, seed=5)
+    got = c.attend(q, k, v, None, False)                   # one decode step: the chunked path
+    torch.testing.assert_close(got, sdpa_reference(c, q, None), atol=1e-5, rtol=1e-5)
+    # three queries at once (speculative verify) with a mask that hides a padding slot
+    q3, k3, v3 = randn(2, 4, 3, 16, seed=6), randn(2, 2, 3, 16, seed=7), randn(2, 2, 3, 16, seed=8)
+    S = c.length + 3
+    mask = (torch.arange(S)[None, :] <= torch.arange(c.length, S)[:, None]).expand(2, 3, S).clone()
+    mask[1, :, 2] = False
+    mask = mask[:, None]
+    got = c.attend(q3, k3, v3, mask, False)
+    torch.testing.assert_close(got, sdpa_reference(c, q3, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_rotation_is_orthogonal_and_keeps_attention_exact():
+    h = hadamard(16)
+    torch.testing.assert_close(h @ h, torch.eye(16), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard(12)
+    plain, rotated = layer("fp32"), layer("fp32", rotate=True)
+    kv = randn(2, 2, 9, 16, seed=1), randn(2, 2, 9, 16, seed=2)
+    q = randn(2, 4, 1, 16, seed=3)
+    a = plain.attend(q, *kv, None, False)
+    b = rotated.attend(q, *kv, None, False)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    k, _ = rotated.update(randn(2, 2, 1, 16, seed=4), randn(2, 2, 1, 16, seed=5))
+    torch.testing.assert_close(k[:, :, :9], kv[0], atol=1e-5, rtol=1e-5)   # update() undoes the rotation
+
+
+def test_rotation_cuts_4bit_key_error_on_outlier_channels():
+    k = randn(1, 2, 64, 16, seed=1)
+    k[..., 3] *= 20                                           # an outlier channel, as real keys have
+    errs = {}
+    for rotate in (False, True):
+        c = layer("q4_0", B=1, S=64, qblock=16, rotate=rotate)
+        keys, _ = c.update(k, k)
+        errs[rotate] = float((keys - k).norm() / k.norm())
+    assert errs[True] < 0.6 * errs[False]
+
+
+def test_residual_window_keeps_the_newest_tokens_exact():
+    c = layer("q4_0", S=20, residual_len=4)
+    k = randn(2, 2, 10, 16, seed=1)
+    keys, _ = c.update(k, k)
+    assert torch.equal(keys[:, :, 6:], k[:, :, 6:])           # newest 4: full precision
+    assert not torch.equal(keys[:, :, :6], k[:, :, :6])       # older: quantized
+    c.truncate(8)                                             # slots of 4, 5 were overwritten by 8, 9
+    keys, _ = c.update(k[:, :, 8:9], k[:, :, 8:9])
+    assert torch.equal(keys[:, :, 6:9], k[:, :, 6:9])
+    assert not torch.equal(keys[:, :, 5], k[:, :, 5])
+    c.reset()
+    keys, _ = c.update(k[:, :, :3], k[:, :, :3])
+    assert torch.equal(keys, k[:, :, :3])
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_reorder_gathers_rows_on_every_kind(kind):
+    c = layer(kind, B=3, residual_len=2)
+    k, v = randn(3, 2, 4, 16, seed=1), randn(3, 2, 4, 16, seed=2)
+    before_k, before_v = c.update(k, v)
+    nbytes = c.nbytes
+    c.reorder(torch.tensor([2, 0]))
+    assert c.batch_size == 2 and c.nbytes == nbytes * 2 // 3
+    after_k, after_v = c.k_stream.read(4, torch.float32), c.v_stream.read(4, torch.float32)
+    assert torch.equal(after_k, before_k[[2, 0]]) and torch.equal(after_v, before_v[[2, 0]])
+
+
+# ---- the model with every kind -------------------------------------------------------------------
+
+def tokens(B, T, seed=0):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_truncate_rolls_back_on_every_kind(model, kind):
+    prefix, rejected, accepted = tokens(2, 6, seed=1), tokens(2, 4, seed=2), tokens(2, 5, seed=3)
+    policy = CachePolicy.build(kind, qblock=8)
+    clean = model.new_cache(2, 20, policy)
+    model(prefix, cache=clean)
+    expected = torch.cat([model(accepted[:, t : t + 1], cache=clean) for t in range(5)], dim=1)
+    cache = model.new_cache(2, 20, policy)
+    model(prefix, cache=cache)
+    model(rejected, cache=cache)
+    cache.truncate(6)
+    got = torch.cat([model(accepted[:, t : t + 1], cache=cache) for t in range(5)], dim=1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    cache.truncate(6)   # a verify-sized forward reads the same cache contents as 5 single steps
+    torch.testing.assert_close(model(accepted, cache=cache), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind,tol", [("q8_0", 0.02), ("q4_0", 0.5), ("nf4", 0.5)])
+def test_quantized_cache_logits_are_close_to_fp32(kind, tol):
+    model = make_model(std=0.1)      # a tamer model: the default tiny one amplifies any error
+    x = tokens(2, 24, seed=6)
+    out = {}
+    for name in ("fp32", kind):
+        cache = model.new_cache(2, 24, CachePolicy.build(name, qblock=8))
+        out[name] = torch.cat([model(x[:, :4], cache=cache)] + [model(x[:, t : t + 1], cache=cache) for t in range(4, 24)], 1)
+    err = float((out[kind] - out["fp32"]).abs().max() / out["fp32"].abs().max())
+    assert 0 < err < tol
+
+
+def test_policy_per_layer_and_stream(model):
+    cache = model.new_cache(1, 8, CachePolicy.build("q4_0", "k=q8_0", qblock=8, fp16_prefix_layers=1, rotate_keys=True))
+    first, second = cache.layers
+    assert first.k.dtype == first.v.dtype == torch.float16 and first.rotation is None
+    assert second.k.dtype == torch.int8 and second.v.dtype == torch.uint8 and second.rotation is not None
+    assert cache.bytes_per_token() == first.bytes_per_token() + second.bytes_per_token()
+
+
+def q_config(kind, **kw):
+    return GenerateConfig(**{"temperature": 0.0, "max_seq_len": 64, "cache_kind": kind, "qblock": 8, **kw})
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_ragged_batch_equals_each_prompt_alone_on_every_kind(model, prompts, kind):
+    batched = Generator(model, q_config(kind, max_new_tokens=8)).run(prompts).sequences
+    alone = [Generator(model, q_config(kind, max_new_tokens=8)).run([p]).sequences[0] for p in prompts]
+    assert batched == alone
+
+
+def manual_session(model, policy, turns, n):
+    """What a multi-turn session must do, spelled out: prefill (pending token + turn), then n - 1
+    one-token steps; the last token of a turn goes in with the next turn."""
+    cache, pending, outs = model.new_cache(1, 64, policy), [], []
+    for turn in turns:
+        logits = model(torch.tensor([pending + turn]), cache=cache)[:, -1]
+        out = []
+        for i in range(n):
+            out.append(int(logits.argmax()))
+            if i < n - 1:
+                logits = model(torch.tensor([[out[-1]]]), cache=cache)[:, -1]
+        pending = out[-1:]
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_multi_turn_on_every_kind(model, kind):
+    turn1, turn2 = [7, 3, 9, 11, 2], [40, 41, 42]
+    gen = Generator(model, q_config(kind, max_new_tokens=6))
+    out1 = gen.run([turn1]).sequences[0]
+    out2 = gen.run([turn2]).sequences[0]
+    assert gen.cache.length == len(turn1) + 6 + len(turn2) + 6 - 1
+    assert [out1, out2] == manual_session(model, CachePolicy.build(kind, qblock=8), [turn1, turn2], 6)
+
+
+def test_generator_builds_the_configured_policy(model):
+    gen = Generator(model, q_config("fp32", cache_policy={"k": "q8_0", "v": "nf4"}, residual_len=3,
+                                    cache_fp16_prefix_layers=1, max_new_tokens=3))
+    gen.run([[1, 2, 3]])
+    first, second = gen.cache.layers
+    assert first.k.dtype == torch.float16
+    assert second.k_stream.kind is KVCacheKind.Q8_0 and second.v_stream.kind is KVCacheKind.NF4
+    assert second.k_stream.R == 3
+    with pytest.raises(ValueError, match="unknown stream"):
+        GenerateConfig(cache_policy="x=q8_0")
+
+
+def test_manifest_cache_fields_reach_the_generator():
+    from pydantic import ValidationError
+
+    from caramba.manifest import GenerateSettings
+    from caramba.runners.generate import generate_config
+
+    s = GenerateSettings(prompts=["x"], cache_kind="q4", cache_policy={"k": "q8_0"}, qblock=16, residual_len=8,
+                         rotate_keys=True, cache_fp16_prefix_layers=2)
+    policy = generate_config(s, None, None).cache_spec()
+    assert policy.to_dict() == {"k": "q8_0", "v": "q4_0", "qblock": 16, "residual_len": 8, "rotate_keys": True,
+                                "cache_fp16_prefix_layers": 2}
+    for bad in ({"cache_kind": "q3"}, {"cache_policy": {"q": "q8_0"}}, {"qblock": 7}, {"residual_len": -1}):
+        with pytest.raises(ValidationError):
+            GenerateSettings(prompts=["x"], **bad)
