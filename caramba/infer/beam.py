@@ -1,0 +1,192 @@
+"""Beam search with HF transformers' scoring, candidate count, length normalisation and stopping.
+
+Per prompt, `num_beams` running beams are kept. Each step scores every (beam, token) pair by the
+beam's summed log-probability plus the token's (after the logits processors), keeps the best
+K = max(2, 1 + n_eos) * num_beams candidates, and
+- moves candidates that end (EOS, or the last allowed token) into the finished set when they rank
+  among the top num_beams, scored sum / new_len ** length_penalty;
+- continues with the best num_beams candidates that did not end: the cache rows are gathered by
+  source beam (`KVCache.reorder`), so a beam's past follows it.
+Search stops as HF's does: early_stopping=True once num_beams hypotheses are finished; False once
+the best running beam, scored at its current length, cannot beat the worst finished one; "never"
+scores it at the best reachable length instead (max_new_tokens when length_penalty > 0).
+
+The search is deterministic (HF's beam search with do_sample=False): the sampling warpers
+(temperature, top-k, top-p, min-p) do not apply; repetition, frequency/presence, no-repeat-ngram
+and min-new-tokens processors do, on the log-probabilities, as HF applies them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from caramba.infer.generate import GenerateConfig
+from caramba.infer.sampling import History, process_logits
+
+NEG = -1.0e9   # HF's "never chosen" score offset
+
+
+@dataclass
+class BeamResult:
+    sequences: list[list[list[int]]]   # [prompt][k]: new token ids, best first (num_return_sequences each)
+    scores: list[list[float]]          # [prompt][k]: sum of log-probs / new_len ** length_penalty
+    finish_reasons: list[list[str]]    # [prompt][k]: "eos" | "length"
+    steps: int                         # forward passes after the prefill
+    elapsed_s: float
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged prompts -> ids [B, T] and mask [B, T] (True on real tokens), padding on the left."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = True
+    return ids, mask
+
+
+def check_deterministic(cfg: GenerateConfig, what: str) -> None:
+    """Beam and contrastive search are deterministic; sampling settings would be silently ignored."""
+    if cfg.temperature not in (0.0, 1.0) or cfg.top_p not in (None, 1.0) or cfg.min_p is not None:
+        raise ValueError(f"{what} is deterministic: drop temperature/top_p/min_p (set temperature to 0 or 1)")
+    if cfg.stop_sequences:
+        raise ValueError(f"{what} stops on EOS and max_new_tokens only: drop stop_sequences")
+
+
+def as_rows(input_ids) -> list[list[int]]:
+    """One prompt (ids or [T] tensor) or a batch (lists or [B, T] tensor) -> a list of id lists."""
+    if isinstance(input_ids, torch.Tensor):
+        input_ids = input_ids.tolist() if input_ids.dim() == 2 else [input_ids.tolist()]
+    return [list(input_ids)] if input_ids and isinstance(input_ids[0], int) else [list(r) for r in input_ids]
+
+
+@torch.inference_mode()
+def beam_search(model, input_ids, config: GenerateConfig | None = None, **overrides) -> BeamResult:
+    """Beam search over one prompt or a batch of (ragged) prompts; keyword overrides set
+    GenerateConfig fields (num_beams, length_penalty, early_stopping, num_return_sequences, ...)."""
+    cfg = replace(config or GenerateConfig(), **overrides)   # a copy: validated again
+    check_deterministic(cfg, "beam search")
+    if cfg.top_k is not None:
+        raise ValueError("beam search does not use top_k (only contrastive search does); drop it")
+    t0 = time.perf_counter()
+    prompts = as_rows(input_ids)
+    B, nb, N = len(prompts), cfg.num_beams, cfg.max_new_tokens
+    eos_ids = cfg.eos_ids()
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    device, V = model.device, model.config.vocab_size
+    params = replace(cfg.sampling, temperature=0.0)   # processors only, no warpers
+
+    ids, mask = left_pad(prompts, pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    T = ids.shape[1]
+    if T + N - 1 > cfg.max_seq_len:
+        raise ValueError(f"prompt ({T} tokens) + max_new_tokens={N} exceed max_seq_len={cfg.max_seq_len}")
+    # The prompt runs once per prompt, then every row is copied to its num_beams beams.
+    cache = model.new_cache(B, T + N - 1, cfg.cache_spec())
+    slot_mask = torch.ones(B, T + N - 1, dtype=torch.bool, device=device)
+    slot_mask[:, :T] = mask
+    positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    padded = not bool(mask.all())
+    logits = model(ids, positions, cache, slot_mask if padded else None, last_only=True)[:, -1]   # [B, V]
+    expand = torch.arange(B, device=device).repeat_interleave(nb)                                # [B * nb]
+    cache.reorder(expand)
+    slot_mask, logits = slot_mask[expand], logits[expand]
+    next_pos = mask.long().sum(dim=1)[expand]                                                    # [B * nb]
+    seen = None
+    if cfg.repetition_penalty != 1.0:
+        seen = torch.zeros(B * nb, V, dtype=torch.bool, device=device)
+        rows, cols = mask[expand].nonzero(as_tuple=True)
+        seen[rows, ids[expand][rows, cols]] = True
+    history = History(B * nb, V, params, device)
+    history.add_context(ids[expand], mask[expand])
+
+    K = max(2, 1 + len(eos_ids)) * nb                    # candidates kept per prompt
+    top_nb = torch.arange(K, device=device) < nb         # [K] only these may become finished
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+    running = torch.full((B, nb, N), pad_id, dtype=torch.long, device=device)
+    running_scores = torch.zeros(B, nb, device=device)
+    running_scores[:, 1:] = NEG                           # beams start identical: expand only the first
+    done = torch.full((B, nb, N), pad_id, dtype=torch.long, device=device)
+    done_scores = torch.full((B, nb), NEG, device=device)
+    done_len = torch.zeros(B, nb, dtype=torch.long, device=device)
+    is_done = torch.zeros(B, nb, dtype=torch.bool, device=device)
+    improvable = torch.ones(B, 1, dtype=torch.bool, device=device)
+    batch_offset = torch.arange(B, device=device)[:, None] * nb
+    steps = 0
+
+    for step in range(N):
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        log_probs = process_logits(log_probs, params, seen, history)                         # [B * nb, V]
+        totals = (log_probs.view(B, nb, V) + running_scores[:, :, None]).view(B, nb * V)
+        cand_scores, flat = torch.topk(totals, K)                                            # [B, K]
+        src_beam, cand_tok = flat // V, flat % V
+        cand = torch.take_along_dim(running, src_beam[:, :, None], dim=1)                    # [B, K, N]
+        cand[:, :, step] = cand_tok
+        ends = torch.isin(cand_tok, eos) if len(eos) else torch.zeros_like(cand_tok, dtype=torch.bool)
+        if step == N - 1:
+            ends = torch.ones_like(ends)
+
+        # Continue with the best num_beams candidates that did not end.
+        live_scores = cand_scores + ends.to(torch.float32) * NEG
+        keep = torch.topk(live_scores, nb)[1]                                                # [B, nb]
+        running = torch.take_along_dim(cand, keep[:, :, None], dim=1)
+        running_scores = torch.take_along_dim(live_scores, keep, dim=1)
+        keep_src = torch.take_along_dim(src_beam, keep, dim=1)
+
+        # Finished candidates among the top num_beams replace worse finished hypotheses.
+        just_done = ends & top_nb[None, :]
+        final = cand_scores / ((step + 1) ** cfg.length_penalty)
+        full = torch.all(is_done, dim=-1, keepdim=True) & (cfg.early_stopping is True)
+        final += full.to(torch.float32) * NEG
+        final += (~improvable).to(torch.float32) * NEG
+        final += (~just_done) * NEG
+        merged = torch.cat((done_scores, final), dim=1)
+        best = torch.topk(merged, nb)[1]
+        done = torch.take_along_dim(torch.cat((done, cand), dim=1), best[:, :, None], dim=1)
+        done_scores = torch.take_along_dim(merged, best, dim=1)
+        cand_len = torch.full_like(cand_tok, step + 1)
+        done_len = torch.take_along_dim(torch.cat((done_len, cand_len), dim=1), best, dim=1)
+        is_done = torch.take_along_dim(torch.cat((is_done, just_done), dim=1), best, dim=1)
+
+        # Can a running beam still beat the worst finished hypothesis?
+        best_len = N if (cfg.early_stopping == "never" and cfg.length_penalty > 0.0) else step + 1
+        best_running = running_scores[:, :1] / (best_len ** cfg.length_penalty)
+        worst_done = torch.where(is_done, torch.min(done_scores, dim=1, keepdim=True)[0], NEG)
+        improvable = improvable & torch.any(best_running > worst_done, dim=-1, keepdim=True)
+        open_beams = not (bool(torch.all(is_done)) and cfg.early_stopping is True)
+        if not (bool(torch.any(improvable)) and open_beams and not bool(torch.all(ends))):
+            break
+
+        # Gather every per-row state by source beam, then feed each beam's new token.
+        index = (keep_src + batch_offset).flatten()                                          # [B * nb]
+        cache.reorder(index)
+        next_pos, slot_mask = next_pos[index], slot_mask[index]
+        if seen is not None:
+            seen = seen[index]
+        history.reorder(index)
+        new = running[:, :, step].flatten()                                                  # [B * nb]
+        if seen is not None:
+            seen[torch.arange(B * nb, device=device), new] = True
+        history.add_generated(new)
+        logits = model(new[:, None], next_pos[:, None], cache, slot_mask if padded else None, last_only=True)[:, -1]
+        next_pos = next_pos + 1
+        steps += 1
+
+    R = cfg.num_return_sequences
+    eos_set = set(eos_ids)
+    sequences, scores, reasons = [], [], []
+    for b in range(B):
+        seqs = [done[b, k, : int(done_len[b, k])].tolist() for k in range(R)]
+        sequences.append(seqs)
+        scores.append([float(done_scores[b, k]) for k in range(R)])
+        reasons.append(["eos" if s and s[-1] in eos_set else "length" for s in seqs])
+    return BeamResult(sequences, scores, reasons, steps, time.perf_counter() - t0)
+
+
+__all__ = ["BeamResult", "as_rows", "beam_search", "check_deterministic", "left_pad"]
