@@ -1,0 +1,234 @@
+"""Drafts for speculative decoding: what proposes the tokens that the target then verifies.
+
+A draft sees every row's context (prompt + generated ids) and a per-row draft length, and
+returns the proposed ids per row plus the distribution q it drew them from ([B, K, V]), or
+None when its proposals are deterministic (q is then one-hot on the proposed id).
+
+- `ModelDraft`: any caramba Transformer sharing the target's vocabulary, with its own cache,
+  rolled back (never recomputed) to the longest prefix of the context it has already seen.
+- `PromptLookupDraft`: the continuation of the latest n-gram match in the context; no model.
+- `int8_self_draft(target)`: the target with int8 dynamically quantized linear layers.
+- `layer_skip_draft(target, n)`: the target's first n layers, its final norm and its head.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from caramba.infer.rowcache import RowCache
+from caramba.model.transformer import InputMajorLinear, Transformer
+
+DRAFT_KINDS = ("model", "prompt_lookup", "self_int8", "layer_skip")
+
+# pick(logits [B, V]) -> (tokens [B], q probabilities [B, V] or None, confidence [B]): the
+# generator's sampling rule for draft steps (the same logits processors as the target's).
+Picker = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+
+
+class ModelDraft:
+    """A draft model with its own KV cache."""
+
+    def __init__(self, model: Transformer, name: str = "model") -> None:
+        self.model, self.name = model, name
+        self.rows: RowCache | None = None
+        self.fed: list[list[int]] = []  # per row: the tokens in the draft cache, in order
+        self.forwards = 0
+
+    def start(self, batch_size: int, max_seq_len: int, cache_spec) -> None:
+        self.rows = RowCache(self.model, batch_size, max_seq_len, cache_spec)
+        self.fed = [[] for _ in range(batch_size)]
+        self.forwards = 0
+
+    def propose(self, contexts: list[list[int]], ks: list[int], pick: Picker, pad_id: int, confidence: float | None = None):
+        rows, device = self.rows, self.model.device
+        B = len(contexts)
+        # Roll back to what still matches the context (rejected drafts go), then catch up.
+        # (At least the last context token is fed again: its logits start the draft.)
+        keep = [min(_common_prefix(self.fed[r], contexts[r]), len(contexts[r]) - 1) for r in range(B)]
+        self.rows.keep(torch.tensor(keep, device=rows.n.device))
+        self.fed = [self.fed[r][: keep[r]] for r in range(B)]
+        missing = [contexts[r][keep[r]:] if ks[r] > 0 else [] for r in range(B)]
+        width = max(len(m) for m in missing)
+        # Room: the catch-up block plus K - 1 single-token steps must fit the draft cache.
+        ks = [min(k, max(rows.room - width + 1, 0)) for k in ks]
+        K = max(ks)
+        if K == 0:
+            return [[] for _ in range(B)], None
+        tokens, mask = left_pad(missing, width, pad_id, device)
+        logits = rows.feed(tokens, mask, last_only=True)[:, -1]
+        self.forwards += 1
+        for r in range(B):
+            self.fed[r] += missing[r]
+        drafting = torch.tensor([k > 0 for k in ks], device=device)
+        proposed = torch.zeros(B, K, dtype=torch.long, device=device)
+        qs: list[torch.Tensor] = []
+        n = torch.tensor(ks, device=device)
+        for j in range(K):
+            tok, q, conf = pick(logits)
+            proposed[:, j] = tok
+            if q is not None:
+                qs.append(q)
+            if confidence is not None:  # HF's rule: keep the unsure token, then stop drafting
+                unsure = drafting & (conf < confidence) & (n > j + 1)
+                n = torch.where(unsure, torch.full_like(n, j + 1), n)
+            drafting = drafting & (n > j + 1)
+            if not bool(drafting.any()):
+                break
+            logits = rows.feed(tok[:, None], drafting[:, None])[:, -1]
+            self.forwards += 1
+            for r in drafting.nonzero().flatten().tolist():
+                self.fed[r].append(int(tok[r]))
+        out = [proposed[r, : int(n[r])].tolist() for r in range(B)]
+        q = torch.stack(qs, dim=1) if qs else None  # [B, K', V]
+        return out, q
+
+
+class PromptLookupDraft:
+    """Propose what followed the latest earlier occurrence of the context's last n-gram
+    (n from max_ngram down to min_ngram). Costs no forward pass."""
+
+    name = "prompt_lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"prompt lookup needs 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.forwards = 0
+
+    def start(self, batch_size: int, max_seq_len: int, cache_spec) -> None:
+        pass
+
+    def propose(self, contexts: list[list[int]], ks: list[int], pick: Picker, pad_id: int, confidence: float | None = None):
+        return [lookup(ctx, k, self.max_ngram, self.min_ngram) if k > 0 else [] for ctx, k in zip(contexts, ks)], None
+
+
+def lookup(context: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Up to k ids that followed an earlier match of the context's trailing n-gram (longest n
+    first): the latest match with k ids after it, else the match with the most ids after it.
+    (The very latest match of a repeating run sits next to the tail and has only a few.)"""
+    L = len(context)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        tail, best = context[L - n :], []
+        for start in range(L - n - 1, -1, -1):  # latest first; the tail itself excluded
+            if context[start : start + n] == tail:
+                follow = context[start + n : start + n + k]
+                if len(follow) > len(best):
+                    best = follow
+                if len(best) == k:
+                    break
+        if best:
+            return best
+    return []
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+def left_pad(rows: list[list[int]], width: int, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged rows -> ids [B, width] padded on the left, and the mask of real ones."""
+    tokens = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], dtype=torch.long).view(len(rows), width)
+    mask = torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in rows]).view(len(rows), width)
+    return tokens.to(device), mask.to(device)
+
+
+# ---- drafts built from the target ----------------------------------------------------------
+
+
+class _AssembledTransformer(Transformer):
+    """A Transformer made of given modules (shared, not copied). Device, dtype and the input
+    embeddings do not go through the head, so the head may be any module (an int8 one)."""
+
+    def __init__(self, cfg, embed_weight: torch.Tensor, layers: list[nn.Module], norm: nn.Module, head: nn.Module) -> None:
+        with torch.device("meta"):  # the parent allocates every weight; all of them are replaced
+            super().__init__(cfg)
+        self.embed = None
+        self.layers = nn.ModuleList(layers)
+        self.norm, self.head = norm, head
+        self._embed_weight = embed_weight  # [V, dim]; a plain attribute, owned by the target
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self._embed_weight)
+
+
+def _embedding_matrix(target: Transformer) -> torch.Tensor:
+    return target.head.weight_t.t() if target.embed is None else target.embed.weight  # [V, dim]
+
+
+def layer_skip_draft(target: Transformer, n_layers: int | None = None) -> Transformer:
+    """The target's first n_layers (default: half) + final norm + head, sharing its weights.
+    The draft gets its own (shallower) cache from new_cache."""
+    total = target.config.n_layers
+    n = total // 2 if n_layers is None else n_layers
+    if not 1 <= n < total:
+        raise ValueError(f"layer_skip draft_layers={n} must be in [1, {total - 1}] for a {total}-layer target")
+    cfg = dataclasses.replace(target.config, n_layers=n)
+    return _AssembledTransformer(cfg, _embedding_matrix(target), list(target.layers[:n]), target.norm, target.head).eval()
+
+
+def int8_self_draft(target: Transformer) -> Transformer:
+    """A copy of the target whose linear layers (q|k|v, o, gate|up, down and the vocabulary
+    head) are int8 dynamically quantized (per-output-channel weights, per-token activations).
+    CPU only (fbgemm/qnnpack kernels); runs in float32 whatever the target's dtype."""
+    if target.device.type != "cpu":
+        raise ValueError(f"the self_int8 draft needs a CPU target (torch's int8 dynamic kernels); got {target.device}")
+    layers = []
+    for block in target.layers:
+        block = copy.deepcopy(block).float()
+        block.attn.wqkv = _int8(block.attn.wqkv.weight, block.attn.wqkv.bias)
+        block.attn.wo = _int8(block.attn.wo.weight, block.attn.wo.bias)
+        block.mlp.w13 = _int8_input_major(block.mlp.w13)
+        block.mlp.w2 = _int8(block.mlp.w2.weight, block.mlp.w2.bias)
+        layers.append(block)
+    norm = copy.deepcopy(target.norm).float()
+    head = _int8_input_major(target.head)
+    return _AssembledTransformer(target.config, _embedding_matrix(target).float(), layers, norm, head).eval()
+
+
+def _int8_input_major(layer: InputMajorLinear) -> nn.Module:
+    # InputMajorLinear stores [in, out]; the quantized Linear wants nn.Linear's [out, in].
+    return _int8(layer.weight_t.t(), None)
+
+
+def _int8(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """weight [out, in] -> torch's dynamically quantized Linear (symmetric int8 per output row)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+
+    w = weight.detach().float()
+    out_features, in_features = w.shape
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).double()
+    with warnings.catch_warnings():  # torch flags its quantized tensor types as deprecated
+        warnings.simplefilter("ignore", UserWarning)
+        qw = torch.quantize_per_channel(w, scale, torch.zeros(out_features, dtype=torch.long), 0, torch.qint8)
+        layer = DynamicInt8Linear(in_features, out_features, bias_=bias is not None, dtype=torch.qint8)
+        layer.set_weight_bias(qw, None if bias is None else bias.detach().float())
+    return layer
+
+
+def check_vocab(target: Transformer, draft: Transformer) -> None:
+    """A draft model must speak the target's vocabulary: same size, same ids."""
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise ValueError(f"the draft model's vocabulary ({dv} tokens) differs from the target's ({tv}); "
+                         "speculative decoding needs a draft with the same tokenizer")

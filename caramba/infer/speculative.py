@@ -1,0 +1,402 @@
+"""Speculative decoding: a cheap draft proposes k tokens, the target checks them in one forward.
+
+Lossless (Leviathan et al. 2023; Chen et al. 2023). A draft token x ~ q is accepted with
+probability min(1, p(x) / q(x)), in order; the first rejected position is resampled from
+norm(max(0, p - q)); when all k are accepted a bonus token comes from the target's next
+distribution (`spec_extra_token`). p and q pass through the same logits processors
+(repetition penalty, temperature, top-k, top-p), so every emitted token is distributed exactly
+as plain sampling from the target. Greedy decoding accepts a draft iff it is the target's
+argmax, so the output equals plain greedy decoding token for token. `spec_method="greedy"`
+with sampling draws the target's token at every position and accepts drafts that equal it
+(also exact, lower acceptance). Rejected tokens leave both caches by truncation, never by
+recomputation.
+
+Batches: each row drafts its own k, accepts its own prefix and stops on its own; rows keep
+their own cache lengths and positions (RowCache), so no row waits for the slowest.
+
+Draft length, per row: fixed `spec_k`, or with `spec_k_adaptive` HF's heuristic (all drafts
+accepted: k += 2, else k = max(1, k - 1); at most `spec_k_max`). `spec_confidence` stops a
+model draft early once its probability for the token it drew falls below the threshold (HF's
+rule: the unsure token is kept, then drafting stops). `spec_disable_below_accept`: when a
+row's acceptance over its last SPEC_ACCEPT_WINDOW drafting rounds (fewer right after a start
+or a probe) is below the threshold, the row decodes plainly for SPEC_PROBE_INTERVAL target
+steps, then drafts again (a probe) with a fresh window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from caramba.cache.layer import CacheOverflowError
+from caramba.infer.drafts import (
+    DRAFT_KINDS, ModelDraft, PromptLookupDraft, left_pad, check_vocab, int8_self_draft, layer_skip_draft,
+)
+from caramba.infer.generate import GenerateConfig, GenerationResult
+from caramba.infer.rowcache import RowCache
+from caramba.infer.sampling import process_logits, select_tokens
+
+SPEC_ACCEPT_WINDOW = 4    # drafting rounds per row that spec_disable_below_accept averages over
+SPEC_PROBE_INTERVAL = 16  # plain target steps before a disabled row drafts again
+SPEC_METHODS = ("reject_sampling", "greedy")
+
+
+@dataclass
+class SpeculativeConfig(GenerateConfig):
+    spec_k: int = 4                          # tokens drafted per round (the start value when adaptive)
+    spec_k_adaptive: bool = False            # HF's heuristic: all accepted -> k += 2, else k - 1
+    spec_k_max: int = 16                     # upper bound on k
+    spec_method: str = "reject_sampling"     # | "greedy": accept drafts equal to the target's own pick
+    spec_extra_token: bool = True            # a bonus target token when every draft is accepted
+    spec_disable_below_accept: float = 0.0   # fall back to plain decoding below this acceptance
+    spec_confidence: float | None = None     # model drafts stop below this draft probability (HF: 0.4)
+    draft: str = "model"                     # model | prompt_lookup | self_int8 | layer_skip
+    draft_layers: int | None = None          # layer_skip: the target's first N layers (default half)
+    lookup_max_ngram: int = 3                # prompt_lookup: longest n-gram matched
+    lookup_min_ngram: int = 1                # prompt_lookup: shortest n-gram matched
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        checks = [
+            ("spec_k", self.spec_k >= 1, "must be >= 1"),
+            ("spec_k_max", self.spec_k_max >= self.spec_k, f"must be >= spec_k ({self.spec_k})"),
+            ("spec_method", self.spec_method in SPEC_METHODS, f"must be one of {', '.join(SPEC_METHODS)}"),
+            ("spec_disable_below_accept", 0 <= self.spec_disable_below_accept <= 1, "must be in [0, 1]"),
+            ("spec_confidence", self.spec_confidence is None or 0 < self.spec_confidence <= 1, "must be in (0, 1] or None"),
+            ("draft", self.draft in DRAFT_KINDS, f"must be one of {', '.join(DRAFT_KINDS)}"),
+            ("draft_layers", self.draft_layers is None or self.draft_layers >= 1, "must be >= 1 or None"),
+            ("lookup_min_ngram", 1 <= self.lookup_min_ngram <= self.lookup_max_ngram, "must be in [1, lookup_max_ngram]"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"SpeculativeConfig.{name}={getattr(self, name)!r} {why}")
+        # Processors that read the generated history (not a seen-mask) are not applied to drafts
+        # yet, and beam / contrastive search are other decoders.
+        unsupported = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0,
+                       "num_beams": 1, "num_return_sequences": 1, "penalty_alpha": None}
+        for name, default in unsupported.items():
+            if getattr(self, name) != default:
+                raise ValueError(f"SpeculativeConfig.{name}={getattr(self, name)!r} is not supported with speculative "
+                                 f"decoding; leave it at {default!r} or use plain decoding")
+
+    def generate_config(self) -> GenerateConfig:
+        """The plain-decoding config with the same generation fields (the baseline)."""
+        return GenerateConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GenerateConfig)})
+
+
+@dataclass
+class SpeculativeStats:
+    proposed: int = 0                 # draft tokens put to the target
+    accepted: int = 0                 # of those, accepted
+    target_forwards: int = 0          # verify forwards after the prefill (one per round)
+    draft_forwards: int = 0
+    k_history: list[list[int]] = field(default_factory=list)   # per row: k chosen each round (0 = plain step)
+    row_forwards: list[int] = field(default_factory=list)      # per row: target forwards it took part in
+    row_tokens: list[int] = field(default_factory=list)        # per row: tokens those forwards produced
+    row_proposed: list[int] = field(default_factory=list)      # per row: draft tokens proposed
+    row_accepted: list[int] = field(default_factory=list)      # per row: of those, accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        """Mean tokens a row gains per verify forward (1.0 = plain decoding)."""
+        forwards = sum(self.row_forwards)
+        return sum(self.row_tokens) / forwards if forwards else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "proposed": self.proposed, "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
+            "target_forwards": self.target_forwards, "draft_forwards": self.draft_forwards,
+            "tokens_per_target_forward": self.tokens_per_target_forward, "k_history": self.k_history,
+        }
+
+
+@dataclass
+class SpeculativeResult(GenerationResult):
+    stats: SpeculativeStats
+
+
+class SpeculativeGenerator:
+    """SpeculativeGenerator(target_model, draft_model=None, config, tokenizer=None).
+
+    draft_model is a caramba Transformer for config.draft == "model"; the other drafts are
+    built from the target (self_int8, layer_skip) or need no model (prompt_lookup). Each
+    run() / generate() starts a fresh context.
+    """
+
+    def __init__(self, target_model, draft_model=None, config: SpeculativeConfig | None = None, tokenizer=None) -> None:
+        self.config = config or SpeculativeConfig()
+        self.target = target_model
+        self.tokenizer = tokenizer
+        cfg = self.config
+        if cfg.eos_token_id is None and tokenizer is not None:
+            stops = list(getattr(tokenizer, "stop_token_ids", ()) or [tokenizer.eos_token_id])
+            cfg.eos_token_id = [i for i in stops if i is not None] or None
+        eos = cfg.eos_ids()
+        self.eos = set(eos)
+        self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
+        self._stop_strings = [s for s in cfg.stop_sequences if isinstance(s, str)]
+        self._stop_ids = [list(s) for s in cfg.stop_sequences if not isinstance(s, str)]
+        if self._stop_strings and tokenizer is None:
+            raise ValueError("string stop_sequences need a tokenizer: SpeculativeGenerator(..., tokenizer=tok)")
+        self.draft = self._make_draft(draft_model)
+        self.stats = SpeculativeStats()
+        self.rows: RowCache | None = None   # the target's cache after the last call
+        self.rng: torch.Generator | None = None
+
+    def _make_draft(self, draft_model):
+        cfg = self.config
+        if draft_model is not None and cfg.draft != "model":
+            raise ValueError(f"a draft_model is only used with draft='model' (draft={cfg.draft!r})")
+        if cfg.draft == "model":
+            if draft_model is None:
+                raise ValueError("draft='model' needs a draft_model (or choose draft='prompt_lookup', 'self_int8' or 'layer_skip')")
+            check_vocab(self.target, draft_model)
+            return ModelDraft(draft_model)
+        if cfg.draft == "prompt_lookup":
+            return PromptLookupDraft(cfg.lookup_max_ngram, cfg.lookup_min_ngram)
+        if cfg.draft == "self_int8":
+            return ModelDraft(int8_self_draft(self.target), "self_int8")
+        return ModelDraft(layer_skip_draft(self.target, cfg.draft_layers), "layer_skip")
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens over the last call."""
+        return self.stats.acceptance_rate
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def generate(self, input_ids, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T] (or ragged lists) -> [B, T + N] like Generator.generate: the input, then the
+        new tokens, right-padded with the pad id where a row stopped early."""
+        rows = _as_rows(input_ids, attention_mask)
+        result = self.run(rows)
+        tokens, _ = left_pad(rows, max(len(r) for r in rows), self.pad_id, "cpu")
+        width = max(len(s) for s in result.sequences)
+        out = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        for i, seq in enumerate(result.sequences):
+            out[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        return torch.cat([tokens, out], dim=1)
+
+    def run(self, input_ids, attention_mask: torch.Tensor | None = None,
+            on_token: Callable[[int, int], None] | None = None) -> SpeculativeResult:
+        """Generate; per-row tokens, finish reasons, timings and stats (also kept in .stats).
+        on_token(row, token_id) is called as tokens are accepted (for streaming)."""
+        cfg = self.config
+        rows = _as_rows(input_ids, attention_mask)
+        B, device = len(rows), self.target.device
+        width = max(len(r) for r in rows)
+        if width + cfg.max_new_tokens - 1 > cfg.max_seq_len:
+            raise CacheOverflowError(f"{width} prompt + {cfg.max_new_tokens} new tokens exceed max_seq_len={cfg.max_seq_len}; "
+                                     "raise max_seq_len or shorten the prompt / max_new_tokens")
+        if cfg.seed is not None:
+            self.rng = torch.Generator(device=device).manual_seed(cfg.seed)
+        sampling = cfg.sampling
+        target = self.rows = RowCache(self.target, B, cfg.max_seq_len, cfg.cache_spec())  # kept for inspection
+        self.draft.start(B, cfg.max_seq_len, cfg.cache_spec())
+        stats = self.stats = SpeculativeStats(k_history=[[] for _ in range(B)], row_forwards=[0] * B, row_tokens=[0] * B,
+                                              row_proposed=[0] * B, row_accepted=[0] * B)
+        seen = None
+        if cfg.repetition_penalty != 1.0:
+            seen = torch.zeros(B, self.target.config.vocab_size, dtype=torch.bool, device=device)
+            for r, ids in enumerate(rows):
+                seen[r, ids] = True
+
+        contexts = [list(r) for r in rows]
+        sequences: list[list[int]] = [[] for _ in range(B)]
+        reasons = ["length"] * B
+        active = [True] * B
+
+        def emit(r: int, tokens: list[int]) -> None:
+            for tok in tokens[: cfg.max_new_tokens - len(sequences[r])]:
+                sequences[r].append(tok)
+                contexts[r].append(tok)
+                if seen is not None:
+                    seen[r, tok] = True
+                if on_token is not None:
+                    on_token(r, tok)
+                reason = "eos" if tok in self.eos else "stop_sequence" if self._stop_hit(sequences[r]) else None
+                if reason is not None:
+                    reasons[r], active[r] = reason, False
+                    return
+            if len(sequences[r]) >= cfg.max_new_tokens:
+                active[r] = False
+
+        t0 = time.perf_counter()
+        tokens, mask = left_pad(rows, width, self.pad_id, device)
+        logits = target.feed(tokens, mask, last_only=True)[:, -1]
+        first = select_tokens(process_logits(logits, sampling, seen), sampling, self.rng).tolist()
+        for r in range(B):
+            emit(r, [first[r]])
+        t_first = time.perf_counter()
+
+        ks = [cfg.spec_k] * B
+        windows = [deque(maxlen=SPEC_ACCEPT_WINDOW) for _ in range(B)]
+        plain_left = [0] * B
+        bonus = 1 if cfg.spec_extra_token else 0
+        while any(active):
+            if target.room < 1:
+                raise CacheOverflowError(f"the batch's per-row acceptance used all max_seq_len={cfg.max_seq_len} cache slots "
+                                         "(rejected slots stay as holes until every row passes them); raise max_seq_len")
+            want = [0 if not active[r] or plain_left[r] else
+                    max(min(ks[r], cfg.max_new_tokens - len(sequences[r]) - bonus, target.room - 1), 0) for r in range(B)]
+            drafts = [[] for _ in range(B)]
+            q = None
+            if any(want):
+                drafts, q = self.draft.propose(contexts, want, self._picker(seen, B), self.pad_id, cfg.spec_confidence)
+            block = [[contexts[r][-1], *drafts[r]] if active[r] else [] for r in range(B)]
+            W = max(len(b) for b in block)
+            tokens, mask = left_pad(block, W, self.pad_id, device)
+            n_before = target.n.clone()
+            logits = target.feed(tokens, mask)                           # [B, W, V]
+            stats.target_forwards += 1
+            accepted, extra = self._verify(logits, block, drafts, q, seen)
+            for r in range(B):
+                if not block[r]:
+                    continue
+                n_draft, a = len(drafts[r]), accepted[r]
+                before = len(sequences[r])
+                emit(r, drafts[r][:a] + ([extra[r]] if extra[r] is not None else []))
+                gained = len(sequences[r]) - before
+                n_before[r] += gained  # the pending token and the accepted drafts stay cached
+                stats.proposed += n_draft
+                stats.accepted += a
+                stats.row_proposed[r] += n_draft
+                stats.row_accepted[r] += a
+                stats.k_history[r].append(want[r])
+                stats.row_forwards[r] += 1
+                stats.row_tokens[r] += gained
+                self._adapt(r, n_draft, a, want[r], ks, windows, plain_left)
+            target.keep(n_before)
+        t_end = time.perf_counter()
+        stats.draft_forwards = self.draft.forwards
+        return SpeculativeResult(sequences, reasons, t_first - t0, t_end - t_first, stats.target_forwards, stats)
+
+    # ---- one round --------------------------------------------------------------------------
+
+    def _picker(self, seen: torch.Tensor | None, B: int):
+        """The draft's sampling rule for one round: the target's processors, with the tokens
+        drafted so far counted as seen (repetition penalty)."""
+        cfg, sampling = self.config, self.config.sampling
+        running = None if seen is None else seen.clone()
+
+        def pick(logits: torch.Tensor):
+            processed = process_logits(logits, sampling, running)        # [B, V]
+            if sampling.greedy:
+                tok, q = processed.argmax(dim=-1), None
+                conf = processed.softmax(-1).gather(-1, tok[:, None])[:, 0] if cfg.spec_confidence is not None else None
+            else:
+                q = processed.softmax(dim=-1)
+                tok = torch.multinomial(q, 1, generator=self.rng)[:, 0]
+                conf = q.gather(-1, tok[:, None])[:, 0]
+            if running is not None:
+                running[torch.arange(B, device=tok.device), tok] = True
+            return tok, q, conf
+
+        return pick
+
+    def _verify(self, logits: torch.Tensor, block: list[list[int]], drafts: list[list[int]], q: torch.Tensor | None,
+                seen: torch.Tensor | None) -> tuple[list[int], list[int | None]]:
+        """Per row: how many drafts are accepted, and the token that follows them (a correction
+        or the bonus; None when all were accepted and spec_extra_token is off)."""
+        cfg, sampling = self.config, self.config.sampling
+        B, W, V = logits.shape
+        K = max(len(d) for d in drafts)
+        device = logits.device
+        # Row r's block sits in the last len(block[r]) columns; position j scores the token after
+        # block[r][j], i.e. draft j + 1 (j < n) or the bonus (j = n).
+        cols = torch.tensor([[W - max(len(b), 1) + min(j, max(len(b) - 1, 0)) for j in range(K + 1)] for b in block], device=device)
+        p_logits = logits.gather(1, cols[:, :, None].expand(B, K + 1, V))     # [B, K + 1, V]
+        D = torch.zeros(B, K, dtype=torch.long, device=device)
+        for r, d in enumerate(drafts):
+            D[r, : len(d)] = torch.tensor(d, dtype=torch.long)
+        n = torch.tensor([len(d) for d in drafts], device=device)
+        valid = torch.arange(K, device=device)[None] < n[:, None]               # [B, K]
+        seen_at = None
+        if seen is not None:  # context + the drafts before each position
+            seen_at = seen[:, None].repeat(1, K + 1, 1)
+            for r, d in enumerate(drafts):
+                for j, tok in enumerate(d):
+                    seen_at[r, j + 1 :, tok] = True
+            seen_at = seen_at.view(B * (K + 1), V)
+        processed = process_logits(p_logits.reshape(B * (K + 1), V), sampling, seen_at).view(B, K + 1, V)
+
+        if sampling.greedy or cfg.spec_method == "greedy":
+            if sampling.greedy:
+                picks = processed.argmax(dim=-1)                                 # [B, K + 1]
+            else:
+                picks = torch.multinomial(processed.softmax(-1).view(-1, V), 1, generator=self.rng).view(B, K + 1)
+            match = (D == picks[:, :K]) & valid
+            accepted = match.long().cumprod(dim=1).sum(dim=1).tolist()
+            extra = [int(picks[r, a]) for r, a in enumerate(accepted)]
+        else:
+            p = processed.softmax(dim=-1)                                         # [B, K + 1, V]
+            p_d = p[:, :K].gather(-1, D[..., None])[..., 0]
+            q_d = q[:, :K].gather(-1, D[..., None])[..., 0] if q is not None else torch.ones_like(p_d)
+            u = torch.rand(B, K, generator=self.rng, device=device)
+            match = (u * q_d < p_d) & valid                                      # accept w.p. min(1, p/q)
+            a = match.long().cumprod(dim=1).sum(dim=1)                         # [B] accepted per row
+            rows = torch.arange(B, device=device)
+            dist = p[rows, a]                                                     # [B, V]
+            if K:  # rows that rejected draft a + 1 sample the residual norm(max(0, p - q)) there
+                at = a.clamp(max=K - 1)
+                q_a = q[rows, at] if q is not None else F.one_hot(D[rows, at], V).to(dist.dtype)
+                residual = (dist - q_a).clamp(min=0)
+                use = (a < n) & (residual.sum(dim=-1) > 0)
+                dist = torch.where(use[:, None], residual, dist)
+            extra = torch.multinomial(dist, 1, generator=self.rng)[:, 0].tolist()
+            accepted = a.tolist()
+        for r, a in enumerate(accepted):
+            if a == len(drafts[r]) and a > 0 and not cfg.spec_extra_token:
+                extra[r] = None
+        return accepted, extra
+
+    def _adapt(self, r: int, n_draft: int, a: int, k_used: int, ks: list[int], windows, plain_left: list[int]) -> None:
+        cfg = self.config
+        if k_used == 0:  # a plain step (fallback, or no room / budget to draft)
+            plain_left[r] = max(plain_left[r] - 1, 0)
+            return
+        if n_draft == 0:  # the draft had nothing to propose (prompt lookup without a match)
+            return
+        if cfg.spec_k_adaptive:
+            ks[r] = min(ks[r] + 2, cfg.spec_k_max) if a == n_draft else max(1, ks[r] - 1)
+        if cfg.spec_disable_below_accept > 0:
+            windows[r].append((a, n_draft))
+            if sum(x for x, _ in windows[r]) / sum(y for _, y in windows[r]) < cfg.spec_disable_below_accept:
+                plain_left[r] = SPEC_PROBE_INTERVAL
+                windows[r].clear()
+
+    def _stop_hit(self, seq: list[int]) -> bool:
+        if any(len(seq) >= len(s) and seq[-len(s):] == s for s in self._stop_ids):
+            return True
+        if self._stop_strings:
+            longest = max(len(s) for s in self._stop_strings) + 8  # enough trailing tokens to hold any stop string
+            text = self.tokenizer.decode(seq[-longest:])
+            return any(s in text for s in self._stop_strings)
+        return False
+
+
+def _as_rows(input_ids, attention_mask) -> list[list[int]]:
+    """Tensor [T] / [B, T] (optionally with a left-padding mask) or (ragged) lists -> lists of ids."""
+    if isinstance(input_ids, torch.Tensor):
+        tokens = input_ids if input_ids.dim() == 2 else input_ids[None]
+        mask = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool().view(tokens.shape)
+        rows = [t[m].tolist() for t, m in zip(tokens.cpu(), mask.cpu())]
+    else:
+        rows = [list(input_ids)] if input_ids and isinstance(input_ids[0], int) else [list(r) for r in input_ids]
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ValueError("every row needs at least one input token")
+    return rows
+
+
+__all__ = ["SPEC_ACCEPT_WINDOW", "SPEC_PROBE_INTERVAL", "SpeculativeConfig", "SpeculativeGenerator",
+           "SpeculativeResult", "SpeculativeStats"]
