@@ -101,35 +101,77 @@ def generate(
     top_k: Annotated[Optional[int], typer.Option(min=1)] = None,
     top_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0)] = None,
     repetition_penalty: Annotated[float, typer.Option(min=0.0)] = 1.0,
+    min_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Drop tokens below min_p x the top token's probability.")] = None,
+    min_new_tokens: Annotated[int, typer.Option(min=0, help="No EOS before this many new tokens.")] = 0,
+    no_repeat_ngram_size: Annotated[int, typer.Option(min=0, help="Never repeat an n-gram of this size (0 = off).")] = 0,
+    frequency_penalty: Annotated[float, typer.Option(help="OpenAI-style: minus this x the token's count so far.")] = 0.0,
+    presence_penalty: Annotated[float, typer.Option(help="OpenAI-style: minus this once a token was generated.")] = 0.0,
+    num_beams: Annotated[int, typer.Option(min=1, help="> 1: beam search (deterministic).")] = 1,
+    num_return_sequences: Annotated[int, typer.Option(min=1, help="Beams returned (<= --num-beams).")] = 1,
+    length_penalty: Annotated[float, typer.Option(help="Beam score = sum log p / length ** this.")] = 1.0,
+    early_stopping: Annotated[str, typer.Option(help="Beam search stop rule: true, false or never (HF's meaning).")] = "false",
+    penalty_alpha: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Contrastive search degeneration penalty (needs --top-k).")] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
-    cache_kind: Annotated[str, typer.Option(help="fp32, fp16 or bf16.")] = "fp32",
+    cache_kind: Annotated[str, typer.Option(help="fp32, fp16, bf16, q8_0, q4_0 or nf4 (aliases q8, q4).")] = "fp32",
+    cache_policy: Annotated[Optional[str], typer.Option(help="Per-stream kinds, e.g. k=q8_0,v=q4_0 (overrides --cache-kind for the streams it names).")] = None,
+    qblock: Annotated[int, typer.Option(min=2, help="Elements per quantization block (clipped to head_dim).")] = 32,
+    residual_len: Annotated[int, typer.Option(min=0, help="Newest tokens kept in full precision too.")] = 0,
+    rotate_keys: Annotated[bool, typer.Option("--rotate-keys", help="Hadamard-rotate keys before quantizing.")] = False,
+    cache_fp16_prefix_layers: Annotated[int, typer.Option(min=0, help="First N layers keep an fp16 cache.")] = 0,
     max_seq_len: Annotated[int, typer.Option(min=1)] = 2048,
     stop: Annotated[Optional[list[str]], typer.Option(help="A stop sequence; repeatable.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
     system: Annotated[Optional[str], typer.Option(help="System message (with --chat).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
+    speculative: Annotated[Optional[str], typer.Option(help="Speculative decoding with this draft: prompt_lookup, self_int8, layer_skip or model (needs --draft).")] = None,
+    draft: Annotated[Optional[str], typer.Option(help="The draft model for --speculative model (same forms as --model).")] = None,
+    spec_k: Annotated[int, typer.Option(min=1, help="Tokens drafted per target forward (with --speculative).")] = 4,
+    spec_adaptive: Annotated[bool, typer.Option("--spec-adaptive", help="Adapt the draft length (HF's heuristic).")] = False,
 ) -> None:
     """Generate a continuation of PROMPT, streaming it to the terminal."""
     with _errors_as_exit_codes():
         from caramba.infer import GenerateConfig, Generator
         from caramba.model.zoo import load_model
         from caramba.prompting import completion_text, encode_prompt
+        from caramba.runners.generate import search_strategy
         from caramba.tokenizer import StreamDecoder
 
         if system is not None and not chat:
             raise UserError("--system needs --chat")
+        stopping = {"true": True, "false": False, "never": "never"}.get(early_stopping.lower())
+        if stopping is None:
+            raise UserError(f"--early-stopping {early_stopping!r}: use true, false or never")
         try:
             config = GenerateConfig(
                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                repetition_penalty=repetition_penalty, stop_sequences=list(stop or []),
-                max_seq_len=max_seq_len, seed=seed, cache_kind=cache_kind,
+                repetition_penalty=repetition_penalty, min_p=min_p, min_new_tokens=min_new_tokens,
+                no_repeat_ngram_size=no_repeat_ngram_size, frequency_penalty=frequency_penalty,
+                presence_penalty=presence_penalty, num_beams=num_beams, num_return_sequences=num_return_sequences,
+                length_penalty=length_penalty, early_stopping=stopping, penalty_alpha=penalty_alpha,
+                stop_sequences=list(stop or []),
+                max_seq_len=max_seq_len, seed=seed, cache_kind=cache_kind, cache_policy=cache_policy,
+                qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys,
+                cache_fp16_prefix_layers=cache_fp16_prefix_layers,
             )
         except ValueError as e:
             raise UserError(str(e).replace("GenerateConfig.", "--").replace("_", "-")) from None
         loaded = load_model(model, dtype, device, progress=not as_json)
         tok = loaded.tokenizer
         prompt_ids = encode_prompt(tok, prompt, chat, system)
-        generator = Generator(loaded.model, config, tokenizer=tok)
+        if search_strategy(config):
+            if speculative is not None:
+                raise UserError("--speculative samples or decodes greedily: drop --num-beams / --penalty-alpha")
+            _print_search(loaded, model, dtype, prompt, prompt_ids, config, as_json)
+            return
+        if speculative is not None and (min_new_tokens or no_repeat_ngram_size or frequency_penalty or presence_penalty):
+            raise UserError("--speculative does not apply --min-new-tokens, --no-repeat-ngram-size or the "
+                            "frequency/presence penalties; drop them or --speculative")
+        if speculative is None:
+            if draft is not None or spec_k != 4 or spec_adaptive:
+                raise UserError("--draft, --spec-k and --spec-adaptive need --speculative KIND")
+            generator = Generator(loaded.model, config, tokenizer=tok)
+        else:
+            generator = _speculative_generator(loaded, config, speculative, draft, spec_k, spec_adaptive, dtype, device, as_json)
         on_token = None
         if not as_json:
             decoder = StreamDecoder(tok, skip_special_tokens=True)
@@ -152,11 +194,72 @@ def generate(
                 "decode_tok_s": result.decode_tok_s,
                 "model": {"source": model, "path": str(loaded.path), "sha256": loaded.content_hash, "dtype": dtype},
                 "cache_kind": config.cache_kind,
+                "cache_policy": config.cache_spec().to_dict(),
+                **({"speculative": speculative, **result.stats.as_dict()} if speculative else {}),
             }))
         else:
             out.out(decoder.flush())
             err.print(f"[dim]{len(ids)} tokens, prefill {result.prefill_s * 1000:.0f} ms, "
                       f"decode {result.decode_tok_s:.1f} tok/s, stop: {result.finish_reasons[0]}[/dim]")
+            if speculative:
+                err.print(f"[dim]{speculative}: acceptance {result.stats.acceptance_rate:.2f}, "
+                          f"{result.stats.tokens_per_target_forward:.2f} tokens per target forward[/dim]")
+
+
+def _print_search(loaded, source: str, dtype: str, prompt: str, prompt_ids: list[int], config, as_json: bool) -> None:
+    """`generate --num-beams N` / `--penalty-alpha A`: every returned sequence, with its score."""
+    from caramba.prompting import completion_text
+    from caramba.runners.generate import run_search, search_strategy
+
+    try:
+        found, elapsed = run_search(loaded.model, [prompt_ids], config)
+    except ValueError as e:  # settings the search cannot use, or the prompt does not fit max_seq_len
+        raise UserError(str(e)) from None
+    beams = [{**f, "text": completion_text(loaded.tokenizer, f["output_ids"], [])} for f in found[0]]
+    if as_json:
+        print(json.dumps({
+            "prompt": prompt,
+            "prompt_ids": prompt_ids,
+            "strategy": search_strategy(config),
+            "output_ids": beams[0]["output_ids"],
+            "text": beams[0]["text"],
+            "finish_reason": beams[0]["finish_reason"],
+            "score": beams[0]["score"],
+            "sequences": beams,
+            "search_s": elapsed,
+            "model": {"source": source, "path": str(loaded.path), "sha256": loaded.content_hash, "dtype": dtype},
+            "cache_kind": config.cache_kind,
+            "cache_policy": config.cache_spec().to_dict(),
+        }))
+        return
+    for rank, beam in enumerate(beams):
+        score = "" if beam["score"] is None else f" (score {beam['score']:.4f})"
+        out.print(f"[bold]{prompt}[/bold]{beam['text']}", highlight=False)
+        err.print(f"[dim]#{rank + 1}{score}, {len(beam['output_ids'])} tokens, stop: {beam['finish_reason']}[/dim]")
+    err.print(f"[dim]{search_strategy(config)} search, {elapsed:.2f}s[/dim]")
+
+
+def _speculative_generator(loaded, config, kind: str, draft: str | None, spec_k: int, adaptive: bool,
+                           dtype: str, device: str, quiet: bool):
+    """`generate --speculative KIND`: the same generation settings, drafted and verified."""
+    import dataclasses
+
+    from caramba.infer.drafts import DRAFT_KINDS
+    from caramba.infer.speculative import SpeculativeConfig, SpeculativeGenerator
+    from caramba.model.zoo import load_model
+
+    if kind not in DRAFT_KINDS:
+        raise UserError(f"--speculative {kind!r}: choose one of {', '.join(DRAFT_KINDS)}")
+    if (kind == "model") != (draft is not None):
+        raise UserError("--speculative model needs --draft SRC (a model with the same tokenizer); "
+                        "--draft is only used with --speculative model")
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    try:
+        spec_config = SpeculativeConfig(**fields, draft=kind, spec_k=spec_k, spec_k_adaptive=adaptive, spec_k_max=max(16, spec_k))
+        draft_model = load_model(draft, dtype, device, progress=not quiet).model if draft else None
+        return SpeculativeGenerator(loaded.model, draft_model, spec_config, tokenizer=loaded.tokenizer)
+    except ValueError as e:
+        raise UserError(str(e).replace("SpeculativeConfig.", "")) from None
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -251,6 +354,75 @@ def report(
                 cells.append(text)
             table.add_row(Path(r["run"]).name, str(r.get("impl")), str(r.get("prompt_len")), str(r.get("batch_size")),
                           str(r.get("cache_kind")), *cells)
+        out.print(table)
+
+
+@app.command("eval")
+def eval_cache(
+    text: Annotated[Optional[Path], typer.Option(help="Text file to score (default: caramba's bundled corpus).")] = None,
+    model: Annotated[str, typer.Option(help="smollm2-135m, a .gguf file or an HF directory.")] = "smollm2-135m",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    device: Annotated[str, typer.Option(help="cpu, cuda, mps or auto.")] = "cpu",
+    cache_kind: Annotated[Optional[list[str]], typer.Option(help="Candidate cache kind; repeatable.")] = None,
+    cache_policy: Annotated[Optional[list[str]], typer.Option(help="Candidate per-stream policy, e.g. k=q8_0,v=q4_0; repeatable.")] = None,
+    baseline: Annotated[str, typer.Option(help="The reference cache kind.")] = "fp32",
+    qblock: Annotated[int, typer.Option(min=2, help="Elements per quantization block (candidates).")] = 32,
+    residual_len: Annotated[int, typer.Option(min=0, help="Newest tokens kept in full precision (candidates).")] = 0,
+    rotate_keys: Annotated[bool, typer.Option("--rotate-keys", help="Hadamard-rotate keys (candidates).")] = False,
+    cache_fp16_prefix_layers: Annotated[int, typer.Option(min=0, help="First N layers in fp16 (candidates).")] = 0,
+    prompt_len: Annotated[int, typer.Option(min=1, help="Tokens prefilled before token-by-token scoring.")] = 256,
+    max_tokens: Annotated[Optional[int], typer.Option(min=2, help="Use only the text's first N tokens.")] = 1024,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+) -> None:
+    """Score a text teacher-forced through the KV cache: NLL/PPL of each candidate cache, and
+    KL(baseline || candidate) and top-1 agreement against the baseline cache.
+
+    The first --prompt-len tokens are prefilled; each later token is fed one at a time through
+    the cache, as generation does. Candidates: each --cache-kind and --cache-policy (default q8_0)."""
+    with _errors_as_exit_codes():
+        from rich.progress import Progress
+        from rich.table import Table
+
+        from caramba.cache import CachePolicy
+        from caramba.infer.evaluate import corpus_ids, evaluate_cache
+        from caramba.model.zoo import load_model
+
+        if text is not None and not text.is_file():
+            raise UserError(f"--text {text}: no such file")
+        specs = [("kind", k) for k in cache_kind or []] + [("policy", p) for p in cache_policy or []]
+        try:
+            candidates = [CachePolicy.build(kind=v, qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys,
+                                            fp16_prefix_layers=cache_fp16_prefix_layers) if how == "kind" else
+                          CachePolicy.build(policy=v, qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys,
+                                            fp16_prefix_layers=cache_fp16_prefix_layers)
+                          for how, v in specs or [("kind", "q8_0")]]
+            base = CachePolicy.build(baseline)
+        except ValueError as e:
+            raise UserError(f"--cache-kind/--cache-policy/--baseline: {e}") from None
+        loaded = load_model(model, dtype, device, progress=not as_json)
+        ids = corpus_ids(loaded.tokenizer, text)
+        if max_tokens is not None:
+            ids = ids[:max_tokens]
+        if len(ids) < prompt_len + 2:
+            raise UserError(f"--prompt-len {prompt_len}: the text has only {len(ids)} tokens (after --max-tokens); "
+                            f"use a shorter prompt or a longer text")
+        with Progress(transient=True, disable=as_json) as bar:
+            task = bar.add_task("scoring", total=len(ids) - prompt_len)
+            results = evaluate_cache(loaded.model, ids, candidates, base, prompt_len,
+                                     on_step=lambda done, total: bar.update(task, completed=done))
+        if as_json:
+            print(json.dumps({"model": {"source": model, "sha256": loaded.content_hash, "dtype": dtype},
+                              "text": str(text) if text else "caramba/data/corpus.txt", "n_tokens": len(ids),
+                              "prompt_len": prompt_len, "baseline": base.describe(),
+                              "results": [r.to_dict() for r in results]}))
+            return
+        table = Table(title=f"{len(ids) - prompt_len} tokens scored after a {prompt_len}-token prompt; "
+                            f"baseline {base.describe()} PPL {results[0].baseline_ppl:.4f}")
+        for col in ("cache", "bytes/token", "PPL", "dNLL", "mean KL", "max KL", "top-1 agree"):
+            table.add_column(col)
+        for r in results:
+            table.add_row(r.policy, str(r.bytes_per_token), f"{r.ppl:.4f}", f"{r.dnll:+.5f}", f"{r.kl_mean:.2e}",
+                          f"{r.kl_max:.2e}", f"{r.top1_agreement:.4f}")
         out.print(table)
 
 

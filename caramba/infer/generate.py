@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from caramba.cache import KVCache, KVCacheKind
+from caramba.cache import CachePolicy, KVCache, KVCacheKind
 from caramba.cache.layer import CacheOverflowError
-from caramba.infer.sampling import SamplingParams, process_logits, select_tokens
+from caramba.infer.sampling import History, SamplingParams, process_logits, select_tokens
 
 
 @dataclass
@@ -29,12 +29,31 @@ class GenerateConfig:
     top_k: int | None = None
     top_p: float | None = None
     repetition_penalty: float = 1.0
+    min_p: float | None = None
+    min_new_tokens: int = 0
+    no_repeat_ngram_size: int = 0
+    frequency_penalty: float = 0.0                # OpenAI-style, on generated tokens (sampling.py)
+    presence_penalty: float = 0.0
+    # Beam search (caramba.infer.beam) and contrastive search (caramba.infer.contrastive) read these;
+    # the Generator itself samples or decodes greedily.
+    num_beams: int = 1
+    num_return_sequences: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False            # True | False | "never" (HF's meaning)
+    penalty_alpha: float | None = None            # contrastive search when set (with top_k)
     eos_token_id: int | list[int] | None = None   # None: the tokenizer's, when the Generator has one
     pad_token_id: int | None = None               # None: the first eos id, else 0
     stop_sequences: list[str | list[int]] = field(default_factory=list)  # strings need a tokenizer
     max_seq_len: int = 2048
     seed: int | None = None
     cache_kind: str = "fp32"
+    # Cache policy (caramba.cache.CachePolicy): per-stream kinds override cache_kind, e.g.
+    # "k=q8_0,v=q4_0" or {"k": "q8_0"}; the rest applies to quantized kinds.
+    cache_policy: str | dict[str, str] | None = None
+    qblock: int = 32
+    residual_len: int = 0
+    rotate_keys: bool = False
+    cache_fp16_prefix_layers: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -43,16 +62,32 @@ class GenerateConfig:
             ("top_k", self.top_k is None or self.top_k >= 1, "must be >= 1 or None"),
             ("top_p", self.top_p is None or 0 < self.top_p <= 1, "must be in (0, 1] or None"),
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("min_p", self.min_p is None or 0 <= self.min_p <= 1, "must be in [0, 1] or None"),
+            ("min_new_tokens", self.min_new_tokens >= 0, "must be >= 0"),
+            ("no_repeat_ngram_size", self.no_repeat_ngram_size >= 0, "must be >= 0 (0 = off)"),
+            ("num_beams", self.num_beams >= 1, "must be >= 1"),
+            ("num_return_sequences", 1 <= self.num_return_sequences <= self.num_beams,
+             "must be between 1 and num_beams"),
+            ("early_stopping", self.early_stopping in (True, False, "never"), "must be true, false or 'never'"),
+            ("penalty_alpha", self.penalty_alpha is None or 0 <= self.penalty_alpha <= 1, "must be in [0, 1] or None"),
             ("max_seq_len", self.max_seq_len >= 1, "must be >= 1"),
         ]
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"GenerateConfig.{name}={getattr(self, name)!r} {why}")
         self.cache_kind = KVCacheKind.parse(self.cache_kind).value
+        self.cache_spec()  # a bad policy fails here, not at the first generate()
+
+    def cache_spec(self) -> CachePolicy:
+        """The CachePolicy these fields describe (what model.new_cache takes)."""
+        return CachePolicy.build(self.cache_kind, self.cache_policy, self.qblock, self.residual_len,
+                                 self.rotate_keys, self.cache_fp16_prefix_layers)
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.min_p,
+                              self.min_new_tokens, self.no_repeat_ngram_size, self.frequency_penalty,
+                              self.presence_penalty, tuple(self.eos_ids()))
 
     def eos_ids(self) -> list[int]:
         if self.eos_token_id is None:
@@ -95,6 +130,9 @@ class Generator:
         self._stop_ids = [list(s) for s in self.config.stop_sequences if not isinstance(s, str)]
         if self._stop_strings and tokenizer is None:
             raise ValueError("string stop_sequences need a tokenizer: Generator(..., tokenizer=tok)")
+        if self.config.num_beams > 1 or self.config.penalty_alpha is not None:
+            raise ValueError("the Generator samples or decodes greedily: use caramba.infer.beam_search for "
+                             "num_beams > 1 and contrastive_search for penalty_alpha")
         self.rng: torch.Generator | None = None
         self.reset()
 
@@ -107,6 +145,7 @@ class Generator:
         self.seen: torch.Tensor | None = None         # [B, V] tokens in context (repetition penalty)
         self.pending: torch.Tensor | None = None      # [B] last sampled token, not yet in the cache
         self.pending_mask: torch.Tensor | None = None  # [B] which rows have one
+        self.history: History | None = None           # n-grams, token counts, tokens this turn
         if self.config.seed is not None:
             self.rng = torch.Generator(device=self.device).manual_seed(self.config.seed)
 
@@ -162,6 +201,7 @@ class Generator:
         cfg = self.config
         B = tokens.shape[0]
         self._start_turn(B)
+        n_input = tokens.shape[1]
         if self.pending is not None:  # the last turn's final token goes in before the new input
             tokens = torch.cat([self.pending[:, None], tokens], dim=1)
             mask = torch.cat([self.pending_mask[:, None], mask], dim=1)
@@ -170,6 +210,9 @@ class Generator:
         # Checked before the pending token is consumed, so an overflow leaves the session intact.
         self.cache.check_room(T + cfg.max_new_tokens - 1)
         self.pending = self.pending_mask = None
+        if self.history is not None:   # this turn's input; the pending token is in it already
+            self.history.n_new = 0
+            self.history.add_context(tokens[:, T - n_input:], mask[:, T - n_input:])
 
         self._track_seen(tokens, mask)
         logits = self._forward(tokens, mask)
@@ -179,7 +222,7 @@ class Generator:
         recent: list[list[int]] = [[] for _ in range(B)]
         eos = torch.tensor(cfg.eos_ids(), dtype=torch.long, device=self.device)
         for step in range(cfg.max_new_tokens):
-            new = select_tokens(process_logits(logits, cfg.sampling, self.seen), cfg.sampling, self.rng)
+            new = select_tokens(process_logits(logits, cfg.sampling, self.seen, self.history), cfg.sampling, self.rng)
             new = torch.where(active, new, torch.full_like(new, self.pad_id))
             yield new, active
             was_active = active
@@ -191,6 +234,8 @@ class Generator:
             if self._stop_strings or self._stop_ids:
                 active = self._check_stops(new, active, recent, reasons)
             self._track_seen(new[:, None], was_active[:, None])
+            if self.history is not None:
+                self.history.add_generated(new, was_active)
             if not bool(active.any()) or step == cfg.max_new_tokens - 1:
                 # Rows whose last token is real keep it pending for the next turn.
                 self.pending, self.pending_mask = new, was_active
@@ -212,11 +257,13 @@ class Generator:
     def _start_turn(self, B: int) -> None:
         if self.cache is None:
             cfg = self.config
-            self.cache = self.model.new_cache(B, cfg.max_seq_len, cfg.cache_kind)
+            self.cache = self.model.new_cache(B, cfg.max_seq_len, cfg.cache_spec())
             self.slot_mask = torch.zeros(B, cfg.max_seq_len, dtype=torch.bool, device=self.device)
             self.next_pos = torch.zeros(B, dtype=torch.long, device=self.device)
             if cfg.repetition_penalty != 1.0:
                 self.seen = torch.zeros(B, self.model.config.vocab_size, dtype=torch.bool, device=self.device)
+            if cfg.min_new_tokens or cfg.no_repeat_ngram_size or cfg.frequency_penalty or cfg.presence_penalty:
+                self.history = History(B, self.model.config.vocab_size, cfg.sampling, self.device)
         elif self.cache.batch_size != B:
             raise ValueError(f"this session holds {self.cache.batch_size} rows; got {B} (call reset() first)")
 

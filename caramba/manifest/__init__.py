@@ -13,6 +13,7 @@ from caramba.manifest.schema import (
     ModelSpec,
     ResolvedRun,
     Run,
+    SpeculativeSettings,
     Target,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "ModelSpec",
     "ResolvedRun",
     "Run",
+    "SpeculativeSettings",
     "Target",
     "load_manifest",
     "parse_manifest",

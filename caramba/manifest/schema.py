@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Mode = Literal["generate", "decode-bench"]
+Mode = Literal["generate", "decode-bench", "speculative"]
 MODES: tuple[str, ...] = typing.get_args(Mode)
 # The settings section each mode reads (a mode whose section has its own name is left out).
 MODE_SECTIONS: dict[str, str] = {"decode-bench": "bench"}
@@ -64,9 +64,24 @@ class GenerateSettings(_Model):
     top_k: int | None = Field(None, ge=1)
     top_p: float | None = Field(None, gt=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_new_tokens: int = Field(0, ge=0)
+    no_repeat_ngram_size: int = Field(0, ge=0)      # 0 = off
+    frequency_penalty: float = 0.0                  # OpenAI-style, on generated tokens
+    presence_penalty: float = 0.0
+    num_beams: int = Field(1, ge=1)                 # > 1: beam search
+    num_return_sequences: int = Field(1, ge=1)      # beams returned per prompt (<= num_beams)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    penalty_alpha: float | None = Field(None, ge=0, le=1)   # contrastive search (needs top_k)
     stop_sequences: list[str] = []
     max_seq_len: int = Field(2048, ge=1)
-    cache_kind: Literal["fp32", "fp16", "bf16"] = "fp32"
+    cache_kind: Literal["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q8", "q4"] = "fp32"
+    cache_policy: dict[Literal["k", "v"], Literal["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q8", "q4"]] | None = None
+    qblock: int = Field(32, ge=2, multiple_of=2)  # elements per quantization block (clipped to head_dim)
+    residual_len: int = Field(0, ge=0)          # newest tokens also kept in full precision
+    rotate_keys: bool = False                   # Hadamard-rotate keys before quantizing them
+    cache_fp16_prefix_layers: int = Field(0, ge=0)  # the first N layers keep an fp16 cache
     chat: bool = False  # render prompts through the model's chat template
     system_prompt: str | None = None
     batch_size: int = Field(1, ge=1)  # prompts run in batches of this many, left-padded
@@ -76,6 +91,21 @@ class GenerateSettings(_Model):
     def _system_prompt_needs_chat(self) -> GenerateSettings:
         if self.system_prompt is not None and not self.chat:
             raise ValueError("system_prompt is only used with chat: true; set chat: true or drop it")
+        return self
+
+    @model_validator(mode="after")
+    def _search_settings_agree(self) -> GenerateSettings:
+        if self.num_return_sequences > self.num_beams:
+            raise ValueError(f"num_return_sequences={self.num_return_sequences} exceeds num_beams={self.num_beams}; "
+                             "raise num_beams or lower num_return_sequences")
+        if self.penalty_alpha is not None and (self.top_k is None or self.num_beams > 1):
+            raise ValueError("penalty_alpha (contrastive search) needs top_k and num_beams: 1; set top_k or drop penalty_alpha")
+        if (self.num_beams > 1 or self.penalty_alpha is not None) and (self.stop_sequences or self.min_p is not None
+                                                                       or self.temperature not in (0.0, 1.0) or self.top_p is not None):
+            raise ValueError("beam and contrastive search are deterministic and stop on EOS / max_new_tokens: "
+                             "drop stop_sequences, min_p, top_p and set temperature to 0")
+        if self.num_beams > 1 and self.top_k is not None:
+            raise ValueError("top_k is not used by beam search (only by contrastive search); drop top_k or num_beams")
         return self
 
 
@@ -100,6 +130,32 @@ class BenchSettings(_Model):
         return [KVCacheKind.parse(kind).value for kind in kinds]
 
 
+class SpeculativeSettings(GenerateSettings):
+    """Settings of a `speculative` run: the generate settings, the draft and its k rules
+    (caramba.infer.speculative.SpeculativeConfig has the same names)."""
+
+    draft: Literal["prompt_lookup", "self_int8", "layer_skip", "model"] = "prompt_lookup"  # model: the run's `draft:`
+    spec_k: int = Field(4, ge=1)
+    spec_k_adaptive: bool = False
+    spec_k_max: int = Field(16, ge=1)
+    spec_method: Literal["reject_sampling", "greedy"] = "reject_sampling"
+    spec_extra_token: bool = True
+    spec_disable_below_accept: float = Field(0.0, ge=0, le=1)
+    spec_confidence: float | None = Field(None, gt=0, le=1)
+    draft_layers: int | None = Field(None, ge=1)  # layer_skip: the target's first N layers (default half)
+    lookup_max_ngram: int = Field(3, ge=1)
+    lookup_min_ngram: int = Field(1, ge=1)
+    baseline: bool = True  # also decode the prompts plainly in the same run and record the speedup
+
+    @model_validator(mode="after")
+    def _k_bounds(self) -> SpeculativeSettings:
+        if self.spec_k_max < self.spec_k:
+            raise ValueError(f"spec_k_max ({self.spec_k_max}) must be >= spec_k ({self.spec_k})")
+        if self.lookup_min_ngram > self.lookup_max_ngram:
+            raise ValueError(f"lookup_min_ngram ({self.lookup_min_ngram}) must be <= lookup_max_ngram ({self.lookup_max_ngram})")
+        return self
+
+
 class Expect(_Model):
     """What a run's result must show for `caramba run --check` (CI reproducibility)."""
 
@@ -121,8 +177,10 @@ class Run(_Model):
     mode: Mode
     seed: int | None = Field(None, ge=0)
     model: ModelSpec | None = None  # fields given here override the defaults' model
+    draft: ModelSpec | None = None  # speculative with draft: model; fields not given follow the run's model
     generate: GenerateSettings | None = None
     bench: BenchSettings | None = None
+    speculative: SpeculativeSettings | None = None
     expect: Expect | None = None
     notes: str | None = None
 
@@ -135,6 +193,12 @@ class Run(_Model):
             other = section_for(other_mode)
             if other != section and getattr(self, other, None) is not None:
                 raise ValueError(f"'{other}:' is the section of mode {other_mode!r}, but this run's mode is {self.mode!r}")
+        wants_draft = self.mode == "speculative" and self.speculative.draft == "model"
+        if wants_draft and self.draft is None:
+            raise ValueError("speculative.draft: model needs a 'draft:' model spec beside 'model:' "
+                             "(e.g. draft: {source: path/to/small.gguf}), or another draft kind")
+        if self.draft is not None and not wants_draft:
+            raise ValueError("'draft:' is only used by mode: speculative with speculative.draft: model; remove it")
         return self
 
     @property
@@ -168,6 +232,7 @@ class ResolvedRun:
     target: str
     run: Run
     model: ModelSpec
+    draft: ModelSpec | None = None  # a speculative run's draft model, resolved like `model`
 
 
 class Manifest(_Model):
@@ -205,10 +270,17 @@ class Manifest(_Model):
         given = {name: getattr(run.model, name) for name in run.model.model_fields_set}
         return self.defaults.model.model_copy(update=given)
 
+    def draft_for(self, run: Run) -> ModelSpec | None:
+        """A speculative run's draft model: its fields on top of the run's resolved model."""
+        if run.draft is None:
+            return None
+        given = {name: getattr(run.draft, name) for name in run.draft.model_fields_set}
+        return self.model_for(run).model_copy(update=given)
+
     def iter_runs(self) -> Iterator[ResolvedRun]:
         for target in self.targets:
             for run in target.runs:
-                yield ResolvedRun(target=target.name, run=run, model=self.model_for(run))
+                yield ResolvedRun(target=target.name, run=run, model=self.model_for(run), draft=self.draft_for(run))
 
 
 def _first_duplicate(values: Iterable[str]) -> str | None:

@@ -17,10 +17,12 @@ from caramba.manifest import Manifest, ModelSpec, ResolvedRun, resolved_manifest
 from caramba.model.zoo import LoadedModel, load_model, resolve_device, resolve_source
 from caramba.runners.decode_bench import run_decode_bench
 from caramba.runners.generate import run_generate
+from caramba.runners.speculative import run_speculative
 from caramba.runs import RunDir, capture_env
 
 # mode -> runner(loaded model, the mode's settings, seed, record, console) -> result dict
-MODE_RUNNERS: dict[str, Callable] = {"generate": run_generate, "decode-bench": run_decode_bench}
+MODE_RUNNERS: dict[str, Callable] = {"generate": run_generate, "decode-bench": run_decode_bench,
+                                     "speculative": run_speculative}  # speculative also takes draft=LoadedModel
 
 
 @dataclass
@@ -51,8 +53,10 @@ def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool
     run's result with its `expect:` block."""
     runs = select_runs(manifest, only)
     for r in runs:  # check every model source before any record is written
-        resolve_source(r.model.source)
-        resolve_device(r.model.device)
+        for spec in (r.model, r.draft):
+            if spec is not None:
+                resolve_source(spec.source)
+                resolve_device(spec.device)
     outcome = Outcome()
     models: dict[tuple, LoadedModel] = {}
     resolved_yaml = resolved_manifest_yaml(manifest)
@@ -117,8 +121,15 @@ def _run_one(r: ResolvedRun, record: RunDir, resolved_yaml: str, models: dict, c
         torch.manual_seed(r.run.seed)
     loaded = _model(r.model, models)
     record.log(f"model {loaded.path} sha256={loaded.content_hash}")
-    result = MODE_RUNNERS[r.run.mode](loaded, r.run.settings, r.run.seed, record, console)
+    extra = {}
+    if r.draft is not None:  # a speculative run's draft model, loaded beside the target
+        draft = load_model(r.draft.source, r.draft.dtype, r.draft.device)
+        record.log(f"draft model {draft.path} sha256={draft.content_hash}")
+        extra["draft"] = draft
+    result = MODE_RUNNERS[r.run.mode](loaded, r.run.settings, r.run.seed, record, console, **extra)
     result["model"] = {**r.model.model_dump(), "path": str(loaded.path), "sha256": loaded.content_hash}
+    if r.draft is not None:
+        result["draft_model"] = {**r.draft.model_dump(), "path": str(extra["draft"].path), "sha256": extra["draft"].content_hash}
     record.write_json("result.json", result)
     record.finish()
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 from rich.console import Console
 
-from caramba.infer import GenerateConfig, Generator
+from caramba.infer import GenerateConfig, Generator, beam_search, contrastive_search
 from caramba.manifest import GenerateSettings
 from caramba.model.zoo import LoadedModel
 from caramba.prompting import completion_text, encode_prompt
@@ -22,12 +23,49 @@ def generate_config(settings: GenerateSettings, seed: int | None, eos_token_id: 
         top_k=settings.top_k,
         top_p=settings.top_p,
         repetition_penalty=settings.repetition_penalty,
+        min_p=settings.min_p,
+        min_new_tokens=settings.min_new_tokens,
+        no_repeat_ngram_size=settings.no_repeat_ngram_size,
+        frequency_penalty=settings.frequency_penalty,
+        presence_penalty=settings.presence_penalty,
+        num_beams=settings.num_beams,
+        num_return_sequences=settings.num_return_sequences,
+        length_penalty=settings.length_penalty,
+        early_stopping=settings.early_stopping,
+        penalty_alpha=settings.penalty_alpha,
         eos_token_id=eos_token_id,
         stop_sequences=list(settings.stop_sequences),
         max_seq_len=settings.max_seq_len,
         seed=seed,
         cache_kind=settings.cache_kind,
+        cache_policy=settings.cache_policy,
+        qblock=settings.qblock,
+        residual_len=settings.residual_len,
+        rotate_keys=settings.rotate_keys,
+        cache_fp16_prefix_layers=settings.cache_fp16_prefix_layers,
     )
+
+
+def search_strategy(config: GenerateConfig) -> str | None:
+    """"beam" or "contrastive" when the config asks for a search instead of sampling/greedy."""
+    if config.num_beams > 1:
+        return "beam"
+    return "contrastive" if config.penalty_alpha is not None else None
+
+
+def run_search(model, prompt_ids: list[list[int]], config: GenerateConfig) -> tuple[list[list[dict[str, Any]]], float]:
+    """Beam or contrastive search over prompts -> (per prompt, its returned sequences best first,
+    each {"output_ids", "score", "finish_reason"}; elapsed seconds). Contrastive search returns
+    one sequence per prompt with score None."""
+    t0 = time.perf_counter()
+    if search_strategy(config) == "beam":
+        res = beam_search(model, prompt_ids, config)
+        out = [[{"output_ids": s, "score": sc, "finish_reason": r} for s, sc, r in zip(seqs, scores, reasons)]
+               for seqs, scores, reasons in zip(res.sequences, res.scores, res.finish_reasons)]
+    else:
+        res = contrastive_search(model, prompt_ids, config)
+        out = [[{"output_ids": s, "score": None, "finish_reason": r}] for s, r in zip(res.sequences, res.finish_reasons)]
+    return out, time.perf_counter() - t0
 
 
 def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | None, record: RunDir, console: Console) -> dict[str, Any]:
@@ -38,6 +76,9 @@ def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | No
     for b, rows in enumerate(batches):
         # Each batch is its own session; with a seed, batch b draws from seed + b so batches differ.
         config = generate_config(settings, None if seed is None else seed + b, list(tok.stop_token_ids) or None)
+        if search_strategy(config):
+            results.extend(_search_batch(loaded, settings, config, rows, prompt_ids, b, record, console))
+            continue
         generator = Generator(loaded.model, config, tokenizer=tok)
         stream = settings.stream and len(rows) == 1
         if stream:
@@ -66,15 +107,37 @@ def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | No
             })
         record.log(f"batch {b}: {len(rows)} prompt(s), {out.n_generated} tokens, prefill {out.prefill_s:.3f}s, "
                    f"decode {out.decode_s:.3f}s ({out.decode_tok_s:.1f} tok/s)")
-    rates = [r["decode_tok_s"] for r in results if r["decode_tok_s"] > 0]
+    rates = [r["decode_tok_s"] for r in results if r["decode_tok_s"]]
+    prefills = [r["prefill_s"] for r in results if r["prefill_s"] is not None]   # searches have none
     return {
         "mode": "generate",
         "prompts": results,
         "summary": {
             "n_prompts": len(results),
             "new_tokens": sum(len(r["output_ids"]) for r in results),
-            "prefill_s_median": statistics.median(r["prefill_s"] for r in results),
+            "prefill_s_median": statistics.median(prefills) if prefills else None,
             "decode_tok_s_median": statistics.median(rates) if rates else None,
             "cache_kind": settings.cache_kind,
+            "cache_policy": generate_config(settings, None, None).cache_spec().to_dict(),
         },
     }
+
+
+def _search_batch(loaded: LoadedModel, settings: GenerateSettings, config: GenerateConfig, rows: range,
+                  prompt_ids: list[list[int]], b: int, record: RunDir, console: Console) -> list[dict[str, Any]]:
+    """One batch through beam or contrastive search: the best sequence as the prompt's output,
+    every returned one (with its score) under "beams"."""
+    tok = loaded.tokenizer
+    found, elapsed = run_search(loaded.model, [prompt_ids[i] for i in rows], config)
+    results = []
+    for j, i in enumerate(rows):
+        beams = [{**f, "text": completion_text(tok, f["output_ids"], [])} for f in found[j]]
+        console.print(f"[bold]{settings.prompts[i]}[/bold]{beams[0]['text']}", highlight=False)
+        results.append({
+            "prompt": settings.prompts[i], "prompt_ids": prompt_ids[i], "output_ids": beams[0]["output_ids"],
+            "text": beams[0]["text"], "finish_reason": beams[0]["finish_reason"], "score": beams[0]["score"],
+            "beams": beams, "strategy": search_strategy(config), "batch": b, "search_s": elapsed,
+            "prefill_s": None, "decode_s": None, "decode_tok_s": None,
+        })
+    record.log(f"batch {b}: {len(rows)} prompt(s), {search_strategy(config)} search, {elapsed:.3f}s")
+    return results
