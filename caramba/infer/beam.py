@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from caramba.infer.generate import GenerateConfig
+from caramba.infer.padding import as_rows, left_pad
 from caramba.infer.sampling import History, process_logits
 
 NEG = -1.0e9   # HF's "never chosen" score offset
@@ -38,32 +39,12 @@ class BeamResult:
     elapsed_s: float
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged prompts -> ids [B, T] and mask [B, T] (True on real tokens), padding on the left."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = True
-    return ids, mask
-
-
 def check_deterministic(cfg: GenerateConfig, what: str) -> None:
     """Beam and contrastive search are deterministic; sampling settings would be silently ignored."""
     if cfg.temperature not in (0.0, 1.0) or cfg.top_p not in (None, 1.0) or cfg.min_p is not None:
         raise ValueError(f"{what} is deterministic: drop temperature/top_p/min_p (set temperature to 0 or 1)")
     if cfg.stop_sequences:
         raise ValueError(f"{what} stops on EOS and max_new_tokens only: drop stop_sequences")
-
-
-def as_rows(input_ids) -> list[list[int]]:
-    """One prompt (ids or [T] tensor) or a batch (lists or [B, T] tensor) -> a list of id lists."""
-    if isinstance(input_ids, torch.Tensor):
-        input_ids = input_ids.tolist() if input_ids.dim() == 2 else [input_ids.tolist()]
-    return [list(input_ids)] if input_ids and isinstance(input_ids[0], int) else [list(r) for r in input_ids]
 
 
 @torch.inference_mode()
@@ -189,4 +170,4 @@ def beam_search(model, input_ids, config: GenerateConfig | None = None, **overri
     return BeamResult(sequences, scores, reasons, steps, time.perf_counter() - t0)
 
 
-__all__ = ["BeamResult", "as_rows", "beam_search", "check_deterministic", "left_pad"]
+__all__ = ["BeamResult", "beam_search", "check_deterministic"]

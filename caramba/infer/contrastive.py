@@ -20,7 +20,8 @@ from dataclasses import replace
 
 import torch
 
-from caramba.infer.beam import as_rows, check_deterministic, left_pad
+from caramba.infer.beam import check_deterministic
+from caramba.infer.padding import as_rows, left_pad
 from caramba.infer.generate import GenerateConfig, GenerationResult
 from caramba.infer.sampling import History, process_logits
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from caramba.infer.padding import left_pad
 from caramba.infer.rowcache import RowCache
 from caramba.model.transformer import InputMajorLinear, Transformer
 
@@ -61,7 +62,7 @@ class ModelDraft:
         K = max(ks)
         if K == 0:
             return [[] for _ in range(B)], None
-        tokens, mask = left_pad(missing, width, pad_id, device)
+        tokens, mask = left_pad(missing, pad_id, width, device)
         logits = rows.feed(tokens, mask, last_only=True)[:, -1]
         self.forwards += 1
         for r in range(B):
@@ -136,13 +137,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while a[i] == b[i]:
         i += 1
     return i
-
-
-def left_pad(rows: list[list[int]], width: int, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged rows -> ids [B, width] padded on the left, and the mask of real ones."""
-    tokens = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], dtype=torch.long).view(len(rows), width)
-    mask = torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in rows]).view(len(rows), width)
-    return tokens.to(device), mask.to(device)
 
 
 # ---- drafts built from the target ----------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 
 from caramba.cache import CachePolicy, KVCache, KVCacheKind
 from caramba.cache.layer import CacheOverflowError
+from caramba.infer.padding import left_pad
 from caramba.infer.sampling import History, SamplingParams, process_logits, select_tokens
 
 
@@ -302,13 +303,7 @@ class Generator:
                 mask = mask[None]
         else:
             rows = [list(input_ids)] if input_ids and isinstance(input_ids[0], int) else [list(r) for r in input_ids]
-            width = max(len(r) for r in rows)
-            tokens = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros(len(rows), width, dtype=torch.bool)
-            for i, r in enumerate(rows):
-                if r:
-                    tokens[i, width - len(r):] = torch.tensor(r)
-                    mask[i, width - len(r):] = True
+            tokens, mask = left_pad(rows, self.pad_id)
         if bool((mask[:, :-1] & ~mask[:, 1:]).any()):  # a real token followed by padding
             raise ValueError("attention_mask must be left-padded (padding before each row's tokens); "
                              "use padding_side='left' or pass ragged lists of ids")

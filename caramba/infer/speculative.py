@@ -36,9 +36,10 @@ import torch.nn.functional as F
 
 from caramba.cache.layer import CacheOverflowError
 from caramba.infer.drafts import (
-    DRAFT_KINDS, ModelDraft, PromptLookupDraft, left_pad, check_vocab, int8_self_draft, layer_skip_draft,
+    DRAFT_KINDS, ModelDraft, PromptLookupDraft, check_vocab, int8_self_draft, layer_skip_draft,
 )
 from caramba.infer.generate import GenerateConfig, GenerationResult
+from caramba.infer.padding import as_rows, left_pad
 from caramba.infer.rowcache import RowCache
 from caramba.infer.sampling import process_logits, select_tokens
 
@@ -178,9 +179,9 @@ class SpeculativeGenerator:
     def generate(self, input_ids, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T] (or ragged lists) -> [B, T + N] like Generator.generate: the input, then the
         new tokens, right-padded with the pad id where a row stopped early."""
-        rows = _as_rows(input_ids, attention_mask)
+        rows = as_rows(input_ids, attention_mask)
         result = self.run(rows)
-        tokens, _ = left_pad(rows, max(len(r) for r in rows), self.pad_id, "cpu")
+        tokens, _ = left_pad(rows, self.pad_id)
         width = max(len(s) for s in result.sequences)
         out = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         for i, seq in enumerate(result.sequences):
@@ -192,7 +193,7 @@ class SpeculativeGenerator:
         """Generate; per-row tokens, finish reasons, timings and stats (also kept in .stats).
         on_token(row, token_id) is called as tokens are accepted (for streaming)."""
         cfg = self.config
-        rows = _as_rows(input_ids, attention_mask)
+        rows = as_rows(input_ids, attention_mask)
         B, device = len(rows), self.target.device
         width = max(len(r) for r in rows)
         if width + cfg.max_new_tokens - 1 > cfg.max_seq_len:
@@ -232,7 +233,7 @@ class SpeculativeGenerator:
                 active[r] = False
 
         t0 = time.perf_counter()
-        tokens, mask = left_pad(rows, width, self.pad_id, device)
+        tokens, mask = left_pad(rows, self.pad_id, width, device)
         logits = target.feed(tokens, mask, last_only=True)[:, -1]
         first = select_tokens(process_logits(logits, sampling, seen), sampling, self.rng).tolist()
         for r in range(B):
@@ -255,7 +256,7 @@ class SpeculativeGenerator:
                 drafts, q = self.draft.propose(contexts, want, self._picker(seen, B), self.pad_id, cfg.spec_confidence)
             block = [[contexts[r][-1], *drafts[r]] if active[r] else [] for r in range(B)]
             W = max(len(b) for b in block)
-            tokens, mask = left_pad(block, W, self.pad_id, device)
+            tokens, mask = left_pad(block, self.pad_id, W, device)
             n_before = target.n.clone()
             logits = target.feed(tokens, mask)                           # [B, W, V]
             stats.target_forwards += 1
@@ -383,19 +384,6 @@ class SpeculativeGenerator:
             text = self.tokenizer.decode(seq[-longest:])
             return any(s in text for s in self._stop_strings)
         return False
-
-
-def _as_rows(input_ids, attention_mask) -> list[list[int]]:
-    """Tensor [T] / [B, T] (optionally with a left-padding mask) or (ragged) lists -> lists of ids."""
-    if isinstance(input_ids, torch.Tensor):
-        tokens = input_ids if input_ids.dim() == 2 else input_ids[None]
-        mask = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool().view(tokens.shape)
-        rows = [t[m].tolist() for t, m in zip(tokens.cpu(), mask.cpu())]
-    else:
-        rows = [list(input_ids)] if input_ids and isinstance(input_ids[0], int) else [list(r) for r in input_ids]
-    if not rows or any(len(r) == 0 for r in rows):
-        raise ValueError("every row needs at least one input token")
-    return rows
 
 
 __all__ = ["SPEC_ACCEPT_WINDOW", "SPEC_PROBE_INTERVAL", "SpeculativeConfig", "SpeculativeGenerator",
