@@ -31,7 +31,7 @@ def rand_tokens(B: int = 2, T: int = 12, seed: int = 0) -> torch.Tensor:
 
 def load_dir(path: Path):
     cfg = hf_loader.config_from_dir(path)
-    return build_model(cfg, fuse_hf_state_dict(hf_loader.read_hf_tensors(path), cfg), torch.float32, CPU)
+    return build_model(cfg, fuse_hf_state_dict(hf_loader.read_hf_tensors(path, cfg), cfg), torch.float32, CPU)
 
 
 def hf_state(model) -> dict[str, torch.Tensor]:

@@ -150,10 +150,15 @@ def test_untied_head_uses_lm_head_not_the_embedding():
 def test_config_validation_and_round_trip():
     with pytest.raises(ValueError, match="n_heads=6 is not a multiple of n_kv_heads=4"):
         tiny_config(n_heads=6, n_kv_heads=4)
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
-        ModelConfig.from_hf({"model_type": "gpt2"})
-    cfg = tiny_config(rope_scaling=LLAMA3, qkv_bias=True)
-    assert ModelConfig.from_dict(json.loads(cfg.to_json())) == cfg
+    with pytest.raises(ValueError, match="model_type 'falcon' is not supported"):
+        ModelConfig.from_hf({"model_type": "falcon"})
+    with pytest.raises(ValueError, match="ModelConfig.norm='batch': use one of rms, layer"):
+        tiny_config(norm="batch")
+    with pytest.raises(ValueError, match="mlp_bias needs a GELU mlp"):
+        tiny_config(mlp_bias=True)
+    for cfg in (tiny_config(rope_scaling=LLAMA3, qkv_bias=True),
+                tiny_config(norm="layer", mlp="gelu", positions="learned", qkv_bias=True, out_bias=True, mlp_bias=True)):
+        assert ModelConfig.from_dict(json.loads(cfg.to_json())) == cfg
 
 
 def test_unknown_rope_type_is_rejected():

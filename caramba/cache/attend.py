@@ -16,6 +16,8 @@ offsets (q8_0: c + 1/2, q4_0: u - 7.5) fold the same way: q . (u - o) = q . u - 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from caramba.cache.kinds import KVCacheKind
@@ -109,27 +111,43 @@ def _value_mix(p: torch.Tensor, stream, s0: int, s1: int) -> torch.Tensor:
 
 def attend_chunked(q: torch.Tensor, k_stream, v_stream, end: int, mask: torch.Tensor | None,
                    chunk: int | None = None) -> torch.Tensor:
-    """q [B, H, T, D] over cached slots [0, end) -> [B, H, T, Dv].
+    """q [B, H, T, D] over cached slots [0, end) -> [B, H, T, Dv] (scaled by D^-1/2)."""
+    return attend_pairs([(q, k_stream)], v_stream, end, mask, q.shape[-1] ** -0.5, chunk)
 
-    mask: [B, 1, T, end] bool (True = attend) or None (every slot). Grouped-query heads share
-    their KV head without copying it: q is viewed [B, KVH, G*T, D].
+
+def attend_pairs(pairs: Sequence[tuple[torch.Tensor, object]], v_stream, end: int, mask: torch.Tensor | None,
+                 scale: float, chunk: int | None = None) -> torch.Tensor:
+    """softmax(scale * sum_i q_i . k_i) @ V over cached slots [0, end) -> [B, H, T, Dv].
+
+    pairs: (q_i [B, H, T, D_i], key stream i) whose scores add up before the one softmax: one
+    pair for standard attention, (semantic, geometric) for decoupled attention. mask:
+    [B, 1, T, end] bool (True = attend) or None (every slot). Grouped-query heads share their
+    KV head without copying it: each q is viewed [B, KVH, G*T, D_i].
     """
     chunk = chunk or READ_CHUNK
-    B, H, T, D = q.shape
-    KVH = k_stream.n_heads
+    q0, v0 = pairs[0][0], v_stream
+    B, H, T, _ = q0.shape
+    KVH = v0.n_heads
     G = H // KVH
-    qg = q.reshape(B, KVH, G * T, D) * D**-0.5
-    qx = _per_block_rows(qg, k_stream.nb) if k_stream.quantized else None
-    scores = torch.cat([
-        _key_scores(qx, k_stream, s0, s1) if coded else qg @ _float_values(k_stream, s0, s1, q.dtype).transpose(-1, -2)
-        for s0, s1, coded in _pieces(k_stream, end, chunk)
-    ], dim=-1)                                                 # [B, KVH, G*T, end]
+    scores = None
+    for q, k_stream in pairs:
+        part = _stream_scores(q.reshape(B, KVH, G * T, q.shape[-1]) * scale, k_stream, end, chunk)
+        scores = part if scores is None else scores.add_(part)        # [B, KVH, G*T, end]
     if mask is not None:
         scores = scores.view(B, KVH, G, T, end).masked_fill(~mask[:, :, None], float("-inf")).view(B, KVH, G * T, end)
-    p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    p = torch.softmax(scores.float(), dim=-1).to(q0.dtype)
     out = None
     for s0, s1, coded in _pieces(v_stream, end, chunk):
         ps = p[..., s0:s1]
-        part = _value_mix(ps, v_stream, s0, s1) if coded else ps @ _float_values(v_stream, s0, s1, q.dtype)
+        part = _value_mix(ps, v_stream, s0, s1) if coded else ps @ _float_values(v_stream, s0, s1, q0.dtype)
         out = part if out is None else out.add_(part)
     return out.view(B, KVH, G, T, -1).reshape(B, H, T, -1)
+
+
+def _stream_scores(qg: torch.Tensor, k_stream, end: int, chunk: int) -> torch.Tensor:
+    """Scaled queries qg [B, KVH, R, D] against one key stream's slots [0, end) -> [B, KVH, R, end]."""
+    qx = _per_block_rows(qg, k_stream.nb) if k_stream.quantized else None
+    return torch.cat([
+        _key_scores(qx, k_stream, s0, s1) if coded else qg @ _float_values(k_stream, s0, s1, qg.dtype).transpose(-1, -2)
+        for s0, s1, coded in _pieces(k_stream, end, chunk)
+    ], dim=-1)

@@ -146,12 +146,13 @@ class _AssembledTransformer(Transformer):
     """A Transformer made of given modules (shared, not copied). Device, dtype and the input
     embeddings do not go through the head, so the head may be any module (an int8 one)."""
 
-    def __init__(self, cfg, embed_weight: torch.Tensor, layers: list[nn.Module], norm: nn.Module, head: nn.Module) -> None:
+    def __init__(self, cfg, embed_weight: torch.Tensor, layers: list[nn.Module], norm: nn.Module, head: nn.Module,
+                 wpe: nn.Module | None) -> None:
         with torch.device("meta"):  # the parent allocates every weight; all of them are replaced
             super().__init__(cfg)
         self.embed = None
         self.layers = nn.ModuleList(layers)
-        self.norm, self.head = norm, head
+        self.norm, self.head, self.wpe = norm, head, wpe  # wpe: learned positions (GPT-2) or None
         self._embed_weight = embed_weight  # [V, dim]; a plain attribute, owned by the target
 
     @property
@@ -178,31 +179,35 @@ def layer_skip_draft(target: Transformer, n_layers: int | None = None) -> Transf
     if not 1 <= n < total:
         raise ValueError(f"layer_skip draft_layers={n} must be in [1, {total - 1}] for a {total}-layer target")
     cfg = dataclasses.replace(target.config, n_layers=n)
-    return _AssembledTransformer(cfg, _embedding_matrix(target), list(target.layers[:n]), target.norm, target.head).eval()
+    return _AssembledTransformer(cfg, _embedding_matrix(target), list(target.layers[:n]), target.norm, target.head,
+                                 target.wpe).eval()
 
 
 def int8_self_draft(target: Transformer) -> Transformer:
-    """A copy of the target whose linear layers (q|k|v, o, gate|up, down and the vocabulary
-    head) are int8 dynamically quantized (per-output-channel weights, per-token activations).
+    """A copy of the target whose linear layers (q|k|v, o, the MLP's and the vocabulary head)
+    are int8 dynamically quantized (per-output-channel weights, per-token activations).
     CPU only (fbgemm/qnnpack kernels); runs in float32 whatever the target's dtype."""
     if target.device.type != "cpu":
         raise ValueError(f"the self_int8 draft needs a CPU target (torch's int8 dynamic kernels); got {target.device}")
     layers = []
     for block in target.layers:
         block = copy.deepcopy(block).float()
-        block.attn.wqkv = _int8(block.attn.wqkv.weight, block.attn.wqkv.bias)
-        block.attn.wo = _int8(block.attn.wo.weight, block.attn.wo.bias)
-        block.mlp.w13 = _int8_input_major(block.mlp.w13)
-        block.mlp.w2 = _int8(block.mlp.w2.weight, block.mlp.w2.bias)
+        for module in list(block.modules()):  # every family's projections, whatever their names
+            for name, child in module.named_children():
+                if isinstance(child, InputMajorLinear):
+                    setattr(module, name, _int8_input_major(child))
+                elif isinstance(child, nn.Linear):
+                    setattr(module, name, _int8(child.weight, child.bias))
         layers.append(block)
     norm = copy.deepcopy(target.norm).float()
     head = _int8_input_major(target.head)
-    return _AssembledTransformer(target.config, _embedding_matrix(target).float(), layers, norm, head).eval()
+    wpe = None if target.wpe is None else copy.deepcopy(target.wpe).float()
+    return _AssembledTransformer(target.config, _embedding_matrix(target).float(), layers, norm, head, wpe).eval()
 
 
 def _int8_input_major(layer: InputMajorLinear) -> nn.Module:
     # InputMajorLinear stores [in, out]; the quantized Linear wants nn.Linear's [out, in].
-    return _int8(layer.weight_t.t(), None)
+    return _int8(layer.weight_t.t(), getattr(layer, "bias", None))
 
 
 def _int8(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:

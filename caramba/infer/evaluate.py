@@ -107,10 +107,11 @@ def evaluate_cache(
             on_step(t - prompt_len + 1, total)
     base_nll = scores[0].nll / scores[0].n
     results = []
+    decoupled = model.config.attention == "decoupled"   # names k_sem/k_geo/v kinds
     for policy, cache, s in list(zip(policies, caches, scores))[1:]:
         nll = s.nll / s.n
         results.append(EvalResult(
-            policy=policy.describe(), n_scored=s.n, nll=nll, ppl=float(torch.tensor(nll).exp()),
+            policy=policy.describe(decoupled), n_scored=s.n, nll=nll, ppl=float(torch.tensor(nll).exp()),
             baseline_nll=base_nll, baseline_ppl=float(torch.tensor(base_nll).exp()),
             kl_mean=s.kl / s.n, kl_max=s.kl_max, top1_agreement=s.agree / s.n,
             bytes_per_token=cache.bytes_per_token(),

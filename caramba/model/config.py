@@ -22,12 +22,30 @@ class ModelConfig:
     max_position_embeddings: int = 8192
     tie_embeddings: bool = True
     qkv_bias: bool = False         # Qwen2-style checkpoints carry q/k/v biases
+    # Family variations (defaults: Llama). GPT-2: "layer", "gelu_tanh", "learned", both biases.
+    norm: str = "rms"              # "rms" (RMSNorm) | "layer" (LayerNorm with bias)
+    mlp: str = "swiglu"            # "swiglu" | "gelu_tanh" | "gelu" (fc -> GELU -> proj)
+    positions: str = "rope"        # "rope" | "learned" (a table of max_position_embeddings rows)
+    out_bias: bool = False         # bias on the attention output projection
+    mlp_bias: bool = False         # biases on the GELU MLP's fc and proj
+    # "standard" or "decoupled" (DBA, caramba.model.decoupled): per head, a semantic query/key
+    # path of sem_dim without RoPE plus a geometric one of geo_dim with RoPE; values stay head_dim.
+    attention: str = "standard"
+    sem_dim: int = 0               # per head (query and KV heads alike); decoupled only
+    geo_dim: int = 0               # per head, even (RoPE pairs); decoupled only
     name: str = "llama"
     extra: dict[str, Any] = field(default_factory=dict)  # provenance (source file, hash, ...)
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        _check_attention(self)
+        for name, allowed in (("norm", ("rms", "layer")), ("mlp", ("swiglu", "gelu_tanh", "gelu")),
+                              ("positions", ("rope", "learned"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: use one of {', '.join(allowed)}")
+        if self.mlp_bias and self.mlp == "swiglu":
+            raise ValueError("ModelConfig.mlp_bias needs a GELU mlp (the fused SwiGLU projection has no bias)")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -38,10 +56,16 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """From a transformers config.json (Llama, Mistral, Qwen2 families)."""
+        """From a transformers config.json (Llama, Mistral, Qwen2 and GPT-2 families).
+
+        Settings this model cannot compute exactly (a sliding window that can bind, GPT-2's
+        per-layer attention scaling, ...) raise ValueError rather than load a different model."""
         arch = hf.get("model_type", "llama")
+        if arch == "gpt2":
+            return cls(**_gpt2_fields(hf))
         if arch not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"model_type {arch!r} is not supported (supported: llama, mistral, qwen2)")
+            raise ValueError(f"model_type {arch!r} is not supported (supported: llama, mistral, qwen2, gpt2)")
+        _check_llama_family(arch, hf)
         n_heads = hf["num_attention_heads"]
         dim = hf["hidden_size"]
         scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
@@ -65,5 +89,78 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+            out_bias=arch == "llama" and bool(hf.get("attention_bias", False)),  # Llama's biases q, k, v and o
             name=arch,
         )
+
+
+# HF activation names -> ModelConfig.mlp. The tanh forms (gelu_new is GPT-2's) are one function.
+GELU_ACTIVATIONS = {
+    "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh", "gelu_accurate": "gelu_tanh", "gelu": "gelu", "gelu_python": "gelu",
+}
+
+
+def _check_llama_family(arch: str, hf: dict[str, Any]) -> None:
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported for {arch} (its MLP is SwiGLU: silu)")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias: true is not supported (the fused gate|up projection has no bias)")
+    # Qwen2 / Mistral sliding-window layers attend to the last `sliding_window` keys only; with
+    # full attention that is the same model only while no position can reach past the window.
+    window = hf.get("sliding_window")
+    if arch == "qwen2" and not hf.get("use_sliding_window", False):
+        window = None
+    if window is None or window >= hf.get("max_position_embeddings", 2048):
+        return
+    layer_types = hf.get("layer_types")
+    if layer_types is None:  # Qwen2 slides from max_window_layers on, Mistral everywhere
+        first = hf.get("max_window_layers", 0) if arch == "qwen2" else 0
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(hf["num_hidden_layers"])]
+    if "sliding_attention" in layer_types:
+        raise ValueError(f"sliding_window={window} is enabled ({arch}) and shorter than max_position_embeddings="
+                         f"{hf.get('max_position_embeddings', 2048)}; caramba attends to the full context, so "
+                         f"it would compute a different model past {window} tokens. Set use_sliding_window: false "
+                         f"(or sliding_window: null) in config.json if the model was trained without it.")
+
+
+def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """GPT-2: learned positions, LayerNorm, GELU MLP, biases everywhere, no RoPE."""
+    if not hf.get("scale_attn_weights", True):
+        raise ValueError("scale_attn_weights: false is not supported (caramba scales scores by 1/sqrt(head_dim))")
+    if hf.get("scale_attn_by_inverse_layer_idx", False):
+        raise ValueError("scale_attn_by_inverse_layer_idx: true is not supported (caramba scales every layer's "
+                         "scores by 1/sqrt(head_dim) only)")
+    # reorder_and_upcast_attn only makes HF's eager attention compute in float32: the same function.
+    act = hf.get("activation_function", "gelu_new")
+    if act not in GELU_ACTIVATIONS:
+        raise ValueError(f"activation_function {act!r} is not supported for gpt2 "
+                         f"(supported: {', '.join(GELU_ACTIVATIONS)})")
+    dim, n_heads = hf["n_embd"], hf["n_head"]
+    if dim % n_heads:
+        raise ValueError(f"n_embd={dim} is not a multiple of n_head={n_heads}")
+    return dict(
+        vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["n_layer"], n_heads=n_heads, n_kv_heads=n_heads,
+        head_dim=dim // n_heads, intermediate_size=hf.get("n_inner") or 4 * dim,
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5), max_position_embeddings=hf["n_positions"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), qkv_bias=True, out_bias=True, mlp_bias=True,
+        norm="layer", mlp=GELU_ACTIVATIONS[act], positions="learned", name="gpt2",
+    )
+
+
+def _check_attention(cfg: ModelConfig) -> None:
+    """The attention switch and the decoupled (DBA) widths."""
+    if cfg.attention not in ("standard", "decoupled"):
+        raise ValueError(f"ModelConfig.attention={cfg.attention!r}: use standard or decoupled")
+    if cfg.attention == "standard":
+        if cfg.sem_dim or cfg.geo_dim:
+            raise ValueError("ModelConfig.sem_dim/geo_dim are for attention: decoupled; drop them or set it")
+        return
+    if cfg.sem_dim < 1 or cfg.geo_dim < 2 or cfg.geo_dim % 2:
+        raise ValueError(f"attention: decoupled needs sem_dim >= 1 and an even geo_dim >= 2 (per head); "
+                         f"got sem_dim={cfg.sem_dim}, geo_dim={cfg.geo_dim}")
+    if getattr(cfg, "positions", "rope") != "rope":
+        raise ValueError("attention: decoupled needs RoPE positions (its geometric path is rotary)")
+    if cfg.geo_dim > cfg.head_dim:   # its pairs turn at head_dim's RoPE frequencies
+        raise ValueError(f"geo_dim={cfg.geo_dim} must be <= head_dim={cfg.head_dim}")

@@ -40,12 +40,14 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+def read_hf_tensors(path: Path, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor, named as transformers names them (`cfg` says which family's prefix)."""
     tensors: dict[str, torch.Tensor] = {}
     for f in safetensors_files(path):
         try:
             tensors.update(load_file(str(f)))
         except Exception as e:  # safetensors raises its own error types on corrupt headers
             raise ValueError(f"{f} is not a readable safetensors file ({e})") from None
-    # Some checkpoints name the decoder without the `model.` prefix.
-    return {k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v for k, v in tensors.items()}
+    # Some checkpoints name the decoder without its prefix (`model.`; GPT-2's hub files: `transformer.`).
+    prefix = "transformer." if cfg is not None and cfg.name == "gpt2" else "model."
+    return {k if k.startswith((prefix, "lm_head.")) else prefix + k: v for k, v in tensors.items()}

@@ -8,27 +8,36 @@ from caramba.model.config import ModelConfig
 
 
 def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Map `model.layers.N.self_attn.q_proj.weight`-style tensors onto Transformer's names.
+    """Map a transformers state dict (`model.layers.N.self_attn.q_proj.weight`, or GPT-2's
+    `transformer.h.N.attn.c_attn.weight`) onto Transformer's names.
 
-    q|k|v and gate|up are concatenated so each runs as one matmul; gate|up and the head are
-    stored transposed (see InputMajorLinear).
+    q|k|v and gate|up are concatenated so each runs as one matmul; gate|up, GPT-2's fc and the
+    head are stored transposed (see InputMajorLinear).
     """
-    missing = []
+    take = _Taker(hf)
+    out = (_gpt2 if cfg.name == "gpt2" else _llama)(take, cfg)
+    if take.missing:
+        shown = ", ".join(take.missing[:5]) + (f" (+{len(take.missing) - 5} more)" if len(take.missing) > 5 else "")
+        raise ValueError(f"checkpoint is missing tensors: {shown}")
+    return out
 
-    def take(name: str, optional: bool = False) -> torch.Tensor | None:
-        if name in hf:
-            return hf[name]
-        if not optional:
-            missing.append(name)
-        return None
 
+class _Taker:
+    """hf[name], noting every absent name so one error can list them all."""
+
+    def __init__(self, hf: dict[str, torch.Tensor]) -> None:
+        self.hf, self.missing = hf, []
+
+    def __call__(self, name: str) -> torch.Tensor | None:
+        if name not in self.hf:
+            self.missing.append(name)
+        return self.hf.get(name)
+
+
+def _llama(take: _Taker, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     embed = take("model.embed_tokens.weight")
     out: dict[str, torch.Tensor] = {"norm.weight": take("model.norm.weight")}
-    if cfg.tie_embeddings:
-        out["head.weight_t"] = _t(embed)
-    else:
-        out["embed.weight"] = embed
-        out["head.weight_t"] = _t(take("lm_head.weight"))
+    _embeddings(out, take, cfg, embed)
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
         qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
@@ -36,14 +45,46 @@ def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         if cfg.qkv_bias:
             out[f"layers.{i}.attn.wqkv.bias"] = _cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
         out[f"layers.{i}.attn.wo.weight"] = take(p + "self_attn.o_proj.weight")
+        if cfg.out_bias:
+            out[f"layers.{i}.attn.wo.bias"] = take(p + "self_attn.o_proj.bias")
         out[f"layers.{i}.mlp.w13.weight_t"] = _t(_cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
         out[f"layers.{i}.mlp.w2.weight"] = take(p + "mlp.down_proj.weight")
         out[f"layers.{i}.attn_norm.weight"] = take(p + "input_layernorm.weight")
         out[f"layers.{i}.mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-        raise ValueError(f"checkpoint is missing tensors: {shown}")
     return out
+
+
+def _gpt2(take: _Taker, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """GPT-2's Conv1D weights are [in, out]: transposed for nn.Linear slots, as-is for fc."""
+    p = "transformer."
+    out: dict[str, torch.Tensor] = {"wpe.weight": take(p + "wpe.weight")}
+    _embeddings(out, take, cfg, take(p + "wte.weight"))
+    out.update(_layer_norm(take, p + "ln_f", "norm"))
+    for i in range(cfg.n_layers):
+        h, o = f"{p}h.{i}.", f"layers.{i}."
+        out.update(_layer_norm(take, h + "ln_1", o + "attn_norm"))
+        out.update(_layer_norm(take, h + "ln_2", o + "mlp_norm"))
+        out[o + "attn.wqkv.weight"] = _t(take(h + "attn.c_attn.weight"))   # q | k | v along out
+        out[o + "attn.wqkv.bias"] = take(h + "attn.c_attn.bias")
+        out[o + "attn.wo.weight"] = _t(take(h + "attn.c_proj.weight"))
+        out[o + "attn.wo.bias"] = take(h + "attn.c_proj.bias")
+        out[o + "mlp.fc.weight_t"] = take(h + "mlp.c_fc.weight")
+        out[o + "mlp.fc.bias"] = take(h + "mlp.c_fc.bias")
+        out[o + "mlp.proj.weight"] = _t(take(h + "mlp.c_proj.weight"))
+        out[o + "mlp.proj.bias"] = take(h + "mlp.c_proj.bias")
+    return out
+
+
+def _embeddings(out: dict, take: _Taker, cfg: ModelConfig, embed: torch.Tensor | None) -> None:
+    if cfg.tie_embeddings:
+        out["head.weight_t"] = _t(embed)
+    else:
+        out["embed.weight"] = embed
+        out["head.weight_t"] = _t(take("lm_head.weight"))
+
+
+def _layer_norm(take: _Taker, hf_name: str, name: str) -> dict[str, torch.Tensor]:
+    return {f"{name}.weight": take(f"{hf_name}.weight"), f"{name}.bias": take(f"{hf_name}.bias")}
 
 
 def _t(w: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,4 +1,5 @@
-"""A Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""A Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU. The config swaps in
+GPT-2's parts (LayerNorm, learned absolute positions, a GELU MLP, biases) where a family needs them.
 
 One forward serves prefill, single-token decode and multi-token verify: token ids, their
 positions and the cache go in, logits come out. Projections are fused (q|k|v and gate|up)
@@ -13,6 +14,7 @@ from torch import nn
 
 from caramba.cache import CachePolicy, KVCache, KVCacheKind, LayerKVCache
 from caramba.model.config import ModelConfig
+from caramba.model.decoupled import DecoupledAttention, decoupled_cache
 from caramba.model.rope import RotaryTable, apply_rope
 
 
@@ -35,14 +37,17 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q_width, self.kv_width = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.wqkv = nn.Linear(cfg.dim, self.q_width + 2 * self.kv_width, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(self.q_width, cfg.dim, bias=False)
+        self.wo = nn.Linear(self.q_width, cfg.dim, bias=cfg.out_bias)
 
     def forward(self, x, cos, sin, cache: LayerKVCache | None, mask: torch.Tensor | None, causal: bool):
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
-        qk = apply_rope(qkv[:, : self.n_heads + self.n_kv_heads], cos, sin)  # q and k heads in one go
-        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)             # [B, H, T, D], [B, KVH, T, D]
-        v = qkv[:, self.n_heads + self.n_kv_heads :]                        # [B, KVH, T, D]
+        if cos is None:  # learned absolute positions (GPT-2), already in x: nothing to rotate
+            q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
+        else:
+            qk = apply_rope(qkv[:, : self.n_heads + self.n_kv_heads], cos, sin)  # q and k heads in one go
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)             # [B, H, T, D], [B, KVH, T, D]
+            v = qkv[:, self.n_heads + self.n_kv_heads :]                        # [B, KVH, T, D]
         if cache is not None:
             y = cache.attend(q, k, v, mask, causal)                        # appends k, v; reads [0, S)
         else:
@@ -78,13 +83,41 @@ class MLP(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
+class BiasedInputMajorLinear(InputMajorLinear):
+    """InputMajorLinear plus a bias: GPT-2's c_fc, a Conv1D whose weight is already [in, out]."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features)
+        self.bias = nn.Parameter(torch.empty(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.flatten(0, -2), self.weight_t).view(*x.shape[:-1], -1)
+
+
+class GeluMLP(nn.Module):
+    """fc -> GELU -> proj (GPT-2). fc is wide, so it is input-major like gate|up."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = (BiasedInputMajorLinear if cfg.mlp_bias else InputMajorLinear)(cfg.dim, cfg.intermediate_size)
+        self.proj = nn.Linear(cfg.intermediate_size, cfg.dim, bias=cfg.mlp_bias)
+        self.approximate = "tanh" if cfg.mlp == "gelu_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    return RMSNorm(cfg.dim, cfg.norm_eps) if cfg.norm == "rms" else nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.attn_norm = make_norm(cfg)
+        self.attn = (DecoupledAttention if cfg.attention == "decoupled" else Attention)(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg) if cfg.mlp == "swiglu" else GeluMLP(cfg)
 
     def forward(self, x, cos, sin, cache, mask, causal):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, mask, causal)
@@ -98,8 +131,10 @@ class Transformer(nn.Module):
         # Tied models keep one matrix: the head's [dim, vocab], whose columns are the embeddings.
         self.embed = None if cfg.tie_embeddings else nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = make_norm(cfg)
         self.head = InputMajorLinear(cfg.dim, cfg.vocab_size)
+        # GPT-2's learned absolute positions [max_position_embeddings, dim]; RoPE models have none.
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.dim) if cfg.positions == "learned" else None
         self._rope: RotaryTable | None = None
 
     @property
@@ -123,6 +158,9 @@ class Transformer(nn.Module):
     ) -> KVCache:
         """A cache of one kind for every stream, or as a CachePolicy says (per stream, per layer)."""
         policy = CachePolicy.of(kind)
+        if self.config.attention == "decoupled":   # k_sem, k_geo and v streams
+            return decoupled_cache(self.config, batch_size, max_seq_len, policy, self.device, self.dtype)
+        policy.check_streams(decoupled=False)
         width = self.config.n_kv_heads * self.config.head_dim
         layers = []
         for i in range(self.config.n_layers):
@@ -139,23 +177,39 @@ class Transformer(nn.Module):
                 self._rope = RotaryTable(self.config, size, self.device)
         return self._rope(positions, self.dtype)
 
+    def learned_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [B, T] -> rows of the learned table [B, T, dim], indexed exactly as RoPE's."""
+        limit = self.wpe.num_embeddings
+        if int(positions.max()) >= limit:
+            raise ValueError(f"position {int(positions.max())} is past this model's learned position table "
+                             f"(n_positions={limit}): prompt plus new tokens must fit in {limit} tokens")
+        return self.wpe(positions)
+
     def forward(
         self,
         tokens: torch.Tensor,                       # [B, T] token ids
-        positions: torch.Tensor | None = None,      # [B, T] rotary positions; default: cache slots
+        positions: torch.Tensor | None = None,      # [B, T] RoPE / learned-table positions; default: cache slots
         cache: KVCache | None = None,
         slot_mask: torch.Tensor | None = None,      # [B, >= S] True where a cache slot is a real token
         last_only: bool = False,                    # logits for the last position only (prefill)
+        window: int | None = None,                  # sliding-window span (slots); a cache may bring its own
     ) -> torch.Tensor:                              # [B, T or 1, vocab] logits
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
+        key_slots = None
         if cache is not None:
             cache.check_room(T)
+            if cache.window is not None and window not in (None, cache.window):
+                raise ValueError(f"window={window} disagrees with the cache's window={cache.window}")
+            window = cache.window if window is None else window
+            key_slots = cache.key_slots(start + T)
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
-        cos, sin = self.rotary(positions)
-        mask, causal = self._attention_mask(B, T, start, slot_mask, tokens.device)
+        cos, sin = self.rotary(positions) if self.wpe is None else (None, None)
+        mask, causal = self._attention_mask(B, T, start, slot_mask, tokens.device, window, key_slots)
         x = self.embed_tokens(tokens)
+        if self.wpe is not None:
+            x = x + self.learned_positions(positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.layers[i] if cache is not None else None, mask, causal)
         if last_only:
@@ -163,18 +217,26 @@ class Transformer(nn.Module):
         return self.head(self.norm(x))
 
     @staticmethod
-    def _attention_mask(B, T, start, slot_mask, device) -> tuple[torch.Tensor | None, bool]:
-        """Causal over cache slots, minus padding slots. None/causal flag when SDPA can do it alone."""
-        if slot_mask is None:
+    def _attention_mask(B, T, start, slot_mask, device, window=None, key_slots=None) -> tuple[torch.Tensor | None, bool]:
+        """Causal over cache slots, minus padding slots and, with a window, slots `window` or more
+        before the query. key_slots [n]: the slot each stored key holds (a ring buffer's storage
+        order; None: [0, S)). None/causal flag when SDPA can do it alone."""
+        S = start + T
+        windowed = window is not None and S > window   # some query has a slot out of its reach
+        if slot_mask is None and key_slots is None and not windowed:
             if T == 1:
                 return None, False          # one new token sees every cached slot
             if start == 0:
                 return None, True           # plain causal prefill
-        S = start + T
         q_slot = torch.arange(start, S, device=device)[:, None]
-        k_slot = torch.arange(S, device=device)[None, :]
-        mask = (k_slot <= q_slot).expand(B, T, S)
+        k_slot = (torch.arange(S, device=device) if key_slots is None else key_slots)[None, :]
+        mask = k_slot <= q_slot
+        if windowed:
+            mask = mask & (k_slot > q_slot - window)
+        mask = mask.expand(B, T, k_slot.shape[1])
         if slot_mask is not None:
+            # slot_mask is indexed by slot % its width (a ring buffer's is as wide as the ring).
+            valid = slot_mask[:, :S] if key_slots is None else slot_mask[:, key_slots % slot_mask.shape[1]]
             # A padding query sees only itself, so no softmax row is empty (NaN); its output is unused.
-            mask = (mask & slot_mask[:, None, :S]) | (k_slot == q_slot)
-        return mask.unsqueeze(1), False     # [B, 1, T, S]
+            mask = (mask & valid[:, None, :]) | (k_slot == q_slot)
+        return mask.unsqueeze(1), False     # [B, 1, T, n]

