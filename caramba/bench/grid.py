@@ -1,4 +1,4 @@
-"""Run a decode-bench grid: every (prompt length, batch size, cache kind) cell, for caramba and
+"""Run a decode-bench grid: every (prompt length, batch size, cache kind, decode plan) cell, for caramba and
 optionally the HF reference, with rich progress; rows come back as flat dicts."""
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ class Grid:
     new_tokens: int = 32
     warmup: int = 1
     repeats: int = 3
+    decode_plans: Sequence[str] = ("none",)   # caramba.infer.plan.parse_plan's forms
 
     def cells(self) -> list[Cell]:
-        return [Cell(L, B, kind, self.new_tokens)
-                for L, B, kind in itertools.product(self.prompt_lens, self.batch_sizes, self.cache_kinds)]
+        return [Cell(L, B, kind, self.new_tokens, plan)
+                for L, B, kind, plan in itertools.product(self.prompt_lens, self.batch_sizes, self.cache_kinds,
+                                                          self.decode_plans)]
 
 
 def run_grid(model, text_ids: list[int], grid: Grid, hf_model=None, progress: bool = True) -> list[dict]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from caramba.infer import GenerateConfig, Generator
+from caramba.infer.plan import parse_plan, quiet_window
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,12 @@ class Cell:
     batch_size: int
     cache_kind: str
     new_tokens: int
+    decode_plan: str = "none"   # caramba.infer.plan.parse_plan's form: none, auto, chunk=N, window=W
 
     @property
     def label(self) -> str:
-        return f"ctx={self.prompt_len} batch={self.batch_size} cache={self.cache_kind}"
+        plan = "" if self.decode_plan == "none" else f" plan={self.decode_plan}"
+        return f"ctx={self.prompt_len} batch={self.batch_size} cache={self.cache_kind}{plan}"
 
 
 @dataclass
@@ -44,6 +47,7 @@ class CellResult:
     peak_rss_scope: str = "cell"                # "cell" or "process" (could not reset the mark)
     cuda_max_allocated_mb: float | None = None
     cache_bytes: int | None = None
+    plan: dict | None = None                    # the resolved decode plan (caramba only)
 
     def summary(self) -> dict:
         c, lat = self.cell, sorted(self.token_latency_s)
@@ -61,6 +65,9 @@ class CellResult:
             "peak_rss_scope": self.peak_rss_scope,
             "cuda_max_allocated_mb": self.cuda_max_allocated_mb,
             "cache_bytes": self.cache_bytes,
+            # What the plan resolved to; exact=False: a window changed outputs.
+            **({f"plan_{k}": self.plan[k] for k in ("q_chunk", "window", "ring")} | {"exact": self.plan["exact"]}
+               if self.plan else {}),
             "repeats": len(self.ttft_s),
             "decode_samples": len(lat),
         }
@@ -142,15 +149,21 @@ def timed_tokens(steps: Iterator, device: torch.device) -> tuple[float, list[flo
 
 
 def measure_caramba(model, cell: Cell, prompts: list[list[int]], warmup: int, repeats: int) -> CellResult:
+    plan = parse_plan(cell.decode_plan)
     config = GenerateConfig(max_new_tokens=cell.new_tokens, temperature=0.0, eos_token_id=None,
-                            max_seq_len=cell.prompt_len + cell.new_tokens, cache_kind=cell.cache_kind)
+                            max_seq_len=cell.prompt_len + cell.new_tokens, cache_kind=cell.cache_kind,
+                            decode_plan=plan.plan, decode_q_chunk=plan.q_chunk, decode_local_window=plan.local_window)
 
     def one() -> tuple[float, list[float], Generator]:
-        gen = Generator(model, config)
+        with quiet_window():   # the runner warns once; cells carry exact=False
+            gen = Generator(model, config)
         ttft, lat = timed_tokens(gen.generate_iter(prompts), model.device)
         return ttft, lat, gen
 
-    return _measure("caramba", cell, one, warmup, repeats, model.device, cache_bytes=lambda g: g.cache.nbytes)
+    def inspect(gen: Generator, result: CellResult) -> None:
+        result.cache_bytes, result.plan = gen.cache.nbytes, gen.plan.to_dict()
+
+    return _measure("caramba", cell, one, warmup, repeats, model.device, inspect)
 
 
 def measure_hf(hf_model, cell: Cell, prompts: list[list[int]], warmup: int, repeats: int) -> CellResult:
@@ -184,11 +197,12 @@ def measure_hf(hf_model, cell: Cell, prompts: list[list[int]], warmup: int, repe
 
     if cell.batch_size > 1:
         raise ValueError("HF streamers only support batch size 1; run the HF reference at batch 1")
-    return _measure("hf", cell, one, warmup, repeats, device, cache_bytes=None)
+    return _measure("hf", cell, one, warmup, repeats, device)
 
 
 def _measure(impl: str, cell: Cell, one: Callable, warmup: int, repeats: int, device: torch.device,
-             cache_bytes: Callable | None) -> CellResult:
+             inspect: Callable | None = None) -> CellResult:
+    """inspect(last generator, result): fills what only the generator knows (cache bytes, plan)."""
     for _ in range(warmup):
         one()
     result = CellResult(cell, impl)
@@ -198,6 +212,6 @@ def _measure(impl: str, cell: Cell, one: Callable, warmup: int, repeats: int, de
             result.ttft_s.append(ttft)
             result.token_latency_s.extend(lat)
     result.peak_rss_mb, result.peak_rss_scope, result.cuda_max_allocated_mb = peak.rss_mb, peak.scope, peak.cuda_mb
-    if cache_bytes is not None:
-        result.cache_bytes = cache_bytes(gen)
+    if inspect is not None:
+        inspect(gen, result)
     return result

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from caramba.runs import atomic_write_text
 
-CELL_KEY = ("impl", "prompt_len", "batch_size", "cache_kind")
+CELL_KEY = ("impl", "prompt_len", "batch_size", "cache_kind", "decode_plan")
 COMPARED = ("ttft_s", "decode_tok_s", "decode_p50_ms", "decode_p99_ms", "peak_rss_mb", "cache_bytes")
 
 
@@ -34,7 +34,8 @@ def write_plots(directory: Path, rows: list[dict]) -> list[Path]:
         return []
     series: dict[str, list[dict]] = {}
     for row in rows:
-        series.setdefault(f"{row['impl']} {row['cache_kind']} b={row['batch_size']}", []).append(row)
+        plan = "" if row.get("decode_plan", "none") == "none" else f" {row['decode_plan']}"
+        series.setdefault(f"{row['impl']} {row['cache_kind']}{plan} b={row['batch_size']}", []).append(row)
     written = []
     for name, metric, ylabel in (
         ("decode_tok_s.png", "decode_tok_s", "decode tokens/s"),

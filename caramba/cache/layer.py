@@ -79,9 +79,16 @@ class LayerKVCache:
         return self.k_stream.quantized or self.v_stream.quantized
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Write k, v at the next slots; return how many slots attention reads ([0, end))."""
         start, end = self.length, self.length + k.shape[2]
         if end > self.max_seq_len:
             raise CacheOverflowError(f"KV cache holds {self.max_seq_len} tokens; writing {k.shape[2]} more at {start} overflows it")
+        self._store(start, k, v)
+        self.length = end
+        return end
+
+    def _store(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, KVH, T, D] into storage slots [start, start + T)."""
         if self.rotation is not None:
             k = k @ self.rotation.to(k.dtype)
         ks, vs = self.k_stream, self.v_stream
@@ -94,8 +101,6 @@ class LayerKVCache:
         else:
             ks.write(start, k)
             vs.write(start, v)
-        self.length = end
-        return end
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append k, v [B, kv_heads, T, head_dim]; return every cached K and V in k's dtype
@@ -154,8 +159,17 @@ class LayerKVCache:
 class KVCache:
     """The model's cache: one LayerKVCache per layer, advanced together."""
 
+    # Sliding-window attention span in slots (caramba.infer.plan): each query sees the `window`
+    # newest slots up to its own. None: every slot. It changes outputs; set it only on purpose.
+    window: int | None = None
+
     def __init__(self, layers: list[LayerKVCache]) -> None:
         self.layers = layers
+
+    def key_slots(self, end: int) -> torch.Tensor | None:
+        """Which slot each stored key holds once `end` slots are written, in storage order;
+        None when storage is slot order [0, end) (a ring buffer, caramba.cache.ring, is not)."""
+        return None
 
     @property
     def length(self) -> int:

@@ -57,18 +57,21 @@ def row_cost_bytes(model, config: GenerateConfig, prompt_len: int) -> dict[str, 
     Generator does) and the prefill's largest transient activations for a prompt_len prompt."""
     mc, policy = model.config, config.cache_spec()
     cache = 0
+    decoupled = mc.attention == "decoupled"   # k_sem, k_geo, v streams of their own widths
+    widths = (mc.sem_dim, mc.geo_dim, mc.head_dim) if decoupled else (mc.head_dim, mc.head_dim)
     for i in range(mc.n_layers):
-        k_cfg, v_cfg, _ = policy.for_layer(i)
-        for cfg in (k_cfg, v_cfg):
-            cache += config.max_seq_len * cfg.bytes_per_token(mc.n_kv_heads, mc.head_dim)
+        cfgs = policy.for_decoupled_layer(i)[:3] if decoupled else policy.for_layer(i)[:2]
+        for cfg, width in zip(cfgs, widths):
+            cache += config.max_seq_len * cfg.bytes_per_token(mc.n_kv_heads, width)
             if cfg.quantized and cfg.residual_len:   # the full-precision residual window
-                cache += cfg.residual_len * mc.n_kv_heads * mc.head_dim * model.dtype.itemsize
+                cache += cfg.residual_len * mc.n_kv_heads * width * model.dtype.itemsize
     # Prefill, per row: the residual stream and its norm (2 x dim), q|k|v, gate|up (2 x
     # intermediate) and their product, the attention scores of every head (n_heads x T) when
     # SDPA falls back to its math path, and the last position's logits.
     T, item = prompt_len, model.dtype.itemsize
+    Tq = config.decode.resolve(T).q_chunk or T   # rows of one forward: a decode plan's chunk bounds them
     qkv = (mc.n_heads + 2 * mc.n_kv_heads) * mc.head_dim
-    act = T * item * (2 * mc.dim + qkv + 3 * mc.intermediate_size + mc.n_heads * T) + mc.vocab_size * 4
+    act = Tq * item * (2 * mc.dim + qkv + 3 * mc.intermediate_size + mc.n_heads * T) + mc.vocab_size * 4
     return {"cache_bytes": cache, "activation_bytes": act, "total": cache + act}
 
 

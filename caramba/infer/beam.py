@@ -25,6 +25,7 @@ import torch
 
 from caramba.infer.generate import GenerateConfig
 from caramba.infer.padding import as_rows, left_pad
+from caramba.infer.plan import forward_chunked
 from caramba.infer.sampling import History, process_logits
 
 NEG = -1.0e9   # HF's "never chosen" score offset
@@ -45,6 +46,8 @@ def check_deterministic(cfg: GenerateConfig, what: str) -> None:
         raise ValueError(f"{what} is deterministic: drop temperature/top_p/min_p (set temperature to 0 or 1)")
     if cfg.stop_sequences:
         raise ValueError(f"{what} stops on EOS and max_new_tokens only: drop stop_sequences")
+    if cfg.decode_local_window is not None:
+        raise ValueError(f"{what} does not support decode_local_window (sliding-window attention); drop it")
 
 
 @torch.inference_mode()
@@ -74,7 +77,8 @@ def beam_search(model, input_ids, config: GenerateConfig | None = None, **overri
     slot_mask[:, :T] = mask
     positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
     padded = not bool(mask.all())
-    logits = model(ids, positions, cache, slot_mask if padded else None, last_only=True)[:, -1]   # [B, V]
+    q_chunk = cfg.decode.resolve(T).q_chunk                                                      # chunked prefill
+    logits = forward_chunked(model, ids, positions, cache, slot_mask if padded else None, True, q_chunk)[:, -1]  # [B, V]
     expand = torch.arange(B, device=device).repeat_interleave(nb)                                # [B * nb]
     cache.reorder(expand)
     slot_mask, logits = slot_mask[expand], logits[expand]

@@ -19,7 +19,9 @@ import torch
 
 from caramba.cache import CachePolicy, KVCache, KVCacheKind
 from caramba.cache.layer import CacheOverflowError
+from caramba.cache.ring import RingKVCache
 from caramba.infer.padding import left_pad
+from caramba.infer.plan import DecodePlan, ResolvedPlan, has_residual_window, run_chunks, warn_window
 from caramba.infer.sampling import History, SamplingParams, process_logits, select_tokens
 
 
@@ -55,6 +57,13 @@ class GenerateConfig:
     residual_len: int = 0
     rotate_keys: bool = False
     cache_fp16_prefix_layers: int = 0
+    # Decode plan (caramba.infer.plan): chunked forwards (same outputs) and sliding-window
+    # attention (changes outputs; only when decode_local_window is set).
+    decode_plan: str = "none"                     # auto | fixed | none
+    decode_bucket_short: int = 512
+    decode_bucket_mid: int = 2048
+    decode_q_chunk: int | None = None
+    decode_local_window: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -76,8 +85,22 @@ class GenerateConfig:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"GenerateConfig.{name}={getattr(self, name)!r} {why}")
+        if self.cache_kind == "auto":  # the engine takes a concrete policy; the autotune picks one
+            raise ValueError("GenerateConfig.cache_kind='auto' must be resolved first: "
+                             "caramba.autotune.autotune(loaded, AutotuneSettings(budget_mb=...)).chosen_policy(), "
+                             "then GenerateConfig(**caramba.autotune.policy_fields(policy), ...)")
         self.cache_kind = KVCacheKind.parse(self.cache_kind).value
         self.cache_spec()  # a bad policy fails here, not at the first generate()
+        try:
+            self.decode
+        except ValueError as e:
+            raise ValueError(f"GenerateConfig.{e}") from None
+
+    @property
+    def decode(self) -> DecodePlan:
+        """The DecodePlan these fields describe."""
+        return DecodePlan(self.decode_plan, self.decode_bucket_short, self.decode_bucket_mid,
+                          self.decode_q_chunk, self.decode_local_window)
 
     def cache_spec(self) -> CachePolicy:
         """The CachePolicy these fields describe (what model.new_cache takes)."""
@@ -135,6 +158,9 @@ class Generator:
             raise ValueError("the Generator samples or decodes greedily: use caramba.infer.beam_search for "
                              "num_beams > 1 and contrastive_search for penalty_alpha")
         self.rng: torch.Generator | None = None
+        self.plan: ResolvedPlan | None = None   # the decode plan the last call ran with
+        if self.config.decode_local_window is not None:
+            warn_window(self.config.decode_local_window)
         self.reset()
 
     def reset(self) -> None:
@@ -211,6 +237,8 @@ class Generator:
         # Checked before the pending token is consumed, so an overflow leaves the session intact.
         self.cache.check_room(T + cfg.max_new_tokens - 1)
         self.pending = self.pending_mask = None
+        ring = isinstance(self.cache, RingKVCache)
+        self.plan = cfg.decode.resolve(T, has_residual_window(self.cache), self.cache.max_write if ring else None)
         if self.history is not None:   # this turn's input; the pending token is in it already
             self.history.n_new = 0
             self.history.add_context(tokens[:, T - n_input:], mask[:, T - n_input:])
@@ -246,20 +274,32 @@ class Generator:
     @torch.inference_mode()
     def _forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Feed tokens [B, T] (mask: which are real) at the next slots; logits of the last [B, V]."""
-        start, T = self.cache.length, tokens.shape[1]
+        T = tokens.shape[1]
         positions = self.next_pos[:, None] + mask.long().cumsum(dim=1) - 1
         positions = positions.clamp(min=0)  # padding's position is unused; keep it a valid index
-        self.slot_mask[:, start : start + T] = mask
         self.has_holes = self.has_holes or not bool(mask.all())
         self.next_pos += mask.long().sum(dim=1)
-        logits = self.model(tokens, positions, self.cache, self.slot_mask if self.has_holes else None, last_only=True)
-        return logits[:, -1]
+        slot_mask = self.slot_mask if self.has_holes else None
+
+        def feed(a: int, b: int, last: bool) -> torch.Tensor:
+            # Mark each chunk's slots as it runs: a ring's slot_mask (slot % capacity) is too
+            # narrow to hold a long input's all at once.
+            start = self.cache.length
+            if isinstance(self.cache, RingKVCache):
+                slots = torch.arange(start, start + b - a, device=self.device)
+                self.slot_mask[:, slots % self.slot_mask.shape[1]] = mask[:, a:b]
+            else:
+                self.slot_mask[:, start : start + b - a] = mask[:, a:b]
+            return self.model(tokens[:, a:b], positions[:, a:b], self.cache, slot_mask, last_only=last)
+
+        return run_chunks(feed, T, self.plan.q_chunk, last_only=True)[:, -1]
 
     def _start_turn(self, B: int) -> None:
         if self.cache is None:
             cfg = self.config
-            self.cache = self.model.new_cache(B, cfg.max_seq_len, cfg.cache_spec())
-            self.slot_mask = torch.zeros(B, cfg.max_seq_len, dtype=torch.bool, device=self.device)
+            self.cache = self._new_cache(B)
+            width = self.cache.capacity if isinstance(self.cache, RingKVCache) else cfg.max_seq_len
+            self.slot_mask = torch.zeros(B, width, dtype=torch.bool, device=self.device)
             self.next_pos = torch.zeros(B, dtype=torch.long, device=self.device)
             if cfg.repetition_penalty != 1.0:
                 self.seen = torch.zeros(B, self.model.config.vocab_size, dtype=torch.bool, device=self.device)
@@ -267,6 +307,20 @@ class Generator:
                 self.history = History(B, self.model.config.vocab_size, cfg.sampling, self.device)
         elif self.cache.batch_size != B:
             raise ValueError(f"this session holds {self.cache.batch_size} rows; got {B} (call reset() first)")
+
+    def _new_cache(self, B: int) -> KVCache:
+        """The cache: with a window, a ring buffer where the cache supports one (then generation
+        is not bounded by max_seq_len), else a plain cache that masks to the window."""
+        cfg = self.config
+        window = cfg.decode_local_window
+        if window is not None:
+            try:
+                return RingKVCache.build(self.model, B, window, cfg.decode.max_write(), cfg.cache_spec())
+            except ValueError:
+                pass  # e.g. a residual window: the plain cache below, plan records ring=False
+        cache = self.model.new_cache(B, cfg.max_seq_len, cfg.cache_spec())
+        cache.window = window
+        return cache
 
     def _track_seen(self, tokens: torch.Tensor, mask: torch.Tensor) -> None:
         if self.seen is not None:

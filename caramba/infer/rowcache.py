@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from caramba.infer.plan import run_chunks
+
 
 class RowCache:
-    def __init__(self, model, batch_size: int, max_seq_len: int, cache_spec="fp32") -> None:
+    def __init__(self, model, batch_size: int, max_seq_len: int, cache_spec="fp32", q_chunk: int | None = None) -> None:
         self.model = model
+        self.q_chunk = q_chunk  # longer feeds (prefill, verification) run in chunks (caramba.infer.plan)
         self.cache = model.new_cache(batch_size, max_seq_len, cache_spec)  # a kind or a CachePolicy
         device = model.device
         self.slot_mask = torch.zeros(batch_size, max_seq_len, dtype=torch.bool, device=device)  # [B, S]
@@ -35,7 +38,9 @@ class RowCache:
         self.slot_mask[:, start : start + T] = mask
         self.has_holes = self.has_holes or not bool(mask.all())
         self.n += mask.long().sum(dim=1)
-        return self.model(tokens, positions, self.cache, self.slot_mask if self.has_holes else None, last_only=last_only)
+        slot_mask = self.slot_mask if self.has_holes else None
+        return run_chunks(lambda a, b, last: self.model(tokens[:, a:b], positions[:, a:b], self.cache, slot_mask, last_only=last),
+                          T, self.q_chunk, last_only)
 
     def keep(self, n_keep: torch.Tensor) -> None:
         """Keep each row's first n_keep [B] real tokens; later ones become holes, and the slots

@@ -40,6 +40,7 @@ from caramba.infer.drafts import (
 )
 from caramba.infer.generate import GenerateConfig, GenerationResult
 from caramba.infer.padding import as_rows, left_pad
+from caramba.infer.plan import has_residual_window
 from caramba.infer.rowcache import RowCache
 from caramba.infer.sampling import process_logits, select_tokens
 
@@ -80,7 +81,8 @@ class SpeculativeConfig(GenerateConfig):
         # Processors that read the generated history (not a seen-mask) are not applied to drafts
         # yet, and beam / contrastive search are other decoders.
         unsupported = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0,
-                       "num_beams": 1, "num_return_sequences": 1, "penalty_alpha": None}
+                       "num_beams": 1, "num_return_sequences": 1, "penalty_alpha": None,
+                       "decode_local_window": None}  # rejected drafts leave holes a slot window would count
         for name, default in unsupported.items():
             if getattr(self, name) != default:
                 raise ValueError(f"SpeculativeConfig.{name}={getattr(self, name)!r} is not supported with speculative "
@@ -152,6 +154,7 @@ class SpeculativeGenerator:
         self.draft = self._make_draft(draft_model)
         self.stats = SpeculativeStats()
         self.rows: RowCache | None = None   # the target's cache after the last call
+        self.plan = None                     # the decode plan (ResolvedPlan) of the last call
         self.rng: torch.Generator | None = None
 
     def _make_draft(self, draft_model):
@@ -203,6 +206,8 @@ class SpeculativeGenerator:
             self.rng = torch.Generator(device=device).manual_seed(cfg.seed)
         sampling = cfg.sampling
         target = self.rows = RowCache(self.target, B, cfg.max_seq_len, cfg.cache_spec())  # kept for inspection
+        self.plan = cfg.decode.resolve(width, has_residual_window(target.cache))
+        target.q_chunk = self.plan.q_chunk   # the prefill and long verifications run in chunks
         self.draft.start(B, cfg.max_seq_len, cfg.cache_spec())
         stats = self.stats = SpeculativeStats(k_history=[[] for _ in range(B)], row_forwards=[0] * B, row_tokens=[0] * B,
                                               row_proposed=[0] * B, row_accepted=[0] * B)

@@ -11,6 +11,7 @@ from rich.table import Table
 from caramba.bench.grid import Grid, run_grid
 from caramba.bench.report import write_csv, write_plots
 from caramba.errors import UserError
+from caramba.infer.plan import parse_plan
 from caramba.manifest.schema import BenchSettings
 from caramba.model.zoo import LoadedModel
 from caramba.runs import RunDir
@@ -42,7 +43,12 @@ def load_hf_reference(loaded: LoadedModel):
 
 def run_decode_bench(loaded: LoadedModel, settings: BenchSettings, seed: int | None, record: RunDir, console: Console) -> dict[str, Any]:
     grid = Grid(settings.prompt_lens, settings.batch_sizes, settings.cache_kinds, settings.new_tokens,
-                settings.warmup, settings.repeats)
+                settings.warmup, settings.repeats, settings.decode_plans)
+    windows = [p for p in settings.decode_plans if parse_plan(p).local_window is not None]
+    if windows:
+        record.log(f"warning: decode plans {', '.join(windows)} use sliding-window attention, which changes outputs")
+        console.print(f"[yellow]warning: decode plans {', '.join(windows)} use sliding-window attention, "
+                      "which changes outputs (cells show exact=False)[/yellow]")
     hf = load_hf_reference(loaded) if settings.reference == "hf" else None
     rows = run_grid(loaded.model, bench_text_ids(loaded, settings.text), grid, hf_model=hf)
     write_csv(record.path / "cells.csv", rows)
@@ -56,13 +62,14 @@ def run_decode_bench(loaded: LoadedModel, settings: BenchSettings, seed: int | N
 
 def cells_table(rows: list[dict]) -> Table:
     table = Table(title="decode-bench (medians; latency per decode step)")
-    for col in ("impl", "ctx", "batch", "cache", "TTFT ms", "prefill tok/s", "p50 ms", "p90 ms", "p99 ms",
+    for col in ("impl", "ctx", "batch", "cache", "plan", "TTFT ms", "prefill tok/s", "p50 ms", "p90 ms", "p99 ms",
                 "decode tok/s", "vs HF", "peak RSS MB", "cache MB"):
-        table.add_column(col, justify="left" if col in ("impl", "cache") else "right")
+        table.add_column(col, justify="left" if col in ("impl", "cache", "plan") else "right")
     for r in rows:
         ratio = r.get("decode_tok_s_vs_hf")
         table.add_row(
-            r["impl"], str(r["prompt_len"]), str(r["batch_size"]), r["cache_kind"], f"{1000 * r['ttft_s']:.1f}",
+            r["impl"], str(r["prompt_len"]), str(r["batch_size"]), r["cache_kind"], r.get("decode_plan", "none"),
+            f"{1000 * r['ttft_s']:.1f}",
             f"{r['prefill_tok_s']:.0f}", f"{r['decode_p50_ms']:.1f}", f"{r['decode_p90_ms']:.1f}", f"{r['decode_p99_ms']:.1f}",
             f"{r['decode_tok_s']:.1f}", f"{ratio:.2f}x" if ratio else "", f"{r['peak_rss_mb']:.0f}",
             f"{r['cache_bytes'] / 2**20:.1f}" if r.get("cache_bytes") is not None else "",
