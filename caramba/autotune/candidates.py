@@ -1,0 +1,113 @@
+"""The cache policies the autotune chooses from, and what each costs in bytes.
+
+Bytes come from the code that allocates: the model's own `new_cache` builds the cache on the
+`meta` device (shapes and dtypes, no storage) and `KVCache.nbytes` sums its tensors, so the
+figure is what `new_cache` allocates for the same (batch, max_seq_len, policy) on a real device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from caramba.cache import CachePolicy
+
+# The model dtype's own full-precision cache kind: the baseline every gate compares with.
+FULL_PRECISION = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+# (kind, per-stream policy, build options) of the candidates after the baseline. Keys hurt more
+# than values when quantized, and a Hadamard rotation and a full-precision window of the newest
+# tokens repair most of 4-bit keys' damage (docs/kv-cache.md has the measurements).
+RESIDUAL_LEN = 128
+MIXED = [
+    ("fp16", None, {}),
+    ("q8_0", None, {}),
+    ("q4_0", "k=q8_0", {}),
+    ("q4_0", "k=q8_0", {"rotate_keys": True}),
+    ("q4_0", None, {"rotate_keys": True, "residual_len": RESIDUAL_LEN}),
+    ("q4_0", None, {"rotate_keys": True, "fp16_prefix_layers": 2}),
+    ("q4_0", None, {"rotate_keys": True}),
+    ("nf4", None, {"rotate_keys": True}),
+    ("q4_0", None, {}),
+]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str              # CachePolicy.describe()
+    policy: CachePolicy
+    baseline: bool = False  # the full-precision reference itself
+
+
+def baseline_policy(model) -> CachePolicy:
+    return canonical(CachePolicy.build(FULL_PRECISION[model.dtype]))
+
+
+def default_candidates(model) -> list[Candidate]:
+    """The baseline (the model dtype's full-precision cache) first, then the cheaper policies.
+    A policy whose settings the model cannot use (rotate_keys needs a power-of-two head_dim,
+    a block must divide head_dim) is left out, as is one that duplicates another."""
+    base = baseline_policy(model)
+    out = [Candidate(base.describe(), base, baseline=True)]
+    for kind, policy, options in MIXED:
+        p = canonical(CachePolicy.build(kind, policy, **options))
+        redundant = p.fp16_prefix_layers >= model.config.n_layers   # every layer fp16: the fp16 candidate
+        if p == base or redundant or any(c.policy == p for c in out) or not usable(model, p):
+            continue
+        out.append(Candidate(p.describe(), p))
+    return out
+
+
+def usable(model, policy: CachePolicy) -> bool:
+    try:
+        cache_nbytes(model, 1, 1, policy)
+    except ValueError:
+        return False
+    return True
+
+
+_SHADOWS: dict[int, torch.nn.Module] = {}
+
+
+def _shadow(model) -> torch.nn.Module:
+    """A storage-free copy of the model's architecture (meta device, same dtype)."""
+    key = id(model)
+    shadow = _SHADOWS.get(key)
+    if shadow is None or shadow.config is not model.config:
+        with torch.device("meta"):
+            shadow = type(model)(model.config).to(model.dtype)
+        _SHADOWS.clear()  # one model at a time
+        _SHADOWS[key] = shadow
+    return shadow
+
+
+def cache_nbytes(model, batch_size: int, max_seq_len: int, policy: CachePolicy) -> int:
+    """Bytes `model.new_cache(batch_size, max_seq_len, policy)` allocates, without allocating."""
+    return _shadow(model).new_cache(batch_size, max_seq_len, policy).nbytes
+
+
+def policy_fields(policy: CachePolicy) -> dict:
+    """GenerateConfig's cache fields for a policy (what `cache_kind: auto` resolves to)."""
+    d = policy.to_dict()
+    streams = _named_streams(d)
+    return {"cache_kind": d["v"], "cache_policy": streams or None, "qblock": d["qblock"],
+            "residual_len": d["residual_len"], "rotate_keys": d["rotate_keys"],
+            "cache_fp16_prefix_layers": d["cache_fp16_prefix_layers"]}
+
+
+def policy_from_dict(d: dict) -> CachePolicy:
+    """Inverse of CachePolicy.to_dict (how plans store a policy), naming streams only where they
+    differ from `v`'s kind, so a uniform policy fits standard and decoupled (DBA) models alike."""
+    return CachePolicy.build(d["v"], _named_streams(d) or None, d["qblock"], d["residual_len"], d["rotate_keys"],
+                             d["cache_fp16_prefix_layers"])
+
+
+def canonical(policy: CachePolicy) -> CachePolicy:
+    """The policy as a plan stores and restores it (equal to policy_from_dict of its dict)."""
+    return policy_from_dict(policy.to_dict())
+
+
+def _named_streams(d: dict) -> dict[str, str]:
+    keys = ("k_sem", "k_geo") if "k_sem" in d else ("k",)
+    return {name: d[name] for name in keys if d[name] != d["v"]}

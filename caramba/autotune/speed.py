@@ -1,0 +1,73 @@
+"""Decode speed of each candidate cache at the target context length, prefill excluded.
+
+The context (real text, `max_seq_len - steps` tokens per row) is prefilled once into the baseline
+cache; each candidate's cache is then filled from it through `LayerKVCache.update`, its own write
+path (quantization, key rotation, residual window), so no candidate pays or times a prefill.
+Candidates are measured in alternating rounds (one untimed warm-up round, then `repeats` timed
+ones) so that a load change on a shared machine hits all of them alike; each round times `steps`
+greedy decode steps, and a candidate's speed is the median over its rounds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from caramba.bench.measure import _sync, prompt_batch
+from caramba.cache import CachePolicy, KVCache
+
+
+@torch.inference_mode()
+def measure_speed(model, policies: Sequence[CachePolicy], baseline: CachePolicy, text_ids: list[int],
+                  batch_size: int, max_seq_len: int, steps: int = 8, repeats: int = 3, warmup: int = 1,
+                  on_round: Callable[[int, int], None] | None = None) -> list[dict]:
+    """Per policy: {"decode_tok_s" (median), "samples" (tok/s per timed round), "context", "steps",
+    "error"}. A policy whose decode raises gets decode_tok_s None and the error, and is not timed again."""
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len={max_seq_len}: the speed phase needs room for a context and a decode step")
+    steps = min(steps, max_seq_len - 1)
+    context = max_seq_len - steps
+    tokens = torch.tensor(prompt_batch(text_ids, context, batch_size), device=model.device)   # [B, context]
+    source = model.new_cache(batch_size, max_seq_len, baseline)
+    first = model(tokens, cache=source, last_only=True)[:, -1].argmax(-1)                   # [B]
+    samples: list[list[float]] = [[] for _ in policies]
+    errors: list[str | None] = [None for _ in policies]
+    rounds = warmup + repeats
+    for r in range(rounds):
+        for i, policy in enumerate(policies):
+            if errors[i] is not None:
+                continue
+            try:
+                rate = _decode_rate(model, _filled(model, policy, source, batch_size, max_seq_len), first, steps)
+            except Exception as e:   # fails this candidate only
+                errors[i] = f"speed error: {type(e).__name__}: {e}"
+                continue
+            if r >= warmup:
+                samples[i].append(rate)
+        if on_round:
+            on_round(r + 1, rounds)
+    return [{"decode_tok_s": statistics.median(s) if err is None else None, "samples": s, "context": context,
+             "steps": steps, "error": err} for s, err in zip(samples, errors)]
+
+
+def _filled(model, policy: CachePolicy, source: KVCache, batch_size: int, max_seq_len: int) -> KVCache:
+    """A new cache of `policy` holding the source cache's tokens (written through its own path)."""
+    cache = model.new_cache(batch_size, max_seq_len, policy)
+    n = source.length
+    for dst, src in zip(cache.layers, source.layers):
+        dst.update(src.k[:, :, :n], src.v[:, :, :n])   # [B, KVH, n, D]: the baseline stores plain values
+    return cache
+
+
+def _decode_rate(model, cache: KVCache, first: torch.Tensor, steps: int) -> float:
+    """Tokens per second over `steps` greedy decode steps from the cache's current length."""
+    token = first
+    _sync(model.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        token = model(token[:, None], cache=cache, last_only=True)[:, -1].argmax(-1)
+    _sync(model.device)
+    return steps * token.shape[0] / (time.perf_counter() - t0)

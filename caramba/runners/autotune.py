@@ -1,0 +1,120 @@
+"""`mode: cache-autotune` and `cache_kind: auto`: the autotune with progress bars, its table and records."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress, TimeElapsedColumn
+from rich.table import Table
+
+from caramba.autotune import AutotuneResult, AutotuneSettings, GateSettings, NoCandidateError, autotune, policy_fields
+from caramba.autotune.gates import GateResult
+from caramba.bench.report import write_csv
+from caramba.manifest.schema import CacheAutotuneSettings, GenerateSettings
+from caramba.model.zoo import LoadedModel
+from caramba.runs import RunDir
+
+PHASES = {"text": "gates: scoring the text", "needle": "gates: needle in a haystack", "speed": "speed: decode rounds"}
+
+
+def engine_settings(s: CacheAutotuneSettings) -> AutotuneSettings:
+    gates = GateSettings(**{name: getattr(s, name) for name in GateSettings.__dataclass_fields__})
+    return AutotuneSettings(budget_mb=s.budget_mb, max_seq_len=s.max_seq_len, batch_size=s.batch_size, gates=gates,
+                            speed_steps=s.speed_steps, speed_repeats=s.speed_repeats, probe=s.cache_plan_probe,
+                            probe_interval_sec=s.cache_plan_probe_interval_sec)
+
+
+@contextmanager
+def progress_bars(console: Console, disable: bool = False) -> Iterator:
+    """A progress(phase, done, total) callback drawing one bar per phase."""
+    tasks: dict[str, Any] = {}
+    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console, disable=disable) as bar:
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(PHASES.get(phase, phase), total=total)
+            bar.update(tasks[phase], completed=done, total=total)
+        yield progress
+
+
+def run_tuned(loaded: LoadedModel, settings: AutotuneSettings, console: Console, text: str | None = None,
+              plan_path: str | None = None, force: bool = False, quiet: bool = False) -> AutotuneResult:
+    """autotune() with progress bars on `console` and notices (a corrupt plan file moved aside) on
+    stderr; on no candidate, the table first."""
+    stderr = Console(stderr=True, highlight=False)
+    notice = lambda message: stderr.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)  # noqa: E731
+    try:
+        with progress_bars(console, disable=quiet) as progress:
+            return autotune(loaded, settings, text, plan_path, force, progress, notice)
+    except NoCandidateError as e:
+        if not quiet:
+            console.print(candidates_table(e.result))
+        raise
+
+
+def run_cache_autotune(loaded: LoadedModel, settings: CacheAutotuneSettings, seed: int | None, record: RunDir,
+                       console: Console) -> dict[str, Any]:
+    result = run_tuned(loaded, engine_settings(settings), console, settings.text, settings.plan_path)
+    console.print(candidates_table(result))
+    write_csv(record.path / "candidates.csv", candidate_rows(result))
+    record.log(f"plan {result.key_id} ({result.status}) in {result.plan_path}: chose {result.chosen['name']}")
+    return {"mode": "cache-autotune", **result.to_dict()}
+
+
+def resolve_cache_auto(loaded: LoadedModel, settings: GenerateSettings, record: RunDir,
+                       console: Console) -> tuple[GenerateSettings, dict | None]:
+    """`cache_kind: auto`: the settings with the plan's cache policy in place of `auto` (the stored
+    plan for this model, machine, max_seq_len, batch_size and cache_budget_mb at the default gates,
+    or a fresh selection), and what it resolved to for the record. Other settings pass through."""
+    if settings.cache_kind != "auto":
+        return settings, None
+    tuned = AutotuneSettings(budget_mb=settings.cache_budget_mb, max_seq_len=settings.max_seq_len,
+                             batch_size=settings.batch_size)
+    result = run_tuned(loaded, tuned, console)
+    policy = result.chosen_policy()
+    record.log(f"cache_kind auto -> {policy.describe()} (plan {result.key_id}, {result.status}, {result.plan_path})")
+    console.print(f"[dim]cache_kind auto -> {policy.describe()} (plan {result.key_id}, {result.status})[/dim]")
+    info = {"resolved": policy.describe(), "policy": policy.to_dict(), "bytes": result.chosen["bytes"],
+            "plan_key_id": result.key_id, "plan_status": result.status, "plan_path": str(result.plan_path)}
+    return settings.model_copy(update=policy_fields(policy)), info
+
+
+def candidate_rows(result: AutotuneResult) -> list[dict]:
+    """One flat row per candidate (the CSV)."""
+    rows = []
+    for c in result.candidates:
+        g = c["gates"] or {}
+        rows.append({"name": c["name"], "bytes": c["bytes"], "fits": c["fits"],
+                     **{k: g.get(k) for k in GateResult.__dataclass_fields__ if k not in ("passed", "why")},
+                     "decode_tok_s": (c["speed"] or {}).get("decode_tok_s"), "verdict": c["verdict"],
+                     "why": "; ".join(c["why"])})
+    return rows
+
+
+def candidates_table(result: AutotuneResult) -> Table:
+    k = result.key
+    needle = result.needle or {}
+    found = {True: "found", False: "missed", None: "n/a"}[needle.get("baseline_found")]
+    table = Table(title=f"cache autotune: max_seq_len={k['max_seq_len']} batch={k['batch_size']} "
+                        f"budget={k['budget_mb']:g} MB; plan {result.key_id} ({result.status}); "
+                        f"needle: baseline {found} the code", title_justify="left")
+    for col in ("candidate", "MiB", "dNLL", "PPL ratio", "mean KL", "needle KL", "needle", "tok/s", "verdict", "why"):
+        table.add_column(col, justify="left" if col in ("candidate", "verdict", "why") else "right",
+                         overflow="fold")
+    for c in result.candidates:
+        g = c["gates"] or {}
+        speed = c["speed"]["decode_tok_s"] if c["speed"] else None
+        color = {"chosen": "green", "passed": "", "over budget": "dim", "failed gates": "red", "failed speed": "red"}.get(c["verdict"], "")
+        verdict = f"[{color}]{c['verdict']}[/{color}]" if color else c["verdict"]
+        table.add_row(c["name"] + (" (baseline)" if c.get("baseline") else ""), f"{c['bytes'] / 2**20:.2f}",
+                      _num(g.get("dnll"), "+.4f"), _num(g.get("ppl_ratio"), ".4f"), _num(g.get("kl_mean"), ".2e"),
+                      _num(g.get("needle_kl"), ".2e"),
+                      {True: "match", False: "differs", None: ""}[g.get("needle_match")],
+                      _num(speed, ".1f"), verdict, "; ".join(c["why"]))
+    return table
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "" if value is None else format(value, fmt)
