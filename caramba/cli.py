@@ -112,12 +112,16 @@ def generate(
     early_stopping: Annotated[str, typer.Option(help="Beam search stop rule: true, false or never (HF's meaning).")] = "false",
     penalty_alpha: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Contrastive search degeneration penalty (needs --top-k).")] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
-    cache_kind: Annotated[str, typer.Option(help="fp32, fp16, bf16, q8_0, q4_0 or nf4 (aliases q8, q4).")] = "fp32",
+    cache_kind: Annotated[str, typer.Option(help="fp32, fp16, bf16, q8_0, q4_0 or nf4 (aliases q8, q4), or auto (needs --cache-budget-mb).")] = "fp32",
+    cache_budget_mb: Annotated[Optional[float], typer.Option(min=0.0, help="With --cache-kind auto: MiB for the whole KV cache; the stored plan (caramba autotune) or a fresh selection picks the cache.")] = None,
     cache_policy: Annotated[Optional[str], typer.Option(help="Per-stream kinds, e.g. k=q8_0,v=q4_0 (overrides --cache-kind for the streams it names).")] = None,
     qblock: Annotated[int, typer.Option(min=2, help="Elements per quantization block (clipped to head_dim).")] = 32,
     residual_len: Annotated[int, typer.Option(min=0, help="Newest tokens kept in full precision too.")] = 0,
     rotate_keys: Annotated[bool, typer.Option("--rotate-keys", help="Hadamard-rotate keys before quantizing.")] = False,
     cache_fp16_prefix_layers: Annotated[int, typer.Option(min=0, help="First N layers keep an fp16 cache.")] = 0,
+    decode_plan: Annotated[str, typer.Option(help="auto, fixed or none: chunk long forwards (docs/decode-plans.md).")] = "none",
+    q_chunk: Annotated[Optional[int], typer.Option(min=1, help="Tokens per forward (with --decode-plan fixed/auto); same outputs.")] = None,
+    local_window: Annotated[Optional[int], typer.Option(min=1, help="Sliding-window attention span: CHANGES OUTPUTS.")] = None,
     max_seq_len: Annotated[int, typer.Option(min=1)] = 2048,
     stop: Annotated[Optional[list[str]], typer.Option(help="A stop sequence; repeatable.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
@@ -131,6 +135,7 @@ def generate(
     """Generate a continuation of PROMPT, streaming it to the terminal."""
     with _errors_as_exit_codes():
         from caramba.infer import GenerateConfig, Generator
+        from caramba.infer.plan import quiet_window, window_warning
         from caramba.model.zoo import load_model
         from caramba.prompting import completion_text, encode_prompt
         from caramba.runners.generate import search_strategy
@@ -141,6 +146,13 @@ def generate(
         stopping = {"true": True, "false": False, "never": "never"}.get(early_stopping.lower())
         if stopping is None:
             raise UserError(f"--early-stopping {early_stopping!r}: use true, false or never")
+        auto = cache_kind == "auto"
+        if auto != (cache_budget_mb is not None):
+            raise UserError("--cache-kind auto needs --cache-budget-mb N (MiB for the whole KV cache); "
+                            "--cache-budget-mb is only used with --cache-kind auto")
+        if auto and (cache_policy or qblock != 32 or residual_len or rotate_keys or cache_fp16_prefix_layers):
+            raise UserError("--cache-kind auto chooses the cache policy itself: drop --cache-policy, --qblock, "
+                            "--residual-len, --rotate-keys and --cache-fp16-prefix-layers")
         try:
             config = GenerateConfig(
                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -149,13 +161,18 @@ def generate(
                 presence_penalty=presence_penalty, num_beams=num_beams, num_return_sequences=num_return_sequences,
                 length_penalty=length_penalty, early_stopping=stopping, penalty_alpha=penalty_alpha,
                 stop_sequences=list(stop or []),
-                max_seq_len=max_seq_len, seed=seed, cache_kind=cache_kind, cache_policy=cache_policy,
+                max_seq_len=max_seq_len, seed=seed, cache_kind="fp32" if auto else cache_kind, cache_policy=cache_policy,
                 qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys,
                 cache_fp16_prefix_layers=cache_fp16_prefix_layers,
+                decode_plan=decode_plan, decode_q_chunk=q_chunk, decode_local_window=local_window,
             )
         except ValueError as e:
-            raise UserError(str(e).replace("GenerateConfig.", "--").replace("_", "-")) from None
+            message = str(e).replace("GenerateConfig.", "--").replace("decode_q_chunk", "q_chunk").replace("decode_local_window", "local_window")
+            raise UserError(message.replace("_", "-")) from None
+        if local_window is not None:
+            err.print(f"[yellow]warning: {window_warning(local_window)}[/yellow]")
         loaded = load_model(model, dtype, device, progress=not as_json)
+        config, cache_auto = _auto_cache(loaded, config, cache_budget_mb, as_json) if auto else (config, None)
         tok = loaded.tokenizer
         prompt_ids = encode_prompt(tok, prompt, chat, system)
         if search_strategy(config):
@@ -169,7 +186,8 @@ def generate(
         if speculative is None:
             if draft is not None or spec_k != 4 or spec_adaptive:
                 raise UserError("--draft, --spec-k and --spec-adaptive need --speculative KIND")
-            generator = Generator(loaded.model, config, tokenizer=tok)
+            with quiet_window():   # warned above
+                generator = Generator(loaded.model, config, tokenizer=tok)
         else:
             generator = _speculative_generator(loaded, config, speculative, draft, spec_k, spec_adaptive, dtype, device, as_json)
         on_token = None
@@ -195,6 +213,8 @@ def generate(
                 "model": {"source": model, "path": str(loaded.path), "sha256": loaded.content_hash, "dtype": dtype},
                 "cache_kind": config.cache_kind,
                 "cache_policy": config.cache_spec().to_dict(),
+                "cache_auto": cache_auto,
+                "decode_plan": generator.plan.to_dict(),
                 **({"speculative": speculative, **result.stats.as_dict()} if speculative else {}),
             }))
         else:
@@ -204,6 +224,21 @@ def generate(
             if speculative:
                 err.print(f"[dim]{speculative}: acceptance {result.stats.acceptance_rate:.2f}, "
                           f"{result.stats.tokens_per_target_forward:.2f} tokens per target forward[/dim]")
+
+
+def _auto_cache(loaded, config, budget_mb: float, quiet: bool):
+    """`generate --cache-kind auto`: config with the plan's cache policy, and what it resolved to."""
+    import dataclasses
+
+    from caramba.autotune import AutotuneSettings, policy_fields
+    from caramba.runners.autotune import run_tuned
+
+    result = run_tuned(loaded, AutotuneSettings(budget_mb=budget_mb, max_seq_len=config.max_seq_len), err, quiet=quiet)
+    policy = result.chosen_policy()
+    if not quiet:
+        err.print(f"[dim]cache-kind auto -> {policy.describe()} (plan {result.key_id}, {result.status})[/dim]")
+    info = {"resolved": policy.describe(), "plan_key_id": result.key_id, "plan_status": result.status}
+    return dataclasses.replace(config, **policy_fields(policy)), info
 
 
 def _print_search(loaded, source: str, dtype: str, prompt: str, prompt_ids: list[int], config, as_json: bool) -> None:
@@ -277,6 +312,7 @@ def bench(
     prompt_lens: Annotated[str, typer.Option(help="Context lengths, comma-separated.")] = "128,512,2048",
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1",
     cache_kinds: Annotated[str, typer.Option(help="KV cache kinds, comma-separated.")] = "fp32",
+    decode_plans: Annotated[str, typer.Option(help="Decode plans, ';'-separated: none, auto, chunk=N, window=W, chunk=N,window=W.")] = "none",
     new_tokens: Annotated[int, typer.Option(help="Tokens generated per repeat (first = prefill).")] = 32,
     warmup: Annotated[int, typer.Option(help="Unmeasured runs per cell.")] = 1,
     repeats: Annotated[int, typer.Option(help="Measured runs per cell.")] = 3,
@@ -301,6 +337,7 @@ def bench(
             settings = BenchSettings(
                 prompt_lens=_int_list(prompt_lens, "--prompt-lens"), batch_sizes=_int_list(batch_sizes, "--batch-sizes"),
                 cache_kinds=[k.strip() for k in cache_kinds.split(",") if k.strip()], new_tokens=new_tokens,
+                decode_plans=[p.strip() for p in decode_plans.split(";") if p.strip()],
                 warmup=warmup, repeats=repeats, reference=reference, text=str(text) if text else None,
             )
         except ValidationError as e:
@@ -330,7 +367,7 @@ def report(
     with _errors_as_exit_codes():
         from rich.table import Table
 
-        from caramba.bench.report import compare
+        from caramba.bench.report import CELL_KEY, compare
 
         try:
             rows = compare(list(run_dirs))
@@ -339,9 +376,9 @@ def report(
         if as_json:
             print(json.dumps(rows))
             return
-        metrics = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("run", "impl", "prompt_len", "batch_size", "cache_kind") and not k.endswith("_delta")]
+        metrics = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("run", *CELL_KEY) and not k.endswith("_delta")]
         table = Table(title=f"compared with {run_dirs[0]}")
-        for col in ("run", "impl", "ctx", "batch", "cache", *metrics):
+        for col in ("run", "impl", "ctx", "batch", "cache", "plan", *metrics):
             table.add_column(col)
         for r in rows:
             cells = []
@@ -353,8 +390,73 @@ def report(
                     text += f" [{color}]({delta:+.1%})[/{color}]"
                 cells.append(text)
             table.add_row(Path(r["run"]).name, str(r.get("impl")), str(r.get("prompt_len")), str(r.get("batch_size")),
-                          str(r.get("cache_kind")), *cells)
+                          str(r.get("cache_kind")), str(r.get("decode_plan") or ""), *cells)
         out.print(table)
+
+
+@app.command("convert-dba")
+def convert_dba(
+    out_dir: Annotated[Path, typer.Option("--out", help="Directory to write (config.json, model.safetensors, tokenizer).")],
+    sem_dim: Annotated[int, typer.Option(min=1, help="Semantic (no-RoPE) query/key channels per head.")],
+    geo_dim: Annotated[int, typer.Option(min=2, help="Geometric (RoPE) channels per head: even, kept exact.")],
+    model: Annotated[str, typer.Option(help="The standard model: smollm2-135m, a .gguf file or an HF directory.")] = "smollm2-135m",
+    calib_text: Annotated[Optional[Path], typer.Option(help="Calibration text for the SVD's input statistics (default: caramba's corpus from token 2048 on, which no eval window in the docs reaches).")] = None,
+    calib_tokens: Annotated[int, typer.Option(min=0, help="Calibration tokens (0: no data, weigh inputs by the norm weights only).")] = 2048,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Convert a standard RoPE checkpoint into decoupled (DBA) attention: per head, the
+    --geo-dim/2 fastest RoPE pairs keep exact RoPE (geometric path); the slower rest lose it and
+    are compressed to --sem-dim channels by a truncated SVD of each head's query-key form,
+    weighted by the attention inputs' statistics on calibration text (semantic path).
+
+    The result loads like any model: caramba generate/eval --model DIR. docs/kv-cache.md says
+    what is approximated."""
+    with _errors_as_exit_codes():
+        from caramba.infer.evaluate import corpus_ids
+        from caramba.model.dba_convert import CALIBRATION_START, check_dims, convert_loaded
+        from caramba.model.zoo import load_model
+
+        if out_dir.exists() and not force:
+            raise UserError(f"--out {out_dir} exists; pass --force to replace it or choose another directory")
+        if calib_text is not None and not calib_text.is_file():
+            raise UserError(f"--calib-text {calib_text}: no such file")
+        loaded = load_model(model, "float32", "cpu")
+        try:
+            check_dims(loaded.model.config, sem_dim, geo_dim)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        ids = corpus_ids(loaded.tokenizer, calib_text)
+        calibration = ids[:calib_tokens] if calib_text is not None else ids[CALIBRATION_START:][:calib_tokens]
+        if calib_tokens and len(calibration) < min(calib_tokens, 64):
+            raise UserError(f"the calibration text has only {len(calibration)} usable tokens; give a longer --calib-text")
+        conv = convert_loaded(loaded, sem_dim, geo_dim, out_dir, calibration)
+        cfg = conv.config
+        out.print(f"[green]wrote[/green] {out_dir}: sem_dim={cfg.sem_dim}, geo_dim={cfg.geo_dim} per head, "
+                  f"{len(calibration)} calibration tokens, SVD keeps {conv.sem_energy:.1%} of the semantic forms' energy")
+        sizes = []
+        for kind in ("fp16", "q8_0", "q4_0"):
+            dba, qblock = _cache_bytes_per_token(cfg, kind)
+            std, _ = _cache_bytes_per_token(loaded.model.config, kind, qblock)
+            sizes.append(f"{kind}{f' (qblock {qblock})' if qblock != 32 else ''} {dba} (standard {std})")
+        out.print("cache bytes/token (all layers, batch 1): " + ", ".join(sizes))
+
+
+def _cache_bytes_per_token(cfg, kind: str, qblock: int | None = None) -> tuple[int, int]:
+    """(bytes_per_token, qblock) of a 1-slot cache built on the meta device (no storage), with
+    the largest qblock <= 32 that divides every stream's width when none is given."""
+    import torch
+
+    from caramba.cache import CachePolicy
+    from caramba.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+        for qb in [qblock] if qblock else [32, 16, 8, 4, 2]:
+            try:
+                return model.new_cache(1, 1, CachePolicy.build(kind, qblock=qb)).bytes_per_token(), qb
+            except ValueError:
+                continue
+    raise ValueError(f"no qblock divides the cache streams of sem_dim={cfg.sem_dim}, geo_dim={cfg.geo_dim}")
 
 
 @app.command("eval")
@@ -400,6 +502,11 @@ def eval_cache(
         except ValueError as e:
             raise UserError(f"--cache-kind/--cache-policy/--baseline: {e}") from None
         loaded = load_model(model, dtype, device, progress=not as_json)
+        try:   # stream names against the model: k/v (standard) or k_sem/k_geo/v (decoupled)
+            for policy in [base, *candidates]:
+                policy.check_streams(loaded.model.config.attention == "decoupled")
+        except ValueError as e:
+            raise UserError(f"--cache-policy/--baseline: {e}") from None
         ids = corpus_ids(loaded.tokenizer, text)
         if max_tokens is not None:
             ids = ids[:max_tokens]
@@ -424,6 +531,101 @@ def eval_cache(
             table.add_row(r.policy, str(r.bytes_per_token), f"{r.ppl:.4f}", f"{r.dnll:+.5f}", f"{r.kl_mean:.2e}",
                           f"{r.kl_max:.2e}", f"{r.top1_agreement:.4f}")
         out.print(table)
+
+
+@app.command()
+def autotune(
+    budget_mb: Annotated[float, typer.Option(help="MiB for the whole KV cache (all layers, K+V, the batch).")],
+    model: Annotated[str, typer.Option(help="smollm2-135m, a .gguf file or an HF directory.")] = "smollm2-135m",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    device: Annotated[str, typer.Option(help="cpu, cuda, mps or auto.")] = "cpu",
+    max_seq_len: Annotated[int, typer.Option(min=2, help="Context length the cache is sized and timed for.")] = 2048,
+    batch_size: Annotated[int, typer.Option(min=1, help="Rows the cache is sized and timed for.")] = 1,
+    text: Annotated[Optional[Path], typer.Option(help="Gate text file (default: caramba's bundled corpus).")] = None,
+    plan_path: Annotated[Optional[Path], typer.Option(help="The plan store (default: runs/cache_plans.json).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Measure again even when a fresh plan is stored.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with chosen and candidates.")] = False,
+) -> None:
+    """Choose the KV cache for a memory budget: budget filter, quality gates, speed pick.
+
+    Candidates over the budget are dropped; the rest are scored against the model dtype's
+    full-precision cache on real text (dNLL, PPL ratio, mean KL, needle in a haystack) and the
+    passing ones timed at the target context; the fastest wins (ties: fewer bytes). The choice is
+    stored in the plan file and reused by later runs and by `cache_kind: auto`. Exit 2 when nothing
+    fits the budget or passes the gates. See docs/autotune.md."""
+    with _errors_as_exit_codes():
+        from caramba.autotune import AutotuneSettings
+        from caramba.model.zoo import load_model
+        from caramba.runners.autotune import candidates_table, run_tuned
+
+        if text is not None and not text.is_file():
+            raise UserError(f"--text {text}: no such file")
+        loaded = load_model(model, dtype, device, progress=not as_json)
+        settings = AutotuneSettings(budget_mb=budget_mb, max_seq_len=max_seq_len, batch_size=batch_size)
+        result = run_tuned(loaded, settings, err if as_json else out, text, plan_path, force, quiet=as_json)
+        if as_json:
+            print(json.dumps(result.to_dict()))
+            return
+        out.print(candidates_table(result))
+        out.print(f"chosen: [bold]{result.chosen['name']}[/bold] ({result.chosen['bytes'] / 2**20:.2f} MiB); "
+                  f"plan {result.key_id} in {result.plan_path}")
+
+
+plans_app = typer.Typer(help="The stored cache plans (runs/cache_plans.json).", no_args_is_help=True)
+app.add_typer(plans_app, name="plans")
+PlanPathOption = Annotated[Optional[Path], typer.Option("--plan-path", help="The plan store (default: runs/cache_plans.json).")]
+
+
+def _plan_store(plan_path: Path | None):
+    from caramba.autotune import PlanStore
+
+    return PlanStore(plan_path, notice=lambda message: err.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True))
+
+
+@plans_app.command("list")
+def plans_list(plan_path: PlanPathOption = None, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """One line per stored plan: id, model, machine, settings, the chosen cache, age."""
+    with _errors_as_exit_codes():
+        from rich.table import Table
+
+        store = _plan_store(plan_path)
+        plans = store.all()
+        if as_json:
+            print(json.dumps(plans))
+            return
+        table = Table(title=f"{len(plans)} plan(s) in {store.path}", title_justify="left")
+        for col in ("id", "model", "dtype", "device", "max_seq_len", "batch", "budget MB", "chosen", "created"):
+            table.add_column(col, no_wrap=col == "id", overflow="fold")
+        for pid, p in plans.items():
+            k = p["key"]
+            table.add_row(pid, k["model_sha256"][:12], k["dtype"], f"{k['device']} ({k['device_name']})",
+                          str(k["max_seq_len"]), str(k["batch_size"]), f"{k['budget_mb']:g}", p["chosen"]["name"],
+                          p["created_utc"])
+        out.print(table)
+
+
+@plans_app.command("show")
+def plans_show(plan_id: Annotated[str, typer.Argument(help="A plan id (or its first characters).")],
+               plan_path: PlanPathOption = None) -> None:
+    """Print one plan as JSON: its key, the chosen cache and every candidate's bytes, gates and speed."""
+    with _errors_as_exit_codes():
+        plans = _plan_store(plan_path).all()
+        found = [p for pid, p in plans.items() if pid.startswith(plan_id)]
+        if len(found) != 1:
+            raise UserError(f"plan id {plan_id!r} matches {len(found)} plans; `caramba plans list` shows the ids")
+        print(json.dumps(found[0], indent=2))
+
+
+@plans_app.command("clear")
+def plans_clear(plan_ids: Annotated[Optional[list[str]], typer.Argument(help="Plan ids to drop (default: all).")] = None,
+                plan_path: PlanPathOption = None) -> None:
+    """Drop stored plans (all of them, or the ids given); the next autotune measures again."""
+    with _errors_as_exit_codes():
+        store = _plan_store(plan_path)
+        gone = store.remove(plan_ids or None)
+        if plan_ids and not gone:
+            raise UserError(f"no plan matches {', '.join(plan_ids)}; `caramba plans list` shows the ids")
+        err.print(f"removed {len(gone)} plan(s) from {store.path}")
 
 
 def main() -> None:

@@ -16,10 +16,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Mode = Literal["generate", "decode-bench", "speculative"]
+Mode = Literal["generate", "decode-bench", "speculative", "cache-autotune"]
 MODES: tuple[str, ...] = typing.get_args(Mode)
 # The settings section each mode reads (a mode whose section has its own name is left out).
-MODE_SECTIONS: dict[str, str] = {"decode-bench": "bench"}
+MODE_SECTIONS: dict[str, str] = {"decode-bench": "bench", "cache-autotune": "autotune"}
 
 
 def section_for(mode: str) -> str:
@@ -76,12 +76,22 @@ class GenerateSettings(_Model):
     penalty_alpha: float | None = Field(None, ge=0, le=1)   # contrastive search (needs top_k)
     stop_sequences: list[str] = []
     max_seq_len: int = Field(2048, ge=1)
-    cache_kind: Literal["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q8", "q4"] = "fp32"
-    cache_policy: dict[Literal["k", "v"], Literal["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q8", "q4"]] | None = None
+    # auto: the stored cache plan for this model, machine, max_seq_len, batch_size and
+    # cache_budget_mb (docs/autotune.md), or a fresh selection when there is none
+    cache_kind: Literal["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q8", "q4", "auto"] = "fp32"
+    cache_budget_mb: float | None = Field(None, gt=0)  # cache_kind: auto only; MiB for the whole cache
+    # k/v (standard attention) or k_sem/k_geo/v (decoupled/DBA models); checked against the model at run time
+    cache_policy: dict[Literal["k", "v", "k_sem", "k_geo"], Literal["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q8", "q4"]] | None = None
     qblock: int = Field(32, ge=2, multiple_of=2)  # elements per quantization block (clipped to head_dim)
     residual_len: int = Field(0, ge=0)          # newest tokens also kept in full precision
     rotate_keys: bool = False                   # Hadamard-rotate keys before quantizing them
     cache_fp16_prefix_layers: int = Field(0, ge=0)  # the first N layers keep an fp16 cache
+    # Decode plan (docs/decode-plans.md): chunked forwards keep outputs; a local window changes them.
+    decode_plan: Literal["auto", "fixed", "none"] = "none"
+    decode_bucket_short: int = Field(512, ge=1)     # auto: prompts up to this run unchunked
+    decode_bucket_mid: int = Field(2048, ge=1)      # auto: longer prompts use the long chunk size
+    decode_q_chunk: int | None = Field(None, ge=1)  # tokens per forward (fixed; overrides auto's sizes)
+    decode_local_window: int | None = Field(None, ge=1)  # sliding-window attention span: CHANGES OUTPUTS
     chat: bool = False  # render prompts through the model's chat template
     system_prompt: str | None = None
     batch_size: int = Field(1, ge=1)  # prompts run in batches of this many, left-padded
@@ -91,6 +101,28 @@ class GenerateSettings(_Model):
     def _system_prompt_needs_chat(self) -> GenerateSettings:
         if self.system_prompt is not None and not self.chat:
             raise ValueError("system_prompt is only used with chat: true; set chat: true or drop it")
+        return self
+
+    @model_validator(mode="after")
+    def _decode_plan_agrees(self) -> GenerateSettings:
+        from caramba.infer.plan import DecodePlan
+
+        DecodePlan(self.decode_plan, self.decode_bucket_short, self.decode_bucket_mid, self.decode_q_chunk,
+                   self.decode_local_window)   # its ValueError names the field
+        if self.decode_local_window is not None and (self.num_beams > 1 or self.penalty_alpha is not None):
+            raise ValueError("decode_local_window (sliding-window attention) is not supported by beam or "
+                             "contrastive search; drop it or num_beams / penalty_alpha")
+        return self
+
+    @model_validator(mode="after")
+    def _auto_cache_needs_budget(self) -> GenerateSettings:
+        if (self.cache_kind == "auto") != (self.cache_budget_mb is not None):
+            raise ValueError("cache_kind: auto needs cache_budget_mb (MiB for the whole KV cache), and "
+                             "cache_budget_mb is only used with cache_kind: auto")
+        chosen = {"cache_policy": None, "qblock": 32, "residual_len": 0, "rotate_keys": False, "cache_fp16_prefix_layers": 0}
+        clash = [name for name, default in chosen.items() if self.cache_kind == "auto" and getattr(self, name) != default]
+        if clash:
+            raise ValueError(f"cache_kind: auto chooses {', '.join(clash)} itself; drop them or name a cache_kind")
         return self
 
     @model_validator(mode="after")
@@ -115,6 +147,9 @@ class BenchSettings(_Model):
     prompt_lens: list[Annotated[int, Field(ge=1)]] = Field([128, 512, 2048], min_length=1)
     batch_sizes: list[Annotated[int, Field(ge=1)]] = Field([1], min_length=1)
     cache_kinds: list[str] = Field(["fp32"], min_length=1)
+    # Decode plans: "none", "auto", "chunk=N" (fixed q_chunk), "window=W" or "chunk=N,window=W"
+    # (a window changes outputs), e.g. ["none", "chunk=512"]. See docs/decode-plans.md.
+    decode_plans: list[str] = Field(["none"], min_length=1)
     new_tokens: int = Field(32, ge=2)       # >= 2: the first token is prefill, the rest decode
     warmup: int = Field(1, ge=0)
     repeats: int = Field(3, ge=1)
@@ -128,6 +163,15 @@ class BenchSettings(_Model):
         from caramba.cache import KVCacheKind
 
         return [KVCacheKind.parse(kind).value for kind in kinds]
+
+    @field_validator("decode_plans")
+    @classmethod
+    def _known_plans(cls, plans: list[str]) -> list[str]:
+        from caramba.infer.plan import parse_plan
+
+        for text in plans:
+            parse_plan(text)
+        return plans
 
 
 class SpeculativeSettings(GenerateSettings):
@@ -156,6 +200,28 @@ class SpeculativeSettings(GenerateSettings):
         return self
 
 
+class CacheAutotuneSettings(_Model):
+    """Settings of a `cache-autotune` run (docs/autotune.md; defaults as caramba.autotune's)."""
+
+    budget_mb: float = Field(gt=0)              # MiB for the whole KV cache: all layers, K+V, the batch
+    max_seq_len: int = Field(2048, ge=2)
+    batch_size: int = Field(1, ge=1)
+    cache_quality_max_delta_nll: float = 0.05   # mean NLL increase over the baseline cache, nats/token
+    cache_quality_max_ppl_ratio: float = Field(1.05, gt=0)
+    cache_quality_max_mean_kl: float = Field(0.02, ge=0)   # mean KL(baseline || candidate), nats
+    cache_quality_needle_max_kl: float = Field(0.1, ge=0)  # mean KL on the needle's answer tokens
+    cache_quality_prompt_len: int = Field(256, ge=1)       # text tokens prefilled before scoring
+    cache_quality_decode_steps: int = Field(32, ge=2)      # text tokens scored one at a time
+    cache_quality_needle_len: int = Field(512, ge=32)      # haystack length, tokens
+    cache_quality_needle_depth: float = Field(0.25, ge=0, le=1)   # 0 = start of the context, 1 = end
+    speed_steps: int = Field(4, ge=1)           # timed decode steps per round
+    speed_repeats: int = Field(3, ge=3)         # timed rounds; the median counts
+    cache_plan_probe: bool = True               # re-run the selection when the stored plan is stale
+    cache_plan_probe_interval_sec: float = Field(3600, ge=0)
+    plan_path: str | None = None                # default: cache_plans.json under the runs root
+    text: str | None = None                     # gate text file; default: caramba's bundled corpus
+
+
 class Expect(_Model):
     """What a run's result must show for `caramba run --check` (CI reproducibility)."""
 
@@ -181,6 +247,7 @@ class Run(_Model):
     generate: GenerateSettings | None = None
     bench: BenchSettings | None = None
     speculative: SpeculativeSettings | None = None
+    autotune: CacheAutotuneSettings | None = None
     expect: Expect | None = None
     notes: str | None = None
 

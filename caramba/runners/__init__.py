@@ -15,6 +15,7 @@ from caramba.expect import check as check_expect
 from caramba.expect import output_sha256
 from caramba.manifest import Manifest, ModelSpec, ResolvedRun, resolved_manifest_yaml
 from caramba.model.zoo import LoadedModel, load_model, resolve_device, resolve_source
+from caramba.runners.autotune import run_cache_autotune
 from caramba.runners.decode_bench import run_decode_bench
 from caramba.runners.generate import run_generate
 from caramba.runners.speculative import run_speculative
@@ -22,7 +23,7 @@ from caramba.runs import RunDir, capture_env
 
 # mode -> runner(loaded model, the mode's settings, seed, record, console) -> result dict
 MODE_RUNNERS: dict[str, Callable] = {"generate": run_generate, "decode-bench": run_decode_bench,
-                                     "speculative": run_speculative}  # speculative also takes draft=LoadedModel
+                                     "speculative": run_speculative, "cache-autotune": run_cache_autotune}  # speculative also takes draft=LoadedModel
 
 
 @dataclass

@@ -9,9 +9,11 @@ from typing import Any
 from rich.console import Console
 
 from caramba.infer import GenerateConfig, Generator, beam_search, contrastive_search
+from caramba.infer.plan import quiet_window, window_warning
 from caramba.manifest import GenerateSettings
 from caramba.model.zoo import LoadedModel
 from caramba.prompting import completion_text, encode_prompt
+from caramba.runners.autotune import resolve_cache_auto
 from caramba.runs import RunDir
 from caramba.tokenizer import StreamDecoder
 
@@ -43,6 +45,11 @@ def generate_config(settings: GenerateSettings, seed: int | None, eos_token_id: 
         residual_len=settings.residual_len,
         rotate_keys=settings.rotate_keys,
         cache_fp16_prefix_layers=settings.cache_fp16_prefix_layers,
+        decode_plan=settings.decode_plan,
+        decode_bucket_short=settings.decode_bucket_short,
+        decode_bucket_mid=settings.decode_bucket_mid,
+        decode_q_chunk=settings.decode_q_chunk,
+        decode_local_window=settings.decode_local_window,
     )
 
 
@@ -69,9 +76,14 @@ def run_search(model, prompt_ids: list[list[int]], config: GenerateConfig) -> tu
 
 
 def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | None, record: RunDir, console: Console) -> dict[str, Any]:
+    settings, cache_auto = resolve_cache_auto(loaded, settings, record, console)
     tok = loaded.tokenizer
     prompt_ids = [encode_prompt(tok, p, settings.chat, settings.system_prompt) for p in settings.prompts]
     results: list[dict[str, Any]] = []
+    if settings.decode_local_window is not None:
+        warning = window_warning(settings.decode_local_window)
+        console.print(f"[yellow]warning: {warning}[/yellow]")
+        record.log(f"warning: {warning}")
     batches = [range(i, min(i + settings.batch_size, len(prompt_ids))) for i in range(0, len(prompt_ids), settings.batch_size)]
     for b, rows in enumerate(batches):
         # Each batch is its own session; with a seed, batch b draws from seed + b so batches differ.
@@ -79,7 +91,8 @@ def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | No
         if search_strategy(config):
             results.extend(_search_batch(loaded, settings, config, rows, prompt_ids, b, record, console))
             continue
-        generator = Generator(loaded.model, config, tokenizer=tok)
+        with quiet_window():   # warned above, once
+            generator = Generator(loaded.model, config, tokenizer=tok)
         stream = settings.stream and len(rows) == 1
         if stream:
             console.print(f"[bold]{settings.prompts[rows[0]]}[/bold]", end="\n" if settings.chat else "", highlight=False)
@@ -104,9 +117,10 @@ def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | No
                 "prefill_s": out.prefill_s,
                 "decode_s": out.decode_s,
                 "decode_tok_s": out.decode_tok_s,
+                "decode_plan": generator.plan.to_dict(),
             })
         record.log(f"batch {b}: {len(rows)} prompt(s), {out.n_generated} tokens, prefill {out.prefill_s:.3f}s, "
-                   f"decode {out.decode_s:.3f}s ({out.decode_tok_s:.1f} tok/s)")
+                   f"decode {out.decode_s:.3f}s ({out.decode_tok_s:.1f} tok/s), decode plan {generator.plan.to_dict()}")
     rates = [r["decode_tok_s"] for r in results if r["decode_tok_s"]]
     prefills = [r["prefill_s"] for r in results if r["prefill_s"] is not None]   # searches have none
     return {
@@ -119,6 +133,10 @@ def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | No
             "decode_tok_s_median": statistics.median(rates) if rates else None,
             "cache_kind": settings.cache_kind,
             "cache_policy": generate_config(settings, None, None).cache_spec().to_dict(),
+            "cache_auto": cache_auto,   # what cache_kind: auto resolved to (None: not auto)
+            "decode_plan": settings.decode_plan,
+            "decode_local_window": settings.decode_local_window,
+            "exact": all(r.get("decode_plan", {}).get("exact", True) for r in results),  # False: a window changed outputs
         },
     }
 

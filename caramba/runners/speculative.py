@@ -15,6 +15,7 @@ from caramba.infer.speculative import SpeculativeConfig, SpeculativeGenerator
 from caramba.manifest import SpeculativeSettings
 from caramba.model.zoo import LoadedModel
 from caramba.prompting import completion_text, encode_prompt
+from caramba.runners.autotune import resolve_cache_auto
 from caramba.runners.generate import generate_config
 from caramba.runs import RunDir
 from caramba.tokenizer import StreamDecoder
@@ -31,6 +32,7 @@ def speculative_config(settings: SpeculativeSettings, seed: int | None, eos_toke
 
 def run_speculative(loaded: LoadedModel, settings: SpeculativeSettings, seed: int | None, record: RunDir,
                     console: Console, draft: LoadedModel | None = None) -> dict[str, Any]:
+    settings, cache_auto = resolve_cache_auto(loaded, settings, record, console)
     tok = loaded.tokenizer
     prompt_ids = [encode_prompt(tok, p, settings.chat, settings.system_prompt) for p in settings.prompts]
     if draft is not None and draft.tokenizer.vocab_size != tok.vocab_size:
@@ -78,6 +80,7 @@ def run_speculative(loaded: LoadedModel, settings: SpeculativeSettings, seed: in
                 "acceptance_rate": st.row_accepted[j] / st.row_proposed[j] if st.row_proposed[j] else 0.0,
                 "tokens_per_target_forward": st.row_tokens[j] / st.row_forwards[j] if st.row_forwards[j] else 0.0,
                 "k_history": st.k_history[j],
+                "decode_plan": spec.plan.to_dict(),
             }
             if plain is not None:
                 row["plain"] = {"output_ids": plain.sequences[j], "same_as_speculative": plain.sequences[j] == out.sequences[j],
@@ -101,6 +104,7 @@ def run_speculative(loaded: LoadedModel, settings: SpeculativeSettings, seed: in
         "proposed": totals["proposed"], "accepted": totals["accepted"],
         "speculative_s": totals["spec_s"],
         "cache_kind": settings.cache_kind,
+        "cache_auto": cache_auto,   # what cache_kind: auto resolved to (None: not auto)
     }
     if settings.baseline:
         summary |= {
