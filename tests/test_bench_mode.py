@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from caramba.cli import app
 from caramba.expect import output_sha256, parse_bound
+from conftest import write_manifest
 from test_cli import write_tiny_model
 
 
@@ -30,15 +31,7 @@ def invoke(*args):
 
 def manifest(tmp_path, tiny_model, expect: str = "") -> str:
     path = tmp_path / "m.yaml"
-    path.write_text(f"""\
-version: 1
-name: benchy
-defaults:
-  model: {{source: "{tiny_model}"}}
-targets:
-  - type: experiment
-    name: t
-    runs:
+    write_manifest(path, f"""\
       - id: grid
         mode: decode-bench
         bench:
@@ -54,7 +47,7 @@ targets:
           prompts: ["hello", "abc"]
           max_new_tokens: 5
           temperature: 0.0
-{expect}""")
+{expect}""", model=tiny_model, name="benchy")
     return str(path)
 
 

@@ -20,7 +20,7 @@ from caramba.infer.plan import AUTO_CHUNK_LONG, AUTO_CHUNK_MID, DecodePlan, Loca
 from caramba.infer.speculative import SpeculativeConfig, SpeculativeGenerator
 from caramba.manifest.schema import BenchSettings, GenerateSettings
 from caramba.model.transformer import Transformer
-from conftest import TINY
+from conftest import TINY, write_manifest
 from test_cli import write_tiny_model
 
 KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4"]
@@ -318,15 +318,7 @@ def test_cli_generate_records_the_plan(tiny_model):
 def test_generate_run_records_the_plan_and_warns(tmp_path, tiny_model, monkeypatch):
     monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
     path = tmp_path / "m.yaml"
-    path.write_text(f"""\
-version: 1
-name: plans
-defaults:
-  model: {{source: "{tiny_model}"}}
-targets:
-  - type: experiment
-    name: t
-    runs:
+    write_manifest(path, """\
       - id: w
         mode: generate
         generate:
@@ -337,7 +329,7 @@ targets:
           decode_plan: fixed
           decode_q_chunk: 2
           decode_local_window: 4
-""")
+""", model=tiny_model, name="plans")
     r = CliRunner().invoke(app, ["run", str(path)])
     assert r.exit_code == 0, r.output
     assert "changes outputs" in r.output
@@ -379,19 +371,11 @@ def test_schema_rejects_a_window_with_search_or_speculative(tmp_path, tiny_model
         GenerateSettings(prompts=["hi"], num_beams=2, decode_plan="fixed", decode_local_window=4)
     monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
     path = tmp_path / "m.yaml"
-    path.write_text(f"""\
-version: 1
-name: plans
-defaults:
-  model: {{source: "{tiny_model}"}}
-targets:
-  - type: experiment
-    name: t
-    runs:
+    write_manifest(path, f"""\
       - id: s
         mode: speculative
         speculative: {{prompts: ["one two"], max_new_tokens: 4, decode_plan: fixed, decode_local_window: 4}}
-""")
+""", model=tiny_model, name="plans")
     r = CliRunner().invoke(app, ["run", str(path)])
     assert r.exit_code == 2 and "decode_local_window" in r.output
     assert not (tmp_path / "runs" / "plans" / "t" / "s").exists()

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_integration_smollm2 import PROMPTS, ours, pytestmark, reference  # noqa: F401  (fixtures, marks)
+from conftest import SMOLLM2
+from test_integration_smollm2 import PROMPTS, reference  # noqa: F401  (a fixture)
+
+pytestmark = SMOLLM2
 
 BEAM_SETTINGS = [
     dict(num_beams=4, num_return_sequences=2),
@@ -16,7 +19,7 @@ BEAM_SETTINGS = [
 
 
 @pytest.mark.parametrize("prompt,kw", list(zip(PROMPTS, BEAM_SETTINGS)))
-def test_beam_search_equals_hf(ours, reference, prompt, kw):
+def test_beam_search_equals_hf(smollm2, reference, prompt, kw):
     from caramba.infer import beam_search
 
     hf, tok = reference
@@ -29,12 +32,12 @@ def test_beam_search_equals_hf(ours, reference, prompt, kw):
     want = []
     for s in out.sequences[:, len(ids):].tolist():
         want.append(s[: s.index(eos) + 1] if eos in s else s)
-    got = beam_search(ours.model, [ids], max_new_tokens=24, temperature=0, eos_token_id=eos, **kw)
+    got = beam_search(smollm2.model, [ids], max_new_tokens=24, temperature=0, eos_token_id=eos, **kw)
     assert got.sequences[0] == want, f"{prompt!r}\nours: {[tok.decode(s) for s in got.sequences[0]]}\nHF: {[tok.decode(s) for s in want]}"
     assert got.scores[0] == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
 
 
-def test_greedy_with_processors_equals_hf(ours, reference):
+def test_greedy_with_processors_equals_hf(smollm2, reference):
     from caramba.infer import GenerateConfig, Generator
 
     hf, tok = reference
@@ -46,4 +49,4 @@ def test_greedy_with_processors_equals_hf(ours, reference):
             want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False,
                                eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, **kw)[0, len(ids):].tolist()
         cfg = GenerateConfig(max_new_tokens=48, temperature=0.0, eos_token_id=tok.eos_token_id, **kw)
-        assert Generator(ours.model, cfg).run([ids]).sequences[0] == want
+        assert Generator(smollm2.model, cfg).run([ids]).sequences[0] == want

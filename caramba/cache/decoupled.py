@@ -17,11 +17,11 @@ import torch.nn.functional as F
 
 from caramba.cache.attend import attend_pairs
 from caramba.cache.kinds import KVCacheTensorConfig
-from caramba.cache.layer import CHUNKED_MAX_T, CacheOverflowError, hadamard
+from caramba.cache.layer import CHUNKED_MAX_T, CacheOverflowError, StreamLayerCache, hadamard
 from caramba.cache.streams import make_stream
 
 
-class DecoupledLayerKVCache:
+class DecoupledLayerKVCache(StreamLayerCache):
     """k_sem [B, KVH, S, k_sem_dim/KVH], k_geo [.., k_geo_dim/KVH] and v [.., v_dim/KVH] of one
     layer, each stored as its own kind. Widths are totals over the KV heads (as LayerKVCache's).
 
@@ -67,8 +67,8 @@ class DecoupledLayerKVCache:
         return self.k_sem_stream, self.k_geo_stream, self.v_stream
 
     @property
-    def quantized(self) -> bool:
-        return any(s.quantized for s in self.streams)
+    def configs(self) -> tuple[KVCacheTensorConfig, ...]:
+        return self.k_sem_cfg, self.k_geo_cfg, self.v_cfg
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[..., sem + geo] -> [..., sem], [..., geo], rotated when rotate_keys is on."""
@@ -114,30 +114,3 @@ class DecoupledLayerKVCache:
                                 q.shape[-1] ** -0.5)
         keys, values = self._keys(end, q.dtype), self.v_stream.read(end, q.dtype)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
-
-    def truncate(self, n: int) -> None:
-        if not 0 <= n <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
-        self.length = n
-
-    def reset(self) -> None:
-        self.length = 0
-        for s in self.streams:
-            s.reset()
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Gather batch rows (beam search, dropping finished rows)."""
-        for s in self.streams:
-            s.reorder(index)
-        self.batch_size = int(index.numel())
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated: codes, scales, values and residual windows of all three streams."""
-        return sum(t.numel() * t.element_size() for s in self.streams for t in s.tensors())
-
-    def bytes_per_token(self) -> int:
-        """Bytes one token occupies in this layer, over the whole batch (analytic; the fixed
-        residual windows are left out)."""
-        cfgs = (self.k_sem_cfg, self.k_geo_cfg, self.v_cfg)
-        return self.batch_size * sum(c.bytes_per_token(s.n_heads, s.head_dim) for c, s in zip(cfgs, self.streams))

@@ -34,7 +34,45 @@ def hadamard(n: int, device=None, dtype: torch.dtype = torch.float32) -> torch.T
     return (h / n**0.5).to(device=device, dtype=dtype)
 
 
-class LayerKVCache:
+class StreamLayerCache:
+    """What every layer cache does the same way over its streams (caramba.cache.streams), which
+    share one `length`: a subclass sets `streams`, `configs`, `batch_size`, `length`."""
+
+    streams: tuple
+    configs: tuple[KVCacheTensorConfig, ...]
+
+    @property
+    def quantized(self) -> bool:
+        return any(s.quantized for s in self.streams)
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
+        self.length = n
+
+    def reset(self) -> None:
+        self.length = 0
+        for s in self.streams:
+            s.reset()
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Gather batch rows (beam search, dropping finished rows)."""
+        for s in self.streams:
+            s.reorder(index)
+        self.batch_size = int(index.numel())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated: codes, scales, values and residual windows of every stream."""
+        return sum(t.numel() * t.element_size() for s in self.streams for t in s.tensors())
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies in this layer, over the whole batch (analytic; the fixed
+        residual windows are not per-token and are left out)."""
+        return self.batch_size * sum(c.bytes_per_token(s.n_heads, s.head_dim) for c, s in zip(self.configs, self.streams))
+
+
+class LayerKVCache(StreamLayerCache):
     """K and V of one layer, each stored as its own kind (KVCacheTensorConfig).
 
     rotate_keys: keys are multiplied by a per-head Hadamard matrix before they are stored and
@@ -73,10 +111,6 @@ class LayerKVCache:
     @property
     def v(self) -> torch.Tensor:
         return self.v_stream.data if not self.v_stream.quantized else self.v_stream.codes
-
-    @property
-    def quantized(self) -> bool:
-        return self.k_stream.quantized or self.v_stream.quantized
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> int:
         """Write k, v at the next slots; return how many slots attention reads ([0, end))."""
@@ -127,33 +161,13 @@ class LayerKVCache:
         keys, values = self.k_stream.read(end, q.dtype), self.v_stream.read(end, q.dtype)   # prefill: once
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
 
-    def truncate(self, n: int) -> None:
-        if not 0 <= n <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
-        self.length = n
-
-    def reset(self) -> None:
-        self.length = 0
-        self.k_stream.reset()
-        self.v_stream.reset()
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Gather batch rows (beam search, dropping finished rows)."""
-        self.k_stream.reorder(index)
-        self.v_stream.reorder(index)
-        self.batch_size = int(index.numel())
+    @property
+    def streams(self) -> tuple:
+        return self.k_stream, self.v_stream
 
     @property
-    def nbytes(self) -> int:
-        """Bytes allocated: codes, scales, values and residual windows of K and V."""
-        return sum(t.numel() * t.element_size() for s in (self.k_stream, self.v_stream) for t in s.tensors())
-
-    def bytes_per_token(self) -> int:
-        """Bytes one token occupies in this layer, over the whole batch (analytic; the fixed
-        residual windows are not per-token and are left out)."""
-        k, v = self.k_stream, self.v_stream
-        return self.batch_size * (self.k_cfg.bytes_per_token(k.n_heads, k.head_dim)
-                                  + self.v_cfg.bytes_per_token(v.n_heads, v.head_dim))
+    def configs(self) -> tuple[KVCacheTensorConfig, ...]:
+        return self.k_cfg, self.v_cfg
 
 
 class KVCache:
