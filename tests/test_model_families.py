@@ -226,9 +226,12 @@ def test_gpt2_position_past_n_positions_is_a_clear_error(saved):
     with pytest.raises(ValueError, match=f"n_positions={N_POS}"):
         model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
     assert cache.length == N_POS  # the refused step wrote nothing
+    # The Generator refuses up front (before any token streams), and its session stays usable.
     gen = Generator(model, GenerateConfig(max_new_tokens=10, temperature=0, max_seq_len=64))
-    with pytest.raises(ValueError, match=f"n_positions={N_POS}"):
+    with pytest.raises(ValueError, match=f"{N_POS - 4 + 9} new exceed .* \\(n_positions={N_POS}\\)"):
         gen.run([[1] * (N_POS - 4)])
+    assert gen.cache.length == 0
+    assert len(gen.run([[1] * (N_POS - 10)]).sequences[0]) == 10
 
 
 # ---- configs that would compute a different model are refused -----------------------------------

@@ -236,6 +236,7 @@ class Generator:
         # The final sampled token is never fed, so the turn needs T + max_new_tokens - 1 slots.
         # Checked before the pending token is consumed, so an overflow leaves the session intact.
         self.cache.check_room(T + cfg.max_new_tokens - 1)
+        self._check_positions(T + cfg.max_new_tokens - 1)
         self.pending = self.pending_mask = None
         ring = isinstance(self.cache, RingKVCache)
         self.plan = cfg.decode.resolve(T, has_residual_window(self.cache), self.cache.max_write if ring else None)
@@ -293,6 +294,15 @@ class Generator:
             return self.model(tokens[:, a:b], positions[:, a:b], self.cache, slot_mask, last_only=last)
 
         return run_chunks(feed, T, self.plan.q_chunk, last_only=True)[:, -1]
+
+    def _check_positions(self, n_new: int) -> None:
+        """A learned position table (GPT-2) ends at n_positions: say so before the first token
+        streams, not at the step that crosses it. A ring cache does not lift this bound."""
+        wpe = getattr(self.model, "wpe", None)
+        if wpe is not None and int(self.next_pos.max()) + n_new > wpe.num_embeddings:
+            raise CacheOverflowError(
+                f"{int(self.next_pos.max())} positions used + {n_new} new exceed this model's learned position "
+                f"table (n_positions={wpe.num_embeddings}); shorten the prompt or lower max_new_tokens")
 
     def _start_turn(self, B: int) -> None:
         if self.cache is None:
