@@ -97,10 +97,11 @@ def make_model(seed: int = 0, std: float = WEIGHT_STD, dtype: torch.dtype = torc
 
 
 def hf_model(arch: str = "llama", seed: int = 0, std: float = WEIGHT_STD, **overrides):
-    """A tiny transformers LlamaForCausalLM / Qwen2ForCausalLM with the same shapes as TINY.
+    """A tiny transformers Llama / Qwen2 / Mistral ForCausalLM with the same shapes as TINY.
 
     overrides are LlamaConfig / Qwen2Config keywords (rope_scaling, num_key_value_heads, ...)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     kw = dict(
         vocab_size=TINY["vocab_size"], hidden_size=TINY["dim"], intermediate_size=TINY["intermediate_size"],
@@ -110,7 +111,8 @@ def hf_model(arch: str = "llama", seed: int = 0, std: float = WEIGHT_STD, **over
         tie_word_embeddings=False,
     )
     kw.update(overrides)
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "mistral": (MistralConfig, MistralForCausalLM)}[arch]
     config = config_cls(**kw)
     config._attn_implementation = "eager"  # the plain reference path, independent of SDPA
     torch.manual_seed(seed)

@@ -45,6 +45,9 @@ VARIANTS = {
     "qwen2-untied": ("qwen2", dict(tie_word_embeddings=False)),
     "llama": ("llama", {}),
     "llama-attention-bias": ("llama", dict(attention_bias=True)),
+    # Trained sliding windows shorter than the test prompts (24 tokens), so the window binds.
+    "mistral-sliding": ("mistral", dict(sliding_window=8)),
+    "qwen2-sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),
 }
 
 
@@ -118,7 +121,9 @@ def test_logits_match_transformers(saved, variant):
         assert cfg.intermediate_size == kw.get("n_inner", 4 * 64)
     else:
         assert (cfg.norm, cfg.positions, cfg.mlp) == ("rms", "rope", "swiglu")
-        assert (cfg.qkv_bias, cfg.out_bias) == ((True, False) if family == "qwen2" else (bool(kw), bool(kw)))
+        bias = kw.get("attention_bias", False)
+        assert (cfg.qkv_bias, cfg.out_bias) == ((True, False) if family == "qwen2" else (bias, bias))
+        assert cfg.sliding_window == kw.get("sliding_window")
     tokens = rand_tokens(cfg.vocab_size, 2, 24)
     with torch.no_grad():
         want = hf(input_ids=tokens, use_cache=False).logits
@@ -147,7 +152,7 @@ def test_greedy_matches_transformers_generate(saved, variant):
     assert len(set(got)) > 5  # a varied continuation: a broken position/cache path would show
 
 
-@pytest.mark.parametrize("variant", ["gpt2", "qwen2-tied"])
+@pytest.mark.parametrize("variant", ["gpt2", "qwen2-tied", "mistral-sliding"])
 def test_left_padded_batch_matches_each_prompt_alone(saved, variant, tokenizer):
     hf, _, loaded = saved(variant)
     rows = [tokenizer.encode(s).ids[:n] for s, n in zip(SENTENCES, (3, 11, 6))]
@@ -260,12 +265,12 @@ def mistral_dict(**kw) -> dict:
     (lambda: gpt2_dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
     (lambda: gpt2_dict(scale_attn_weights=False), "scale_attn_weights"),
     (lambda: gpt2_dict(activation_function="relu"), "activation_function 'relu'.*supported: gelu_new"),
-    (lambda: qwen2_dict(use_sliding_window=True, sliding_window=64, max_window_layers=2), "sliding_window=64"),
-    (lambda: mistral_dict(sliding_window=64), "sliding_window=64 .*mistral"),
+    (lambda: qwen2_dict(use_sliding_window=True, sliding_window=64, max_window_layers=2),
+     "sliding_window=64 is used by some layers"),
     (lambda: {**qwen2_dict(), "model_type": "llama", "mlp_bias": True}, "mlp_bias"),
     (lambda: {**qwen2_dict(), "model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu'"),
     (lambda: {**qwen2_dict(), "model_type": "falcon"}, "supported: llama, mistral, qwen2, gpt2"),
-], ids=["gpt2-layer-idx-scale", "gpt2-unscaled", "gpt2-relu", "qwen2-sliding", "mistral-sliding",
+], ids=["gpt2-layer-idx-scale", "gpt2-unscaled", "gpt2-relu", "qwen2-some-layers-slide",
         "llama-mlp-bias", "llama-gelu", "unknown-family"])
 def test_configs_that_would_compute_a_different_model_are_rejected(hf, message):
     with pytest.raises(ValueError, match=message):
@@ -278,7 +283,14 @@ def test_configs_that_would_compute_a_different_model_are_rejected(hf, message):
     dict(use_sliding_window=False, sliding_window=64),                        # disabled
 ], ids=["window-covers-context", "no-sliding-layer", "disabled"])
 def test_sliding_window_that_cannot_bind_is_accepted(kw):
-    assert ModelConfig.from_hf(qwen2_dict(**kw)).name == "qwen2"
+    cfg = ModelConfig.from_hf(qwen2_dict(**kw))
+    assert cfg.name == "qwen2" and cfg.sliding_window is None
+
+
+def test_a_window_every_layer_uses_is_the_models_own():
+    assert ModelConfig.from_hf(mistral_dict(sliding_window=64)).sliding_window == 64
+    assert ModelConfig.from_hf(qwen2_dict(use_sliding_window=True, sliding_window=64,
+                                          max_window_layers=0)).sliding_window == 64
 
 
 def test_rejected_config_in_a_directory_is_a_user_error(saved, tmp_path):

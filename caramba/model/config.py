@@ -28,6 +28,9 @@ class ModelConfig:
     positions: str = "rope"        # "rope" | "learned" (a table of max_position_embeddings rows)
     out_bias: bool = False         # bias on the attention output projection
     mlp_bias: bool = False         # biases on the GELU MLP's fc and proj
+    # Trained sliding-window attention (Mistral; Qwen2 when every layer slides): each query sees
+    # the newest `sliding_window` slots up to its own, in every layer. None: full attention.
+    sliding_window: int | None = None
     # "standard" or "decoupled" (DBA, caramba.model.decoupled): per head, a semantic query/key
     # path of sem_dim without RoPE plus a geometric one of geo_dim with RoPE; values stay head_dim.
     attention: str = "standard"
@@ -44,6 +47,8 @@ class ModelConfig:
                               ("positions", ("rope", "learned"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: use one of {', '.join(allowed)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"ModelConfig.sliding_window={self.sliding_window} must be >= 1 or None")
         if self.mlp_bias and self.mlp == "swiglu":
             raise ValueError("ModelConfig.mlp_bias needs a GELU mlp (the fused SwiGLU projection has no bias)")
 
@@ -65,7 +70,7 @@ class ModelConfig:
             return cls(**_gpt2_fields(hf))
         if arch not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"model_type {arch!r} is not supported (supported: llama, mistral, qwen2, gpt2)")
-        _check_llama_family(arch, hf)
+        window = _check_llama_family(arch, hf)
         n_heads = hf["num_attention_heads"]
         dim = hf["hidden_size"]
         scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
@@ -90,6 +95,7 @@ class ModelConfig:
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("attention_bias", arch == "qwen2")),
             out_bias=arch == "llama" and bool(hf.get("attention_bias", False)),  # Llama's biases q, k, v and o
+            sliding_window=window,
             name=arch,
         )
 
@@ -101,7 +107,9 @@ GELU_ACTIVATIONS = {
 }
 
 
-def _check_llama_family(arch: str, hf: dict[str, Any]) -> None:
+def _check_llama_family(arch: str, hf: dict[str, Any]) -> int | None:
+    """Refuse what caramba would compute differently; return the sliding window every layer uses
+    (None: full attention, or a window no position can reach past)."""
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"hidden_act {act!r} is not supported for {arch} (its MLP is SwiGLU: silu)")
@@ -113,16 +121,19 @@ def _check_llama_family(arch: str, hf: dict[str, Any]) -> None:
     if arch == "qwen2" and not hf.get("use_sliding_window", False):
         window = None
     if window is None or window >= hf.get("max_position_embeddings", 2048):
-        return
+        return None
     layer_types = hf.get("layer_types")
     if layer_types is None:  # Qwen2 slides from max_window_layers on, Mistral everywhere
         first = hf.get("max_window_layers", 0) if arch == "qwen2" else 0
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(hf["num_hidden_layers"])]
-    if "sliding_attention" in layer_types:
-        raise ValueError(f"sliding_window={window} is enabled ({arch}) and shorter than max_position_embeddings="
-                         f"{hf.get('max_position_embeddings', 2048)}; caramba attends to the full context, so "
-                         f"it would compute a different model past {window} tokens. Set use_sliding_window: false "
-                         f"(or sliding_window: null) in config.json if the model was trained without it.")
+    if "sliding_attention" not in layer_types:
+        return None
+    if "full_attention" in layer_types:
+        raise ValueError(f"sliding_window={window} is used by some layers of this {arch} model and not by others; "
+                         "caramba applies one window to every layer, so it would compute a different model past "
+                         f"{window} tokens. Set use_sliding_window: false (or sliding_window: null) in config.json "
+                         "if the model was trained without it.")
+    return int(window)
 
 
 def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:

@@ -203,6 +203,8 @@ class Transformer(nn.Module):
                 raise ValueError(f"window={window} disagrees with the cache's window={cache.window}")
             window = cache.window if window is None else window
             key_slots = cache.key_slots(start + T)
+        if self.config.sliding_window is not None:   # the model's own (trained) window binds too
+            window = self.config.sliding_window if window is None else min(window, self.config.sliding_window)
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
         cos, sin = self.rotary(positions) if self.wpe is None else (None, None)
