@@ -561,7 +561,7 @@ def autotune(
     with _errors_as_exit_codes():
         from caramba.autotune import AutotuneSettings
         from caramba.model.zoo import load_model
-        from caramba.runners.autotune import candidates_table, run_tuned
+        from caramba.runners.autotune import print_candidates, run_tuned
 
         if text is not None and not text.is_file():
             raise UserError(f"--text {text}: no such file")
@@ -571,7 +571,7 @@ def autotune(
         if as_json:
             print(json.dumps(result.to_dict()))
             return
-        out.print(candidates_table(result))
+        print_candidates(out, result)
         out.print(f"chosen: [bold]{result.chosen['name']}[/bold] ({result.chosen['bytes'] / 2**20:.2f} MiB); "
                   f"plan {result.key_id} in {result.plan_path}")
 

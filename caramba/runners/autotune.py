@@ -6,9 +6,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from rich.console import Console
 from rich.progress import Progress, TimeElapsedColumn
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from caramba.autotune import AutotuneResult, AutotuneSettings, GateSettings, NoCandidateError, autotune, policy_fields
 from caramba.autotune.gates import GateResult
@@ -50,14 +51,14 @@ def run_tuned(loaded: LoadedModel, settings: AutotuneSettings, console: Console,
             return autotune(loaded, settings, text, plan_path, force, progress, notice)
     except NoCandidateError as e:
         if not quiet:
-            console.print(candidates_table(e.result))
+            print_candidates(console, e.result)
         raise
 
 
 def run_cache_autotune(loaded: LoadedModel, settings: CacheAutotuneSettings, seed: int | None, record: RunDir,
                        console: Console) -> dict[str, Any]:
     result = run_tuned(loaded, engine_settings(settings), console, settings.text, settings.plan_path)
-    console.print(candidates_table(result))
+    print_candidates(console, result)
     write_csv(record.path / "candidates.csv", candidate_rows(result))
     record.log(f"plan {result.key_id} ({result.status}) in {result.plan_path}: chose {result.chosen['name']}")
     return {"mode": "cache-autotune", **result.to_dict()}
@@ -93,27 +94,39 @@ def candidate_rows(result: AutotuneResult) -> list[dict]:
     return rows
 
 
-def candidates_table(result: AutotuneResult) -> Table:
+def print_candidates(console, result: AutotuneResult) -> None:
+    """Print the candidates table; piped output (logs, CI) is not bound to rich's 80-column guess."""
+    if not console.is_terminal:  # rich guesses 80 columns for a pipe; the table needs more
+        console = Console(file=console.file, width=max(console.width, 132), no_color=console.no_color)
+    console.print(candidates_table(result))
+
+
+def candidates_table(result: AutotuneResult) -> Group:
+    """The candidates as a table (a row each), then one line per candidate that did not win
+    saying why: reasons are long, and in a column they squeeze the numbers on narrow terminals."""
     k = result.key
     needle = result.needle or {}
     found = {True: "found", False: "missed", None: "n/a"}[needle.get("baseline_found")]
     table = Table(title=f"cache autotune: max_seq_len={k['max_seq_len']} batch={k['batch_size']} "
                         f"budget={k['budget_mb']:g} MB; plan {result.key_id} ({result.status}); "
                         f"needle: baseline {found} the code", title_justify="left")
-    for col in ("candidate", "MiB", "dNLL", "PPL ratio", "mean KL", "needle KL", "needle", "tok/s", "verdict", "why"):
-        table.add_column(col, justify="left" if col in ("candidate", "verdict", "why") else "right",
-                         overflow="fold")
-    for c in result.candidates:
+    for col in ("#", "candidate", "MiB", "dNLL", "PPL ratio", "mean KL", "needle KL", "needle", "tok/s", "verdict"):
+        table.add_column(col, justify="left" if col in ("candidate", "verdict") else "right",
+                         overflow="fold", no_wrap=col != "candidate")
+    reasons = []
+    for i, c in enumerate(result.candidates, 1):
         g = c["gates"] or {}
         speed = c["speed"]["decode_tok_s"] if c["speed"] else None
         color = {"chosen": "green", "passed": "", "over budget": "dim", "failed gates": "red", "failed speed": "red"}.get(c["verdict"], "")
         verdict = f"[{color}]{c['verdict']}[/{color}]" if color else c["verdict"]
-        table.add_row(c["name"] + (" (baseline)" if c.get("baseline") else ""), f"{c['bytes'] / 2**20:.2f}",
+        table.add_row(str(i), c["name"] + (" (baseline)" if c.get("baseline") else ""), f"{c['bytes'] / 2**20:.2f}",
                       _num(g.get("dnll"), "+.4f"), _num(g.get("ppl_ratio"), ".4f"), _num(g.get("kl_mean"), ".2e"),
                       _num(g.get("needle_kl"), ".2e"),
                       {True: "match", False: "differs", None: ""}[g.get("needle_match")],
-                      _num(speed, ".1f"), verdict, "; ".join(c["why"]))
-    return table
+                      _num(speed, ".1f"), verdict)
+        if c["why"]:
+            reasons.append(Text(f"#{i} {c['name']}: " + "; ".join(c["why"]), style="dim" if c["verdict"] != "chosen" else ""))
+    return Group(table, *reasons)
 
 
 def _num(value: float | None, fmt: str) -> str:
