@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from rich.progress import Progress, TimeElapsedColumn
 from rich.console import Console, Group
+from rich.progress import Progress, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
