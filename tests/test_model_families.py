@@ -221,6 +221,16 @@ def test_gpt2_speculative_drafts_built_from_the_target(saved, draft):
     assert SpeculativeGenerator(loaded.model, None, cfg).run(prompt).sequences == plain
 
 
+def test_speculative_on_a_sliding_window_model_is_exact_alone_and_refused_in_batches(saved, tokenizer):
+    _, _, loaded = saved("mistral-sliding")     # window 8: binds within these prompts + N_NEW
+    rows = [tokenizer.encode(s).ids[:n] for s, n in zip(SENTENCES, (6, 10))]
+    plain = Generator(loaded.model, GenerateConfig(max_new_tokens=N_NEW, temperature=0)).run(rows).sequences
+    cfg = SpeculativeConfig(max_new_tokens=N_NEW, temperature=0, draft="layer_skip", draft_layers=1)
+    assert [SpeculativeGenerator(loaded.model, None, cfg).run([r]).sequences[0] for r in rows] == plain
+    with pytest.raises(ValueError, match="sliding_window=8.*batch_size: 1"):
+        SpeculativeGenerator(loaded.model, None, cfg).run(rows)
+
+
 def test_gpt2_position_past_n_positions_is_a_clear_error(saved):
     _, _, loaded = saved("gpt2")
     model = loaded.model

@@ -202,6 +202,12 @@ class SpeculativeGenerator:
         if width + cfg.max_new_tokens - 1 > cfg.max_seq_len:
             raise CacheOverflowError(f"{width} prompt + {cfg.max_new_tokens} new tokens exceed max_seq_len={cfg.max_seq_len}; "
                                      "raise max_seq_len or shorten the prompt / max_new_tokens")
+        window = self.target.config.sliding_window
+        if B > 1 and window is not None and width + cfg.max_new_tokens - 1 > window:
+            # Rejected drafts leave masked holes in a row's slots, and a slot window counts them.
+            raise ValueError(f"speculative decoding of a batch is not exact on a model with a sliding window "
+                             f"(sliding_window={window}) once the window binds: run the prompts one at a time "
+                             "(batch_size: 1) or use plain decoding")
         if cfg.seed is not None:
             self.rng = torch.Generator(device=device).manual_seed(cfg.seed)
         sampling = cfg.sampling
