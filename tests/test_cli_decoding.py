@@ -8,6 +8,7 @@ import json
 import pytest
 
 from caramba.infer import GenerateConfig, Generator, beam_search, contrastive_search
+from conftest import write_manifest
 from test_cli import invoke, tiny_model  # noqa: F401  (fixture)
 
 
@@ -81,13 +82,7 @@ def test_search_bad_input_exits_2(tiny_model, args, message):  # noqa: F811
 def test_manifest_beam_run_records_every_beam(tiny_model, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
     manifest = tmp_path / "m.yaml"
-    manifest.write_text(f"""\
-version: 1
-name: tiny
-targets:
-  - type: experiment
-    name: t
-    runs:
+    write_manifest(manifest, f"""\
       - id: beams
         mode: generate
         model: {{source: "{tiny_model}"}}
@@ -99,7 +94,7 @@ targets:
           num_return_sequences: 2
           no_repeat_ngram_size: 3
           batch_size: 2
-""")
+""", name="tiny")
     r = invoke("run", manifest)
     assert r.exit_code == 0, r.output
     result = json.loads((tmp_path / "runs" / "tiny" / "t" / "beams" / "result.json").read_text())
@@ -116,19 +111,13 @@ targets:
 ])
 def test_manifest_rejects_inconsistent_search_settings(tmp_path, extra, message):
     manifest = tmp_path / "m.yaml"
-    manifest.write_text(f"""\
-version: 1
-name: tiny
-targets:
-  - type: experiment
-    name: t
-    runs:
+    write_manifest(manifest, f"""\
       - id: r
         mode: generate
         generate:
           prompts: ["hello"]
           {extra}
-""")
+""", name="tiny")
     r = invoke("validate", manifest)
     assert r.exit_code == 2, r.output
     assert message in r.output

@@ -112,7 +112,7 @@ class DecodePlan:
 
 def has_residual_window(cache) -> bool:
     """Whether any stream of the cache keeps a quantized kind's full-precision residual window."""
-    return any(getattr(stream, "R", 0) for layer in cache.layers for stream in vars(layer).values())
+    return any(getattr(stream, "R", 0) for layer in cache.layers for stream in layer.streams)
 
 
 def window_warning(window: int) -> str:
