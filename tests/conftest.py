@@ -71,6 +71,19 @@ def _one_thread(request):
     torch.set_num_threads(before)
 
 
+@pytest.fixture(params=["kernel", "eager"])
+def read_path(request, monkeypatch):
+    """Runs a test through both ways a decode step reads a quantized cache: the C kernels
+    (caramba.cache.kernel) and the eager torch path."""
+    from caramba.cache import kernel
+
+    if request.param == "eager":
+        monkeypatch.setattr(kernel, "usable", lambda x: False)
+    elif kernel.library() is None:
+        pytest.skip(f"C kernels {kernel.status()}")
+    return request.param
+
+
 def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**{**TINY, **overrides})
 

@@ -159,7 +159,7 @@ def test_streams_stay_in_sync(kinds):
 @pytest.mark.parametrize("kinds", [("q8_0", "q8_0", "q8_0"), ("q4_0", "q8_0", "q4_0"), ("nf4", "fp16", "q8_0")])
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("residual_len", [0, 3])
-def test_chunked_read_equals_dequantize_then_sdpa(kinds, rotate, residual_len, monkeypatch):
+def test_chunked_read_equals_dequantize_then_sdpa(kinds, rotate, residual_len, read_path, monkeypatch):
     """The short-forward path (each key stream read where it lies, scores added) equals SDPA over
     the dequantized [sem | geo] keys, in small chunks too."""
     import caramba.cache.attend as attend

@@ -170,7 +170,7 @@ def sdpa_reference(c: LayerKVCache, q, mask):
 @pytest.mark.parametrize("kind,v_kind", [("q8_0", None), ("q4_0", None), ("nf4", None), ("q8_0", "q4_0"),
                                           ("fp16", "q4_0"), ("nf4", "fp32")])
 @pytest.mark.parametrize("residual_len,rotate,qblock", [(0, False, 8), (6, False, 8), (0, True, 8), (0, False, 16)])
-def test_chunked_read_equals_dequantize_then_sdpa(kind, v_kind, residual_len, rotate, qblock, monkeypatch):
+def test_chunked_read_equals_dequantize_then_sdpa(kind, v_kind, residual_len, rotate, qblock, read_path, monkeypatch):
     monkeypatch.setattr(attend, "READ_CHUNK", 7)            # several chunks plus a ragged one
     c = layer(kind, S=40, qblock=qblock, residual_len=residual_len, rotate=rotate, v_kind=v_kind)
     c.update(randn(2, 2, 20, 16, seed=1), randn(2, 2, 20, 16, seed=2))

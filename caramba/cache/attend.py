@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from caramba.cache import kernel
 from caramba.cache.kinds import KVCacheKind
 from caramba.cache.quant import NF4_CODEBOOK
 
@@ -136,18 +137,28 @@ def attend_pairs(pairs: Sequence[tuple[torch.Tensor, object]], v_stream, end: in
     if mask is not None:
         scores = scores.view(B, KVH, G, T, end).masked_fill(~mask[:, :, None], float("-inf")).view(B, KVH, G * T, end)
     p = torch.softmax(scores.float(), dim=-1).to(q0.dtype)
+    fused = v_stream.quantized and kernel.usable(p)
     out = None
-    for s0, s1, coded in _pieces(v_stream, end, chunk):
+    for s0, s1, coded in _pieces(v_stream, end, end if fused else chunk):
         ps = p[..., s0:s1]
-        part = _value_mix(ps, v_stream, s0, s1) if coded else ps @ _float_values(v_stream, s0, s1, q0.dtype)
+        if coded and fused:
+            part = kernel.value_mix(ps, *v_stream.code_slice(s0, s1), v_stream.kind, v_stream.block, v_stream.head_dim)
+        else:
+            part = _value_mix(ps, v_stream, s0, s1) if coded else ps @ _float_values(v_stream, s0, s1, q0.dtype)
         out = part if out is None else out.add_(part)
     return out.view(B, KVH, G, T, -1).reshape(B, H, T, -1)
 
 
 def _stream_scores(qg: torch.Tensor, k_stream, end: int, chunk: int) -> torch.Tensor:
     """Scaled queries qg [B, KVH, R, D] against one key stream's slots [0, end) -> [B, KVH, R, end]."""
-    qx = _per_block_rows(qg, k_stream.nb) if k_stream.quantized else None
-    return torch.cat([
-        _key_scores(qx, k_stream, s0, s1) if coded else qg @ _float_values(k_stream, s0, s1, qg.dtype).transpose(-1, -2)
-        for s0, s1, coded in _pieces(k_stream, end, chunk)
-    ], dim=-1)
+    fused = k_stream.quantized and kernel.usable(qg)
+    qx = _per_block_rows(qg, k_stream.nb) if k_stream.quantized and not fused else None
+    parts = []
+    for s0, s1, coded in _pieces(k_stream, end, end if fused else chunk):
+        if coded and fused:
+            parts.append(kernel.key_scores(qg, *k_stream.code_slice(s0, s1), k_stream.kind, k_stream.block))
+        elif coded:
+            parts.append(_key_scores(qx, k_stream, s0, s1))
+        else:
+            parts.append(qg @ _float_values(k_stream, s0, s1, qg.dtype).transpose(-1, -2))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

@@ -1,0 +1,189 @@
+/* Decode-step attention reads straight from quantized KV codes (caramba.cache.kernel).
+
+   The eager path (caramba.cache.attend) must convert every code of the prefix to a float in a
+   scratch tensor before a matmul can read it: 4 bytes written and read back per 1-byte code, at
+   every layer and step. These two loops read the codes where they lie and fold the block scales
+   and code offsets in on the fly, so a decode step touches each code once.
+
+   Layouts are caramba.cache.streams.QuantStream's: keys [BH, Dc, S] (keys-major), values
+   [BH, S, Dc]; 4-bit codes hold element i in the low nibble of byte i and element i + D/2 in its
+   high nibble. Scales arrive as float [BH, nb, n] (converted from the stored fp16 by the caller).
+   Code values: q8_0 c + 1/2, q4_0 u - 15/2, nf4 the NF4 codebook; times the block scale.
+   Parallel over independent output pieces with OpenMP (the process shares torch's libgomp). */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { KIND_Q8_0 = 0, KIND_Q4_0 = 1, KIND_NF4 = 2 };
+
+static const float NF4[16] = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+    0.07958029955625534f, 0.16093020141124725f, 0.24611230850219727f, 0.33791524171829224f,
+    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f,
+};
+
+static float code_offset(int kind) {
+    return kind == KIND_Q8_0 ? 0.5f : (kind == KIND_Q4_0 ? -7.5f : 0.0f);
+}
+
+static inline float nibble_value(int kind, int u) {
+    return kind == KIND_NF4 ? NF4[u] : (float)u;
+}
+
+/* GCC/Clang vector extensions: 16 floats, lowered to whatever SIMD -march=native offers. The
+   per-item bodies are force-inlined into one copy per (kind, rows) so that both are constants
+   there: the accumulators of up to RMAX query rows then live in registers. */
+#define VW 16
+_Static_assert(VW == 16, "the NF4 lookup permutes one 16-lane vector");
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef uint8_t vu8 __attribute__((vector_size(VW)));
+typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
+#define RMAX 8    /* query rows handled by one work item */
+#define TILE 256  /* key positions per work item */
+#define INLINE static inline __attribute__((always_inline))
+
+/* w <= VW bytes (the rest zero) as a vector. */
+INLINE vu8 load_bytes(const void *src, int w) {
+    vu8 b;
+    if (w == VW) {
+        memcpy(&b, src, VW);
+        return b;
+    }
+    b = (vu8){0};
+    for (int i = 0; i < w; i++) b[i] = ((const uint8_t *)src)[i];
+    return b;
+}
+
+INLINE vf load_floats(const float *src, int w) {
+    vf v = {0};
+    if (w == VW) memcpy(&v, src, VW * 4);
+    else for (int i = 0; i < w; i++) v[i] = src[i];
+    return v;
+}
+
+INLINE void store_floats(float *dst, vf v, int w) {
+    if (w == VW) memcpy(dst, &v, VW * 4);
+    else for (int i = 0; i < w; i++) dst[i] = v[i];
+}
+
+/* Values of w <= VW codes, one byte each from `src` (4-bit: the `high` or low nibble of each). */
+INLINE vf code_vector(const void *src, int w, const int kind, int high) {
+    const vu8 b = load_bytes(src, w);
+    /* Widen unsigned bytes to int32, then sign-extend by shifts: GCC (12) turns a direct or
+       signed int8 -> float conversion into scalar code, this into vpmovzxbd + shifts. */
+    if (kind == KIND_Q8_0) return __builtin_convertvector((__builtin_convertvector(b, vi32) << 24) >> 24, vf);
+    const vu8 u = high ? b >> 4 : b & 15;
+    const vi32 idx = __builtin_convertvector(u, vi32);
+    if (kind == KIND_Q4_0) return __builtin_convertvector(idx, vf);
+#if defined(__clang__)
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = NF4[idx[i]];
+    return v;
+#else
+    vf table;   /* the 16-entry codebook is one vector: the lookup is a lane permute */
+    memcpy(&table, NF4, sizeof table);
+    return __builtin_shuffle(table, idx);
+#endif
+}
+
+/* One key work item: rows [0, rr) of qh against positions [t0, t1). */
+INLINE void key_item(const int kind, const int rr, const float *qh, const uint8_t *base, const float *sh,
+                     float *oh, int D, int blk, int n, long row_stride, int t0, int t1) {
+    const int nb = D / blk, half = D / 2, packed = kind != KIND_Q8_0;
+    const float off = code_offset(kind);
+    for (int v0 = t0; v0 < t1; v0 += VW) {
+        const int w = t1 - v0 < VW ? t1 - v0 : VW;
+        vf score[RMAX] = {0};
+        for (int j = 0; j < nb; j++) {
+            vf acc[RMAX] = {0};
+            float qs[RMAX] = {0};   /* the offset term: value(c) = c + off for every code */
+            for (int e = j * blk; e < (j + 1) * blk; e++) {
+                const int high = packed && e >= half;
+                const vf c = code_vector(base + (high ? e - half : e) * row_stride + v0, w, kind, high);
+                for (int r = 0; r < rr; r++) {
+                    acc[r] += qh[(long)r * D + e] * c;
+                    qs[r] += qh[(long)r * D + e];
+                }
+            }
+            const vf s = load_floats(sh + (long)j * n + v0, w);
+            for (int r = 0; r < rr; r++) score[r] += s * (acc[r] + off * qs[r]);
+        }
+        for (int r = 0; r < rr; r++) store_floats(oh + (long)r * n + v0, score[r], w);
+    }
+}
+
+/* One value work item: rows [0, rr) of the weights wt = p * scale over all n positions, for the
+   elements [e0, e1) of one block. */
+INLINE void value_item(const int kind, const int rr, const float *wt, const float *wsum, const uint8_t *base,
+                       float *oh, int D, int n, long row_stride, int e0, int e1) {
+    const int half = D / 2, packed = kind != KIND_Q8_0;
+    const float off = code_offset(kind);
+    for (int e = e0; e < e1;) {
+        int w = e1 - e < VW ? e1 - e : VW;
+        const int high = packed && e >= half;
+        if (packed && e < half && e + w > half) w = half - e;   /* never straddle the nibble halves */
+        const uint8_t *col = base + (high ? e - half : e);
+        vf acc[RMAX] = {0};
+        for (int t = 0; t < n; t++) {
+            const vf c = code_vector(col + (long)t * row_stride, w, kind, high);
+            for (int r = 0; r < rr; r++) acc[r] += wt[(long)r * n + t] * c;
+        }
+        for (int r = 0; r < rr; r++) store_floats(oh + (long)r * D + e, acc[r] + off * wsum[r], w);
+        e += w;
+    }
+}
+
+#define FOR_ROWS(X, K) X(K, 1) X(K, 2) X(K, 3) X(K, 4) X(K, 5) X(K, 6) X(K, 7) X(K, 8)
+#define FOR_KINDS_ROWS(X) FOR_ROWS(X, KIND_Q8_0) FOR_ROWS(X, KIND_Q4_0) FOR_ROWS(X, KIND_NF4)
+
+/* scores[bh, r, t] = sum_j scale[bh, j, t] * sum_{e in block j} q[bh, r, e] * value(code[bh, e, t]),
+   for positions t in [0, n). q: [BH, R, D] floats (already scaled), out: [BH, R, n]. Keys-major
+   codes make 16 neighbouring positions of one element one vector load. */
+void key_scores(const float *q, const void *codes, const float *scales, float *out,
+                int BH, int R, int D, int blk, int n, long head_stride, long row_stride,
+                int kind, int nthreads) {
+    const int nb = D / blk, tiles = (n + TILE - 1) / TILE, groups = (R + RMAX - 1) / RMAX;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (long item = 0; item < (long)BH * groups * tiles; item++) {
+        const int bh = (int)(item / ((long)groups * tiles)), g = (int)(item / tiles % groups);
+        const int t0 = (int)(item % tiles) * TILE, t1 = t0 + TILE < n ? t0 + TILE : n;
+        const int r0 = g * RMAX, rr = R - r0 < RMAX ? R - r0 : RMAX;
+        const float *qh = q + ((long)bh * R + r0) * D, *sh = scales + (long)bh * nb * n;
+        const uint8_t *base = (const uint8_t *)codes + bh * head_stride;
+        float *oh = out + ((long)bh * R + r0) * n;
+        switch (kind * 16 + rr) {
+#define KEY_CASE(K, RR) case K * 16 + RR: key_item(K, RR, qh, base, sh, oh, D, blk, n, row_stride, t0, t1); break;
+            FOR_KINDS_ROWS(KEY_CASE)
+        }
+    }
+}
+
+/* out[bh, r, e] = sum_t p[bh, r, t] * scale[bh, j(e), t] * value(code[bh, t, e]) over positions
+   t in [0, n). p: [BH, R, n] softmax weights, out: [BH, R, D]. Work items: (head, block, rows). */
+void value_mix(const float *p, const void *codes, const float *scales, float *out,
+               int BH, int R, int D, int blk, int n, long head_stride, long row_stride,
+               int kind, int nthreads) {
+    const int nb = D / blk, groups = (R + RMAX - 1) / RMAX;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (long item = 0; item < (long)BH * nb * groups; item++) {
+        const int bh = (int)(item / ((long)nb * groups)), j = (int)(item / groups % nb), g = (int)(item % groups);
+        const int r0 = g * RMAX, rr = R - r0 < RMAX ? R - r0 : RMAX;
+        const float *ph = p + ((long)bh * R + r0) * n, *s = scales + ((long)bh * nb + j) * n;
+        float *wt = malloc((size_t)rr * n * sizeof(float));   /* [rr][n]: p * the block's scale */
+        float wsum[RMAX] = {0};
+        for (int r = 0; r < rr; r++)
+            for (int t = 0; t < n; t++) {
+                wt[(long)r * n + t] = ph[(long)r * n + t] * s[t];
+                wsum[r] += wt[(long)r * n + t];
+            }
+        const uint8_t *base = (const uint8_t *)codes + bh * head_stride;
+        float *oh = out + ((long)bh * R + r0) * D;
+        switch (kind * 16 + rr) {
+#define VALUE_CASE(K, RR) case K * 16 + RR: value_item(K, RR, wt, wsum, base, oh, D, n, row_stride, j * blk, (j + 1) * blk); break;
+            FOR_KINDS_ROWS(VALUE_CASE)
+        }
+        free(wt);
+    }
+}

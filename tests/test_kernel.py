@@ -1,0 +1,105 @@
+"""The C decode-step kernels (caramba.cache.kernel): equal to attention over the dequantized
+cache across kinds and awkward shapes, and a clean fallback to the eager path when they are
+switched off or cannot be built."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from caramba.cache import KVCacheKind, KVCacheTensorConfig, LayerKVCache, kernel
+from caramba.cache.attend import attend_chunked
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def fresh_library():
+    """Forget the loaded library before and after a test that changes how it is found."""
+    kernel.library.cache_clear()
+    yield
+    kernel.library.cache_clear()
+
+
+def needs_kernels():
+    if kernel.library() is None:
+        pytest.skip(f"C kernels {kernel.status()}")
+
+
+# (head_dim, block): whole vectors, one block per head, blocks narrower than a vector, and an
+# odd block count whose middle block straddles the two nibble halves of a 4-bit byte.
+SHAPES = [(64, 32), (64, 64), (24, 6), (48, 16)]
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "nf4"])
+@pytest.mark.parametrize("D,block", SHAPES)
+def test_kernel_equals_sdpa_over_the_dequantized_cache(kind, D, block):
+    needs_kernels()
+    for (B, KVH, G), T, S in itertools.product([(1, 3, 3), (2, 2, 6)], [1, 3], [5, 300]):
+        cfg = KVCacheTensorConfig(kind, qblock=block)
+        c = LayerKVCache(B, 320, KVH * D, KVH * D, cfg, cfg, "cpu", KVH)
+        c.update(randn(B, KVH, S, D, seed=1), randn(B, KVH, S, D, seed=2))
+        q = randn(B, KVH * G, T, D, seed=3)     # G * T query rows per KV head: 18 needs 3 row groups
+        with torch.inference_mode():
+            got = attend_chunked(q, c.k_stream, c.v_stream, S, None)
+            ref = F.scaled_dot_product_attention(q, c.k_stream.read(S, q.dtype), c.v_stream.read(S, q.dtype),
+                                                 enable_gqa=True)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"B={B} KVH={KVH} G={G} T={T} S={S}")
+
+
+def test_kernels_read_a_slice_that_does_not_start_at_zero():
+    needs_kernels()
+    cfg = KVCacheTensorConfig("q8_0", qblock=16)
+    c = LayerKVCache(2, 64, 64, 64, cfg, cfg, "cpu", 2)
+    c.update(randn(2, 2, 50, 32, seed=1), randn(2, 2, 50, 32, seed=2))
+    k_codes, k_scales = c.k_stream.code_slice(7, 41)
+    v_codes, v_scales = c.v_stream.code_slice(7, 41)
+    q, p = randn(2, 2, 4, 32, seed=3), torch.softmax(randn(2, 2, 4, 34, seed=4), -1)
+    keys, values = c.k_stream.read(50, torch.float32)[:, :, 7:41], c.v_stream.read(50, torch.float32)[:, :, 7:41]
+    torch.testing.assert_close(kernel.key_scores(q, k_codes, k_scales, KVCacheKind.Q8_0, 16),
+                               q @ keys.transpose(-1, -2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel.value_mix(p, v_codes, v_scales, KVCacheKind.Q8_0, 16, 32),
+                               p @ values, atol=1e-5, rtol=1e-5)
+
+
+def test_kernels_leave_non_fp32_and_autograd_queries_to_the_eager_path():
+    assert not kernel.usable(torch.zeros(2, dtype=torch.bfloat16))
+    assert not kernel.usable(torch.zeros(2, requires_grad=True))
+    assert not kernel.usable(torch.zeros(2, device="meta"))
+
+
+def test_switched_off_by_environment(fresh_library, monkeypatch):
+    monkeypatch.setenv("CARAMBA_KERNELS", "0")
+    assert kernel.library() is None and kernel.status() == "off (CARAMBA_KERNELS=0)"
+    cfg = KVCacheTensorConfig("q4_0")
+    c = LayerKVCache(1, 16, 32, 32, cfg, cfg, "cpu", 1)
+    c.update(randn(1, 1, 9, 32, seed=1), randn(1, 1, 9, 32, seed=2))
+    q = randn(1, 2, 1, 32, seed=3)
+    ref = F.scaled_dot_product_attention(q, c.k_stream.read(9, q.dtype), c.v_stream.read(9, q.dtype), enable_gqa=True)
+    torch.testing.assert_close(attend_chunked(q, c.k_stream, c.v_stream, 9, None), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_build_warns_once_and_falls_back(fresh_library, monkeypatch, tmp_path):
+    monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")           # a "compiler" that always fails
+    with pytest.warns(UserWarning, match="slower eager path: kernels unavailable: build failed"):
+        assert kernel.library() is None
+    assert kernel.status().startswith("unavailable: build failed")
+    assert not list((tmp_path / "kernels").glob("*.so"))      # no half-built library left behind
+
+
+def test_the_build_is_cached_per_source_and_cpu(fresh_library, monkeypatch, tmp_path):
+    needs_kernels()
+    monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path))
+    kernel.library.cache_clear()
+    assert kernel.library() is not None
+    built = list((tmp_path / "kernels").glob("quant_attend-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    kernel.library.cache_clear()
+    assert kernel.library() is not None and built[0].stat().st_mtime_ns == stamp   # reused, not rebuilt
