@@ -7,6 +7,9 @@ Also prints, per kind, the bytes the cache allocated next to the analytic bytes/
 
     .venv/bin/python benchmarks/cache_kinds.py [--context 2048] [--steps 32] [--repeats 5]
         [--kinds fp32,q8_0,q4_0,nf4] [--chunk 512] [--json out.json]
+
+Quantized kinds decode through the C kernels (caramba.cache.kernel) when they build; run with
+CARAMBA_KERNELS=0 to time the eager path instead. The header line says which ran.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import caramba.cache.attend as attend  # noqa: E402
+from caramba.cache import kernel  # noqa: E402
 from caramba.cache import CachePolicy  # noqa: E402
 from caramba.infer.evaluate import corpus_ids  # noqa: E402
 from caramba.model.zoo import load_model  # noqa: E402
@@ -46,7 +50,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kinds", default="fp32,q8_0,q4_0,nf4", help="comma-separated kinds (or policies as k=..;v=..)")
-    ap.add_argument("--chunk", type=int, default=attend.READ_CHUNK, help="tokens per dequantized chunk")
+    ap.add_argument("--chunk", type=int, default=attend.READ_CHUNK, help="tokens per dequantized chunk (eager path)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     attend.READ_CHUNK = args.chunk
@@ -75,7 +79,7 @@ def main() -> None:
 
     cfg = model.config
     print(f"SmolLM2 decode at context {args.context}, {args.steps} steps x {args.repeats} repeats, "
-          f"torch {torch.__version__}, threads {torch.get_num_threads()}, chunk {args.chunk}, "
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}, kernels {kernel.status()}, chunk {args.chunk}, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'kind':<16}{'tok/s':>8}{'vs fp32':>9}{'bytes/token':>13}{'analytic':>10}{'allocated MiB':>15}")
     rows = []
@@ -95,7 +99,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"context": args.context, "steps": args.steps, "repeats": args.repeats, "chunk": args.chunk,
-                       "threads": torch.get_num_threads(), "torch": torch.__version__,
+                       "threads": torch.get_num_threads(), "torch": torch.__version__, "kernels": kernel.status(),
                        "cpu": platform.processor() or platform.machine(), "loadavg": os.getloadavg(), "rows": rows},
                       f, indent=2)
 
