@@ -108,26 +108,26 @@ def _heads(codes: torch.Tensor) -> tuple[int, int]:
     return B * H, codes.stride(1)
 
 
+def _run(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: KVCacheKind, block: int,
+         D: int, n: int, width: int) -> torch.Tensor:
+    """One kernel call on x [B, H, R, *] (queries or weights) -> [B, H, R, width] float32."""
+    B, H, R = x.shape[:3]
+    x, scales = x.contiguous(), scales.float().contiguous()
+    out = torch.empty(B, H, R, width, dtype=torch.float32)
+    BH, head_stride = _heads(codes)
+    fn(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr(), BH, R, D, block, n,
+       head_stride, codes.stride(2), KIND_CODES[kind], torch.get_num_threads())
+    return out
+
+
 def key_scores(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: KVCacheKind, block: int) -> torch.Tensor:
     """q [B, H, R, D] (scaled) against keys-major codes [B, H, Dc, n] and scales [B, H, nb, n]
     -> scores [B, H, R, n]."""
-    B, H, R, D = q.shape
     n = codes.shape[-1]
-    q, scales = q.contiguous(), scales.float().contiguous()
-    out = torch.empty(B, H, R, n, dtype=torch.float32)
-    BH, head_stride = _heads(codes)
-    library().key_scores(q.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr(), BH, R, D, block, n,
-                         head_stride, codes.stride(2), KIND_CODES[kind], torch.get_num_threads())
-    return out
+    return _run(library().key_scores, q, codes, scales, kind, block, q.shape[-1], n, n)
 
 
 def value_mix(p: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: KVCacheKind, block: int,
               dim: int) -> torch.Tensor:
     """Weights p [B, H, R, n] over value codes [B, H, n, Dc] and scales [B, H, nb, n] -> [B, H, R, dim]."""
-    B, H, R, n = p.shape
-    p, scales = p.contiguous(), scales.float().contiguous()
-    out = torch.empty(B, H, R, dim, dtype=torch.float32)
-    BH, head_stride = _heads(codes)
-    library().value_mix(p.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr(), BH, R, dim, block, n,
-                        head_stride, codes.stride(2), KIND_CODES[kind], torch.get_num_threads())
-    return out
+    return _run(library().value_mix, p, codes, scales, kind, block, dim, p.shape[-1], dim)
