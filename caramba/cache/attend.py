@@ -12,6 +12,10 @@ block scales are folded into the (much smaller) score and probability rows inste
 Both sums over blocks come out of one matmul by giving the query (or the probabilities) one
 row per block: row (g, j) holds only block j, and the rows are recombined afterwards. The codes'
 offsets (q8_0: c + 1/2, q4_0: u - 7.5) fold the same way: q . (u - o) = q . u - o * sum(q).
+
+That is the eager path. On the CPU with fp32 queries the coded pieces go to the C kernels
+instead (caramba.cache.kernel), which apply the same sums without converting any code to a
+stored float; the pieces, the mask and the softmax stay here for both.
 """
 
 from __future__ import annotations

@@ -28,10 +28,6 @@ static float code_offset(int kind) {
     return kind == KIND_Q8_0 ? 0.5f : (kind == KIND_Q4_0 ? -7.5f : 0.0f);
 }
 
-static inline float nibble_value(int kind, int u) {
-    return kind == KIND_NF4 ? NF4[u] : (float)u;
-}
-
 /* GCC/Clang vector extensions: 16 floats, lowered to whatever SIMD -march=native offers. The
    per-item bodies are force-inlined into one copy per (kind, rows) so that both are constants
    there: the accumulators of up to RMAX query rows then live in registers. */
