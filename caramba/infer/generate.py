@@ -13,110 +13,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from caramba.cache import CachePolicy, KVCache, KVCacheKind
+from caramba.cache import KVCache
 from caramba.cache.layer import CacheOverflowError
 from caramba.cache.ring import RingKVCache
+from caramba.infer.config import GenerateConfig
 from caramba.infer.padding import left_pad
-from caramba.infer.plan import DecodePlan, ResolvedPlan, has_residual_window, run_chunks, warn_window
-from caramba.infer.sampling import History, SamplingParams, process_logits, select_tokens
-
-
-@dataclass
-class GenerateConfig:
-    max_new_tokens: int = 64
-    temperature: float = 1.0                  # 0 = greedy
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float = 1.0
-    min_p: float | None = None
-    min_new_tokens: int = 0
-    no_repeat_ngram_size: int = 0
-    frequency_penalty: float = 0.0                # OpenAI-style, on generated tokens (sampling.py)
-    presence_penalty: float = 0.0
-    # Beam search (caramba.infer.beam) and contrastive search (caramba.infer.contrastive) read these;
-    # the Generator itself samples or decodes greedily.
-    num_beams: int = 1
-    num_return_sequences: int = 1
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False            # True | False | "never" (HF's meaning)
-    penalty_alpha: float | None = None            # contrastive search when set (with top_k)
-    eos_token_id: int | list[int] | None = None   # None: the tokenizer's, when the Generator has one
-    pad_token_id: int | None = None               # None: the first eos id, else 0
-    stop_sequences: list[str | list[int]] = field(default_factory=list)  # strings need a tokenizer
-    max_seq_len: int = 2048
-    seed: int | None = None
-    cache_kind: str = "fp32"
-    # Cache policy (caramba.cache.CachePolicy): per-stream kinds override cache_kind, e.g.
-    # "k=q8_0,v=q4_0" or {"k": "q8_0"}; the rest applies to quantized kinds.
-    cache_policy: str | dict[str, str] | None = None
-    qblock: int = 32
-    residual_len: int = 0
-    rotate_keys: bool = False
-    cache_fp16_prefix_layers: int = 0
-    # Decode plan (caramba.infer.plan): chunked forwards (same outputs) and sliding-window
-    # attention (changes outputs; only when decode_local_window is set).
-    decode_plan: str = "none"                     # auto | fixed | none
-    decode_bucket_short: int = 512
-    decode_bucket_mid: int = 2048
-    decode_q_chunk: int | None = None
-    decode_local_window: int | None = None
-
-    def __post_init__(self) -> None:
-        checks = [
-            ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
-            ("temperature", self.temperature >= 0, "must be >= 0 (0 = greedy)"),
-            ("top_k", self.top_k is None or self.top_k >= 1, "must be >= 1 or None"),
-            ("top_p", self.top_p is None or 0 < self.top_p <= 1, "must be in (0, 1] or None"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
-            ("min_p", self.min_p is None or 0 <= self.min_p <= 1, "must be in [0, 1] or None"),
-            ("min_new_tokens", self.min_new_tokens >= 0, "must be >= 0"),
-            ("no_repeat_ngram_size", self.no_repeat_ngram_size >= 0, "must be >= 0 (0 = off)"),
-            ("num_beams", self.num_beams >= 1, "must be >= 1"),
-            ("num_return_sequences", 1 <= self.num_return_sequences <= self.num_beams,
-             "must be between 1 and num_beams"),
-            ("early_stopping", self.early_stopping in (True, False, "never"), "must be true, false or 'never'"),
-            ("penalty_alpha", self.penalty_alpha is None or 0 <= self.penalty_alpha <= 1, "must be in [0, 1] or None"),
-            ("max_seq_len", self.max_seq_len >= 1, "must be >= 1"),
-        ]
-        for name, ok, why in checks:
-            if not ok:
-                raise ValueError(f"GenerateConfig.{name}={getattr(self, name)!r} {why}")
-        if self.cache_kind == "auto":  # the engine takes a concrete policy; the autotune picks one
-            raise ValueError("GenerateConfig.cache_kind='auto' must be resolved first: "
-                             "caramba.autotune.autotune(loaded, AutotuneSettings(budget_mb=...)).chosen_policy(), "
-                             "then GenerateConfig(**caramba.autotune.policy_fields(policy), ...)")
-        self.cache_kind = KVCacheKind.parse(self.cache_kind).value
-        self.cache_spec()  # a bad policy fails here, not at the first generate()
-        try:
-            self.decode
-        except ValueError as e:
-            raise ValueError(f"GenerateConfig.{e}") from None
-
-    @property
-    def decode(self) -> DecodePlan:
-        """The DecodePlan these fields describe."""
-        return DecodePlan(self.decode_plan, self.decode_bucket_short, self.decode_bucket_mid,
-                          self.decode_q_chunk, self.decode_local_window)
-
-    def cache_spec(self) -> CachePolicy:
-        """The CachePolicy these fields describe (what model.new_cache takes)."""
-        return CachePolicy.build(self.cache_kind, self.cache_policy, self.qblock, self.residual_len,
-                                 self.rotate_keys, self.cache_fp16_prefix_layers)
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.min_p,
-                              self.min_new_tokens, self.no_repeat_ngram_size, self.frequency_penalty,
-                              self.presence_penalty, tuple(self.eos_ids()))
-
-    def eos_ids(self) -> list[int]:
-        if self.eos_token_id is None:
-            return []
-        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+from caramba.infer.plan import ResolvedPlan, has_residual_window, run_chunks, warn_window
+from caramba.infer.sampling import History, process_logits, select_tokens
 
 
 @dataclass
@@ -379,10 +286,7 @@ class Generator:
 
 def generate(model, input_ids, config: GenerateConfig | None = None, tokenizer=None, **overrides) -> torch.Tensor:
     """Stateless generation: [B, T] -> [B, T + N]. Keyword overrides set GenerateConfig fields."""
-    if config is None:
-        config = GenerateConfig(**overrides)
-    elif overrides:
-        config = GenerateConfig(**{**config.__dict__, **overrides})
+    config = GenerateConfig(**overrides) if config is None else config.replace(**overrides)
     return Generator(model, config, tokenizer=tokenizer).generate(input_ids)
 
 

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from caramba.options import OptionError, check_options, option
+
 PLANS = ("auto", "fixed", "none")
 # Chunk sizes auto picks above bucket_short (docs/decode-plans.md has the measurements). Long
 # prompts: 512, the knee on SmolLM2 at 4096 tokens (256 cut the peak little further for +31%
@@ -58,29 +60,23 @@ class ResolvedPlan:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    plan: str = "none"
-    bucket_short: int = 512          # auto: prompts up to this many tokens run unchunked
-    bucket_mid: int = 2048           # auto: up to this many in chunks of AUTO_CHUNK_MID, then AUTO_CHUNK_LONG
-    q_chunk: int | None = None       # fixed: tokens per forward; auto: overrides its chunk sizes
-    local_window: int | None = None  # sliding-window span (changes outputs); never set by auto itself
+    plan: str = option("none", choices=PLANS, name="decode_plan", help="auto, fixed or none: chunk long forwards")
+    bucket_short: int = option(512, ge=1, name="decode_bucket_short",
+                               help="auto: prompts up to this many tokens run unchunked")
+    bucket_mid: int = option(2048, ge=1, name="decode_bucket_mid",
+                             help="auto: up to this many in chunks of 1024, then 512")
+    q_chunk: int | None = option(None, ge=1, name="decode_q_chunk",
+                                 help="tokens per forward (fixed; overrides auto's sizes); same outputs")
+    local_window: int | None = option(None, ge=1, name="decode_local_window",
+                                      help="sliding-window attention span: CHANGES OUTPUTS")
 
     def __post_init__(self) -> None:
-        checks = [
-            ("decode_plan", self.plan in PLANS, f"must be one of {', '.join(PLANS)}"),
-            ("decode_bucket_short", self.bucket_short >= 1, "must be >= 1"),
-            ("decode_bucket_mid", self.bucket_mid >= self.bucket_short, "must be >= decode_bucket_short"),
-            ("decode_q_chunk", self.q_chunk is None or self.q_chunk >= 1, "must be >= 1 or None"),
-            ("decode_local_window", self.local_window is None or self.local_window >= 1, "must be >= 1 or None"),
-            ("decode_plan", self.plan != "none" or (self.q_chunk is None and self.local_window is None),
-             "runs unchunked with full attention, but decode_q_chunk / decode_local_window are set: "
-             "use decode_plan: fixed (or auto)"),
-        ]
-        for name, ok, why in checks:
-            if not ok:
-                value = {"decode_plan": self.plan, "decode_bucket_short": self.bucket_short,
-                         "decode_bucket_mid": self.bucket_mid, "decode_q_chunk": self.q_chunk,
-                         "decode_local_window": self.local_window}[name]
-                raise ValueError(f"{name}={value!r} {why}")
+        check_options(self)
+        if self.bucket_mid < self.bucket_short:
+            raise OptionError("decode_bucket_mid", self.bucket_mid, "must be >= decode_bucket_short")
+        if self.plan == "none" and (self.q_chunk is not None or self.local_window is not None):
+            raise OptionError("decode_plan", self.plan, "runs unchunked with full attention, but decode_q_chunk / "
+                              "decode_local_window are set: use decode_plan: fixed (or auto)")
 
     def resolve(self, prompt_len: int, residual_window: bool = False, ring_max_write: int | None = None) -> ResolvedPlan:
         """The chunk and window for an input of prompt_len tokens. residual_window: the cache

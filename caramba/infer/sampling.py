@@ -16,23 +16,37 @@ from dataclasses import dataclass
 
 import torch
 
+from caramba.options import check_options, option
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0          # 0 = greedy
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float = 1.0
-    min_p: float | None = None
-    min_new_tokens: int = 0
-    no_repeat_ngram_size: int = 0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    eos_token_ids: tuple[int, ...] = ()   # what min_new_tokens suppresses
+    """How the next token is chosen from the logits (the processors below, in HF's order).
+    Adding a processor: its option here and its function below (manifest keys and `caramba
+    generate --set generate.NAME=...` follow from the option)."""
+
+    temperature: float = option(1.0, ge=0, help="0 = greedy")
+    top_k: int | None = option(None, ge=1, help="keep the k most likely tokens")
+    top_p: float | None = option(None, gt=0, le=1, help="keep the smallest set reaching this mass")
+    repetition_penalty: float = option(1.0, gt=0, help="CTRL-style; 1 = off")
+    min_p: float | None = option(None, ge=0, le=1, help="drop tokens below min_p x the top token's probability")
+    min_new_tokens: int = option(0, ge=0, help="no EOS before this many new tokens")
+    no_repeat_ngram_size: int = option(0, ge=0, help="never repeat an n-gram of this size; 0 = off")
+    frequency_penalty: float = option(0.0, help="OpenAI-style: minus this x the token's count so far")
+    presence_penalty: float = option(0.0, help="OpenAI-style: minus this once a token was generated")
+    eos_token_ids: tuple[int, ...] = ()   # what min_new_tokens suppresses (GenerateConfig sets it)
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether a processor reads more than the seen-token mask (a History)."""
+        return bool(self.min_new_tokens or self.no_repeat_ngram_size or self.frequency_penalty or self.presence_penalty)
 
 
 def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -25,7 +25,6 @@ steps, then drafts again (a probe) with a fresh window.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,9 +35,10 @@ import torch.nn.functional as F
 
 from caramba.cache.layer import CacheOverflowError
 from caramba.infer.drafts import (
-    DRAFT_KINDS, ModelDraft, PromptLookupDraft, check_vocab, int8_self_draft, layer_skip_draft,
+    ModelDraft, PromptLookupDraft, check_vocab, int8_self_draft, layer_skip_draft,
 )
-from caramba.infer.generate import GenerateConfig, GenerationResult
+from caramba.infer.config import SpeculativeConfig
+from caramba.infer.generate import GenerationResult
 from caramba.infer.padding import as_rows, left_pad
 from caramba.infer.plan import has_residual_window
 from caramba.infer.rowcache import RowCache
@@ -46,51 +46,6 @@ from caramba.infer.sampling import process_logits, select_tokens
 
 SPEC_ACCEPT_WINDOW = 4    # drafting rounds per row that spec_disable_below_accept averages over
 SPEC_PROBE_INTERVAL = 16  # plain target steps before a disabled row drafts again
-SPEC_METHODS = ("reject_sampling", "greedy")
-
-
-@dataclass
-class SpeculativeConfig(GenerateConfig):
-    spec_k: int = 4                          # tokens drafted per round (the start value when adaptive)
-    spec_k_adaptive: bool = False            # HF's heuristic: all accepted -> k += 2, else k - 1
-    spec_k_max: int = 16                     # upper bound on k
-    spec_method: str = "reject_sampling"     # | "greedy": accept drafts equal to the target's own pick
-    spec_extra_token: bool = True            # a bonus target token when every draft is accepted
-    spec_disable_below_accept: float = 0.0   # fall back to plain decoding below this acceptance
-    spec_confidence: float | None = None     # model drafts stop below this draft probability (HF: 0.4)
-    draft: str = "model"                     # model | prompt_lookup | self_int8 | layer_skip
-    draft_layers: int | None = None          # layer_skip: the target's first N layers (default half)
-    lookup_max_ngram: int = 3                # prompt_lookup: longest n-gram matched
-    lookup_min_ngram: int = 1                # prompt_lookup: shortest n-gram matched
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        checks = [
-            ("spec_k", self.spec_k >= 1, "must be >= 1"),
-            ("spec_k_max", self.spec_k_max >= self.spec_k, f"must be >= spec_k ({self.spec_k})"),
-            ("spec_method", self.spec_method in SPEC_METHODS, f"must be one of {', '.join(SPEC_METHODS)}"),
-            ("spec_disable_below_accept", 0 <= self.spec_disable_below_accept <= 1, "must be in [0, 1]"),
-            ("spec_confidence", self.spec_confidence is None or 0 < self.spec_confidence <= 1, "must be in (0, 1] or None"),
-            ("draft", self.draft in DRAFT_KINDS, f"must be one of {', '.join(DRAFT_KINDS)}"),
-            ("draft_layers", self.draft_layers is None or self.draft_layers >= 1, "must be >= 1 or None"),
-            ("lookup_min_ngram", 1 <= self.lookup_min_ngram <= self.lookup_max_ngram, "must be in [1, lookup_max_ngram]"),
-        ]
-        for name, ok, why in checks:
-            if not ok:
-                raise ValueError(f"SpeculativeConfig.{name}={getattr(self, name)!r} {why}")
-        # Processors that read the generated history (not a seen-mask) are not applied to drafts
-        # yet, and beam / contrastive search are other decoders.
-        unsupported = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0,
-                       "num_beams": 1, "num_return_sequences": 1, "penalty_alpha": None,
-                       "decode_local_window": None}  # rejected drafts leave holes a slot window would count
-        for name, default in unsupported.items():
-            if getattr(self, name) != default:
-                raise ValueError(f"SpeculativeConfig.{name}={getattr(self, name)!r} is not supported with speculative "
-                                 f"decoding; leave it at {default!r} or use plain decoding")
-
-    def generate_config(self) -> GenerateConfig:
-        """The plain-decoding config with the same generation fields (the baseline)."""
-        return GenerateConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GenerateConfig)})
 
 
 @dataclass
