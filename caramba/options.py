@@ -35,6 +35,7 @@ class OptionInfo:
     name: str | None = None           # the flat spelling (default: the field name)
     key: str | None = None            # a manifest section's own spelling (default: the flat name)
     manifest: bool = True             # False: engine-only (set by the runner, e.g. eos ids)
+    required: bool = False            # a manifest section must give it (the engine may take None)
     schema: Any = None                # the manifest's type where it is narrower than the engine's
 
     def problem(self, value: Any) -> str | None:

@@ -76,7 +76,7 @@ def test_nothing_fits_names_the_smallest_size_and_what_to_change(loaded, tmp_pat
 
 
 def test_impossible_thresholds_fail_every_candidate_closed(loaded, tmp_path):
-    gates = GateSettings(**{**FAST_GATES.to_dict(), "cache_quality_max_mean_kl": -1.0})
+    gates = GateSettings(**{**FAST_GATES.to_dict(), "cache_quality_max_mean_kl": 0.0})   # only exact caches pass
     fp32 = cache_nbytes(loaded.model, 1, 48, default_candidates(loaded.model)[0].policy)
     with pytest.raises(NoCandidateError, match="no candidate within the budget passes the quality gates"):
         autotune(loaded, settings((fp32 - 1) / MIB, gates=gates), plan_path=tmp_path / "p.json")
@@ -85,7 +85,7 @@ def test_impossible_thresholds_fail_every_candidate_closed(loaded, tmp_path):
     gated = [c for c in result.candidates[1:] if c["fits"]]
     assert len(gated) >= 6
     for c in gated:
-        assert c["verdict"] == "failed gates" and any("mean KL" in why and "> -1" in why for why in c["why"]), c
+        assert c["verdict"] == "failed gates" and any("mean KL" in why and "> 0" in why for why in c["why"]), c
 
 
 def test_a_gate_that_raises_fails_only_its_candidate_with_the_reason(loaded, tmp_path, monkeypatch):
@@ -142,9 +142,9 @@ def test_plan_is_reused_and_probed_when_stale(loaded, tmp_path, monkeypatch):
     data = json.loads(path.read_text())
     data["plans"][first.key_id]["created_unix"] -= 7200
     path.write_text(json.dumps(data))
-    assert autotune(loaded, settings(1.0, probe=False), plan_path=path).status == "reused"
+    assert autotune(loaded, settings(1.0, cache_plan_probe=False), plan_path=path).status == "reused"
     monkeypatch.undo()
-    probed = autotune(loaded, settings(1.0, probe_interval_sec=3600), plan_path=path)
+    probed = autotune(loaded, settings(1.0, cache_plan_probe_interval_sec=3600), plan_path=path)
     assert probed.status == "probed"
     assert time.time() - json.loads(path.read_text())["plans"][first.key_id]["created_unix"] < 60
     assert autotune(loaded, settings(1.0), plan_path=path, force=True).status == "forced"
@@ -216,7 +216,8 @@ def test_schema_defaults_match_the_engine():
     engine = AutotuneSettings(budget_mb=1)
     assert (section.max_seq_len, section.batch_size, section.speed_steps, section.speed_repeats, section.cache_plan_probe,
             section.cache_plan_probe_interval_sec) == (engine.max_seq_len, engine.batch_size, engine.speed_steps,
-                                                       engine.speed_repeats, engine.probe, engine.probe_interval_sec)
+                                                       engine.speed_repeats, engine.cache_plan_probe,
+                                                       engine.cache_plan_probe_interval_sec)
 
 
 def test_haystack_plants_the_needle_at_its_depth_and_ends_with_the_question(loaded):

@@ -130,9 +130,10 @@ def test_manifest_cache_autotune_then_cache_kind_auto_reuses_its_plan(tiny_model
 
 
 @pytest.mark.parametrize("generate, message", [
-    ("{prompts: [hi], cache_kind: auto}", "cache_kind: auto needs cache_budget_mb"),
-    ("{prompts: [hi], cache_budget_mb: 4}", "cache_budget_mb is only used with cache_kind: auto"),
+    ("{prompts: [hi], cache_kind: auto, cache_budget_mb: 0}", "cache_budget_mb"),
+    ("{prompts: [hi], cache_kind: q8_0, cache_budget_mb: .nan}", "cache_budget_mb"),
     ("{prompts: [hi], cache_kind: auto, cache_budget_mb: 4, rotate_keys: true}", "chooses rotate_keys itself"),
+    ("{prompts: [hi], cache_kind: auto, cache_quality_max_mean_kl: -1}", "cache_quality_max_mean_kl"),
 ])
 def test_auto_settings_are_validated(tmp_path, generate, message):
     manifest = tmp_path / "m.yaml"
@@ -163,3 +164,17 @@ def test_autotune_reports_a_corrupt_plan_file_and_keeps_it(tiny_model, tmp_path)
     aside = list(tmp_path.glob("plans.json.corrupt-*"))
     assert len(aside) == 1 and aside[0].read_text() == '{"version": 1, "plans": []}'
     assert result["status"] == "measured" and list(json.loads(plans.read_text())["plans"]) == [result["key_id"]]
+
+
+@pytest.mark.parametrize("generate", ["{prompts: [hi], cache_kind: auto}", "{prompts: [hi], cache_kind: q8_0, cache_budget_mb: 4}"])
+def test_auto_without_budget_and_budget_with_a_kind_are_valid(tmp_path, generate):
+    """As the seed guide writes them: auto with no budget picks among every candidate; a budget with a
+    named kind is a bound the built cache is checked against."""
+    manifest = tmp_path / "m.yaml"
+    write_manifest(manifest, f"""\
+      - id: g
+        mode: generate
+        generate: {generate}
+""", name="v")
+    r = invoke("validate", manifest)
+    assert r.exit_code == 0, r.output

@@ -87,15 +87,6 @@ def cache_nbytes(model, batch_size: int, max_seq_len: int, policy: CachePolicy) 
     return _shadow(model).new_cache(batch_size, max_seq_len, policy).nbytes
 
 
-def policy_fields(policy: CachePolicy) -> dict:
-    """GenerateConfig's cache fields for a policy (what `cache_kind: auto` resolves to)."""
-    d = policy.to_dict()
-    streams = _named_streams(d)
-    return {"cache_kind": d["v"], "cache_policy": streams or None, "qblock": d["qblock"],
-            "residual_len": d["residual_len"], "rotate_keys": d["rotate_keys"],
-            "cache_fp16_prefix_layers": d["cache_fp16_prefix_layers"]}
-
-
 def policy_from_dict(d: dict) -> CachePolicy:
     """Inverse of CachePolicy.to_dict (how plans store a policy), naming streams only where they
     differ from `v`'s kind, so a uniform policy fits standard and decoupled (DBA) models alike."""

@@ -14,24 +14,8 @@ from dataclasses import asdict, dataclass, field
 from caramba.autotune.candidates import Candidate
 from caramba.autotune.needle import baseline_answer, build_haystack, needle_scores
 from caramba.cache import CachePolicy
+from caramba.infer.config import GateSettings
 from caramba.infer.evaluate import evaluate_cache
-
-@dataclass(frozen=True)
-class GateSettings:
-    """Thresholds and sizes; the names are the manifest's (and the seed docs')."""
-
-    cache_quality_max_delta_nll: float = 0.05     # mean NLL increase, nats/token
-    cache_quality_max_ppl_ratio: float = 1.05
-    cache_quality_max_mean_kl: float = 0.02       # mean KL(baseline || candidate), nats
-    cache_quality_needle_max_kl: float = 0.1      # mean KL on the needle's answer tokens
-    cache_quality_prompt_len: int = 256           # text tokens prefilled before scoring
-    cache_quality_decode_steps: int = 32          # text tokens then scored one at a time
-    cache_quality_needle_len: int = 512           # haystack length, tokens
-    cache_quality_needle_depth: float = 0.25      # where the needle sits (0 = start, 1 = end)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
 class GateResult:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from caramba.cache import CachePolicy
 from caramba.infer.evaluate import evaluate_cache
-from caramba.autotune.candidates import policy_fields
-from caramba.infer.generate import GenerateConfig, Generator
+from caramba.infer.config import CacheConfig, GenerateConfig
+from caramba.infer.generate import Generator
 
 
 @dataclass
@@ -50,7 +50,7 @@ def build_haystack(tokenizer, text_ids: list[int], length: int, depth: float = 0
 def baseline_answer(model, prompt: list[int], baseline: CachePolicy, n_tokens: int) -> list[int]:
     """The baseline cache's greedy continuation of the haystack (n_tokens, no early stop)."""
     config = GenerateConfig(max_new_tokens=n_tokens, temperature=0.0, eos_token_id=None,
-                            max_seq_len=len(prompt) + n_tokens, **policy_fields(baseline))
+                            cache=CacheConfig.of_policy(baseline, max_seq_len=len(prompt) + n_tokens))
     return Generator(model, config).run([prompt]).sequences[0]
 
 

@@ -21,29 +21,31 @@ import torch
 
 from caramba.autotune.candidates import (Candidate, baseline_policy, cache_nbytes, default_candidates,
                                          policy_from_dict)
-from caramba.autotune.gates import GateSettings, run_gates
+from caramba.autotune.gates import run_gates
 from caramba.autotune.plans import PlanStore, is_stale, key_id
 from caramba.autotune.speed import measure_speed
 from caramba.cache import CachePolicy
 from caramba.errors import UserError
+from caramba.infer.config import AutoCacheConfig, _Composed
 from caramba.infer.evaluate import corpus_text
+from caramba.options import option
 from caramba.runs import _cpu_model
 
 MIB = 2**20
 Progress = Callable[[str, int, int], None]   # (phase, done, total); phases: text, needle, speed
 
 
-@dataclass(frozen=True)
-class AutotuneSettings:
-    budget_mb: float                   # MiB (2**20 bytes) for the whole cache: all layers, K+V, the batch
-    max_seq_len: int = 2048
-    batch_size: int = 1
-    gates: GateSettings = field(default_factory=GateSettings)
-    speed_steps: int = 4               # timed decode steps per round
-    speed_repeats: int = 3             # timed rounds (after one warm-up round); the median counts
+@dataclass(init=False, eq=True, repr=True)
+class AutotuneSettings(_Composed):
+    """What the selection is for (budget, shape) and how it chooses (`tuning`: gates, speed, plans).
+    Keywords are flat, by name or by the cache-autotune section's key (`speed_steps`, `gates`)."""
+
+    budget_mb: float | None = option(None, gt=0, required=True,
+                                     help="MiB for the whole KV cache: all layers, K+V, the batch (None: no limit)")
+    max_seq_len: int = option(2048, ge=2, help="context length the cache is sized and timed for")
+    batch_size: int = option(1, ge=1, help="rows the cache is sized and timed for")
+    tuning: AutoCacheConfig = field(default_factory=AutoCacheConfig)
     speed_tie: float = 0.03            # within 3% of the fastest counts as a tie: fewer bytes wins
-    probe: bool = True                 # cache_plan_probe: re-run the selection when a plan is stale
-    probe_interval_sec: float = 3600   # cache_plan_probe_interval_sec
 
 
 @dataclass
@@ -104,14 +106,13 @@ def autotune(loaded, settings: AutotuneSettings, text_path: str | Path | None = 
              notice: Callable[[str], None] | None = None) -> AutotuneResult:
     """The plan for (loaded model, settings): reused from the store, or measured and stored.
     Raises NoCandidateError (a UserError) when nothing fits the budget or passes the gates."""
-    _check_settings(settings)
     model = loaded.model
     text = corpus_text(text_path)
     candidates = default_candidates(model)
     key = plan_key(loaded, settings, text, candidates)
-    store = PlanStore(plan_path, notice)
+    store = PlanStore(plan_path or settings.tuning.plan_path, notice)
     entry = None if force else store.get(key)
-    if entry is not None and not is_stale(entry, settings.probe, settings.probe_interval_sec):
+    if entry is not None and not is_stale(entry, settings.tuning.probe, settings.tuning.probe_interval_sec):
         return AutotuneResult(key, entry["chosen"], entry["candidates"], "reused", store.path, entry.get("needle"),
                               entry["created_utc"])
     status = "forced" if force else ("probed" if entry is not None else "measured")
@@ -126,22 +127,6 @@ def autotune(loaded, settings: AutotuneSettings, text_path: str | Path | None = 
     return result
 
 
-def _check_settings(s: AutotuneSettings) -> None:
-    g = s.gates
-    problems = [
-        (s.budget_mb > 0, f"budget_mb={s.budget_mb} must be > 0"),
-        (s.max_seq_len >= 2, f"max_seq_len={s.max_seq_len} must be >= 2"),
-        (s.batch_size >= 1, f"batch_size={s.batch_size} must be >= 1"),
-        (g.cache_quality_prompt_len >= 1, f"cache_quality_prompt_len={g.cache_quality_prompt_len} must be >= 1"),
-        (g.cache_quality_decode_steps >= 2, f"cache_quality_decode_steps={g.cache_quality_decode_steps} must be >= 2"),
-        (0 <= g.cache_quality_needle_depth <= 1, f"cache_quality_needle_depth={g.cache_quality_needle_depth} must be in [0, 1]"),
-        (s.speed_steps >= 1 and s.speed_repeats >= 3, "speed_steps must be >= 1 and speed_repeats >= 3"),
-    ]
-    for ok, message in problems:
-        if not ok:
-            raise UserError(message)
-
-
 def _measure(model, tokenizer, text: str, candidates: list[Candidate], s: AutotuneSettings,
              progress: Progress | None) -> tuple[list[dict], dict | None]:
     """Every candidate's report (bytes, gates, speed, verdict and why) and the needle test's info."""
@@ -152,15 +137,20 @@ def _measure(model, tokenizer, text: str, candidates: list[Candidate], s: Autotu
     ids = tokenizer.encode(text, add_special_tokens=False)
     needle = _gate(model, tokenizer, ids, fitting, s, progress)
     passing = [(c, r) for c, r in fitting if not r["verdict"]]
-    if passing:
+    if passing and s.tuning.benchmark:
         _speed_pick(model, ids, passing, s, progress)
+    elif passing:   # cache_auto_benchmark off: the smallest passing cache
+        for _, r in passing:
+            r["verdict"], r["why"] = "passed", r["why"] or ["not timed (cache_auto_benchmark: false)"]
+        best = min((r for _, r in passing), key=lambda r: r["bytes"])
+        best["verdict"], best["why"] = "chosen", ["the fewest bytes of those passing (not timed)"]
     return reports, needle
 
 
 def _sized(model, c: Candidate, s: AutotuneSettings) -> dict:
     """The candidate's report with its bytes and the budget's verdict."""
     nbytes = cache_nbytes(model, s.batch_size, s.max_seq_len, c.policy)
-    fits = nbytes <= int(s.budget_mb * MIB)
+    fits = s.budget_mb is None or nbytes <= int(s.budget_mb * MIB)
     return {"name": c.name, "policy": c.policy.to_dict(), "baseline": c.baseline, "bytes": nbytes, "fits": fits,
             "gates": None, "speed": None, "verdict": "" if fits else "over budget",
             "why": [] if fits else [f"{nbytes / MIB:.2f} MiB > budget {s.budget_mb:g} MiB"]}
@@ -189,7 +179,7 @@ def _gate(model, tokenizer, ids: list[int], fitting: list, s: AutotuneSettings, 
 def _speed_pick(model, ids: list[int], passing: list, s: AutotuneSettings, progress) -> None:
     """Time the passing candidates and mark the fastest "chosen" (ties: fewer bytes)."""
     speeds = measure_speed(model, [c.policy for c, _ in passing], baseline_policy(model), ids, s.batch_size,
-                           s.max_seq_len, s.speed_steps, s.speed_repeats,
+                           s.max_seq_len, s.tuning.speed_steps, s.tuning.speed_repeats, context=s.tuning.bench_context,
                            on_round=(lambda done, total: progress("speed", done, total)) if progress else None)
     for (_, r), speed in zip(passing, speeds):
         r["speed"] = speed

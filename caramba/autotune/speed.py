@@ -23,13 +23,14 @@ from caramba.cache import CachePolicy, KVCache
 @torch.inference_mode()
 def measure_speed(model, policies: Sequence[CachePolicy], baseline: CachePolicy, text_ids: list[int],
                   batch_size: int, max_seq_len: int, steps: int = 8, repeats: int = 3, warmup: int = 1,
-                  on_round: Callable[[int, int], None] | None = None) -> list[dict]:
+                  on_round: Callable[[int, int], None] | None = None, context: int | None = None) -> list[dict]:
     """Per policy: {"decode_tok_s" (median), "samples" (tok/s per timed round), "context", "steps",
-    "error"}. A policy whose decode raises gets decode_tok_s None and the error, and is not timed again."""
+    "error"}. context: tokens already cached when timing starts (default and at most max_seq_len - steps).
+    A policy whose decode raises gets decode_tok_s None and the error, and is not timed again."""
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len={max_seq_len}: the speed phase needs room for a context and a decode step")
     steps = min(steps, max_seq_len - 1)
-    context = max_seq_len - steps
+    context = max_seq_len - steps if context is None else min(context, max_seq_len - steps)
     tokens = torch.tensor(prompt_batch(text_ids, context, batch_size), device=model.device)   # [B, context]
     source = model.new_cache(batch_size, max_seq_len, baseline)
     first = model(tokens, cache=source, last_only=True)[:, -1].argmax(-1)                   # [B]

@@ -2,7 +2,8 @@
 
     GenerateConfig
       sampling     SamplingParams (caramba.infer.sampling)  how the next token is chosen
-      stop         StopConfig        how many tokens, and what ends a row early
+      max_new_tokens
+      stop         StopConfig        what ends a row early (eos, stop sequences)
       cache        CacheConfig       how the KV cache stores K and V, or "auto" (the autotune picks)
         auto       AutoCacheConfig   the autotune's gates, speed rounds and plan store
           gates    GateSettings
@@ -46,9 +47,8 @@ MIB = 2**20
 
 @dataclass(frozen=True)
 class StopConfig:
-    """How many tokens a row may generate and what ends it earlier."""
+    """What ends a row before max_new_tokens."""
 
-    max_new_tokens: int = option(64, ge=1, help="tokens generated per row at most")
     stop_sequences: list[str | list[int]] = option(default_factory=list, schema=list[str],
                                                    help="strings need a tokenizer; id lists keep their last token")
     eos_token_id: int | list[int] | None = option(None, manifest=False,
@@ -158,6 +158,17 @@ class CacheConfig:
         named = {name: d[name] for name in keys if d[name] != d["v"]}
         return cls(kind=d["v"], policy=named or None, qblock=d["qblock"], residual_len=d["residual_len"],
                    rotate_keys=d["rotate_keys"], fp16_prefix_layers=d["cache_fp16_prefix_layers"], **keep)
+
+    def with_policy(self, policy: CachePolicy) -> CacheConfig:
+        """These settings with `policy` in place of the kind (what `auto` resolves to)."""
+        return CacheConfig.of_policy(policy, max_seq_len=self.max_seq_len, budget_mb=self.budget_mb, auto=self.auto)
+
+    def autotune_settings(self, batch_size: int = 1):
+        """What caramba.autotune needs to resolve `auto` for this cache and batch."""
+        from caramba.autotune.select import AutotuneSettings   # the autotune builds on infer, not the reverse
+
+        return AutotuneSettings(budget_mb=self.budget_mb, max_seq_len=max(self.max_seq_len, 2), batch_size=batch_size,
+                                tuning=self.auto)
 
     def check_budget(self, nbytes: int) -> None:
         """A named kind with a budget: the cache it builds must fit."""
@@ -332,6 +343,7 @@ def flat_names(cls: type) -> list[str]:
 class GenerateConfig(_Composed):
     """Every generation setting (see the module doc). Keywords are sub-configs or flat options."""
 
+    max_new_tokens: int = option(64, ge=1, help="tokens generated per row at most")
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: StopConfig = field(default_factory=StopConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -7,6 +7,7 @@ section to `Run`.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import types
 import typing
@@ -14,7 +15,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+from caramba.autotune.select import AutotuneSettings
+from caramba.infer.config import DraftConfig, GenerateConfig, SpeculativeConfig
+from caramba.options import options_of
 
 Mode = Literal["generate", "decode-bench", "speculative", "cache-autotune"]
 MODES: tuple[str, ...] = typing.get_args(Mode)
@@ -55,90 +60,76 @@ class ModelSpec(_Model):
     device: Literal["cpu", "cuda", "mps", "auto"] = "cpu"
 
 
-class GenerateSettings(_Model):
-    """Settings of a `generate` run."""
+def option_fields(config: type, *, keys: bool = False, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The pydantic fields of every manifest option in an engine config's tree (caramba.options):
+    bounds, choices and help come from the one definition. keys: a section's own spellings."""
+    fields: dict[str, Any] = {}
+    hints = typing.get_type_hints(config)
+    opts = {o.attr: o for o in options_of(config)}
+    for f in dataclasses.fields(config):
+        if f.name not in opts:
+            if dataclasses.is_dataclass(hints[f.name]):
+                fields.update(option_fields(hints[f.name], keys=keys, defaults=defaults))
+            continue
+        opt = opts[f.name]
+        info = opt.info
+        if not info.manifest:
+            continue
+        name = opt.key if keys else opt.name
+        annotation = info.schema
+        if annotation is None and info.choices is not None:
+            annotation = Literal[info.choices]   # type: ignore[valid-type]
+            annotation = annotation | None if opt.default() is None else annotation
+        annotation = annotation or opt.type
+        if info.required:   # X | None in the engine (None: no limit), but a section must give it
+            members = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+            annotation, default = members[0], ...
+        else:
+            default = (defaults or {}).get(name, opt.default())
+        bounds = {k: getattr(info, k) for k in ("ge", "gt", "le", "lt", "multiple_of") if getattr(info, k) is not None}
+        field = Field(default_factory=f.default_factory, description=info.help, **bounds) \
+            if f.default_factory is not dataclasses.MISSING else Field(default, description=info.help, **bounds)
+        fields[name] = (annotation, field)
+    return fields
+
+
+def _engine_error(error: Exception) -> ValueError:
+    """An engine config's error as a manifest error: without the config's name (the location says where)."""
+    message = str(error)
+    for owner in ("GenerateConfig", "SpeculativeConfig", "AutotuneSettings"):
+        message = message.removeprefix(f"{owner}: ").removeprefix(f"{owner}.")
+    return ValueError(message)
+
+
+class _GenerateSection(_Model):
+    """What a `generate` run needs besides the engine's GenerateConfig options (derived below)."""
 
     prompts: list[Prompt] = Field(min_length=1)
-    max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(1.0, ge=0)  # 0 means greedy
-    top_k: int | None = Field(None, ge=1)
-    top_p: float | None = Field(None, gt=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
-    min_p: float | None = Field(None, ge=0, le=1)
-    min_new_tokens: int = Field(0, ge=0)
-    no_repeat_ngram_size: int = Field(0, ge=0)      # 0 = off
-    frequency_penalty: float = 0.0                  # OpenAI-style, on generated tokens
-    presence_penalty: float = 0.0
-    num_beams: int = Field(1, ge=1)                 # > 1: beam search
-    num_return_sequences: int = Field(1, ge=1)      # beams returned per prompt (<= num_beams)
-    length_penalty: float = 1.0
-    early_stopping: bool | Literal["never"] = False
-    penalty_alpha: float | None = Field(None, ge=0, le=1)   # contrastive search (needs top_k)
-    stop_sequences: list[str] = []
-    max_seq_len: int = Field(2048, ge=1)
-    # auto: the stored cache plan for this model, machine, max_seq_len, batch_size and
-    # cache_budget_mb (docs/autotune.md), or a fresh selection when there is none
-    cache_kind: Literal["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q8", "q4", "auto"] = "fp32"
-    cache_budget_mb: float | None = Field(None, gt=0)  # cache_kind: auto only; MiB for the whole cache
-    # k/v (standard attention) or k_sem/k_geo/v (decoupled/DBA models); checked against the model at run time
-    cache_policy: dict[Literal["k", "v", "k_sem", "k_geo"], Literal["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q8", "q4"]] | None = None
-    qblock: int = Field(32, ge=2, multiple_of=2)  # elements per quantization block (clipped to head_dim)
-    residual_len: int = Field(0, ge=0)          # newest tokens also kept in full precision
-    rotate_keys: bool = False                   # Hadamard-rotate keys before quantizing them
-    cache_fp16_prefix_layers: int = Field(0, ge=0)  # the first N layers keep an fp16 cache
-    # Decode plan (docs/decode-plans.md): chunked forwards keep outputs; a local window changes them.
-    decode_plan: Literal["auto", "fixed", "none"] = "none"
-    decode_bucket_short: int = Field(512, ge=1)     # auto: prompts up to this run unchunked
-    decode_bucket_mid: int = Field(2048, ge=1)      # auto: longer prompts use the long chunk size
-    decode_q_chunk: int | None = Field(None, ge=1)  # tokens per forward (fixed; overrides auto's sizes)
-    decode_local_window: int | None = Field(None, ge=1)  # sliding-window attention span: CHANGES OUTPUTS
-    chat: bool = False  # render prompts through the model's chat template
-    system_prompt: str | None = None
-    batch_size: int = Field(1, ge=1)  # prompts run in batches of this many, left-padded
-    stream: bool = True  # print tokens as they come when running interactively
+
+    def engine_config(self, seed: int | None = None, eos_token_id: int | list[int] | None = None) -> GenerateConfig:
+        """The engine config of these settings (the manifest's option keys are its flat names)."""
+        options = {name: getattr(self, name) for name in option_fields(GenerateConfig)}
+        return GenerateConfig(**options, seed=seed, eos_token_id=eos_token_id)
 
     @model_validator(mode="after")
-    def _system_prompt_needs_chat(self) -> GenerateSettings:
+    def _engine_accepts(self) -> Any:
         if self.system_prompt is not None and not self.chat:
             raise ValueError("system_prompt is only used with chat: true; set chat: true or drop it")
+        try:   # cross-field rules live in the engine config: one place for library, CLI and manifests
+            self.engine_config()
+        except (ValueError, TypeError) as e:
+            raise _engine_error(e) from None
         return self
 
-    @model_validator(mode="after")
-    def _decode_plan_agrees(self) -> GenerateSettings:
-        from caramba.infer.plan import DecodePlan
 
-        DecodePlan(self.decode_plan, self.decode_bucket_short, self.decode_bucket_mid, self.decode_q_chunk,
-                   self.decode_local_window)   # its ValueError names the field
-        if self.decode_local_window is not None and (self.num_beams > 1 or self.penalty_alpha is not None):
-            raise ValueError("decode_local_window (sliding-window attention) is not supported by beam or "
-                             "contrastive search; drop it or num_beams / penalty_alpha")
-        return self
-
-    @model_validator(mode="after")
-    def _auto_cache_needs_budget(self) -> GenerateSettings:
-        if (self.cache_kind == "auto") != (self.cache_budget_mb is not None):
-            raise ValueError("cache_kind: auto needs cache_budget_mb (MiB for the whole KV cache), and "
-                             "cache_budget_mb is only used with cache_kind: auto")
-        chosen = {"cache_policy": None, "qblock": 32, "residual_len": 0, "rotate_keys": False, "cache_fp16_prefix_layers": 0}
-        clash = [name for name, default in chosen.items() if self.cache_kind == "auto" and getattr(self, name) != default]
-        if clash:
-            raise ValueError(f"cache_kind: auto chooses {', '.join(clash)} itself; drop them or name a cache_kind")
-        return self
-
-    @model_validator(mode="after")
-    def _search_settings_agree(self) -> GenerateSettings:
-        if self.num_return_sequences > self.num_beams:
-            raise ValueError(f"num_return_sequences={self.num_return_sequences} exceeds num_beams={self.num_beams}; "
-                             "raise num_beams or lower num_return_sequences")
-        if self.penalty_alpha is not None and (self.top_k is None or self.num_beams > 1):
-            raise ValueError("penalty_alpha (contrastive search) needs top_k and num_beams: 1; set top_k or drop penalty_alpha")
-        if (self.num_beams > 1 or self.penalty_alpha is not None) and (self.stop_sequences or self.min_p is not None
-                                                                       or self.temperature not in (0.0, 1.0) or self.top_p is not None):
-            raise ValueError("beam and contrastive search are deterministic and stop on EOS / max_new_tokens: "
-                             "drop stop_sequences, min_p, top_p and set temperature to 0")
-        if self.num_beams > 1 and self.top_k is not None:
-            raise ValueError("top_k is not used by beam search (only by contrastive search); drop top_k or num_beams")
-        return self
+GenerateSettings = create_model(
+    "GenerateSettings", __base__=_GenerateSection, __module__=__name__,
+    __doc__="Settings of a `generate` run: prompts, how to present them, and every GenerateConfig option.",
+    **option_fields(GenerateConfig),
+    chat=(bool, Field(False, description="render prompts through the model's chat template")),
+    system_prompt=(str | None, Field(None, description="the system message (with chat: true)")),
+    batch_size=(int, Field(1, ge=1, description="prompts run in batches of this many, left-padded")),
+    stream=(bool, Field(True, description="print tokens as they come when running interactively")))
 
 
 class BenchSettings(_Model):
@@ -174,52 +165,41 @@ class BenchSettings(_Model):
         return plans
 
 
-class SpeculativeSettings(GenerateSettings):
-    """Settings of a `speculative` run: the generate settings, the draft and its k rules
-    (caramba.infer.speculative.SpeculativeConfig has the same names)."""
-
-    draft: Literal["prompt_lookup", "self_int8", "layer_skip", "model"] = "prompt_lookup"  # model: the run's `draft:`
-    spec_k: int = Field(4, ge=1)
-    spec_k_adaptive: bool = False
-    spec_k_max: int = Field(16, ge=1)
-    spec_method: Literal["reject_sampling", "greedy"] = "reject_sampling"
-    spec_extra_token: bool = True
-    spec_disable_below_accept: float = Field(0.0, ge=0, le=1)
-    spec_confidence: float | None = Field(None, gt=0, le=1)
-    draft_layers: int | None = Field(None, ge=1)  # layer_skip: the target's first N layers (default half)
-    lookup_max_ngram: int = Field(3, ge=1)
-    lookup_min_ngram: int = Field(1, ge=1)
+class _SpeculativeSection(GenerateSettings):  # type: ignore[misc, valid-type]
     baseline: bool = True  # also decode the prompts plainly in the same run and record the speedup
 
+    def engine_config(self, seed: int | None = None, eos_token_id: int | list[int] | None = None) -> SpeculativeConfig:
+        options = {name: getattr(self, name) for name in option_fields(SpeculativeConfig)}
+        return SpeculativeConfig(**options, seed=seed, eos_token_id=eos_token_id)
+
+
+# A manifest names its draft model in the run's `draft:` spec, so the draft kind defaults to
+# prompt lookup here (the library's SpeculativeGenerator defaults to a draft model it is given).
+SpeculativeSettings = create_model(
+    "SpeculativeSettings", __base__=_SpeculativeSection, __module__=__name__,
+    __doc__="Settings of a `speculative` run: the generate settings plus the draft and its k rules.",
+    **option_fields(DraftConfig, defaults={"draft": "prompt_lookup"}))
+
+
+class _AutotuneSection(_Model):
+    text: str | None = None   # gate text file; default: caramba's bundled corpus
+
+    def engine_settings(self) -> AutotuneSettings:
+        return AutotuneSettings(**{key: getattr(self, key) for key in option_fields(AutotuneSettings, keys=True)})
+
     @model_validator(mode="after")
-    def _k_bounds(self) -> SpeculativeSettings:
-        if self.spec_k_max < self.spec_k:
-            raise ValueError(f"spec_k_max ({self.spec_k_max}) must be >= spec_k ({self.spec_k})")
-        if self.lookup_min_ngram > self.lookup_max_ngram:
-            raise ValueError(f"lookup_min_ngram ({self.lookup_min_ngram}) must be <= lookup_max_ngram ({self.lookup_max_ngram})")
+    def _engine_accepts(self) -> Any:
+        try:
+            self.engine_settings()
+        except (ValueError, TypeError) as e:
+            raise _engine_error(e) from None
         return self
 
 
-class CacheAutotuneSettings(_Model):
-    """Settings of a `cache-autotune` run (docs/autotune.md; defaults as caramba.autotune's)."""
-
-    budget_mb: float = Field(gt=0)              # MiB for the whole KV cache: all layers, K+V, the batch
-    max_seq_len: int = Field(2048, ge=2)
-    batch_size: int = Field(1, ge=1)
-    cache_quality_max_delta_nll: float = 0.05   # mean NLL increase over the baseline cache, nats/token
-    cache_quality_max_ppl_ratio: float = Field(1.05, gt=0)
-    cache_quality_max_mean_kl: float = Field(0.02, ge=0)   # mean KL(baseline || candidate), nats
-    cache_quality_needle_max_kl: float = Field(0.1, ge=0)  # mean KL on the needle's answer tokens
-    cache_quality_prompt_len: int = Field(256, ge=1)       # text tokens prefilled before scoring
-    cache_quality_decode_steps: int = Field(32, ge=2)      # text tokens scored one at a time
-    cache_quality_needle_len: int = Field(512, ge=32)      # haystack length, tokens
-    cache_quality_needle_depth: float = Field(0.25, ge=0, le=1)   # 0 = start of the context, 1 = end
-    speed_steps: int = Field(4, ge=1)           # timed decode steps per round
-    speed_repeats: int = Field(3, ge=3)         # timed rounds; the median counts
-    cache_plan_probe: bool = True               # re-run the selection when the stored plan is stale
-    cache_plan_probe_interval_sec: float = Field(3600, ge=0)
-    plan_path: str | None = None                # default: cache_plans.json under the runs root
-    text: str | None = None                     # gate text file; default: caramba's bundled corpus
+CacheAutotuneSettings = create_model(
+    "CacheAutotuneSettings", __base__=_AutotuneSection, __module__=__name__,
+    __doc__="Settings of a `cache-autotune` run (docs/autotune.md; defaults as caramba.autotune's).",
+    **option_fields(AutotuneSettings, keys=True))
 
 
 class Expect(_Model):

@@ -11,21 +11,16 @@ from rich.progress import Progress, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from caramba.autotune import AutotuneResult, AutotuneSettings, GateSettings, NoCandidateError, autotune, policy_fields
+from caramba.autotune import AutotuneResult, AutotuneSettings, NoCandidateError, autotune
 from caramba.autotune.gates import GateResult
 from caramba.bench.report import write_csv
+from caramba.infer.config import CacheConfig
 from caramba.manifest.schema import CacheAutotuneSettings, GenerateSettings
 from caramba.model.zoo import LoadedModel
+from caramba.options import options_of
 from caramba.runs import RunDir
 
 PHASES = {"text": "gates: scoring the text", "needle": "gates: needle in a haystack", "speed": "speed: decode rounds"}
-
-
-def engine_settings(s: CacheAutotuneSettings) -> AutotuneSettings:
-    gates = GateSettings(**{name: getattr(s, name) for name in GateSettings.__dataclass_fields__})
-    return AutotuneSettings(budget_mb=s.budget_mb, max_seq_len=s.max_seq_len, batch_size=s.batch_size, gates=gates,
-                            speed_steps=s.speed_steps, speed_repeats=s.speed_repeats, probe=s.cache_plan_probe,
-                            probe_interval_sec=s.cache_plan_probe_interval_sec)
 
 
 @contextmanager
@@ -57,7 +52,7 @@ def run_tuned(loaded: LoadedModel, settings: AutotuneSettings, console: Console,
 
 def run_cache_autotune(loaded: LoadedModel, settings: CacheAutotuneSettings, seed: int | None, record: RunDir,
                        console: Console) -> dict[str, Any]:
-    result = run_tuned(loaded, engine_settings(settings), console, settings.text, settings.plan_path)
+    result = run_tuned(loaded, settings.engine_settings(), console, settings.text, settings.plan_path)
     print_candidates(console, result)
     write_csv(record.path / "candidates.csv", candidate_rows(result))
     record.log(f"plan {result.key_id} ({result.status}) in {result.plan_path}: chose {result.chosen['name']}")
@@ -67,19 +62,20 @@ def run_cache_autotune(loaded: LoadedModel, settings: CacheAutotuneSettings, see
 def resolve_cache_auto(loaded: LoadedModel, settings: GenerateSettings, record: RunDir,
                        console: Console) -> tuple[GenerateSettings, dict | None]:
     """`cache_kind: auto`: the settings with the plan's cache policy in place of `auto` (the stored
-    plan for this model, machine, max_seq_len, batch_size and cache_budget_mb at the default gates,
-    or a fresh selection), and what it resolved to for the record. Other settings pass through."""
+    plan for this model, machine, max_seq_len, batch_size and the cache_* autotune options, or a
+    fresh selection), and what it resolved to for the record. Other settings pass through."""
     if settings.cache_kind != "auto":
         return settings, None
-    tuned = AutotuneSettings(budget_mb=settings.cache_budget_mb, max_seq_len=settings.max_seq_len,
-                             batch_size=settings.batch_size)
-    result = run_tuned(loaded, tuned, console)
+    cache = settings.engine_config().cache
+    result = run_tuned(loaded, cache.autotune_settings(settings.batch_size), console, plan_path=cache.auto.plan_path)
     policy = result.chosen_policy()
     record.log(f"cache_kind auto -> {policy.describe()} (plan {result.key_id}, {result.status}, {result.plan_path})")
     console.print(f"[dim]cache_kind auto -> {policy.describe()} (plan {result.key_id}, {result.status})[/dim]")
     info = {"resolved": policy.describe(), "policy": policy.to_dict(), "bytes": result.chosen["bytes"],
             "plan_key_id": result.key_id, "plan_status": result.status, "plan_path": str(result.plan_path)}
-    return settings.model_copy(update=policy_fields(policy)), info
+    resolved = cache.with_policy(policy)
+    update = {opt.name: getattr(resolved, opt.attr) for opt in options_of(CacheConfig)}
+    return settings.model_copy(update=update), info
 
 
 def candidate_rows(result: AutotuneResult) -> list[dict]:

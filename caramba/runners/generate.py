@@ -18,54 +18,12 @@ from caramba.runs import RunDir
 from caramba.tokenizer import StreamDecoder
 
 
-def generate_config(settings: GenerateSettings, seed: int | None, eos_token_id: int | list[int] | None) -> GenerateConfig:
-    return GenerateConfig(
-        max_new_tokens=settings.max_new_tokens,
-        temperature=settings.temperature,
-        top_k=settings.top_k,
-        top_p=settings.top_p,
-        repetition_penalty=settings.repetition_penalty,
-        min_p=settings.min_p,
-        min_new_tokens=settings.min_new_tokens,
-        no_repeat_ngram_size=settings.no_repeat_ngram_size,
-        frequency_penalty=settings.frequency_penalty,
-        presence_penalty=settings.presence_penalty,
-        num_beams=settings.num_beams,
-        num_return_sequences=settings.num_return_sequences,
-        length_penalty=settings.length_penalty,
-        early_stopping=settings.early_stopping,
-        penalty_alpha=settings.penalty_alpha,
-        eos_token_id=eos_token_id,
-        stop_sequences=list(settings.stop_sequences),
-        max_seq_len=settings.max_seq_len,
-        seed=seed,
-        cache_kind=settings.cache_kind,
-        cache_policy=settings.cache_policy,
-        qblock=settings.qblock,
-        residual_len=settings.residual_len,
-        rotate_keys=settings.rotate_keys,
-        cache_fp16_prefix_layers=settings.cache_fp16_prefix_layers,
-        decode_plan=settings.decode_plan,
-        decode_bucket_short=settings.decode_bucket_short,
-        decode_bucket_mid=settings.decode_bucket_mid,
-        decode_q_chunk=settings.decode_q_chunk,
-        decode_local_window=settings.decode_local_window,
-    )
-
-
-def search_strategy(config: GenerateConfig) -> str | None:
-    """"beam" or "contrastive" when the config asks for a search instead of sampling/greedy."""
-    if config.num_beams > 1:
-        return "beam"
-    return "contrastive" if config.penalty_alpha is not None else None
-
-
 def run_search(model, prompt_ids: list[list[int]], config: GenerateConfig) -> tuple[list[list[dict[str, Any]]], float]:
     """Beam or contrastive search over prompts -> (per prompt, its returned sequences best first,
     each {"output_ids", "score", "finish_reason"}; elapsed seconds). Contrastive search returns
     one sequence per prompt with score None."""
     t0 = time.perf_counter()
-    if search_strategy(config) == "beam":
+    if config.search == "beam":
         res = beam_search(model, prompt_ids, config)
         out = [[{"output_ids": s, "score": sc, "finish_reason": r} for s, sc, r in zip(seqs, scores, reasons)]
                for seqs, scores, reasons in zip(res.sequences, res.scores, res.finish_reasons)]
@@ -87,8 +45,8 @@ def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | No
     batches = [range(i, min(i + settings.batch_size, len(prompt_ids))) for i in range(0, len(prompt_ids), settings.batch_size)]
     for b, rows in enumerate(batches):
         # Each batch is its own session; with a seed, batch b draws from seed + b so batches differ.
-        config = generate_config(settings, None if seed is None else seed + b, list(tok.stop_token_ids) or None)
-        if search_strategy(config):
+        config = settings.engine_config(None if seed is None else seed + b, list(tok.stop_token_ids) or None)
+        if config.search:
             results.extend(_search_batch(loaded, settings, config, rows, prompt_ids, b, record, console))
             continue
         with quiet_window():   # warned above, once
@@ -132,7 +90,7 @@ def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | No
             "prefill_s_median": statistics.median(prefills) if prefills else None,
             "decode_tok_s_median": statistics.median(rates) if rates else None,
             "cache_kind": settings.cache_kind,
-            "cache_policy": generate_config(settings, None, None).cache_spec().to_dict(),
+            "cache_policy": settings.engine_config().cache_spec().to_dict(),
             "cache_auto": cache_auto,   # what cache_kind: auto resolved to (None: not auto)
             "decode_plan": settings.decode_plan,
             "decode_local_window": settings.decode_local_window,
@@ -154,8 +112,8 @@ def _search_batch(loaded: LoadedModel, settings: GenerateSettings, config: Gener
         results.append({
             "prompt": settings.prompts[i], "prompt_ids": prompt_ids[i], "output_ids": beams[0]["output_ids"],
             "text": beams[0]["text"], "finish_reason": beams[0]["finish_reason"], "score": beams[0]["score"],
-            "beams": beams, "strategy": search_strategy(config), "batch": b, "search_s": elapsed,
+            "beams": beams, "strategy": config.search, "batch": b, "search_s": elapsed,
             "prefill_s": None, "decode_s": None, "decode_tok_s": None,
         })
-    record.log(f"batch {b}: {len(rows)} prompt(s), {search_strategy(config)} search, {elapsed:.3f}s")
+    record.log(f"batch {b}: {len(rows)} prompt(s), {config.search} search, {elapsed:.3f}s")
     return results

@@ -3,7 +3,6 @@ of the same prompts in the same run as the baseline the speedup is measured agai
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -11,23 +10,17 @@ from rich.console import Console
 
 from caramba.errors import UserError
 from caramba.infer import Generator
-from caramba.infer.speculative import SpeculativeConfig, SpeculativeGenerator
+from caramba.infer.config import DraftConfig, flat_names
+from caramba.infer.speculative import SpeculativeGenerator
 from caramba.manifest import SpeculativeSettings
 from caramba.model.zoo import LoadedModel
 from caramba.prompting import completion_text, encode_prompt
 from caramba.runners.autotune import resolve_cache_auto
-from caramba.runners.generate import generate_config
 from caramba.runs import RunDir
 from caramba.tokenizer import StreamDecoder
 
-SPEC_FIELDS = ("draft", "spec_k", "spec_k_adaptive", "spec_k_max", "spec_method", "spec_extra_token",
-               "spec_disable_below_accept", "spec_confidence", "draft_layers", "lookup_max_ngram", "lookup_min_ngram")
-
-
-def speculative_config(settings: SpeculativeSettings, seed: int | None, eos_token_id) -> SpeculativeConfig:
-    base = generate_config(settings, seed, eos_token_id)
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    return SpeculativeConfig(**fields, **{name: getattr(settings, name) for name in SPEC_FIELDS})
+# The draft settings a record lists under "config" (DraftConfig's options).
+SPEC_FIELDS = tuple(flat_names(DraftConfig))
 
 
 def run_speculative(loaded: LoadedModel, settings: SpeculativeSettings, seed: int | None, record: RunDir,
@@ -39,7 +32,7 @@ def run_speculative(loaded: LoadedModel, settings: SpeculativeSettings, seed: in
         raise UserError(f"draft: the draft model's vocabulary ({draft.tokenizer.vocab_size}) differs from the target's "
                         f"({tok.vocab_size}); speculative decoding needs a draft with the same tokenizer")
     try:
-        config = speculative_config(settings, seed, list(tok.stop_token_ids) or None)
+        config = settings.engine_config(seed, list(tok.stop_token_ids) or None)
         spec = SpeculativeGenerator(loaded.model, draft.model if draft else None, config, tokenizer=tok)
     except ValueError as e:
         raise UserError(f"speculative: {str(e).replace('SpeculativeConfig.', '')}") from None
