@@ -6,6 +6,7 @@ short message on stderr; set CARAMBA_DEBUG=1 to see the traceback of an unexpect
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -95,211 +96,48 @@ def validate(
         out.print(f"[green]ok[/green] {manifest}: {len(runs)} run(s): " + ", ".join(f"{r.target}/{r.run.id}" for r in runs))
 
 
-@app.command()
-def generate(
-    prompt: Annotated[str, typer.Argument(help="The prompt text.")],
-    model: ModelOption = "smollm2-135m",
-    dtype: DtypeOption = "float32",
-    device: DeviceOption = "cpu",
-    max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
-    top_k: Annotated[Optional[int], typer.Option(min=1)] = None,
-    top_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0)] = None,
-    repetition_penalty: Annotated[float, typer.Option(min=0.0)] = 1.0,
-    min_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Drop tokens below min_p x the top token's probability.")] = None,
-    min_new_tokens: Annotated[int, typer.Option(min=0, help="No EOS before this many new tokens.")] = 0,
-    no_repeat_ngram_size: Annotated[int, typer.Option(min=0, help="Never repeat an n-gram of this size (0 = off).")] = 0,
-    frequency_penalty: Annotated[float, typer.Option(help="OpenAI-style: minus this x the token's count so far.")] = 0.0,
-    presence_penalty: Annotated[float, typer.Option(help="OpenAI-style: minus this once a token was generated.")] = 0.0,
-    num_beams: Annotated[int, typer.Option(min=1, help="> 1: beam search (deterministic).")] = 1,
-    num_return_sequences: Annotated[int, typer.Option(min=1, help="Beams returned (<= --num-beams).")] = 1,
-    length_penalty: Annotated[float, typer.Option(help="Beam score = sum log p / length ** this.")] = 1.0,
-    early_stopping: Annotated[str, typer.Option(help="Beam search stop rule: true, false or never (HF's meaning).")] = "false",
-    penalty_alpha: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Contrastive search degeneration penalty (needs --top-k).")] = None,
-    seed: Annotated[Optional[int], typer.Option()] = None,
-    cache_kind: Annotated[str, typer.Option(help="fp32, fp16, bf16, q8_0, q4_0 or nf4 (aliases q8, q4), or auto (needs --cache-budget-mb).")] = "fp32",
-    cache_budget_mb: Annotated[Optional[float], typer.Option(min=0.0, help="With --cache-kind auto: MiB for the whole KV cache; the stored plan (caramba autotune) or a fresh selection picks the cache.")] = None,
-    cache_policy: Annotated[Optional[str], typer.Option(help="Per-stream kinds, e.g. k=q8_0,v=q4_0 (overrides --cache-kind for the streams it names).")] = None,
-    qblock: Annotated[int, typer.Option(min=2, help="Elements per quantization block (clipped to head_dim).")] = 32,
-    residual_len: Annotated[int, typer.Option(min=0, help="Newest tokens kept in full precision too.")] = 0,
-    rotate_keys: Annotated[bool, typer.Option("--rotate-keys", help="Hadamard-rotate keys before quantizing.")] = False,
-    cache_fp16_prefix_layers: Annotated[int, typer.Option(min=0, help="First N layers keep an fp16 cache.")] = 0,
-    decode_plan: Annotated[str, typer.Option(help="auto, fixed or none: chunk long forwards (docs/decode-plans.md).")] = "none",
-    q_chunk: Annotated[Optional[int], typer.Option(min=1, help="Tokens per forward (with --decode-plan fixed/auto); same outputs.")] = None,
-    local_window: Annotated[Optional[int], typer.Option(min=1, help="Sliding-window attention span: CHANGES OUTPUTS.")] = None,
-    max_seq_len: Annotated[int, typer.Option(min=1)] = 2048,
-    stop: Annotated[Optional[list[str]], typer.Option(help="A stop sequence; repeatable.")] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
-    system: Annotated[Optional[str], typer.Option(help="System message (with --chat).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
-    speculative: Annotated[Optional[str], typer.Option(help="Speculative decoding with this draft: prompt_lookup, self_int8, layer_skip or model (needs --draft).")] = None,
-    draft: Annotated[Optional[str], typer.Option(help="The draft model for --speculative model (same forms as --model).")] = None,
-    spec_k: Annotated[int, typer.Option(min=1, help="Tokens drafted per target forward (with --speculative).")] = 4,
-    spec_adaptive: Annotated[bool, typer.Option("--spec-adaptive", help="Adapt the draft length (HF's heuristic).")] = False,
-) -> None:
-    """Generate a continuation of PROMPT, streaming it to the terminal."""
+def _generate(prompt: str, model: str, dtype: str, device: str, seed: Optional[int], chat: bool, system: Optional[str],
+              as_json: bool, speculative: Optional[str], draft: Optional[str], overrides: Optional[list[str]],
+              **options) -> None:
+    """Generate a continuation of PROMPT, streaming it to the terminal (greedy unless --temperature).
+
+    Every option of a manifest's generate: section is a flag here, with '-' for '_'. --set reaches
+    anything else below the run: model.dtype=bfloat16, or an option as decode_q_chunk=512.
+
+    The flags become a one-run manifest, checked and run like `caramba run`'s; nothing is written."""
     with _errors_as_exit_codes():
-        from caramba.infer import GenerateConfig, Generator
-        from caramba.infer.plan import quiet_window, window_warning
-        from caramba.model.zoo import load_model
-        from caramba.prompting import completion_text, encode_prompt
-        from caramba.runners.generate import search_strategy
-        from caramba.tokenizer import StreamDecoder
+        from caramba.cli_generate import generate
 
-        if system is not None and not chat:
-            raise UserError("--system needs --chat")
-        stopping = {"true": True, "false": False, "never": "never"}.get(early_stopping.lower())
-        if stopping is None:
-            raise UserError(f"--early-stopping {early_stopping!r}: use true, false or never")
-        auto = cache_kind == "auto"
-        if auto != (cache_budget_mb is not None):
-            raise UserError("--cache-kind auto needs --cache-budget-mb N (MiB for the whole KV cache); "
-                            "--cache-budget-mb is only used with --cache-kind auto")
-        if auto and (cache_policy or qblock != 32 or residual_len or rotate_keys or cache_fp16_prefix_layers):
-            raise UserError("--cache-kind auto chooses the cache policy itself: drop --cache-policy, --qblock, "
-                            "--residual-len, --rotate-keys and --cache-fp16-prefix-layers")
-        try:
-            config = GenerateConfig(
-                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                repetition_penalty=repetition_penalty, min_p=min_p, min_new_tokens=min_new_tokens,
-                no_repeat_ngram_size=no_repeat_ngram_size, frequency_penalty=frequency_penalty,
-                presence_penalty=presence_penalty, num_beams=num_beams, num_return_sequences=num_return_sequences,
-                length_penalty=length_penalty, early_stopping=stopping, penalty_alpha=penalty_alpha,
-                stop_sequences=list(stop or []),
-                max_seq_len=max_seq_len, seed=seed, cache_kind="fp32" if auto else cache_kind, cache_policy=cache_policy,
-                qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys,
-                cache_fp16_prefix_layers=cache_fp16_prefix_layers,
-                decode_plan=decode_plan, decode_q_chunk=q_chunk, decode_local_window=local_window,
-            )
-        except ValueError as e:
-            message = str(e).replace("GenerateConfig.", "--").replace("decode_q_chunk", "q_chunk").replace("decode_local_window", "local_window")
-            raise UserError(message.replace("_", "-")) from None
-        if local_window is not None:
-            err.print(f"[yellow]warning: {window_warning(local_window)}[/yellow]")
-        loaded = load_model(model, dtype, device, progress=not as_json)
-        config, cache_auto = _auto_cache(loaded, config, cache_budget_mb, as_json) if auto else (config, None)
-        tok = loaded.tokenizer
-        prompt_ids = encode_prompt(tok, prompt, chat, system)
-        if search_strategy(config):
-            if speculative is not None:
-                raise UserError("--speculative samples or decodes greedily: drop --num-beams / --penalty-alpha")
-            _print_search(loaded, model, dtype, prompt, prompt_ids, config, as_json)
-            return
-        if speculative is not None and (min_new_tokens or no_repeat_ngram_size or frequency_penalty or presence_penalty):
-            raise UserError("--speculative does not apply --min-new-tokens, --no-repeat-ngram-size or the "
-                            "frequency/presence penalties; drop them or --speculative")
-        if speculative is None:
-            if draft is not None or spec_k != 4 or spec_adaptive:
-                raise UserError("--draft, --spec-k and --spec-adaptive need --speculative KIND")
-            with quiet_window():   # warned above
-                generator = Generator(loaded.model, config, tokenizer=tok)
-        else:
-            generator = _speculative_generator(loaded, config, speculative, draft, spec_k, spec_adaptive, dtype, device, as_json)
-        on_token = None
-        if not as_json:
-            decoder = StreamDecoder(tok, skip_special_tokens=True)
-            out.print(f"[bold]{prompt}[/bold]", end="")
-            on_token = lambda _row, t: out.out(decoder.step(t), end="")  # noqa: E731
-        try:
-            result = generator.run([prompt_ids], on_token=on_token)
-        except ValueError as e:  # e.g. the prompt does not fit max_seq_len
-            raise UserError(str(e)) from None
-        ids = result.sequences[0]
-        if as_json:
-            print(json.dumps({
-                "prompt": prompt,
-                "prompt_ids": prompt_ids,
-                "output_ids": ids,
-                "text": completion_text(tok, ids, config.stop_sequences),
-                "finish_reason": result.finish_reasons[0],
-                "prefill_s": result.prefill_s,
-                "decode_s": result.decode_s,
-                "decode_tok_s": result.decode_tok_s,
-                "model": {"source": model, "path": str(loaded.path), "sha256": loaded.content_hash, "dtype": dtype},
-                "cache_kind": config.cache_kind,
-                "cache_policy": config.cache_spec().to_dict(),
-                "cache_auto": cache_auto,
-                "decode_plan": generator.plan.to_dict(),
-                **({"speculative": speculative, **result.stats.as_dict()} if speculative else {}),
-            }))
-        else:
-            out.out(decoder.flush())
-            err.print(f"[dim]{len(ids)} tokens, prefill {result.prefill_s * 1000:.0f} ms, "
-                      f"decode {result.decode_tok_s:.1f} tok/s, stop: {result.finish_reasons[0]}[/dim]")
-            if speculative:
-                err.print(f"[dim]{speculative}: acceptance {result.stats.acceptance_rate:.2f}, "
-                          f"{result.stats.tokens_per_target_forward:.2f} tokens per target forward[/dim]")
+        generate(prompt, model, dtype, device, seed, chat, system, as_json, speculative, draft, overrides or [],
+                 options, out, err)
 
 
-def _auto_cache(loaded, config, budget_mb: float, quiet: bool):
-    """`generate --cache-kind auto`: config with the plan's cache policy, and what it resolved to."""
-    import dataclasses
+def _register_generate() -> None:
+    from caramba.cli_generate import OPTION_PARAMS
 
-    from caramba.autotune import AutotuneSettings, policy_fields
-    from caramba.runners.autotune import run_tuned
+    def opt(default, *decls, **kw):
+        return typer.Option(default, *decls, **kw)
 
-    result = run_tuned(loaded, AutotuneSettings(budget_mb=budget_mb, max_seq_len=config.max_seq_len), err, quiet=quiet)
-    policy = result.chosen_policy()
-    if not quiet:
-        err.print(f"[dim]cache-kind auto -> {policy.describe()} (plan {result.key_id}, {result.status})[/dim]")
-    info = {"resolved": policy.describe(), "plan_key_id": result.key_id, "plan_status": result.status}
-    return dataclasses.replace(config, **policy_fields(policy)), info
-
-
-def _print_search(loaded, source: str, dtype: str, prompt: str, prompt_ids: list[int], config, as_json: bool) -> None:
-    """`generate --num-beams N` / `--penalty-alpha A`: every returned sequence, with its score."""
-    from caramba.prompting import completion_text
-    from caramba.runners.generate import run_search, search_strategy
-
-    try:
-        found, elapsed = run_search(loaded.model, [prompt_ids], config)
-    except ValueError as e:  # settings the search cannot use, or the prompt does not fit max_seq_len
-        raise UserError(str(e)) from None
-    beams = [{**f, "text": completion_text(loaded.tokenizer, f["output_ids"], [])} for f in found[0]]
-    if as_json:
-        print(json.dumps({
-            "prompt": prompt,
-            "prompt_ids": prompt_ids,
-            "strategy": search_strategy(config),
-            "output_ids": beams[0]["output_ids"],
-            "text": beams[0]["text"],
-            "finish_reason": beams[0]["finish_reason"],
-            "score": beams[0]["score"],
-            "sequences": beams,
-            "search_s": elapsed,
-            "model": {"source": source, "path": str(loaded.path), "sha256": loaded.content_hash, "dtype": dtype},
-            "cache_kind": config.cache_kind,
-            "cache_policy": config.cache_spec().to_dict(),
-        }))
-        return
-    for rank, beam in enumerate(beams):
-        score = "" if beam["score"] is None else f" (score {beam['score']:.4f})"
-        out.print(f"[bold]{prompt}[/bold]{beam['text']}", highlight=False)
-        err.print(f"[dim]#{rank + 1}{score}, {len(beam['output_ids'])} tokens, stop: {beam['finish_reason']}[/dim]")
-    err.print(f"[dim]{search_strategy(config)} search, {elapsed:.2f}s[/dim]")
+    kw = inspect.Parameter.KEYWORD_ONLY
+    fixed = [
+        inspect.Parameter("prompt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
+                          default=typer.Argument(..., help="The prompt text.")),
+        inspect.Parameter("model", kw, annotation=str, default=opt("smollm2-135m", help="smollm2-135m, a .gguf file or an HF directory.")),
+        inspect.Parameter("dtype", kw, annotation=str, default=opt("float32", help="float32, bfloat16 or float16.")),
+        inspect.Parameter("device", kw, annotation=str, default=opt("cpu", help="cpu, cuda, mps or auto.")),
+        inspect.Parameter("seed", kw, annotation=Optional[int], default=opt(None, help="Sampling seed.")),
+        inspect.Parameter("chat", kw, annotation=bool, default=opt(False, "--chat", help="Wrap the prompt in the model's chat template.")),
+        inspect.Parameter("system", kw, annotation=Optional[str], default=opt(None, help="System message (with --chat).")),
+        inspect.Parameter("as_json", kw, annotation=bool, default=opt(False, "--json", help="Print one JSON object (the run's result row) instead of streaming text.")),
+        inspect.Parameter("speculative", kw, annotation=Optional[str], default=opt(None, help="Speculative decoding with this draft: prompt_lookup, self_int8, layer_skip or model (needs --draft).")),
+        inspect.Parameter("draft", kw, annotation=Optional[str], default=opt(None, help="The draft model for --speculative model (same forms as --model).")),
+        inspect.Parameter("overrides", kw, annotation=Optional[list[str]], default=opt(None, "--set", help="Override a field below the run: generate.decode_q_chunk=512, model.dtype=bfloat16; repeatable.")),
+    ]
+    _generate.__signature__ = inspect.Signature(fixed + OPTION_PARAMS)
+    app.command("generate")(_generate)
 
 
-def _speculative_generator(loaded, config, kind: str, draft: str | None, spec_k: int, adaptive: bool,
-                           dtype: str, device: str, quiet: bool):
-    """`generate --speculative KIND`: the same generation settings, drafted and verified."""
-    import dataclasses
-
-    from caramba.infer.drafts import DRAFT_KINDS
-    from caramba.infer.speculative import SpeculativeConfig, SpeculativeGenerator
-    from caramba.model.zoo import load_model
-
-    if kind not in DRAFT_KINDS:
-        raise UserError(f"--speculative {kind!r}: choose one of {', '.join(DRAFT_KINDS)}")
-    if (kind == "model") != (draft is not None):
-        raise UserError("--speculative model needs --draft SRC (a model with the same tokenizer); "
-                        "--draft is only used with --speculative model")
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    try:
-        spec_config = SpeculativeConfig(**fields, draft=kind, spec_k=spec_k, spec_k_adaptive=adaptive, spec_k_max=max(16, spec_k))
-        draft_model = load_model(draft, dtype, device, progress=not quiet).model if draft else None
-        return SpeculativeGenerator(loaded.model, draft_model, spec_config, tokenizer=loaded.tokenizer)
-    except ValueError as e:
-        raise UserError(str(e).replace("SpeculativeConfig.", "")) from None
+_register_generate()
 
 
 def _int_list(text: str, option: str) -> list[int]:

@@ -73,8 +73,8 @@ def test_corrupt_plan_file_is_reported_by_the_cli(tiny_model, tmp_path):
 
 def test_generate_cache_kind_auto(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
-    no_budget = invoke("generate", "hi", "--model", tiny_model, "--cache-kind", "auto")
-    assert no_budget.exit_code == 2 and "--cache-budget-mb" in no_budget.output
+    small = invoke("generate", "hi", "--model", tiny_model, "--cache-kind", "q8_0", "--cache-budget-mb", 0.0001)
+    assert small.exit_code == 2 and "cache_budget_mb" in small.output   # a named kind must fit its budget
     clash = invoke("generate", "hi", "--model", tiny_model, "--cache-kind", "auto", "--cache-budget-mb", 1, "--rotate-keys")
     assert clash.exit_code == 2
     r = invoke("generate", "hi", "--model", tiny_model, "--cache-kind", "auto", "--cache-budget-mb", 1,

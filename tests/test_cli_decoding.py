@@ -28,9 +28,9 @@ def test_beams_json_lists_every_sequence_with_its_score(tiny_model, loaded):  # 
         max_new_tokens=6, temperature=0, num_beams=3, num_return_sequences=3, length_penalty=0.5,
         early_stopping="never", eos_token_id=list(loaded.tokenizer.stop_token_ids)))
     assert data["strategy"] == "beam"
-    assert [s["output_ids"] for s in data["sequences"]] == want.sequences[0]
-    assert [s["score"] for s in data["sequences"]] == pytest.approx(want.scores[0])
-    assert data["output_ids"] == want.sequences[0][0] and all("text" in s for s in data["sequences"])
+    assert [s["output_ids"] for s in data["beams"]] == want.sequences[0]
+    assert [s["score"] for s in data["beams"]] == pytest.approx(want.scores[0])
+    assert data["output_ids"] == want.sequences[0][0] and all("text" in s for s in data["beams"])
 
 
 def test_beams_text_output_ranks_them(tiny_model):  # noqa: F811
@@ -48,7 +48,7 @@ def test_contrastive_json(tiny_model, loaded):  # noqa: F811
     want = contrastive_search(loaded.model, [list(b"hello")], GenerateConfig(
         max_new_tokens=6, temperature=0, penalty_alpha=0.6, top_k=4, eos_token_id=list(loaded.tokenizer.stop_token_ids)))
     assert data["strategy"] == "contrastive" and data["output_ids"] == want.sequences[0]
-    assert len(data["sequences"]) == 1 and data["sequences"][0]["score"] is None
+    assert len(data["beams"]) == 1 and data["beams"][0]["score"] is None
 
 
 def test_processors_reach_the_generator(tiny_model, loaded):  # noqa: F811
@@ -70,8 +70,8 @@ def test_processors_reach_the_generator(tiny_model, loaded):  # noqa: F811
     (["--penalty-alpha", "0.5"], "top_k"),
     (["--num-beams", "2", "--early-stopping", "maybe"], "--early-stopping"),
     (["--num-beams", "2", "--temperature", "0.7"], "deterministic"),
-    (["--num-beams", "2", "--speculative", "prompt_lookup"], "--speculative"),
-    (["--no-repeat-ngram-size", "2", "--speculative", "prompt_lookup"], "--speculative"),
+    (["--num-beams", "2", "--speculative", "prompt_lookup"], "speculative decoding"),
+    (["--no-repeat-ngram-size", "2", "--speculative", "prompt_lookup"], "speculative decoding"),
 ])
 def test_search_bad_input_exits_2(tiny_model, args, message):  # noqa: F811
     r = invoke("generate", "hello", "--model", tiny_model, "--max-new-tokens", "4", *args)

@@ -115,7 +115,7 @@ class CacheConfig:
                        help="auto: the stored plan, or a fresh autotune selection (docs/autotune.md)")
     policy: str | dict[str, str] | None = option(
         None, name="cache_policy",
-        schema=dict[Literal[ALL_STREAMS], Literal[KIND_CHOICES]] | None,   # type: ignore[valid-type]
+        schema=dict[Literal[ALL_STREAMS], Literal[KIND_CHOICES]] | str | None,   # type: ignore[valid-type]
         help="per-stream kinds, e.g. k=q8_0,v=q4_0 (k/v, or k_sem/k_geo/v on decoupled models)")
     qblock: int = option(32, ge=2, multiple_of=2, help="elements per quantization block (clipped to head_dim)")
     residual_len: int = option(0, ge=0, help="newest tokens also kept in full precision")

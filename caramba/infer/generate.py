@@ -66,6 +66,7 @@ class Generator:
                              "num_beams > 1 and contrastive_search for penalty_alpha")
         self.rng: torch.Generator | None = None
         self.plan: ResolvedPlan | None = None   # the decode plan the last call ran with
+        self.cache_auto: dict | None = None      # what cache_kind="auto" resolved to (None: not auto)
         if self.config.decode_local_window is not None:
             warn_window(self.config.decode_local_window)
         self.reset()
@@ -228,6 +229,10 @@ class Generator:
     def _new_cache(self, B: int) -> KVCache:
         """The cache: with a window, a ring buffer where the cache supports one (then generation
         is not bounded by max_seq_len), else a plain cache that masks to the window."""
+        if self.config.cache.is_auto:   # the autotune's choice, on first use (caramba.infer.autocache)
+            from caramba.infer.autocache import resolve
+
+            self.config, self.cache_auto = resolve(self.model, self.tokenizer, self.config, B)
         cfg = self.config
         window = cfg.decode_local_window
         if window is not None:
@@ -236,6 +241,7 @@ class Generator:
             except ValueError:
                 pass  # e.g. a residual window: the plain cache below, plan records ring=False
         cache = self.model.new_cache(B, cfg.max_seq_len, cfg.cache_spec())
+        cfg.cache.check_budget(cache.nbytes)
         cache.window = window
         return cache
 

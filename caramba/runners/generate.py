@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from caramba.infer import GenerateConfig, Generator, beam_search, contrastive_search
 from caramba.infer.plan import quiet_window, window_warning
@@ -40,7 +41,7 @@ def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | No
     results: list[dict[str, Any]] = []
     if settings.decode_local_window is not None:
         warning = window_warning(settings.decode_local_window)
-        console.print(f"[yellow]warning: {warning}[/yellow]")
+        console.print(f"[yellow]warning: {escape(warning)}[/yellow]")
         record.log(f"warning: {warning}")
     batches = [range(i, min(i + settings.batch_size, len(prompt_ids))) for i in range(0, len(prompt_ids), settings.batch_size)]
     for b, rows in enumerate(batches):
@@ -53,7 +54,7 @@ def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | No
             generator = Generator(loaded.model, config, tokenizer=tok)
         stream = settings.stream and len(rows) == 1
         if stream:
-            console.print(f"[bold]{settings.prompts[rows[0]]}[/bold]", end="\n" if settings.chat else "", highlight=False)
+            console.print(f"[bold]{escape(settings.prompts[rows[0]])}[/bold]", end="\n" if settings.chat else "", highlight=False)
             decoder = StreamDecoder(tok, skip_special_tokens=True)
             on_token = lambda _row, t: console.out(decoder.step(t), end="", highlight=False)  # noqa: E731
         else:
@@ -64,7 +65,7 @@ def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | No
         for j, i in enumerate(rows):
             text = completion_text(tok, out.sequences[j], settings.stop_sequences)
             if not stream:
-                console.print(f"[bold]{settings.prompts[i]}[/bold]{text}", highlight=False)
+                console.print(f"[bold]{escape(settings.prompts[i])}[/bold]{escape(text)}", highlight=False)
             results.append({
                 "prompt": settings.prompts[i],
                 "prompt_ids": prompt_ids[i],
@@ -108,7 +109,11 @@ def _search_batch(loaded: LoadedModel, settings: GenerateSettings, config: Gener
     results = []
     for j, i in enumerate(rows):
         beams = [{**f, "text": completion_text(tok, f["output_ids"], [])} for f in found[j]]
-        console.print(f"[bold]{settings.prompts[i]}[/bold]{beams[0]['text']}", highlight=False)
+        for rank, beam in enumerate(beams):   # best first; every returned sequence, ranked when there are several
+            console.print(f"[bold]{escape(settings.prompts[i])}[/bold]{escape(beam['text'])}", highlight=False)
+            if len(beams) > 1:
+                score = "" if beam["score"] is None else f" (score {beam['score']:.4f})"
+                console.print(f"[dim]#{rank + 1}{score}, {len(beam['output_ids'])} tokens, stop: {beam['finish_reason']}[/dim]")
         results.append({
             "prompt": settings.prompts[i], "prompt_ids": prompt_ids[i], "output_ids": beams[0]["output_ids"],
             "text": beams[0]["text"], "finish_reason": beams[0]["finish_reason"], "score": beams[0]["score"],

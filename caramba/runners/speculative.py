@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from caramba.errors import UserError
 from caramba.infer import Generator
@@ -52,7 +53,7 @@ def run_speculative(loaded: LoadedModel, settings: SpeculativeSettings, seed: in
         stream = settings.stream and len(rows) == 1
         on_token = None
         if stream:
-            console.print(f"[bold]{settings.prompts[rows[0]]}[/bold]", end="\n" if settings.chat else "", highlight=False)
+            console.print(f"[bold]{escape(settings.prompts[rows[0]])}[/bold]", end="\n" if settings.chat else "", highlight=False)
             decoder = StreamDecoder(tok, skip_special_tokens=True)
             on_token = lambda _row, t: console.out(decoder.step(t), end="", highlight=False)  # noqa: E731
         t0 = time.perf_counter()
@@ -64,12 +65,12 @@ def run_speculative(loaded: LoadedModel, settings: SpeculativeSettings, seed: in
         for j, i in enumerate(rows):
             text = completion_text(tok, out.sequences[j], settings.stop_sequences)
             if not stream:
-                console.print(f"[bold]{settings.prompts[i]}[/bold]{text}", highlight=False)
+                console.print(f"[bold]{escape(settings.prompts[i])}[/bold]{escape(text)}", highlight=False)
             row = {
                 "prompt": settings.prompts[i], "prompt_ids": prompt_ids[i], "output_ids": out.sequences[j], "text": text,
                 "finish_reason": out.finish_reasons[j], "batch": b, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
                 "decode_tok_s": out.decode_tok_s,
-                "proposed": st.row_proposed[j], "accepted": st.row_accepted[j],
+                "proposed": st.row_proposed[j], "accepted": st.row_accepted[j], "target_forwards": st.row_forwards[j],
                 "acceptance_rate": st.row_accepted[j] / st.row_proposed[j] if st.row_proposed[j] else 0.0,
                 "tokens_per_target_forward": st.row_tokens[j] / st.row_forwards[j] if st.row_forwards[j] else 0.0,
                 "k_history": st.k_history[j],

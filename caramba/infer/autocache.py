@@ -1,0 +1,53 @@
+"""`cache_kind="auto"` in the library: the Generator resolves it on first use.
+
+The seed guide writes `Generator(model, config=GenerateConfig(cache_kind="auto",
+cache_budget_mb=1024, ...)).generate(ids)`. The choice is caramba.autotune's (stored plan first,
+else budget filter, quality gates on real text and the speed pick), keyed like `caramba autotune`'s
+plans when the model came from caramba.model.zoo (which tags it with its file hash and tokenizer).
+The runners resolve it themselves, with progress bars, before they build a Generator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from caramba.infer.config import GenerateConfig
+
+
+def weights_sha256(model) -> str:
+    """The model's own identity for plan keys: its source file's hash when the zoo loaded it, else a
+    hash of its weights (a second or so for a 135M model)."""
+    tagged = getattr(model, "content_hash", None)
+    if tagged:
+        return tagged
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def resolve(model, tokenizer, config: GenerateConfig, batch_size: int,
+            say: bool = True) -> tuple[GenerateConfig, dict[str, Any]]:
+    """config with its auto cache replaced by the chosen policy, and what was chosen."""
+    from caramba.autotune import autotune   # the autotune builds on infer; imported when auto is used
+
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError("cache_kind='auto' scores candidate caches on real text, which needs the tokenizer: "
+                         "Generator(model, config, tokenizer=tok)")
+    loaded = SimpleNamespace(model=model, tokenizer=tokenizer, content_hash=weights_sha256(model))
+    cache = config.cache
+    result = autotune(loaded, cache.autotune_settings(batch_size))
+    policy = result.chosen_policy()
+    info = {"resolved": policy.describe(), "policy": policy.to_dict(), "bytes": result.chosen["bytes"],
+            "plan_key_id": result.key_id, "plan_status": result.status, "plan_path": str(result.plan_path)}
+    if say:
+        print(f"caramba: cache_kind='auto' -> {info['resolved']} ({info['bytes'] / 2**20:.2f} MiB; plan "
+              f"{info['plan_key_id']} {info['plan_status']}, {info['plan_path']})", file=sys.stderr)
+    return config.replace(cache=cache.with_policy(policy)), info
