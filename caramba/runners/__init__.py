@@ -103,7 +103,7 @@ def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool
             continue
         if not record.try_lock():
             console.print(f"[yellow]skip {name}: another process (pid {record.holder() or '?'}) is running it "
-                          f"({record.lock_path})[/yellow]")
+                          f"({record.lock_path})[/yellow]", soft_wrap=True)
             outcome.busy.append(name)
             continue
         try:
@@ -135,7 +135,7 @@ def _one(r: ResolvedRun, name: str, record: RunDir, digest: str, force: bool, ch
         if recorded != digest:
             why = ("the record has no run hash (made by an older caramba)" if recorded is None
                    else f"run hash {recorded[:12]} -> {digest[:12]}")
-            console.print(f"[yellow]{name}: settings changed since the record ({why}): redoing[/yellow]")
+            console.print(f"[yellow]{name}: settings changed since the record ({why}): redoing[/yellow]", soft_wrap=True)
     console.rule(f"{name} ({r.run.mode})")
     record.begin(force=True)   # built aside: the finished record stays until the new one is complete
     try:
@@ -149,8 +149,8 @@ def _one(r: ResolvedRun, name: str, record: RunDir, digest: str, force: bool, ch
         record.log("interrupted")
         where = record.abandon()
         if record.is_done():
-            console.print(f"[yellow]{name} interrupted: its finished record {record.final} is kept; "
-                          f"the attempt's log is in {where}[/yellow]")
+            console.print(f"[yellow]{name} interrupted: the finished record {record.final} is kept; "
+                          f"the attempt's log is in {where}[/yellow]", soft_wrap=True)
         raise
     except Exception as e:  # a failed run is reported and the manifest goes on
         record.log(traceback.format_exc())
@@ -220,5 +220,5 @@ def _fail(record: RunDir, name: str, message: str, outcome: Outcome, console: Co
     record.log(f"FAILED: {message}")
     where = record.abandon()
     kept = f"; the finished record {record.final} is kept" if record.is_done() else ""
-    console.print(f"[red]failed[/red] {name}: {message} (log: {where / 'log.txt'}{kept})")
+    console.print(f"[red]failed[/red] {name}: {message} (log: {where / 'log.txt'}{kept})", soft_wrap=True)
     outcome.failed.append(name)
