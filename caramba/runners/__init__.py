@@ -99,11 +99,12 @@ def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool
         record = RunDir(manifest.name, r.target, r.run.id)
         digest = run_hash(run_identity(r))
         if dry_run:
-            console.print(f"would {_plan(record, digest, force)} {name} ({r.run.mode}) on {r.model.source} -> {record.final}")
+            console.print(f"would {_plan(record, digest, force)} {name} ({r.run.mode}) on {r.model.source} -> {record.final}", soft_wrap=True)
             continue
         if not record.try_lock():
+            unchecked = "; not checked" if check else ""
             console.print(f"[yellow]skip {name}: another process (pid {record.holder() or '?'}) is running it "
-                          f"({record.lock_path})[/yellow]", soft_wrap=True)
+                          f"({record.lock_path}){unchecked}[/yellow]", soft_wrap=True)
             outcome.busy.append(name)
             continue
         try:
@@ -127,7 +128,7 @@ def _one(r: ResolvedRun, name: str, record: RunDir, digest: str, force: bool, ch
     if record.is_done():
         recorded = record.recorded_hash()
         if recorded == digest and not force:
-            console.print(f"[dim]skip {name}: already done ({record.final}); --force reruns it[/dim]")
+            console.print(f"[dim]skip {name}: already done ({record.final}); --force reruns it[/dim]", soft_wrap=True)
             outcome.skipped.append(name)
             if check:
                 _check(r, record, outcome, console)
@@ -157,7 +158,7 @@ def _one(r: ResolvedRun, name: str, record: RunDir, digest: str, force: bool, ch
         _fail(record, name, f"{type(e).__name__}: {e}", outcome, console)
     else:
         outcome.done.append(name)
-        console.print(f"[green]done[/green] {name} -> {record.final}")
+        console.print(f"[green]done[/green] {name} -> {record.final}", soft_wrap=True)
         if check:
             _check(r, record, outcome, console)
 
