@@ -194,7 +194,9 @@ def test_result_json_records_hash_command_overrides_and_versions(setup):
     assert res["output_sha256"] == output_sha256(res) and len(res["output_sha256"]) == 64
     assert res["overrides"] == ["targets.t.runs.a.generate.max_new_tokens=4"]
     assert res["command"] == f"caramba run {manifest} --run a --set targets.t.runs.a.generate.max_new_tokens=4"
-    assert res["run_hash"] == json.loads((records / "a" / "env.json").read_text())["run_hash"]
+    env = json.loads((records / "a" / "env.json").read_text())
+    assert res["run_hash"] == env["run_hash"]
+    assert (env["command"], env["overrides"], env["libraries"]) == (res["command"], res["overrides"], res["versions"])
     versions = res["versions"]
     assert versions["caramba"] == caramba.__version__
     assert {"torch", "transformers", "tokenizers", "gguf", "numpy"} <= versions.keys()

@@ -184,8 +184,10 @@ def _check(r: ResolvedRun, record: RunDir, outcome: Outcome, console: Console) -
 def _run_one(r: ResolvedRun, record: RunDir, resolved_yaml: str, digest: str, run_info: dict, models: dict,
              console: Console) -> None:
     record.write_text("manifest.yaml", resolved_yaml)
+    versions = {"caramba": caramba.__version__, **library_versions()}
     record.write_json("env.json", {**capture_env(r.run.seed, r.model.device), "run": f"{r.target}/{r.run.id}",
-                                   "run_hash": digest})
+                                   "run_hash": digest, "command": run_info["command"],
+                                   "overrides": run_info["overrides"], "libraries": versions})
     record.log(f"run {r.target}/{r.run.id} mode={r.run.mode} model={r.model.source} dtype={r.model.dtype}")
     if r.run.seed is not None:
         torch.manual_seed(r.run.seed)
@@ -204,7 +206,7 @@ def _run_one(r: ResolvedRun, record: RunDir, resolved_yaml: str, digest: str, ru
     result["run_hash"] = digest
     result["command"] = run_info["command"]
     result["overrides"] = run_info["overrides"]
-    result["versions"] = {"caramba": caramba.__version__, **library_versions()}
+    result["versions"] = versions
     record.write_json("result.json", result)
     record.finish()
 
