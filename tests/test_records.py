@@ -295,3 +295,34 @@ def test_bench_commands_in_the_same_second_write_two_records(tiny_model, tmp_pat
     names = sorted(p.name for p in (tmp_path / "runs" / "bench" / "cli").iterdir() if not p.name.startswith("."))
     assert names == ["20260101T000000Z", "20260101T000000Z-2"]
     assert all((tmp_path / "runs" / "bench" / "cli" / n / DONE).exists() for n in names)
+
+
+def test_dry_run_says_what_would_happen(setup):
+    manifest, _ = setup
+    assert invoke("run", manifest, "--run", "a", "--run", "b").exit_code == 0
+    r = invoke("run", manifest, "--dry-run", "--set", "targets.t.runs.b.seed=7")
+    assert r.exit_code == 0, r.output
+    out = flat(r.output)
+    assert "would skip t/a" in out and "would redo (settings changed since the record) t/b" in out
+    assert "would run t/c" in out
+
+
+def test_draft_with_another_vocabulary_fails_preflight(tiny_model, tmp_path, monkeypatch):  # noqa: F811
+    import importlib
+    import shutil
+    import types
+
+    from caramba.errors import UserError
+    from caramba.manifest.loader import parse_manifest
+
+    pf = importlib.import_module("caramba.runners.preflight")   # the package re-exports the function
+    draft = shutil.copytree(tiny_model, tmp_path / "draft")
+    text = (f"version: 1\nname: m\ndefaults: {{model: {{source: '{tiny_model}'}}}}\ntargets:\n"
+            "  - type: experiment\n    name: t\n    runs:\n"
+            f"      - {{id: s, mode: speculative, draft: {{source: '{draft}'}}, speculative: {{prompts: [hi], draft: model}}}}\n")
+    runs = list(parse_manifest(text).iter_runs())
+    real = pf._tokenizer
+    other = types.SimpleNamespace(vocab_size=100)   # a draft whose tokenizer is not the target's
+    monkeypatch.setattr(pf, "_tokenizer", lambda source, cache: other if source == str(draft) else real(source, cache))
+    with pytest.raises(UserError, match=r"run t/s: draft.source .* vocabulary of 100 tokens, the model 259"):
+        pf.preflight("m", runs)
