@@ -73,13 +73,16 @@ def run(
     With --check, every selected run's result (fresh, or the DONE record being skipped) is
     compared with the run's `expect:` block; a drift is printed and the exit code is 1."""
     with _errors_as_exit_codes():
-        from caramba.runners import run_manifest
+        from caramba.runners import command_line, run_manifest
 
         m = _load(manifest, overrides or [])
-        outcome = run_manifest(m, run_ids or [], force=force, dry_run=dry_run, console=out, check=check)
+        command = command_line(str(manifest), run_ids or [], overrides or [], force, check)
+        outcome = run_manifest(m, run_ids or [], force=force, dry_run=dry_run, console=out, check=check,
+                               overrides=overrides or [], command=command)
         if not dry_run:
             checked = f", {len(outcome.check_failed)} failed their check" if check else ""
-            err.print(f"{len(outcome.done)} done, {len(outcome.skipped)} skipped, {len(outcome.failed)} failed{checked}")
+            busy = f", {len(outcome.busy)} left to another process running them" if outcome.busy else ""
+            err.print(f"{len(outcome.done)} done, {len(outcome.skipped)} skipped{busy}, {len(outcome.failed)} failed{checked}")
         if outcome.failed or outcome.check_failed:
             raise typer.Exit(1)
 
@@ -165,7 +168,8 @@ def bench(
 ) -> None:
     """Measure prefill and decode latency, throughput and memory over a grid of cells.
 
-    The record (result.json, cells.csv, plots) goes to runs/bench/cli/<UTC time>/."""
+    The record (result.json, cells.csv, plots) goes to runs/bench/cli/<UTC time>/ (<UTC time>-2, ...
+    when another bench started in the same second)."""
     with _errors_as_exit_codes():
         import time
 
@@ -174,7 +178,8 @@ def bench(
         from caramba.manifest.schema import BenchSettings
         from caramba.model.zoo import load_model
         from caramba.runners.decode_bench import run_decode_bench
-        from caramba.runs import RunDir, capture_env
+        from caramba import __version__ as caramba_version
+        from caramba.runs import RunDir, capture_env, library_versions
 
         try:
             settings = BenchSettings(
@@ -187,17 +192,25 @@ def bench(
             problems = "; ".join(f"--{'-'.join(str(p) for p in x['loc'][:1]).replace('_', '-')}: {x['msg']}" for x in e.errors())
             raise UserError(problems) from None
         loaded = load_model(model, dtype, device, progress=not as_json)
-        record = RunDir("bench", "cli", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
-        record.begin()
-        record.write_json("env.json", capture_env(None, device))
-        record.write_json("settings.json", {"model": model, "dtype": dtype, "device": device, **settings.model_dump()})
-        result = run_decode_bench(loaded, settings, None, record, err if as_json else out)
-        result["model"] = {"source": model, "path": str(loaded.path), "sha256": loaded.content_hash, "dtype": dtype}
-        record.write_json("result.json", result)
-        record.finish()
+        # Unique even for two benches started in the same second: the second gets <time>-2.
+        record = RunDir.unique("bench", "cli", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+        try:
+            record.begin()
+            record.write_json("env.json", capture_env(None, device))
+            record.write_json("settings.json", {"model": model, "dtype": dtype, "device": device, **settings.model_dump()})
+            result = run_decode_bench(loaded, settings, None, record, err if as_json else out)
+            result["model"] = {"source": model, "path": str(loaded.path), "sha256": loaded.content_hash, "dtype": dtype}
+            result["versions"] = {"caramba": caramba_version, **library_versions()}
+            record.write_json("result.json", result)
+            record.finish()
+        except BaseException:
+            record.abandon()   # the attempt's files (log.txt) stay, without DONE
+            raise
+        finally:
+            record.release()
         if as_json:
             print(json.dumps(result["cells"]))
-        err.print(f"record: {record.path}")
+        err.print(f"record: {record.final}")
 
 
 @app.command()

@@ -1,14 +1,26 @@
 """Run records: one directory per run, written so that a crash never looks like a result.
 
 Layout: `<runs root>/<manifest name>/<target>/<run id>/` holding `manifest.yaml` (resolved),
-`env.json`, `result.json`, `log.txt` and `DONE`. Every file is written atomically (temp file in
-the same directory, fsync, rename), and `DONE` is written last: a directory without it is an
-incomplete run, which the next attempt clears and redoes. A run with `DONE` is skipped unless
-forced. The runs root is `./runs`, or `$CARAMBA_RUNS_DIR`, or an explicit argument.
+`env.json`, `result.json`, `log.txt` and `DONE`. A new record is built aside, in
+`.<run id>.partial/` beside it, every file written atomically (temp file, fsync, rename) and
+`DONE` last; only then is it swapped in for the old one. So an interrupted attempt, forced
+or not, never costs the finished record. With no finished record to keep, a failed attempt
+takes the record's place without `DONE` (an incomplete run, redone next time) so its log is
+where the reader looks.
+
+Each run is locked while it is looked at or built: an OS lock (fcntl.flock) on
+`.<run id>.lock` beside the record, held by one process at a time and dropped by the kernel
+when that process dies. A second `caramba run` skips a run that another one holds.
+
+A record carries its run's hash (`run_hash` in env.json and result.json, see `run_hash`):
+a finished record is reused only when the hash matches the run as it stands now.
+The runs root is `./runs`, or `$CARAMBA_RUNS_DIR`, or an explicit argument.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import os
 import platform
@@ -16,14 +28,25 @@ import shutil
 import subprocess
 import tempfile
 from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; runs are then not protected against a second process
+    fcntl = None
 
 import caramba
 from caramba.errors import RunError
 
 DONE = "DONE"
 LOG = "log.txt"
+STAGING = ".partial"   # .<run id>.partial: the record being built
+OLD = ".old"           # .<run id>.old: the record being replaced, for the instant of the swap
+LOCK = ".lock"         # .<run id>.lock: the run's lock file (kept: deleting a lock file races)
+# The libraries besides torch whose versions can change a run's numbers or tokens.
+RESULT_LIBRARIES = ("torch", "transformers", "tokenizers", "gguf", "numpy", "safetensors")
 
 
 def runs_root(root: str | Path | None = None) -> Path:
@@ -35,11 +58,18 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)   # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write `text` to `path` so that readers see the old file or the whole new one, never a part."""
     path = Path(path)
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())   # mkstemp makes 0600; a record is as readable as log.txt
         with os.fdopen(fd, "w", encoding="utf-8") as file:
             file.write(text)
             file.flush()
@@ -67,33 +97,143 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def run_hash(identity: dict[str, Any]) -> str:
+    """sha256 of a run's identity (canonical JSON): what must match for a record to be reused."""
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def library_versions() -> dict[str, str | None]:
+    """Installed versions of the libraries that shape results (None: not installed); read from
+    package metadata, so nothing is imported."""
+    versions: dict[str, str | None] = {}
+    for name in RESULT_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
 class RunDir:
-    """The record directory of one run."""
+    """The record directory of one run, its lock and the directory a new record is built in.
+
+    `final` is where the record lives; `path` is where files are written now: the staging
+    directory between begin() and finish()/abandon(), `final` otherwise. Runners write through
+    `path` and never need to know which it is.
+    """
 
     def __init__(self, manifest_name: str, target: str, run_id: str, root: str | Path | None = None):
         for part in (manifest_name, target, run_id):
-            # The manifest schema already insists on safe identifiers; this guards rmtree in begin().
+            # The manifest schema already insists on safe identifiers; this guards rmtree below.
             if not part or part in (".", "..") or "/" in part or "\\" in part:
                 raise ValueError(f"{part!r} cannot name a run directory")
-        self.path = runs_root(root) / manifest_name / target / run_id
+        self.final = runs_root(root) / manifest_name / target / run_id
+        self.staging = self.final.parent / f".{run_id}{STAGING}"
+        self.lock_path = self.final.parent / f".{run_id}{LOCK}"
+        self._old = self.final.parent / f".{run_id}{OLD}"
+        self.path = self.final
+        self._lock_fd: int | None = None
+
+    @classmethod
+    def unique(cls, manifest_name: str, target: str, stem: str, root: str | Path | None = None) -> RunDir:
+        """A new, locked record named `stem`, or `stem-2`, `stem-3`, ... when that name is taken
+        (two `caramba bench` in the same second): the name is claimed by creating its lock file
+        exclusively, which only one process can do."""
+        for n in itertools.count(1):
+            record = cls(manifest_name, target, stem if n == 1 else f"{stem}-{n}", root)
+            record.final.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(record.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            except FileExistsError:
+                continue
+            if record.final.exists():  # a record from before lock files: the name is taken too
+                os.close(fd)
+                continue
+            record._hold(fd)
+            return record
+        raise AssertionError("unreachable")
 
     def __repr__(self) -> str:
-        return f"RunDir({str(self.path)!r})"
+        return f"RunDir({str(self.final)!r})"
+
+    def __del__(self) -> None:
+        self.release()
+
+    # ---- the lock ------------------------------------------------------------------------
+
+    def try_lock(self) -> bool:
+        """Take this run's lock without waiting; False when another process holds it. Under the
+        lock, a swap that a crash cut in half is completed first."""
+        if self._lock_fd is not None:
+            return True
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+        self._hold(fd)
+        return True
+
+    def _hold(self, fd: int) -> None:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # immediate: the caller made this fd
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)   # who holds it, for the other process's message
+        self._lock_fd = fd
+        self._recover()
+
+    def holder(self) -> str | None:
+        """The pid written by the process holding the lock (None if unknown)."""
+        try:
+            return self.lock_path.read_text().strip() or None
+        except OSError:
+            return None
+
+    def release(self) -> None:
+        """Drop the lock (closing the descriptor drops the flock)."""
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+    def _recover(self) -> None:
+        """Finish a swap interrupted between its two renames (see _swap_in)."""
+        if self._old.exists():
+            if self.final.exists():
+                shutil.rmtree(self._old, ignore_errors=True)
+            else:
+                os.rename(self._old, self.final)
+
+    # ---- state -----------------------------------------------------------------------------
 
     def is_done(self) -> bool:
-        """True when a previous attempt finished; the runner skips such runs unless forced."""
-        return (self.path / DONE).is_file()
+        """True when a finished record is in place."""
+        return (self.final / DONE).is_file()
+
+    def recorded_hash(self) -> str | None:
+        """The run hash the finished record was made with (None: none, or made before hashes)."""
+        try:
+            return json.loads((self.final / "env.json").read_text(encoding="utf-8")).get("run_hash")
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    # ---- building a record -----------------------------------------------------------------
 
     def begin(self, force: bool = False) -> None:
-        """Start from an empty directory, clearing an incomplete previous attempt (or, with
-        `force`, a complete one)."""
+        """Start a new record in an empty staging directory, beside any finished one, which stays
+        in place until finish(). Without `force` a finished record is refused. Takes the lock if
+        this object does not hold it yet."""
+        if not self.try_lock():
+            raise RunError(f"{self.final} is being written by another process (pid {self.holder() or '?'})")
         if self.is_done() and not force:
-            raise RunError(f"{self.path} already holds a finished run; use --force to redo it")
-        # Drop DONE first so that a clear interrupted halfway never leaves a 'finished' husk.
-        (self.path / DONE).unlink(missing_ok=True)
-        if self.path.exists():
-            shutil.rmtree(self.path)
-        self.path.mkdir(parents=True)
+            raise RunError(f"{self.final} already holds a finished run; use --force to redo it")
+        if self.staging.exists():  # an attempt that died before finishing: its files mean nothing
+            shutil.rmtree(self.staging)
+        self.staging.mkdir(parents=True)
+        self.path = self.staging
 
     def write_text(self, name: str, text: str) -> Path:
         atomic_write_text(self.path / name, text)
@@ -111,13 +251,39 @@ class RunDir:
                 file.write(f"{stamp} {line}\n")
             file.flush()
 
-    def discard(self) -> None:
-        """Remove this run's directory: its input turned out bad, so nothing of it is kept."""
-        shutil.rmtree(self.path, ignore_errors=True)
-
     def finish(self) -> None:
-        """Mark the run complete; call after every other file is written."""
+        """Mark the new record complete and swap it in for the old one; call after every other
+        file is written."""
         atomic_write_text(self.path / DONE, utc_now() + "\n")
+        if self.path == self.staging:
+            self._swap_in()
+
+    def abandon(self) -> Path:
+        """A failed or interrupted attempt. A finished record stays untouched and the attempt is
+        left in the staging directory (its log there; the next attempt clears it); with no
+        finished record to keep, the attempt takes the record's place, without DONE. Returns
+        where the attempt's files are."""
+        if self.path != self.staging:
+            return self.path
+        if self.is_done():
+            return self.staging
+        self._swap_in()
+        return self.final
+
+    def discard(self) -> None:
+        """Drop the attempt: its input turned out bad, so nothing of it is kept (a finished
+        record stays)."""
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.path = self.final
+
+    def _swap_in(self) -> None:
+        # Two renames; a crash between them leaves .old and no record, which _recover() undoes.
+        if self.final.exists():
+            os.rename(self.final, self._old)
+        os.rename(self.staging, self.final)
+        _fsync_dir(self.final.parent)
+        shutil.rmtree(self._old, ignore_errors=True)
+        self.path = self.final
 
 
 def capture_env(seed: int | None, device: str) -> dict[str, Any]:

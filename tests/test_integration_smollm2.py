@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+import tolerance as tol
 from conftest import SMOLLM2
 
 pytestmark = SMOLLM2
@@ -52,8 +53,10 @@ def test_fp32_logits_match_hf(smollm2, reference):
     for prompt in PROMPTS:
         ids = torch.tensor([tok.encode(prompt)])
         with torch.inference_mode():
-            diff = (smollm2.model(ids) - hf(ids).logits).abs().max().item()
-        assert diff < 1e-3, f"{prompt!r}: max |logit diff| {diff}"
+            want = hf(ids).logits
+            diff = (smollm2.model(ids) - want).abs().max().item()
+        bound = tol.forward(want, smollm2.model.config)["atol"]   # fp32 rounding through 30 layers
+        assert diff < bound, f"{prompt!r}: max |logit diff| {diff} (bound {bound:.2e})"
 
 
 def test_greedy_64_tokens_identical_to_hf(smollm2, reference):

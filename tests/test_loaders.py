@@ -19,6 +19,7 @@ from caramba.model import gguf_loader, hf_loader, zoo
 from caramba.model.config import ModelConfig
 from caramba.model.state_dict import fuse_hf_state_dict
 from caramba.model.zoo import build_model
+import tolerance as tol
 from conftest import TINY, hf_logits, hf_model
 
 V = TINY["vocab_size"]
@@ -49,7 +50,7 @@ def test_hf_directory_single_file(tmp_path, tied):
     assert (cfg.n_kv_heads, cfg.tie_embeddings, cfg.dim, cfg.head_dim) == (1, tied, TINY["dim"], TINY["head_dim"])
     ours = load_dir(tmp_path)
     tokens = rand_tokens()
-    torch.testing.assert_close(ours(tokens), hf_logits(hf, tokens), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ours(tokens), hf_logits(hf, tokens), **tol.forward(hf_logits(hf, tokens), ours.config))
 
 
 def test_hf_directory_sharded(tmp_path):
@@ -67,7 +68,7 @@ def test_hf_directory_sharded(tmp_path):
     ours = load_dir(tmp_path)
     assert ours.config.rope_scaling["rope_type"] == "linear"
     tokens = rand_tokens(T=30)
-    torch.testing.assert_close(ours(tokens), hf_logits(hf, tokens), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ours(tokens), hf_logits(hf, tokens), **tol.forward(hf_logits(hf, tokens), ours.config))
 
 
 def test_hf_directory_qwen2(tmp_path):
@@ -76,7 +77,7 @@ def test_hf_directory_qwen2(tmp_path):
     ours = load_dir(tmp_path)
     assert ours.config.qkv_bias and ours.config.name == "qwen2"
     tokens = rand_tokens()
-    torch.testing.assert_close(ours(tokens), hf_logits(hf, tokens), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ours(tokens), hf_logits(hf, tokens), **tol.forward(hf_logits(hf, tokens), ours.config))
 
 
 def test_hf_tensors_without_the_model_prefix_are_accepted(tmp_path):
@@ -281,7 +282,7 @@ def test_gguf_logits_match_transformers(tmp_path):
     ours = build_model(cfg, fuse_hf_state_dict(tensors, cfg), torch.float32, CPU)
     tokens = rand_tokens(T=20)
     expected = hf_logits(hf, tokens)
-    torch.testing.assert_close(ours(tokens), expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ours(tokens), expected, **tol.forward(expected, ours.config))
 
     # Mixed F32/F16/Q8_0: equal to HF holding the same (dequantized) weights, near the originals.
     stored = write_gguf(tmp_path / "mixed.gguf", hf, MIXED)
@@ -289,7 +290,7 @@ def test_gguf_logits_match_transformers(tmp_path):
     ours = build_model(cfg, fuse_hf_state_dict(tensors, cfg), torch.float32, CPU)
     hf.load_state_dict({k: torch.from_numpy(v) for k, v in stored.items()}, strict=False)
     got = ours(tokens)
-    torch.testing.assert_close(got, hf_logits(hf, tokens), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got, hf_logits(hf, tokens), **tol.forward(got, ours.config))
     assert (got - expected).abs().max() < 0.05 * expected.abs().max()
 
 
@@ -312,7 +313,7 @@ def test_gguf_tied_embeddings(tmp_path):
     ours = build_model(cfg, fuse_hf_state_dict(tensors, cfg), torch.float32, CPU)
     hf.model.embed_tokens.weight.copy_(hf.model.embed_tokens.weight.half().float())
     tokens = rand_tokens()
-    torch.testing.assert_close(ours(tokens), hf_logits(hf, tokens), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ours(tokens), hf_logits(hf, tokens), **tol.forward(hf_logits(hf, tokens), ours.config))
 
 
 def test_gguf_qwen2_is_not_permuted_and_keeps_biases(tmp_path):
@@ -325,7 +326,7 @@ def test_gguf_qwen2_is_not_permuted_and_keeps_biases(tmp_path):
     ours = build_model(cfg, fuse_hf_state_dict(tensors, cfg), torch.float32, CPU)
     hf.model.layers[0].mlp.gate_proj.weight.copy_(tensors["model.layers.0.mlp.gate_proj.weight"])
     tokens = rand_tokens()
-    torch.testing.assert_close(ours(tokens), hf_logits(hf, tokens), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ours(tokens), hf_logits(hf, tokens), **tol.forward(hf_logits(hf, tokens), ours.config))
 
 
 def test_gguf_linear_rope_scaling(tmp_path):
@@ -336,7 +337,7 @@ def test_gguf_linear_rope_scaling(tmp_path):
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     ours = build_model(cfg, fuse_hf_state_dict(tensors, cfg), torch.float32, CPU)
     tokens = rand_tokens(T=30)
-    torch.testing.assert_close(ours(tokens), hf_logits(hf, tokens), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ours(tokens), hf_logits(hf, tokens), **tol.forward(hf_logits(hf, tokens), ours.config))
 
 
 def llama3_rope_factors(head_dim: int, theta: float, s: dict) -> np.ndarray:
@@ -369,7 +370,7 @@ def test_gguf_llama3_rope_freqs_match_transformers(tmp_path):
     np.testing.assert_allclose(cfg.rope_scaling["factors"], factors)
     ours = build_model(cfg, fuse_hf_state_dict(tensors, cfg), torch.float32, CPU)
     tokens = rand_tokens(T=40)
-    torch.testing.assert_close(ours(tokens), hf_logits(hf, tokens), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ours(tokens), hf_logits(hf, tokens), **tol.forward(hf_logits(hf, tokens), ours.config))
 
 
 def test_gguf_errors(tmp_path):

@@ -90,8 +90,13 @@ def test_done_run_needs_force(tmp_path):
         run.begin()
     assert run.is_done()  # the refused begin left the record intact
     run.begin(force=True)
-    assert not run.is_done()
-    assert list(run.path.iterdir()) == []
+    assert run.is_done()  # forced: the new record is built aside, the finished one stays until it is complete
+    assert list(run.path.iterdir()) == [] and run.path != run.final
+    assert json.loads((run.final / "result.json").read_text()) == {"v": 1}
+    run.write_json("result.json", {"v": 2})
+    run.finish()
+    assert run.path == run.final and json.loads((run.final / "result.json").read_text()) == {"v": 2}
+    assert sorted(p.name for p in run.final.parent.iterdir()) == [".r.lock", "r"]  # no staging or old copy left
 
 
 def test_log_appends_timestamped_lines(tmp_path):

@@ -14,6 +14,7 @@ from caramba.infer import GenerateConfig, Generator
 from caramba.infer.drafts import PromptLookupDraft, int8_self_draft, layer_skip_draft, lookup
 from caramba.infer.sampling import SamplingParams, process_logits
 from caramba.infer.speculative import SPEC_PROBE_INTERVAL, SpeculativeConfig, SpeculativeGenerator
+import tolerance as tol
 from conftest import make_model
 
 N = 40
@@ -103,8 +104,9 @@ def test_caches_equal_plain_decoding(target, ragged, kind):
         theirs = ref.slot_mask[r, : ref.cache.length].nonzero().flatten()
         assert len(ours) == len(theirs) == len(ragged[r]) + N - 1  # the last token is pending, as in plain decoding
         for mine, plain_layer in zip(gen.rows.cache.layers, ref.cache.layers):
-            torch.testing.assert_close(mine.k[r][:, ours], plain_layer.k[r][:, theirs], atol=1e-4, rtol=1e-4)  # batched vs one-token matmuls
-            torch.testing.assert_close(mine.v[r][:, ours], plain_layer.v[r][:, theirs], atol=1e-4, rtol=1e-4)  # batched vs one-token matmuls
+            # batched vs one-token matmuls: the same K/V up to fp32 rounding through the layers below
+            torch.testing.assert_close(mine.k[r][:, ours], plain_layer.k[r][:, theirs], **tol.forward(plain_layer.k[r], target.config))
+            torch.testing.assert_close(mine.v[r][:, ours], plain_layer.v[r][:, theirs], **tol.forward(plain_layer.v[r], target.config))
     assert gen.rows.cache.length <= max(map(len, ragged)) + 3 * N  # holes are truncated, not accumulated
 
 

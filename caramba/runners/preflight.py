@@ -1,0 +1,126 @@
+"""Preflight: every check that can fail a run of a manifest, run on all selected runs before any
+record is written, so a bad run 5 exits 2 (naming the run and the field) instead of failing
+mid-manifest with runs 1-4 half-done.
+
+Cheap on purpose: model sources are resolved, not loaded; a tokenizer is loaded (once per
+source) only for the modes whose prompts must fit the cache; weights are never read here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from caramba.errors import UserError
+from caramba.manifest import ResolvedRun
+from caramba.model import native
+from caramba.model.zoo import CACHE_FORMAT, cache_root, file_sha256, resolve_device, resolve_source
+from caramba.prompting import encode_prompt
+from caramba.runs import LOCK, OLD, STAGING, runs_root
+from caramba.tokenizer import Tokenizer
+
+# Room left in a path for the longest name written inside a record directory
+# (".result.json.<8 random>.tmp", cells.csv, the plots' PNGs).
+_FILE_ROOM = 64
+
+
+def preflight(manifest_name: str, runs: list[ResolvedRun], root: str | Path | None = None) -> None:
+    """Raise UserError (exit 2) on the first run that cannot succeed."""
+    tokenizers: dict[str, Tokenizer] = {}
+    for r in runs:
+        where = f"run {r.target}/{r.run.id}"
+        _check_path_lengths(manifest_name, r, where, root)
+        for field, spec in (("model", r.model), ("draft", r.draft)):
+            if spec is None:
+                continue
+            try:
+                resolve_source(spec.source)
+                resolve_device(spec.device)
+            except UserError as e:
+                raise UserError(f"{where}: {field}: {e}") from None
+        if r.run.mode in ("generate", "speculative"):
+            _check_prompts_fit(r, where, _tokenizer(r.model.source, tokenizers))
+            if r.draft is not None:
+                target, draft = _tokenizer(r.model.source, tokenizers), _tokenizer(r.draft.source, tokenizers)
+                if draft.vocab_size != target.vocab_size:
+                    raise UserError(f"{where}: draft.source {r.draft.source!r} has a vocabulary of {draft.vocab_size} "
+                                    f"tokens, the model {target.vocab_size}; speculative decoding needs a draft with "
+                                    "the same tokenizer")
+        settings = r.run.settings
+        text = getattr(settings, "text", None)
+        if text is not None and not Path(text).is_file():
+            section = "bench" if r.run.mode == "decode-bench" else "autotune"
+            raise UserError(f"{where}: {section}.text: {text} is not a file")
+
+
+def _check_path_lengths(manifest_name: str, r: ResolvedRun, where: str, root) -> None:
+    """Names the filesystem would refuse (over NAME_MAX bytes, or a path over PATH_MAX)."""
+    base = runs_root(root).absolute()
+    name_max, path_max = _limits(base)
+    longest = f".{r.run.id}{max(STAGING, OLD, LOCK, key=len)}"   # the longest name a run puts on disk
+    for field, name, on_disk in (("name", manifest_name, manifest_name), ("targets[].name", r.target, r.target),
+                                 ("id", r.run.id, longest)):
+        size = len(os.fsencode(on_disk))
+        if size > name_max:
+            raise UserError(f"{where}: {field} {name[:40]!r}... is too long for a directory name here: the record "
+                            f"needs {size} bytes, the filesystem allows {name_max}; use a shorter {field}")
+    path = base / manifest_name / r.target / longest
+    size = len(os.fsencode(str(path))) + _FILE_ROOM
+    if size > path_max:
+        raise UserError(f"{where}: the record path {path} is too long ({size} bytes with its files, the limit is "
+                        f"{path_max}); use shorter names or a shorter runs directory (CARAMBA_RUNS_DIR)")
+
+
+def _limits(path: Path) -> tuple[int, int]:
+    """(NAME_MAX, PATH_MAX) of the filesystem holding `path` (its nearest existing parent)."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return os.pathconf(probe, "PC_NAME_MAX"), os.pathconf(probe, "PC_PATH_MAX")
+    except (OSError, ValueError, AttributeError):   # no pathconf (Windows): the common limits
+        return 255, 4096
+
+
+def _tokenizer(source: str, cache: dict[str, Tokenizer]) -> Tokenizer:
+    """The tokenizer of a model source, without its weights."""
+    if source not in cache:
+        path = resolve_source(source)
+        try:
+            if path.is_dir():
+                if not native.is_native_dir(path) and not (path / "tokenizer.json").is_file():
+                    raise ValueError(f"{path} has no tokenizer.json; save the tokenizer next to the weights "
+                                     "(transformers: tokenizer.save_pretrained(dir), for a fast tokenizer)")
+                cache[source] = Tokenizer.from_dir(path)
+            else:  # a GGUF: its converted copy (as load_model keeps it) holds the tokenizer, else parse the file
+                converted = cache_root() / f"{file_sha256(path)[:24]}-v{CACHE_FORMAT}"
+                from_dir = (converted / "model.safetensors").is_file()
+                cache[source] = Tokenizer.from_dir(converted) if from_dir else Tokenizer.from_gguf(path)
+        except ValueError as e:
+            raise UserError(f"cannot load the tokenizer of model '{source}': {e}") from None
+    return cache[source]
+
+
+def _check_prompts_fit(r: ResolvedRun, where: str, tok: Tokenizer) -> None:
+    """Each batch's widest prompt plus max_new_tokens must fit the cache (max_seq_len), by the
+    engine's own rule: sampling/greedy and speculative decoding cache every token but the last
+    (prompt + N - 1 slots), beam and contrastive search all of them (prompt + N)."""
+    s, section = r.run.settings, r.run.mode
+    search = r.run.mode == "generate" and (s.num_beams > 1 or s.penalty_alpha is not None)
+    if r.run.mode == "generate" and not search and s.decode_local_window is not None:
+        return   # a sliding window decodes through a ring buffer: not bounded by max_seq_len
+    lengths = [len(encode_prompt(tok, p, s.chat, s.system_prompt)) for p in s.prompts]
+    for start in range(0, len(lengths), s.batch_size):
+        batch = lengths[start : start + s.batch_size]
+        width = max(batch)   # prompts of a batch are left-padded to its widest
+        need = width + s.max_new_tokens - (0 if search else 1)
+        if need > s.max_seq_len:
+            i = start + batch.index(width)
+            raise UserError(
+                f"{where}: {section}.max_new_tokens={s.max_new_tokens} after prompt {i + 1} ({width} tokens) needs "
+                f"{need} cache positions, more than {section}.max_seq_len={s.max_seq_len}; raise max_seq_len to "
+                f"{need} or lower max_new_tokens to {s.max_new_tokens - (need - s.max_seq_len)}"
+                if s.max_new_tokens > need - s.max_seq_len else
+                f"{where}: prompt {i + 1} of {section}.prompts is {width} tokens, too long for "
+                f"{section}.max_seq_len={s.max_seq_len} with max_new_tokens={s.max_new_tokens}; raise max_seq_len "
+                f"to {need} or shorten the prompt")
