@@ -128,7 +128,7 @@ class LayerKVCache(StreamLayerCache):
         ks, vs = self.k_stream, self.v_stream
         if ks.quantized and vs.quantized and (ks.kind, ks.block) == (vs.kind, vs.block) and k.shape == v.shape:
             # One quantize call for both: a decode step is dominated by per-op overhead.
-            codes, scales = quantize(torch.cat([k, v], dim=1), ks.kind, ks.block)
+            codes, scales = quantize(torch.cat([k, v], dim=1), ks.spec, ks.block)
             H = k.shape[1]
             ks.write(start, k, (codes[:, :H], scales[:, :H]))
             vs.write(start, v, (codes[:, H:], scales[:, H:]))
