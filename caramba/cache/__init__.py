@@ -9,5 +9,5 @@ from caramba.cache.layer import CacheOverflowError, KVCache, LayerKVCache
 from caramba.cache.decoupled import DecoupledLayerKVCache
 from caramba.cache.policy import CachePolicy, parse_policy
 
-__all__ = ["CacheOverflowError", "CachePolicy", "DecoupledLayerKVCache", "KVCache", "KVCacheKind", "KVCacheTensorConfig",
-           "KindSpec", "LayerKVCache", "describe_kinds", "kind_names", "parse_policy"]
+__all__ = ["CacheOverflowError", "CachePolicy", "DecoupledLayerKVCache", "KVCache", "KVCacheKind",
+           "KVCacheTensorConfig", "KindSpec", "LayerKVCache", "describe_kinds", "kind_names", "parse_policy"]

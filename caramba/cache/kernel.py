@@ -123,7 +123,8 @@ def _run(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: K
     return out
 
 
-def key_scores(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: KVCacheKind | KindSpec, block: int) -> torch.Tensor:
+def key_scores(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: KVCacheKind | KindSpec,
+               block: int) -> torch.Tensor:
     """q [B, H, R, D] (scaled) against keys-major codes [B, H, Dc, n] and scales [B, H, nb, n]
     -> scores [B, H, R, n]."""
     n = codes.shape[-1]

@@ -18,8 +18,9 @@ How to add a quantized kind
    extremes are exact. A codebook kind gives `codebook` (ascending, hi - lo + 1 values, max |v| =
    the value absmax maps to) and codes index it. bits=4 kinds are packed two codes per byte
    (uint8 codes in [0, 15]); bits=8 kinds store one code per byte. `aliases` adds short names.
-2. tests/test_kv_quant.py: add the name to ALL_KINDS (round trip, error bound, decode paths,
-   byte accounting run over it) and pin a few codes in test_codes_match_reference_formulas.
+2. tests/test_kv_quant.py: its kind lists come from this table (error bound for uniform kinds,
+   update, rollback, reorder, batches, byte accounting); pin a few of the new kind's codes in
+   test_codes_match_reference_formulas.
 
 Without `kernel=` the kind decodes through the eager path (caramba.cache.attend). For the C fast
 path also give it `kernel=N` and handle KIND id N in caramba/cache/quant_attend.c's

@@ -18,7 +18,8 @@ def narrowest(*windows: int | None) -> int | None:
 
 
 def attention_mask(B: int, T: int, start: int, slot_mask: torch.Tensor | None, device: torch.device,
-                   window: int | None = None, key_slots: torch.Tensor | None = None) -> tuple[torch.Tensor | None, bool]:
+                   window: int | None = None,
+                   key_slots: torch.Tensor | None = None) -> tuple[torch.Tensor | None, bool]:
     """(mask [B, 1, T, n] bool (True = attend), causal) for T queries at slots [start, start + T).
 
     Causal over slots, minus padding slots (slot_mask [B, >= S]: True where a slot is a real
