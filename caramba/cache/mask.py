@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 
-def narrowest(*windows: int | None) -> int | None:
-    """The tightest of the sliding windows that are set (None: no window)."""
-    spans = [w for w in windows if w is not None]
-    return min(spans) if spans else None
+def narrowest(a: int | None, b: int | None) -> int | None:
+    """The tighter of two sliding windows, either of which may be None (no window)."""
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
 
 
 def attention_mask(B: int, T: int, start: int, slot_mask: torch.Tensor | None, device: torch.device,
