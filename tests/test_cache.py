@@ -226,3 +226,54 @@ def test_generation_with_half_precision_cache_is_close_to_fp32(model, kind):
     torch.testing.assert_close(logitsh[0], logits32[0], atol=0.1, rtol=0.05)
     agree = int((out32[0] == outh[0]).long().cumprod(0).sum())
     assert agree >= 6 + 6, f"{kind} cache diverged from fp32 after {agree - 6} tokens"
+
+
+# ---- the attention mask ----------------------------------------------------------------------
+
+def _dense_mask(q_slots, k_slots, window=None, valid=None):
+    """[B or 1, 1, T, n] by the definition: causal over slots, within the window, real slots only
+    (a query always sees itself)."""
+    q, k = torch.tensor(q_slots)[:, None], torch.tensor(k_slots)[None, :]
+    mask = k <= q
+    if window is not None:
+        mask &= k > q - window
+    if valid is not None:
+        mask = (mask & valid[:, k_slots][:, None, :]) | (k == q)
+    return (mask if mask.dim() == 3 else mask[None]).unsqueeze(1)
+
+
+def test_cache_builds_the_mask_over_its_slots(model):
+    cache = model.new_cache(2, 20)
+    model(tokens(2, 5), cache=cache)
+    assert cache.attention_mask(2, 1, None, "cpu") == (None, False)       # one token sees every slot
+    valid = torch.tensor([[True] * 8, [False, False] + [True] * 6])     # row 1: left padding
+    mask, causal = cache.attention_mask(2, 3, valid, "cpu")
+    assert not causal and torch.equal(mask, _dense_mask([5, 6, 7], list(range(8)), valid=valid))
+    mask, _ = cache.attention_mask(2, 3, None, "cpu", model_window=4)   # the model's window binds
+    assert torch.equal(mask, _dense_mask([5, 6, 7], list(range(8)), window=4).expand(2, -1, -1, -1))
+    cache.window = 3
+    mask, _ = cache.attention_mask(2, 3, None, "cpu", model_window=4)   # the narrower one
+    assert torch.equal(mask, _dense_mask([5, 6, 7], list(range(8)), window=3).expand(2, -1, -1, -1))
+    with pytest.raises(ValueError, match="window=5 disagrees with the cache's window=3"):
+        cache.attention_mask(2, 1, None, "cpu", window=5)
+    with pytest.raises(ValueError, match="disagrees"):
+        model(tokens(2, 1), cache=cache, window=5)
+
+
+def test_ring_cache_masks_keys_in_storage_order(model):
+    from caramba.cache.ring import RingKVCache
+    W, max_write = 4, 2
+    ring = RingKVCache.build(model, 1, W, max_write, "fp32")          # 6 storage slots
+    for t in range(9):
+        model(tokens(1, 1, seed=t), cache=ring)
+    # Slots 0..8 are written; queries at slots 9 and 10 go to storage 3 and 4, so storage i then
+    # holds the newest slot s < 11 with s % 6 == i: [6, 7, 8, 9, 10, 5].
+    mask, causal = ring.attention_mask(1, 2, None, "cpu")
+    assert not causal and torch.equal(mask, _dense_mask([9, 10], [6, 7, 8, 9, 10, 5], window=W))
+    with torch.inference_mode():   # and the model's forward over the ring gives the plain cache's logits
+        plain = model.new_cache(1, 16)
+        plain.window = W
+        ids = torch.cat([tokens(1, 1, seed=t) for t in range(9)], dim=1)
+        model(ids, cache=plain)
+        nxt = tokens(1, 2, seed=20)
+        torch.testing.assert_close(model(nxt, cache=ring), model(nxt, cache=plain), atol=1e-5, rtol=1e-5)

@@ -9,15 +9,16 @@ import torch
 import torch.nn.functional as F
 
 import caramba.cache.attend as attend
-from caramba.cache import CachePolicy, KVCacheKind, KVCacheTensorConfig, LayerKVCache, parse_policy
+from caramba.cache import (CachePolicy, KindSpec, KVCacheKind, KVCacheTensorConfig, LayerKVCache, kind_names,
+                           parse_policy)
 from caramba.cache.layer import hadamard
-from caramba.cache.quant import NF4_CODEBOOK, dequantize, pack_nibbles, quantize, unpack_nibbles
+from caramba.cache.quant import NF4_CODEBOOK, code_values, dequantize, pack_nibbles, quantize, unpack_nibbles
 from caramba.infer import GenerateConfig, Generator
 import tolerance as tol
 from conftest import TINY, make_model
 
-ALL_KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4"]
-QUANT = ["q8_0", "q4_0", "nf4"]
+ALL_KINDS = list(kind_names(aliases=False))              # the table's: a new kind is tested here too
+QUANT = list(kind_names(aliases=False, quantized_only=True))
 V = TINY["vocab_size"]
 
 
@@ -36,6 +37,99 @@ def test_aliases_and_unknown_kinds():
     with pytest.raises(ValueError, match="valid kinds"):
         GenerateConfig(cache_kind="int4")
     assert GenerateConfig(cache_kind="q8").cache_kind == "q8_0"
+
+
+def test_kind_table():
+    assert kind_names() == ("fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q8", "q4")
+    assert kind_names(aliases=False, quantized_only=True) == ("q8_0", "q4_0", "nf4")
+    for name in kind_names():   # every listed name parses, and the seed's spellings keep working
+        assert KVCacheKind.parse(name).value in kind_names(aliases=False)
+    assert KVCacheKind.FP16 == "fp16" and KVCacheKind("q4_0") is KVCacheKind.Q4_0 and KVCacheKind.Q8_0.value == "q8_0"
+    specs = {k.value: (k.bits, k.spec.dtype, k.quantized, k.spec.packed, k.spec.kernel) for k in KVCacheKind}
+    assert specs == {"fp32": (32, torch.float32, False, False, None), "fp16": (16, torch.float16, False, False, None),
+                     "bf16": (16, torch.bfloat16, False, False, None), "q8_0": (8, torch.int8, True, False, 0),
+                     "q4_0": (4, torch.uint8, True, True, 1), "nf4": (4, torch.uint8, True, True, 2)}
+    with pytest.raises(ValueError, match="uint8 nibbles"):
+        KindSpec("bad", bits=4, dtype=torch.int8, code_range=(-8, 7))
+    with pytest.raises(ValueError, match="must fit the storage dtype"):
+        KindSpec("bad", bits=8, dtype=torch.int8, code_range=(0, 255))
+    with pytest.raises(ValueError, match="16 ascending values"):
+        KindSpec("bad", bits=4, dtype=torch.uint8, code_range=(0, 15), codebook=(1.0, 0.0))
+    with pytest.raises(ValueError, match="no codebook or kernel"):
+        KindSpec("bad", bits=16, dtype=torch.float16, kernel=3)
+
+
+def _reference_quantize(x, kind, block):
+    """The per-kind formulas as they were written before the kinds table."""
+    xb = x.float().unflatten(-1, (-1, block))
+    half = {"q8_0": 127.5, "q4_0": 7.5, "nf4": 1.0}[kind]
+    scales = (xb.abs().amax(-1) * ((1 + 2**-10) / half)).to(torch.float16)
+    y = xb / scales.float().clamp_min(1e-30).unsqueeze(-1)
+    if kind == "q8_0":
+        return y.floor().clamp(-128, 127).to(torch.int8).flatten(-2), scales
+    if kind == "q4_0":
+        u = (y + 8).floor().clamp(0, 15).to(torch.uint8)
+    else:
+        u = torch.bucketize(y.contiguous(), (NF4_CODEBOOK[1:] + NF4_CODEBOOK[:-1]) / 2).to(torch.uint8)
+    u = u.flatten(-2)
+    return u[..., : u.shape[-1] // 2] | (u[..., u.shape[-1] // 2 :] << 4), scales
+
+
+def _reference_dequantize(codes, scales, kind, block):
+    if kind == "q8_0":
+        values = codes.float() + 0.5
+    else:
+        u = torch.cat([codes & 15, codes >> 4], dim=-1)
+        values = u.float() - 7.5 if kind == "q4_0" else NF4_CODEBOOK[u.long()]
+    return (values.unflatten(-1, (-1, block)) * scales.float().unsqueeze(-1)).flatten(-2)
+
+
+def test_codes_match_reference_formulas():
+    # Pinned bytes: codes and fp16 scale bits of two 4-element blocks.
+    x = torch.tensor([[1.0, -1.0, 0.5, 0.0, 0.3, -0.02, 2.0, -0.7]])
+    pinned = {"q8_0": ([127, -128, 63, 0, 19, -2, 127, -45], [8197, 9221]),
+              "q4_0": ([159, 112, 251, 88], [12357, 13381]),
+              "nf4": ([159, 112, 252, 55], [15361, 16385])}
+    for kind, (codes, scale_bits) in pinned.items():
+        c, s = quantize(x, kind, 4)
+        assert c[0].tolist() == codes and s[0].view(torch.int16).tolist() == scale_bits, kind
+    # And the same codes, scales and values as the old per-kind formulas on random data.
+    x = randn(2, 3, 5, 64, seed=7, scale=3.0)
+    x[0, 0, 0] = 0   # an all-zero head
+    for kind in ("q8_0", "q4_0", "nf4"):
+        for block in (8, 32, 64):
+            c, s = quantize(x, kind, block)
+            rc, rs = _reference_quantize(x, kind, block)
+            assert c.dtype == rc.dtype and torch.equal(c, rc) and torch.equal(s, rs), (kind, block)
+            assert torch.equal(dequantize(c, s, kind, block), _reference_dequantize(rc, rs, kind, block))
+
+
+def test_a_new_kind_is_one_spec():
+    """A kind no module names: quantize, dequantize and both decode read paths work from its spec."""
+    q6 = KindSpec("q6_0", bits=8, dtype=torch.int8, code_range=(-32, 31))   # 64 uniform levels
+    x = randn(1, 2, 9, 32, seed=3)
+    c, s = quantize(x, q6, 16)
+    assert c.dtype == torch.int8 and int(c.min()) >= -32 and int(c.max()) <= 31
+    step = s.float().repeat_interleave(16, dim=-1)
+    assert bool(((dequantize(c, s, q6, 16) - x).abs() <= step / 2 + 1e-6).all())
+    assert torch.equal(code_values(c, q6, torch.float32), c.float() + 0.5)
+    values, offset = attend._code_values(c, q6, -1, torch.float32)
+    assert torch.equal(values + offset, c.float() + 0.5)
+
+
+def test_a_kind_without_kernel_reads_through_the_eager_path(monkeypatch):
+    """kernel=None in a spec: decode takes the eager path, with the same result as the C one."""
+    import dataclasses
+    cache = LayerKVCache(1, 40, 32, 32, KVCacheTensorConfig("q4_0", 16), KVCacheTensorConfig("q4_0", 16), n_kv_heads=2)
+    cache.attend(randn(1, 4, 30, 16, seed=1), randn(1, 2, 30, 16, seed=2), randn(1, 2, 30, 16, seed=3), None, True)
+    q = randn(1, 4, 1, 16, seed=4)
+    fast = attend.attend_chunked(q, cache.k_stream, cache.v_stream, 30, None)
+    for stream in cache.streams:
+        stream.spec = dataclasses.replace(stream.spec, kernel=None)
+    monkeypatch.setattr(attend.kernel, "key_scores", None)   # would raise if called
+    monkeypatch.setattr(attend.kernel, "value_mix", None)
+    eager = attend.attend_chunked(q, cache.k_stream, cache.v_stream, 30, None)
+    torch.testing.assert_close(eager, fast, atol=1e-5, rtol=1e-5)
 
 
 def test_policy_parsing():
@@ -59,7 +153,7 @@ def test_policy_parsing():
 
 # ---- quantization ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", [k for k in QUANT if KVCacheKind(k).spec.levels is None])   # uniform kinds
 @pytest.mark.parametrize("block", [8, 32])
 def test_uniform_round_trip_error_is_at_most_half_a_step(kind, block):
     x = randn(2, 3, 7, 64, seed=1) * torch.linspace(0.01, 5, 64)   # channels of very different size
@@ -139,8 +233,10 @@ def layer(kind, B=2, S=24, H=2, D=16, qblock=8, residual_len=0, rotate=False, v_
 def test_allocated_bytes_equal_the_analytic_formula(kind, residual_len):
     B, S, H, D = 2, 24, 2, 16
     c = layer(kind, B, S, H, D, residual_len=residual_len)
+    spec = KVCacheKind(kind).spec
+    other = D * spec.bits // 8 + 2 * 2 * spec.quantized    # a kind added to the table later
     per_token = {"fp32": 4 * D, "fp16": 2 * D, "bf16": 2 * D, "q8_0": D + 2 * 2, "q4_0": D // 2 + 2 * 2,
-                 "nf4": D // 2 + 2 * 2}[kind] * H       # codes + one fp16 scale per block of 8
+                 "nf4": D // 2 + 2 * 2}.get(kind, other) * H       # codes + one fp16 scale per block of 8
     assert c.bytes_per_token() == B * 2 * per_token
     ring = B * 2 * residual_len * H * D * 4 if kind in QUANT else 0   # fp32 window for K and V
     assert c.nbytes == S * c.bytes_per_token() + ring

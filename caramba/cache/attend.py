@@ -10,12 +10,14 @@ block scales are folded into the (much smaller) score and probability rows inste
     p @ V   = sum_n (p_n * s_nj) * c_nj      (per block j of the value vector)
 
 Both sums over blocks come out of one matmul by giving the query (or the probabilities) one
-row per block: row (g, j) holds only block j, and the rows are recombined afterwards. The codes'
-offsets (q8_0: c + 1/2, q4_0: u - 7.5) fold the same way: q . (u - o) = q . u - o * sum(q).
+row per block: row (g, j) holds only block j, and the rows are recombined afterwards. A uniform
+kind's code offset (q8_0: c + 1/2, q4_0: u - 7.5) folds the same way: q . (u + o) = q . u + o * sum(q).
+What a code stands for is read from the kind's spec (caramba.cache.kinds).
 
 That is the eager path. On the CPU with fp32 queries the coded pieces go to the C kernels
-instead (caramba.cache.kernel), which apply the same sums without converting any code to a
-stored float; the pieces, the mask and the softmax stay here for both.
+instead (caramba.cache.kernel; kinds whose spec names a kernel), which apply the same sums
+without converting any code to a stored float; the pieces, the mask and the softmax stay here
+for both.
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from caramba.cache import kernel
-from caramba.cache.kinds import KVCacheKind
-from caramba.cache.quant import NF4_CODEBOOK
+from caramba.cache.kinds import KindSpec
 
 READ_CHUNK = 2048  # tokens per converted chunk; see benchmarks/cache_kinds.py
 
@@ -65,19 +66,20 @@ def _float_values(stream, s0: int, s1: int, dtype: torch.dtype) -> torch.Tensor:
     return stream.residual(s0, s1, dtype) if stream.quantized else stream.data[:, :, s0:s1].to(dtype)
 
 
-def _code_values(codes: torch.Tensor, kind: KVCacheKind, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
-    """Codes -> (values, offset): each element is scale * (value - offset) (caramba.cache.quant)."""
-    if kind is KVCacheKind.Q8_0:
-        return _scratch(tuple(codes.shape), dtype, codes.device).copy_(codes), -0.5
-    shape = list(codes.shape)
-    shape[dim] *= 2
-    u = _scratch(tuple(shape), torch.uint8, codes.device)
-    lo, hi = u.chunk(2, dim)
-    torch.bitwise_and(codes, 0x0F, out=lo)
-    torch.bitwise_right_shift(codes, 4, out=hi)
-    if kind is KVCacheKind.Q4_0:
-        return _scratch(tuple(shape), dtype, codes.device).copy_(u), 7.5
-    return NF4_CODEBOOK.to(device=codes.device, dtype=dtype)[u.long()], 0.0
+def _code_values(codes: torch.Tensor, spec: KindSpec, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """Codes -> (values, offset): each element is scale * (value + offset) (caramba.cache.quant)."""
+    if spec.packed:
+        shape = list(codes.shape)
+        shape[dim] *= 2
+        u = _scratch(tuple(shape), torch.uint8, codes.device)
+        lo, hi = u.chunk(2, dim)
+        torch.bitwise_and(codes, 0x0F, out=lo)
+        torch.bitwise_right_shift(codes, 4, out=hi)
+    else:
+        u = codes
+    if spec.levels is not None:
+        return spec.levels.to(device=codes.device, dtype=dtype)[u.long()], 0.0
+    return _scratch(tuple(u.shape), dtype, codes.device).copy_(u), spec.offset
 
 
 def _per_block_rows(x: torch.Tensor, nb: int) -> torch.Tensor:
@@ -92,10 +94,10 @@ def _per_block_rows(x: torch.Tensor, nb: int) -> torch.Tensor:
 def _key_scores(qx: torch.Tensor, stream, s0: int, s1: int) -> torch.Tensor:
     """qx [B, KVH, R * nb, D] (per-block rows) against codes [s0, s1) -> scores [B, KVH, R, n]."""
     codes, scales = stream.code_slice(s0, s1)                  # [B, KVH, Dc, n], [B, KVH, nb, n]
-    values, offset = _code_values(codes, stream.kind, -2, qx.dtype)   # [B, KVH, D, n]
+    values, offset = _code_values(codes, stream.spec, -2, qx.dtype)   # [B, KVH, D, n]
     part = qx @ values                                         # [B, KVH, R * nb, n]
     if offset:
-        part -= offset * qx.sum(-1, keepdim=True)
+        part += offset * qx.sum(-1, keepdim=True)
     B, H, Rnb, n = part.shape
     return (part.view(B, H, Rnb // stream.nb, stream.nb, n) * scales[:, :, None].to(qx.dtype)).sum(3)
 
@@ -103,13 +105,13 @@ def _key_scores(qx: torch.Tensor, stream, s0: int, s1: int) -> torch.Tensor:
 def _value_mix(p: torch.Tensor, stream, s0: int, s1: int) -> torch.Tensor:
     """p [B, KVH, R, n] over value codes [s0, s1) -> [B, KVH, R, D]."""
     codes, scales = stream.code_slice(s0, s1)                  # [B, KVH, n, Dc], [B, KVH, nb, n]
-    values, offset = _code_values(codes, stream.kind, -1, p.dtype)     # [B, KVH, n, D]
+    values, offset = _code_values(codes, stream.spec, -1, p.dtype)     # [B, KVH, n, D]
     B, H, R, n = p.shape
     nb, D = stream.nb, values.shape[-1]
     pw = (p[:, :, :, None, :] * scales[:, :, None].to(p.dtype)).view(B, H, R * nb, n)
     mixed = pw @ values                                        # [B, KVH, R * nb, D]
     if offset:
-        mixed -= offset * pw.sum(-1, keepdim=True)
+        mixed += offset * pw.sum(-1, keepdim=True)
     # Row (r, j) weighted every block by block j's scales: keep its block j only.
     return mixed.view(B, H, R, nb, nb, D // nb).diagonal(dim1=3, dim2=4).transpose(-1, -2).reshape(B, H, R, D)
 
@@ -141,12 +143,12 @@ def attend_pairs(pairs: Sequence[tuple[torch.Tensor, object]], v_stream, end: in
     if mask is not None:
         scores = scores.view(B, KVH, G, T, end).masked_fill(~mask[:, :, None], float("-inf")).view(B, KVH, G * T, end)
     p = torch.softmax(scores.float(), dim=-1).to(q0.dtype)
-    fused = v_stream.quantized and kernel.usable(p)
+    fused = v_stream.quantized and v_stream.spec.kernel is not None and kernel.usable(p)
     out = None
     for s0, s1, coded in _pieces(v_stream, end, end if fused else chunk):
         ps = p[..., s0:s1]
         if coded and fused:
-            part = kernel.value_mix(ps, *v_stream.code_slice(s0, s1), v_stream.kind, v_stream.block, v_stream.head_dim)
+            part = kernel.value_mix(ps, *v_stream.code_slice(s0, s1), v_stream.spec, v_stream.block, v_stream.head_dim)
         else:
             part = _value_mix(ps, v_stream, s0, s1) if coded else ps @ _float_values(v_stream, s0, s1, q0.dtype)
         out = part if out is None else out.add_(part)
@@ -155,12 +157,12 @@ def attend_pairs(pairs: Sequence[tuple[torch.Tensor, object]], v_stream, end: in
 
 def _stream_scores(qg: torch.Tensor, k_stream, end: int, chunk: int) -> torch.Tensor:
     """Scaled queries qg [B, KVH, R, D] against one key stream's slots [0, end) -> [B, KVH, R, end]."""
-    fused = k_stream.quantized and kernel.usable(qg)
+    fused = k_stream.quantized and k_stream.spec.kernel is not None and kernel.usable(qg)
     qx = _per_block_rows(qg, k_stream.nb) if k_stream.quantized and not fused else None
     parts = []
     for s0, s1, coded in _pieces(k_stream, end, end if fused else chunk):
         if coded and fused:
-            parts.append(kernel.key_scores(qg, *k_stream.code_slice(s0, s1), k_stream.kind, k_stream.block))
+            parts.append(kernel.key_scores(qg, *k_stream.code_slice(s0, s1), k_stream.spec, k_stream.block))
         elif coded:
             parts.append(_key_scores(qx, k_stream, s0, s1))
         else:

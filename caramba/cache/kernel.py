@@ -25,11 +25,10 @@ from pathlib import Path
 
 import torch
 
-from caramba.cache.kinds import KVCacheKind
+from caramba.cache.kinds import KindSpec, KVCacheKind, spec_of
 
 SOURCE = Path(__file__).with_name("quant_attend.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-KIND_CODES = {KVCacheKind.Q8_0: 0, KVCacheKind.Q4_0: 1, KVCacheKind.NF4: 2}
 _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.c_long] * 2 + [ctypes.c_int] * 2
 
 _status = "not built yet"
@@ -108,26 +107,31 @@ def _heads(codes: torch.Tensor) -> tuple[int, int]:
     return B * H, codes.stride(1)
 
 
-def _run(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: KVCacheKind, block: int,
+def _run(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: KVCacheKind | KindSpec, block: int,
          D: int, n: int, width: int) -> torch.Tensor:
     """One kernel call on x [B, H, R, *] (queries or weights) -> [B, H, R, width] float32."""
+    kid = spec_of(kind).kernel   # the kind's id in quant_attend.c
+    if kid is None:
+        raise ValueError(f"kind {spec_of(kind).name} has no C kernel (its KindSpec sets no kernel id); "
+                         "read it through caramba.cache.attend's eager path")
     B, H, R = x.shape[:3]
     x, scales = x.contiguous(), scales.float().contiguous()
     out = torch.empty(B, H, R, width, dtype=torch.float32)
     BH, head_stride = _heads(codes)
     fn(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr(), BH, R, D, block, n,
-       head_stride, codes.stride(2), KIND_CODES[kind], torch.get_num_threads())
+       head_stride, codes.stride(2), kid, torch.get_num_threads())
     return out
 
 
-def key_scores(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: KVCacheKind, block: int) -> torch.Tensor:
+def key_scores(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: KVCacheKind | KindSpec,
+               block: int) -> torch.Tensor:
     """q [B, H, R, D] (scaled) against keys-major codes [B, H, Dc, n] and scales [B, H, nb, n]
     -> scores [B, H, R, n]."""
     n = codes.shape[-1]
     return _run(library().key_scores, q, codes, scales, kind, block, q.shape[-1], n, n)
 
 
-def value_mix(p: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: KVCacheKind, block: int,
+def value_mix(p: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: KVCacheKind | KindSpec, block: int,
               dim: int) -> torch.Tensor:
     """Weights p [B, H, R, n] over value codes [B, H, n, Dc] and scales [B, H, nb, n] -> [B, H, R, dim]."""
     return _run(library().value_mix, p, codes, scales, kind, block, dim, p.shape[-1], dim)

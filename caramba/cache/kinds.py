@@ -1,23 +1,143 @@
-"""What a KV cache tensor is stored as: the kind and its settings."""
+"""What a KV cache tensor is stored as: the kinds, one table of them, and a stream's settings.
+
+Every kind is one row of `KVCacheKind` below: a `KindSpec` saying how many bits an element
+takes, the storage dtype and, for a quantized kind, its code range, how a code maps to a value
+(uniform levels, or a codebook) and the id of its C kernel path. Everything else reads the spec:
+quantize / dequantize (caramba.cache.quant), the eager and C decode paths (caramba.cache.attend,
+caramba.cache.kernel), the stream layout (caramba.cache.streams), byte accounting, and the names
+the manifest schema and the CLI accept (`kind_names()`).
+
+How to add a quantized kind
+---------------------------
+1. caramba/cache/kinds.py (this file): one member in `KVCacheKind`, e.g.
+
+       Q6_0 = KindSpec("q6_0", bits=8, dtype=torch.int8, code_range=(-32, 31))
+
+   A uniform kind is fixed by its code range [lo, hi]: code c stands for (c - (lo + hi)/2) *
+   scale with scale = absmax / ((hi - lo)/2), a mid-rise quantizer symmetric about zero whose
+   extremes are exact. A codebook kind gives `codebook` (ascending, hi - lo + 1 values, max |v| =
+   the value absmax maps to) and codes index it. bits=4 kinds are packed two codes per byte
+   (uint8 codes in [0, 15]); bits=8 kinds store one code per byte. `aliases` adds short names.
+2. tests/test_kv_quant.py: its kind lists come from this table (error bound for uniform kinds,
+   update, rollback, reorder, batches, byte accounting); pin a few of the new kind's codes in
+   test_codes_match_reference_formulas.
+
+Without `kernel=` the kind decodes through the eager path (caramba.cache.attend). For the C fast
+path also give it `kernel=N` and handle KIND id N in caramba/cache/quant_attend.c's
+`code_vector` and `code_offset`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 
-# The seed docs' short names.
-ALIASES = {"q8": "q8_0", "q4": "q4_0"}
+SCALE_DTYPE = torch.float16
+SCALE_BYTES = 2
+
+# QLoRA's NormalFloat-4 codebook (Dettmers et al. 2023, bitsandbytes), ascending.
+NF4_LEVELS = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230850219727, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+)
+
+
+@dataclass(frozen=True, eq=False)
+class KindSpec:
+    """One cache kind. Fields are what a table row gives; the rest is derived once, here.
+
+    code_range: [lo, hi] of the stored codes; None for a float kind (values stored as `dtype`).
+    codebook: the value of code u (ascending, one per code); None: uniform levels c + offset.
+    kernel: the kind's id in quant_attend.c, or None (decode reads it through the eager path).
+    """
+
+    name: str
+    bits: int
+    dtype: torch.dtype
+    code_range: tuple[int, int] | None = None
+    codebook: tuple[float, ...] | None = None
+    kernel: int | None = None
+    aliases: tuple[str, ...] = ()
+    # Derived (see __post_init__).
+    quantized: bool = field(init=False)
+    packed: bool = field(init=False)          # two 4-bit codes per byte
+    offset: float = field(init=False)         # uniform kinds: code c stands for (c + offset) * scale
+    shift: float = field(init=False)          # quantize: code = floor(x / scale + shift)
+    half_range: float = field(init=False)     # absmax / scale: the largest |value| of a code
+    levels: torch.Tensor | None = field(init=False, repr=False)     # codebook as float32 [n]
+    midpoints: torch.Tensor | None = field(init=False, repr=False)  # between neighbouring levels: nearest-code bounds
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        quantized = self.code_range is not None
+        set_(self, "quantized", quantized)
+        set_(self, "packed", quantized and self.bits == 4)
+        set_(self, "levels", None)
+        set_(self, "midpoints", None)
+        set_(self, "offset", 0.0)
+        set_(self, "shift", 0.0)
+        set_(self, "half_range", 0.0)
+        if not quantized:
+            if self.codebook is not None or self.kernel is not None:
+                raise ValueError(f"kind {self.name}: a float kind (no code_range) takes no codebook or kernel")
+            if torch.empty(0, dtype=self.dtype).element_size() * 8 != self.bits:
+                raise ValueError(f"kind {self.name}: bits={self.bits} is not the size of {self.dtype}")
+            return
+        lo, hi = self.code_range
+        if self.bits not in (4, 8):
+            raise ValueError(f"kind {self.name}: quantized kinds store 8-bit or 4-bit codes; got bits={self.bits}")
+        if self.packed and not (self.dtype == torch.uint8 and 0 <= lo < hi <= 15):
+            raise ValueError(f"kind {self.name}: 4-bit codes are packed as uint8 nibbles: dtype must be torch.uint8 "
+                             f"and code_range within [0, 15]; got {self.dtype}, {self.code_range}")
+        if not self.packed and not (self.dtype in (torch.int8, torch.uint8)
+                                    and torch.iinfo(self.dtype).min <= lo < hi <= torch.iinfo(self.dtype).max):
+            raise ValueError(f"kind {self.name}: code_range {self.code_range} must fit the storage dtype {self.dtype} "
+                             "(torch.int8 or torch.uint8)")
+        if self.codebook is None:
+            # Symmetric mid-rise levels: both extremes are +-absmax and every code is used.
+            set_(self, "offset", -(lo + hi) / 2)
+            set_(self, "shift", 0.5 + (lo + hi) / 2)
+            set_(self, "half_range", (hi - lo) / 2)
+        else:
+            if len(self.codebook) != hi - lo + 1 or list(self.codebook) != sorted(self.codebook):
+                raise ValueError(f"kind {self.name}: codebook needs {hi - lo + 1} ascending values (one per code)")
+            if lo != 0:
+                raise ValueError(f"kind {self.name}: codebook codes index it from 0; code_range must start at 0")
+            levels = torch.tensor(self.codebook, dtype=torch.float32)
+            set_(self, "levels", levels)
+            set_(self, "midpoints", (levels[1:] + levels[:-1]) / 2)
+            set_(self, "half_range", float(levels.abs().max()))
+
+    def code_width(self, head_dim: int) -> int:
+        """Bytes of codes per head vector of head_dim elements."""
+        return head_dim // 2 if self.packed else head_dim
 
 
 class KVCacheKind(str, Enum):
-    FP32 = "fp32"
-    FP16 = "fp16"
-    BF16 = "bf16"
-    Q8_0 = "q8_0"   # int8 codes, one fp16 scale per block
-    Q4_0 = "q4_0"   # 4-bit codes, two per byte, one fp16 scale per block
-    NF4 = "nf4"     # 4-bit indexes into the QLoRA NormalFloat codebook, one fp16 absmax per block
+    """The cache kinds, by name: `KVCacheKind.FP16 == "fp16"`, `KVCacheKind.parse("q8")`.
+    Each member's `spec` is its KindSpec; this class body is the one table of kinds."""
+
+    FP32 = KindSpec("fp32", bits=32, dtype=torch.float32)
+    FP16 = KindSpec("fp16", bits=16, dtype=torch.float16)
+    BF16 = KindSpec("bf16", bits=16, dtype=torch.bfloat16)
+    # int8 codes c in [-128, 127] standing for (c + 1/2) * scale, one fp16 scale per block
+    Q8_0 = KindSpec("q8_0", bits=8, dtype=torch.int8, code_range=(-128, 127), kernel=0, aliases=("q8",))
+    # 4-bit codes u in [0, 15] standing for (u - 7.5) * scale, two per byte
+    Q4_0 = KindSpec("q4_0", bits=4, dtype=torch.uint8, code_range=(0, 15), kernel=1, aliases=("q4",))
+    # 4-bit indexes into the QLoRA NormalFloat codebook, one fp16 absmax per block
+    NF4 = KindSpec("nf4", bits=4, dtype=torch.uint8, code_range=(0, 15), codebook=NF4_LEVELS, kernel=2)
+
+    spec: KindSpec
+
+    def __new__(cls, spec: KindSpec) -> "KVCacheKind":
+        member = str.__new__(cls, spec.name)
+        member._value_ = spec.name
+        member.spec = spec
+        return member
 
     @classmethod
     def parse(cls, value: "KVCacheKind | str") -> "KVCacheKind":
@@ -27,28 +147,39 @@ class KVCacheKind(str, Enum):
         try:
             return cls(ALIASES.get(name, name))
         except ValueError:
-            valid = ", ".join(k.value for k in cls)
-            raise ValueError(f"unknown KV cache kind {value!r}; valid kinds: {valid} (aliases: q8, q4)") from None
+            raise ValueError(f"unknown KV cache kind {value!r}; valid kinds: {describe_kinds()}") from None
 
     @property
     def quantized(self) -> bool:
-        return self in (KVCacheKind.Q8_0, KVCacheKind.Q4_0, KVCacheKind.NF4)
+        return self.spec.quantized
 
     @property
     def bits(self) -> int:
-        return {"fp32": 32, "fp16": 16, "bf16": 16, "q8_0": 8, "q4_0": 4, "nf4": 4}[self.value]
+        return self.spec.bits
 
 
-STORAGE_DTYPE = {
-    KVCacheKind.FP32: torch.float32,
-    KVCacheKind.FP16: torch.float16,
-    KVCacheKind.BF16: torch.bfloat16,
-    KVCacheKind.Q8_0: torch.int8,
-    KVCacheKind.Q4_0: torch.uint8,  # two codes per byte
-    KVCacheKind.NF4: torch.uint8,
-}
-SCALE_DTYPE = torch.float16
-SCALE_BYTES = 2
+# Short names (the seed docs' q8, q4) -> kind names, from the table.
+ALIASES = {alias: kind.value for kind in KVCacheKind for alias in kind.spec.aliases}
+
+
+def kind_names(aliases: bool = True, quantized_only: bool = False) -> tuple[str, ...]:
+    """Every name KVCacheKind.parse accepts (lower case), table order, then the aliases:
+    ('fp32', 'fp16', 'bf16', 'q8_0', 'q4_0', 'nf4', 'q8', 'q4')."""
+    kinds = [k for k in KVCacheKind if k.spec.quantized or not quantized_only]
+    return tuple(k.value for k in kinds) + (tuple(a for k in kinds for a in k.spec.aliases) if aliases else ())
+
+
+def describe_kinds(quantized_only: bool = False) -> str:
+    """The kinds for an error message or help text: 'fp32, fp16, ..., nf4 (aliases: q8, q4)'."""
+    kinds = [k for k in KVCacheKind if k.spec.quantized or not quantized_only]
+    text = ", ".join(k.value for k in kinds)
+    short = [a for k in kinds for a in k.spec.aliases]
+    return f"{text} (aliases: {', '.join(short)})" if short else text
+
+
+def spec_of(kind: "KVCacheKind | KindSpec | str") -> KindSpec:
+    """The KindSpec of a kind given as a spec, a KVCacheKind or a name."""
+    return kind if isinstance(kind, KindSpec) else KVCacheKind.parse(kind).spec
 
 
 @dataclass(frozen=True)
@@ -72,15 +203,19 @@ class KVCacheTensorConfig:
             raise ValueError(f"residual_len={self.residual_len} must be >= 0")
 
     @property
+    def spec(self) -> KindSpec:
+        return self.kind.spec
+
+    @property
     def quantized(self) -> bool:
-        return self.kind.quantized
+        return self.kind.spec.quantized
 
     @property
     def dtype(self) -> torch.dtype:
-        return STORAGE_DTYPE[self.kind]
+        return self.kind.spec.dtype
 
     def bytes_per_element(self) -> float:
-        return self.kind.bits / 8
+        return self.kind.spec.bits / 8
 
     def block_for(self, head_dim: int) -> int:
         block = min(self.qblock, head_dim)
@@ -91,6 +226,7 @@ class KVCacheTensorConfig:
     def bytes_per_token(self, n_heads: int, head_dim: int) -> int:
         """Analytic bytes one token of one batch row occupies (codes + scales), excluding the
         fixed-size residual window."""
-        if not self.quantized:
-            return n_heads * head_dim * self.kind.bits // 8
-        return n_heads * (head_dim * self.kind.bits // 8 + head_dim // self.block_for(head_dim) * SCALE_BYTES)
+        spec = self.kind.spec
+        if not spec.quantized:
+            return n_heads * head_dim * spec.bits // 8
+        return n_heads * (spec.code_width(head_dim) + head_dim // self.block_for(head_dim) * SCALE_BYTES)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from caramba.cache.attend import attend_chunked
 from caramba.cache.kinds import KVCacheTensorConfig
+from caramba.cache.mask import attention_mask, narrowest
 from caramba.cache.quant import quantize
 from caramba.cache.streams import make_stream
 
@@ -128,7 +129,7 @@ class LayerKVCache(StreamLayerCache):
         ks, vs = self.k_stream, self.v_stream
         if ks.quantized and vs.quantized and (ks.kind, ks.block) == (vs.kind, vs.block) and k.shape == v.shape:
             # One quantize call for both: a decode step is dominated by per-op overhead.
-            codes, scales = quantize(torch.cat([k, v], dim=1), ks.kind, ks.block)
+            codes, scales = quantize(torch.cat([k, v], dim=1), ks.spec, ks.block)
             H = k.shape[1]
             ks.write(start, k, (codes[:, :H], scales[:, :H]))
             vs.write(start, v, (codes[:, H:], scales[:, H:]))
@@ -184,6 +185,20 @@ class KVCache:
         """Which slot each stored key holds once `end` slots are written, in storage order;
         None when storage is slot order [0, end) (a ring buffer, caramba.cache.ring, is not)."""
         return None
+
+    def attention_mask(self, B: int, T: int, slot_mask: torch.Tensor | None, device: torch.device,
+                       window: int | None = None, model_window: int | None = None) -> tuple[torch.Tensor | None, bool]:
+        """(mask [B, 1, T, n] | None, causal) for a forward that writes T slots after `length`
+        (caramba.cache.mask.attention_mask), over the keys as this cache stores them.
+
+        window: a span the caller asks for; it must agree with this cache's own `window` when
+        both are set. model_window: the model's trained sliding window, which binds as well.
+        slot_mask [B, >= S]: True where a slot is a real token."""
+        if self.window is not None and window not in (None, self.window):
+            raise ValueError(f"window={window} disagrees with the cache's window={self.window}")
+        start = self.length
+        span = narrowest(self.window if window is None else window, model_window)
+        return attention_mask(B, T, start, slot_mask, device, span, self.key_slots(start + T))
 
     @property
     def length(self) -> int:

@@ -6,8 +6,9 @@ T new slots therefore needs the W - 1 slots before its first one plus its own T:
 keeps counting slots (rotary positions keep growing), so generation is no longer bounded by a
 max_seq_len; every forward may write at most `max_write` slots (the decode plan's q_chunk).
 
-Attention reads the ring in storage order and the model masks it by `key_slots` (the slot each
-stored key holds): a softmax does not care in which order its keys come. So float and quantized
+Attention reads the ring in storage order and the cache's attention mask (KVCache.attention_mask)
+is built over `key_slots` (the slot each stored key holds): a softmax does not care in which
+order its keys come. So float and quantized
 kinds (chunked code reads over storage ranges, caramba.cache.attend) work unchanged. Not
 supported: a quantized kind's full-precision residual window (it assumes storage order is slot
 order) and layers other than LayerKVCache (e.g. decoupled attention).

@@ -1,8 +1,8 @@
 """One cached stream (K or V) of one layer: [batch, heads, max_seq_len, head_dim] slots.
 
 `FloatStream` keeps the values in fp32/fp16/bf16. `QuantStream` keeps codes and fp16 scales
-(caramba.cache.quant) plus, optionally, the newest `residual_len` tokens in full precision in a
-ring buffer indexed by position % residual_len.
+(caramba.cache.quant, laid out as the kind's spec says) plus, optionally, the newest
+`residual_len` tokens in full precision in a ring buffer indexed by position % residual_len.
 """
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ class QuantStream:
                  keys_major: bool = False) -> None:
         self.cfg, self.n_heads, self.head_dim = cfg, H, D
         self.kind, self.block, self.R = cfg.kind, cfg.block_for(D), cfg.residual_len
+        self.spec = cfg.kind.spec   # resolved once: write and read paths take it as is
         self.nb, self.keys_major = D // self.block, keys_major
-        code_width = D if cfg.kind.bits == 8 else D // 2
+        code_width = self.spec.code_width(D)
         shape = (B, H, code_width, S) if keys_major else (B, H, S, code_width)
-        self.codes = torch.zeros(shape, dtype=cfg.dtype, device=device)
+        self.codes = torch.zeros(shape, dtype=self.spec.dtype, device=device)
         self.scales = torch.zeros(B, H, self.nb, S, dtype=SCALE_DTYPE, device=device)
         # Full-precision copies of the newest tokens: slot p % R holds position p.
         self.ring = torch.zeros(B, H, self.R, D, dtype=dtype, device=device) if self.R else None
@@ -59,7 +60,7 @@ class QuantStream:
     def write(self, start: int, x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Store x [B, H, T, D] at [start, start + T); `quantized`: its (codes, scales), if already made."""
         end = start + x.shape[2]
-        codes, scales = quantized or quantize(x, self.kind, self.block)   # [B, H, T, Dc], [B, H, T, nb]
+        codes, scales = quantized or quantize(x, self.spec, self.block)   # [B, H, T, Dc], [B, H, T, nb]
         if self.keys_major:
             self.codes[..., start:end] = codes.transpose(-1, -2)
         else:
@@ -86,7 +87,7 @@ class QuantStream:
         codes, scales = self.code_slice(s0, s1)
         if self.keys_major:
             codes = codes.transpose(-1, -2)
-        return dequantize(codes, scales.transpose(-1, -2), self.kind, self.block, dtype)
+        return dequantize(codes, scales.transpose(-1, -2), self.spec, self.block, dtype)
 
     def residual(self, r0: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """Positions [r0, end) from the ring: [B, H, end - r0, D]."""

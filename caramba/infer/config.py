@@ -32,15 +32,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
-from caramba.cache import CachePolicy, KVCacheKind
+from caramba.cache import CachePolicy, KVCacheKind, kind_names
 from caramba.cache.policy import ALL_STREAMS
 from caramba.options import OptionError, check_options, option, options_of
 from caramba.infer.drafts import DRAFT_KINDS
 from caramba.infer.plan import DecodePlan
 from caramba.infer.sampling import SamplingParams
 
-CACHE_KINDS = tuple(k.value for k in KVCacheKind)
-KIND_CHOICES = (*CACHE_KINDS, "q8", "q4")          # with the seed docs' aliases
+KIND_CHOICES = kind_names()          # the cache kind table's names and aliases (caramba.cache.kinds)
 SPEC_METHODS = ("reject_sampling", "greedy")
 MIB = 2**20
 

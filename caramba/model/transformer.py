@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from caramba.cache import CachePolicy, KVCache, KVCacheKind, LayerKVCache
+from caramba.cache.mask import attention_mask, narrowest
 from caramba.model.config import ModelConfig
 from caramba.model.decoupled import DecoupledAttention, decoupled_cache
 from caramba.model.rope import RotaryTable, apply_rope
@@ -196,19 +197,17 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:                              # [B, T or 1, vocab] logits
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
-        key_slots = None
         if cache is not None:
             cache.check_room(T)
-            if cache.window is not None and window not in (None, cache.window):
-                raise ValueError(f"window={window} disagrees with the cache's window={cache.window}")
-            window = cache.window if window is None else window
-            key_slots = cache.key_slots(start + T)
-        if self.config.sliding_window is not None:   # the model's own (trained) window binds too
-            window = self.config.sliding_window if window is None else min(window, self.config.sliding_window)
+            # The cache knows where its keys lie (a ring buffer's are not in slot order) and its
+            # own window; the model's trained window binds too.
+            mask, causal = cache.attention_mask(B, T, slot_mask, tokens.device, window, self.config.sliding_window)
+        else:
+            mask, causal = self._attention_mask(B, T, slot_mask, tokens.device,
+                                                narrowest(window, self.config.sliding_window))
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
         cos, sin = self.rotary(positions) if self.wpe is None else (None, None)
-        mask, causal = self._attention_mask(B, T, start, slot_mask, tokens.device, window, key_slots)
         x = self.embed_tokens(tokens)
         if self.wpe is not None:
             x = x + self.learned_positions(positions)
@@ -219,26 +218,7 @@ class Transformer(nn.Module):
         return self.head(self.norm(x))
 
     @staticmethod
-    def _attention_mask(B, T, start, slot_mask, device, window=None, key_slots=None) -> tuple[torch.Tensor | None, bool]:
-        """Causal over cache slots, minus padding slots and, with a window, slots `window` or more
-        before the query. key_slots [n]: the slot each stored key holds (a ring buffer's storage
-        order; None: [0, S)). None/causal flag when SDPA can do it alone."""
-        S = start + T
-        windowed = window is not None and S > window   # some query has a slot out of its reach
-        if slot_mask is None and key_slots is None and not windowed:
-            if T == 1:
-                return None, False          # one new token sees every cached slot
-            if start == 0:
-                return None, True           # plain causal prefill
-        q_slot = torch.arange(start, S, device=device)[:, None]
-        k_slot = (torch.arange(S, device=device) if key_slots is None else key_slots)[None, :]
-        mask = k_slot <= q_slot
-        if windowed:
-            mask = mask & (k_slot > q_slot - window)
-        mask = mask.expand(B, T, k_slot.shape[1])
-        if slot_mask is not None:
-            # slot_mask is indexed by slot % its width (a ring buffer's is as wide as the ring).
-            valid = slot_mask[:, :S] if key_slots is None else slot_mask[:, key_slots % slot_mask.shape[1]]
-            # A padding query sees only itself, so no softmax row is empty (NaN); its output is unused.
-            mask = (mask & valid[:, None, :]) | (k_slot == q_slot)
-        return mask.unsqueeze(1), False     # [B, 1, T, n]
+    def _attention_mask(B, T, slot_mask, device, window=None) -> tuple[torch.Tensor | None, bool]:
+        """The mask of a forward without a cache: causal over its T tokens, minus padding and
+        out-of-window slots (a cache builds its own: KVCache.attention_mask)."""
+        return attention_mask(B, T, 0, slot_mask, device, window)
