@@ -434,11 +434,10 @@ def test_manifest_cache_fields_reach_the_generator():
     from pydantic import ValidationError
 
     from caramba.manifest import GenerateSettings
-    from caramba.runners.generate import generate_config
 
     s = GenerateSettings(prompts=["x"], cache_kind="q4", cache_policy={"k": "q8_0"}, qblock=16, residual_len=8,
                          rotate_keys=True, cache_fp16_prefix_layers=2)
-    policy = generate_config(s, None, None).cache_spec()
+    policy = s.engine_config().cache_spec()
     assert policy.to_dict() == {"k": "q8_0", "v": "q4_0", "qblock": 16, "residual_len": 8, "rotate_keys": True,
                                 "cache_fp16_prefix_layers": 2}
     for bad in ({"cache_kind": "q3"}, {"cache_policy": {"q": "q8_0"}}, {"qblock": 7}, {"residual_len": -1}):
