@@ -19,18 +19,32 @@ from caramba.manifest.hints import did_you_mean, format_loc
 from caramba.manifest.overrides import apply_overrides
 from caramba.manifest.schema import Manifest, annotation_at
 from caramba.manifest.substitution import substitute_vars
-from caramba.manifest.yaml_lines import Locations, parse_yaml
+from caramba.manifest.yaml_lines import MAX_BYTES, Locations, parse_yaml
 
 
 def load_manifest(path: str | Path, overrides: Sequence[str] = ()) -> Manifest:
     """Read, override (`--set` strings, see caramba.manifest.overrides) and validate a manifest file."""
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        # A FIFO would block on open and /dev/zero never ends: only regular files, read bounded.
+        if not Path(path).is_file():
+            what = "a directory" if Path(path).is_dir() else "not a regular file"
+            if not Path(path).exists():
+                raise FileNotFoundError
+            raise UserError(f"{source}: is {what}; give the manifest's YAML file")
+        with open(path, "rb") as file:
+            raw = file.read(MAX_BYTES + 1)
+        if len(raw) > MAX_BYTES:
+            raise UserError(f"{source}: more than {MAX_BYTES >> 20} MiB is not a manifest; "
+                            "put long texts in files the manifest names")
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise UserError(f"{source}: manifest file not found") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"{source}: cannot read manifest: {error}") from None
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise UserError(f"{source}:{line}: the manifest is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except OSError as error:
+        raise UserError(f"{source}: cannot read manifest: {error.strerror or error}") from None
     return parse_manifest(text, source, overrides)
 
 

@@ -44,7 +44,8 @@ Prompt = Annotated[str, Field(min_length=1)]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and inf pass every `ge`/`le` check (or fail later mid-run); no manifest float means them.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelSpec(_Model):
@@ -241,7 +242,7 @@ class Expect(_Model):
 class Run(_Model):
     id: SafeId
     mode: Mode
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)  # the range torch.manual_seed accepts
     model: ModelSpec | None = None  # fields given here override the defaults' model
     draft: ModelSpec | None = None  # speculative with draft: model; fields not given follow the run's model
     generate: GenerateSettings | None = None
