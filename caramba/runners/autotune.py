@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.progress import Progress, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -16,7 +18,9 @@ from caramba.autotune.gates import GateResult
 from caramba.bench.report import write_csv
 from caramba.manifest.schema import CacheAutotuneSettings, GenerateSettings
 from caramba.model.zoo import LoadedModel
-from caramba.runs import RunDir
+from caramba.autotune.plans import is_under
+from caramba.errors import UserError
+from caramba.runs import RunDir, runs_root
 
 PHASES = {"text": "gates: scoring the text", "needle": "gates: needle in a haystack", "speed": "speed: decode rounds"}
 
@@ -45,7 +49,7 @@ def run_tuned(loaded: LoadedModel, settings: AutotuneSettings, console: Console,
     """autotune() with progress bars on `console` and notices (a corrupt plan file moved aside) on
     stderr; on no candidate, the table first."""
     stderr = Console(stderr=True, highlight=False)
-    notice = lambda message: stderr.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)  # noqa: E731
+    notice = lambda message: stderr.print(f"[yellow]warning:[/yellow] {escape(message)}", soft_wrap=True)  # noqa: E731
     try:
         with progress_bars(console, disable=quiet) as progress:
             return autotune(loaded, settings, text, plan_path, force, progress, notice)
@@ -55,9 +59,24 @@ def run_tuned(loaded: LoadedModel, settings: AutotuneSettings, console: Console,
         raise
 
 
+def manifest_plan_path(settings: CacheAutotuneSettings) -> Path | None:
+    """A manifest's `autotune.plan_path`, which must lie under the runs root: what a manifest writes
+    stays there (the command line's --plan-path may name any file: the user typed it). UserError
+    otherwise, before anything is read or written."""
+    if settings.plan_path is None:
+        return None
+    root = runs_root()
+    path = Path(settings.plan_path).expanduser()
+    if not is_under(path, root) or path.resolve() == root.resolve():
+        raise UserError(f"autotune.plan_path {settings.plan_path!r} is outside the runs directory {root}; what a "
+                        f"manifest writes stays there: give a path such as '{root / 'plans.json'}', or leave "
+                        "plan_path out for the default store (`caramba autotune --plan-path` may name any file)")
+    return path
+
+
 def run_cache_autotune(loaded: LoadedModel, settings: CacheAutotuneSettings, seed: int | None, record: RunDir,
                        console: Console) -> dict[str, Any]:
-    result = run_tuned(loaded, engine_settings(settings), console, settings.text, settings.plan_path)
+    result = run_tuned(loaded, engine_settings(settings), console, settings.text, manifest_plan_path(settings))
     print_candidates(console, result)
     write_csv(record.path / "candidates.csv", candidate_rows(result))
     record.log(f"plan {result.key_id} ({result.status}) in {result.plan_path}: chose {result.chosen['name']}")
