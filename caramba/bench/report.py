@@ -39,8 +39,8 @@ def write_plots(directory: Path, rows: list[dict]) -> list[Path]:
     written = []
     for name, metric, ylabel in (
         ("decode_tok_s.png", "decode_tok_s", "decode tokens/s"),
-        ("memory.png", "peak_rss_mb", "peak RSS (MB)"),
-        ("cache_bytes.png", "cache_bytes", "KV cache (MB)"),
+        ("memory.png", "peak_rss_mb", "peak RSS (MiB)"),
+        ("cache_bytes.png", "cache_bytes", "KV cache (MiB)"),
     ):
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, points in sorted(series.items()):

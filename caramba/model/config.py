@@ -68,7 +68,7 @@ class ModelConfig:
         Settings this model cannot compute exactly (a sliding window that can bind, GPT-2's
         per-layer attention scaling, ...) raise ValueError rather than load a different model."""
         if not isinstance(hf, dict):
-            raise ValueError(f"config.json must hold a JSON object (model_type, hidden_size, ...), not a {type(hf).__name__}")
+            raise ValueError(f"must hold a JSON object (model_type, hidden_size, ...), not a {type(hf).__name__}")
         arch = hf.get("model_type", "llama")
         if arch == "gpt2":
             return cls(**_gpt2_fields(hf))

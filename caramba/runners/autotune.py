@@ -127,7 +127,7 @@ def candidates_table(result: AutotuneResult) -> Group:
     needle = result.needle or {}
     found = {True: "found", False: "missed", None: "n/a"}[needle.get("baseline_found")]
     table = Table(title=f"cache autotune: max_seq_len={k['max_seq_len']} batch={k['batch_size']} "
-                        f"budget={k['budget_mb']:g} MB; plan {result.key_id} ({result.status}); "
+                        f"budget={k['budget_mb']:g} MiB; plan {result.key_id} ({result.status}); "
                         f"needle: baseline {found} the code", title_justify="left")
     for col in ("#", "candidate", "MiB", "dNLL", "PPL ratio", "mean KL", "needle KL", "needle", "tok/s", "verdict"):
         table.add_column(col, justify="left" if col in ("candidate", "verdict") else "right",
