@@ -375,7 +375,11 @@ def bench(
         record.begin()
         record.write_json("env.json", capture_env(None, device))
         record.write_json("settings.json", {"model": model, "dtype": dtype, "device": device, **settings.model_dump()})
-        result = run_decode_bench(loaded, settings, None, record, err if as_json else out)
+        try:
+            result = run_decode_bench(loaded, settings, None, record, err if as_json else out)
+        except UserError:  # bad input found late (a text file, --reference hf without transformers): keep nothing
+            record.discard()
+            raise
         result["model"] = {"source": model, "path": str(loaded.path), "sha256": loaded.content_hash, "dtype": dtype}
         record.write_json("result.json", result)
         record.finish()

@@ -112,14 +112,26 @@ class PlanStore:
                 raise _Damaged(f"plan {pid!r} lacks its key or chosen cache", True)
         return data["plans"]
 
+    def _ours(self, damage: _Damaged) -> bool:
+        return damage.recognizable or (self.path.is_file() and is_under(self.path, runs_root()))
+
+    def _refuse_foreign(self) -> None:
+        """Before taking the lock (which creates a file beside the store): refuse a path that holds
+        something other than a plan store, so a refused write leaves nothing behind."""
+        try:
+            self._load()
+        except _Damaged as e:
+            if not self._ours(e):
+                raise UserError(f"{self.path} is not a plan store ({e}); caramba will not overwrite it: "
+                                "give another plan path (a new file, or one under runs/)") from None
+
     def _read_for_write(self) -> dict[str, dict]:
         """The plans before a write (the caller holds the lock): a damaged store is moved aside;
         a file that is not recognizably one is refused, untouched."""
         try:
             return self._load()
         except _Damaged as e:
-            ours = e.recognizable or (self.path.is_file() and is_under(self.path, runs_root()))
-            if not ours:
+            if not self._ours(e):
                 raise UserError(f"{self.path} is not a plan store ({e}); caramba will not overwrite it: "
                                 "give another plan path (a new file, or one under runs/)") from None
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
@@ -149,6 +161,7 @@ class PlanStore:
         """Store entry (chosen, candidates, ...) under key, stamped now; returns what was stored."""
         stored = {"key": key, **entry, "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "created_unix": time.time()}
+        self._refuse_foreign()
         with self._locked():
             plans = self._read_for_write()
             plans[key_id(key)] = stored
@@ -162,6 +175,7 @@ class PlanStore:
                              "or no id to clear them all")
         if not self.path.exists():
             return []
+        self._refuse_foreign()
         with self._locked():
             plans = self._read_for_write()
             gone = [i for i in plans if ids is None or any(i.startswith(p) for p in ids)]

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from caramba.errors import UserError
+from caramba.runs import runs_root
 from caramba.manifest.hints import did_you_mean, format_loc
 from caramba.manifest.overrides import apply_overrides
 from caramba.manifest.schema import Manifest, annotation_at
@@ -61,13 +62,37 @@ def parse_manifest(text: str, source: str = "<manifest>", overrides: Sequence[st
     locations.overrides = apply_overrides(data, overrides)
     data = substitute_vars(data, locations)
     try:
-        return Manifest.model_validate(data)
+        manifest = Manifest.model_validate(data)
     except ValidationError as error:
         # In file order, so the message reads top to bottom like the manifest.
         errors = sorted(error.errors(include_url=False), key=lambda e: locations.line_of(e["loc"]) or 0)
         problems = [_describe(problem, locations) for problem in errors]
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
         raise UserError(f"invalid manifest {source} ({count}):\n" + "\n".join(problems)) from None
+    _check_written_paths(manifest, locations, source)
+    return manifest
+
+
+def _check_written_paths(manifest: Manifest, locations: Locations, source: str) -> None:
+    """What a manifest writes stays under the runs root: today that is `autotune.plan_path` (the
+    command line's --plan-path may name any file; the user typed it there)."""
+    root = runs_root()
+    problems = []
+    for t, target in enumerate(manifest.targets):
+        for r, run in enumerate(target.runs):
+            plan_path = run.autotune.plan_path if run.autotune is not None else None
+            if plan_path is None:
+                continue
+            path = Path(plan_path).expanduser().resolve()
+            inside = root.resolve() in path.parents
+            if not inside:
+                loc = ("targets", t, "runs", r, "autotune", "plan_path")
+                problems.append(f"{locations.where(loc)}: {format_loc(loc)}: {plan_path!r} is outside the runs "
+                                f"directory {root}; a manifest writes only there: give a path such as "
+                                f"'{root / 'plans.json'}', or leave plan_path out for the default store")
+    if problems:
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        raise UserError(f"invalid manifest {source} ({count}):\n" + "\n".join(problems))
 
 
 def resolved_manifest_yaml(manifest: Manifest) -> str:
