@@ -91,6 +91,12 @@ class PlanStore:
 
     def _load(self) -> dict[str, dict]:
         """The plans, or _Damaged saying why the file is not a plan store."""
+        try:
+            return self._parse()
+        except (OSError, ValueError) as e:  # unreadable, a name too long, a NUL in the path
+            raise UserError(f"cannot read the plan store {self.path}: {getattr(e, 'strerror', None) or e}") from None
+
+    def _parse(self) -> dict[str, dict]:
         if not self.path.exists() and not self.path.is_symlink():
             return {}
         if not self.path.is_file():
@@ -151,8 +157,6 @@ class PlanStore:
             self.notice(f"plan file {self.path} is corrupt or not a plan store ({e}); ignoring it. "
                         "The next autotune that stores a plan there moves a damaged store aside")
             return {}
-        except OSError as e:
-            raise UserError(f"cannot read the plan store {self.path}: {e.strerror or e}") from None
 
     def get(self, key: dict[str, Any]) -> dict | None:
         return self.all().get(key_id(key))

@@ -83,8 +83,10 @@ def _check_written_paths(manifest: Manifest, locations: Locations, source: str) 
             plan_path = run.autotune.plan_path if run.autotune is not None else None
             if plan_path is None:
                 continue
-            path = Path(plan_path).expanduser().resolve()
-            inside = root.resolve() in path.parents
+            try:
+                inside = root.resolve() in Path(plan_path).expanduser().resolve().parents
+            except (OSError, ValueError, RuntimeError):  # a NUL, '~nouser', a loop of symlinks
+                inside = False
             if not inside:
                 loc = ("targets", t, "runs", r, "autotune", "plan_path")
                 problems.append(f"{locations.where(loc)}: {format_loc(loc)}: {plan_path!r} is outside the runs "

@@ -54,16 +54,22 @@ def resolve_source(source: str) -> Path:
         return path
     if not isinstance(source, str) or not source.strip():
         raise UserError(f"model source {source!r} is empty; give {', '.join(EMBEDDED)}, a .gguf file or an HF directory")
-    path = Path(source).expanduser()
+    try:
+        return _check_source_path(source, Path(source).expanduser())
+    except (OSError, ValueError, RuntimeError) as e:  # a NUL, a name too long, '~nouser'
+        raise UserError(f"model source {source!r} is not a usable path: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _check_source_path(source: str, path: Path) -> Path:
     if not path.exists():
         known = ", ".join(EMBEDDED)
-        raise UserError(f"model source '{source}' is neither a known model ({known}) nor an existing path")
+        raise UserError(f"model source {source!r} is neither a known model ({known}) nor an existing path")
     if not (path.is_file() or path.is_dir()):  # a FIFO blocks and /dev/zero never ends: never read them
-        raise UserError(f"model source '{source}' is not a regular file or directory; give a .gguf file or an HF directory")
+        raise UserError(f"model source {source!r} is not a regular file or directory; give a .gguf file or an HF directory")
     if path.is_file() and path.suffix != ".gguf":
-        raise UserError(f"model source '{source}' is a file but not a .gguf; give a .gguf file or an HF directory")
+        raise UserError(f"model source {source!r} is a file but not a .gguf; give a .gguf file or an HF directory")
     if path.is_dir() and not (path / "config.json").exists():
-        raise UserError(f"model source '{source}' is a directory without config.json; an HF model directory "
+        raise UserError(f"model source {source!r} is a directory without config.json; an HF model directory "
                         "holds config.json, *.safetensors and tokenizer.json")
     return path
 
@@ -115,9 +121,9 @@ def inspect_source(source: str) -> ModelConfig:
             return hf_loader.config_from_dir(path)
         return gguf_loader.config_from_gguf(gguf_loader.open_gguf(path))
     except TypeError as e:   # a native config.json with fields this version does not know
-        raise UserError(f"cannot load model '{source}': {path / 'config.json'} is not a config this caramba can read: {e}") from None
+        raise UserError(f"cannot load model {source!r}: {path / 'config.json'} is not a config this caramba can read: {e}") from None
     except ValueError as e:
-        raise UserError(f"cannot load model '{source}': {e}") from None
+        raise UserError(f"cannot load model {source!r}: {e}") from None
 
 
 def load_model(source: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu", progress: bool = True) -> LoadedModel:
@@ -147,7 +153,7 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str = "float32", device: str 
         cfg.extra = {"source": str(path), "sha256": digest}
         model = build_model(cfg, state, DTYPES[dtype], dev)
     except ValueError as e:
-        raise UserError(f"cannot load model '{source}': {e}") from None
+        raise UserError(f"cannot load model {source!r}: {e}") from None
     return LoadedModel(model, tokenizer, source, path, digest)
 
 
