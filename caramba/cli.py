@@ -402,7 +402,7 @@ def report(
 
         try:
             rows = compare(list(run_dirs))
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:
             raise UserError(str(e)) from None
         if as_json:
             print(json_text(rows))

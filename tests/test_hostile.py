@@ -393,3 +393,18 @@ def test_clearing_an_empty_plan_id_is_refused(tmp_path):
         with pytest.raises(ValueError, match="empty plan id"):
             store.remove(ids)
     assert len(store.all()) == 1
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe", b"[1]", b'{"cells": 3}', b'{"cells": [1]}',
+                                     b'{"summary": {"decode_tok_s": "fast", "ttft_s": NaN}}'])
+def test_report_answers_any_result_file(tmp_path, content):
+    run = tmp_path / "[bold]run"
+    run.mkdir()
+    (run / "result.json").write_bytes(content)
+    for extra in ([], ["--json"]):
+        r = invoke("report", run, run, *extra)
+        assert r.exit_code in (0, 2) and "Traceback" not in r.output, r.output
+        if r.exit_code == 2:
+            assert "result.json" in r.output
+        elif extra:
+            _strict_json(r.stdout)
