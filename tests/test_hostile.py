@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 import tracemalloc
@@ -252,7 +253,9 @@ def _render(template: str):
     ("{% set s = 'a' * 1000000 %}{{ s | replace('a', s) }}", "replace"),
     ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
     ("{% for i in range(100000) %}{{ 'abcdefghij' * 100 }}{% endfor %}", "output past"),
-    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "rendering took over"),
+    # The deadline rides on sys.settrace, which a debugger or coverage already holds.
+    pytest.param("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                 "rendering took over", marks=pytest.mark.skipif(sys.gettrace() is not None, reason="a tracer is active")),
     ("{{ raise_exception('no system role') }}", "rejected the messages: no system role"),
 ])
 def test_chat_templates_are_bounded(template, message, monkeypatch):
