@@ -113,9 +113,11 @@ class PlanStore:
         if not (isinstance(data, dict) and data.get("version") == VERSION and isinstance(data.get("plans"), dict)):
             raise _Damaged(f"not a version-{VERSION} plan store", shaped)
         for pid, plan in data["plans"].items():
+            # What readers index without checking (autotune's reuse, `plans list`): the fields put() writes.
             if not (isinstance(plan, dict) and isinstance(plan.get("key"), dict) and isinstance(plan.get("chosen"), dict)
-                    and isinstance(plan["chosen"].get("name"), str) and isinstance(plan.get("candidates", []), list)):
-                raise _Damaged(f"plan {pid!r} lacks its key or chosen cache", True)
+                    and isinstance(plan["chosen"].get("name"), str) and isinstance(plan.get("candidates"), list)
+                    and isinstance(plan.get("created_utc"), str)):
+                raise _Damaged(f"plan {pid!r} lacks its key, chosen cache, candidates or creation time", True)
         return data["plans"]
 
     def _ours(self, damage: _Damaged) -> bool:
