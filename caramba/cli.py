@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import sys
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from caramba.errors import CarambaError, UserError
 
@@ -25,8 +27,27 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# Piped output (CI logs) is not bound to rich's 80-column guess: tables get room to stay readable.
+# ($COLUMNS, when set, still wins: rich reads it.)
+_PIPE_WIDTH = None if "COLUMNS" in os.environ else 160
+out = Console(highlight=False, width=None if sys.stdout.isatty() else _PIPE_WIDTH)
+err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else _PIPE_WIDTH)
+
+
+def json_text(obj, **kwargs) -> str:
+    """json.dumps for stdout: NaN and infinities (a score of -inf, a failed metric) become null, so
+    the output is valid JSON for every parser (json.dumps would write NaN)."""
+    return json.dumps(_finite(obj), allow_nan=False, **kwargs)
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 @contextmanager
@@ -34,7 +55,7 @@ def _errors_as_exit_codes():
     try:
         yield
     except CarambaError as e:
-        err.print(f"[red]error:[/red] {e}", soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)  # user text is not markup
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/yellow]: completed runs are kept; unfinished ones have no DONE marker")
@@ -44,7 +65,7 @@ def _errors_as_exit_codes():
     except Exception as e:
         if os.environ.get("CARAMBA_DEBUG"):
             raise
-        err.print(f"[red]error:[/red] {type(e).__name__}: {e} (CARAMBA_DEBUG=1 shows the traceback)", soft_wrap=True)
+        err.print(f"[red]error:[/red] {type(e).__name__}: {escape(str(e))} (CARAMBA_DEBUG=1 shows the traceback)", soft_wrap=True)
         raise typer.Exit(1) from None
 
 
@@ -96,7 +117,8 @@ def validate(
     with _errors_as_exit_codes():
         m = _load(manifest, overrides or [])
         runs = list(m.iter_runs())
-        out.print(f"[green]ok[/green] {manifest}: {len(runs)} run(s): " + ", ".join(f"{r.target}/{r.run.id}" for r in runs))
+        out.print(f"[green]ok[/green] {escape(str(manifest))}: {len(runs)} run(s): "
+                  + escape(", ".join(f"{r.target}/{r.run.id}" for r in runs)))
 
 
 def _generate(prompt: str, model: str, dtype: str, device: str, seed: Optional[int], chat: bool, system: Optional[str],
@@ -203,14 +225,17 @@ def bench(
             result["versions"] = {"caramba": caramba_version, **library_versions()}
             record.write_json("result.json", result)
             record.finish()
+        except UserError:   # bad input found late (a text file, --reference hf without transformers): keep nothing
+            record.discard()
+            raise
         except BaseException:
             record.abandon()   # the attempt's files (log.txt) stay, without DONE
             raise
         finally:
             record.release()
         if as_json:
-            print(json.dumps(result["cells"]))
-        err.print(f"record: {record.final}")
+            print(json_text(result["cells"]))
+        err.print(f"record: {escape(str(record.final))}")
 
 
 @app.command()
@@ -227,13 +252,13 @@ def report(
 
         try:
             rows = compare(list(run_dirs))
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:
             raise UserError(str(e)) from None
         if as_json:
-            print(json.dumps(rows))
+            print(json_text(rows))
             return
         metrics = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("run", *CELL_KEY) and not k.endswith("_delta")]
-        table = Table(title=f"compared with {run_dirs[0]}")
+        table = Table(title=f"compared with {escape(str(run_dirs[0]))}")
         for col in ("run", "impl", "ctx", "batch", "cache", "plan", *metrics):
             table.add_column(col)
         for r in rows:
@@ -245,8 +270,9 @@ def report(
                     color = "green" if (delta > 0) == (m in ("decode_tok_s", "decode_tok_s_median")) else "red"
                     text += f" [{color}]({delta:+.1%})[/{color}]"
                 cells.append(text)
-            table.add_row(Path(r["run"]).name, str(r.get("impl")), str(r.get("prompt_len")), str(r.get("batch_size")),
-                          str(r.get("cache_kind")), str(r.get("decode_plan") or ""), *cells)
+            table.add_row(*(escape(str(v)) for v in (Path(r["run"]).name, r.get("impl"), r.get("prompt_len"),
+                                                     r.get("batch_size"), r.get("cache_kind"), r.get("decode_plan") or "")),
+                          *cells)
         out.print(table)
 
 
@@ -287,7 +313,7 @@ def convert_dba(
             raise UserError(f"the calibration text has only {len(calibration)} usable tokens; give a longer --calib-text")
         conv = convert_loaded(loaded, sem_dim, geo_dim, out_dir, calibration)
         cfg = conv.config
-        out.print(f"[green]wrote[/green] {out_dir}: sem_dim={cfg.sem_dim}, geo_dim={cfg.geo_dim} per head, "
+        out.print(f"[green]wrote[/green] {escape(str(out_dir))}: sem_dim={cfg.sem_dim}, geo_dim={cfg.geo_dim} per head, "
                   f"{len(calibration)} calibration tokens, SVD keeps {conv.sem_energy:.1%} of the semantic forms' energy")
         sizes = []
         for kind in ("fp16", "q8_0", "q4_0"):
@@ -374,7 +400,7 @@ def eval_cache(
             results = evaluate_cache(loaded.model, ids, candidates, base, prompt_len,
                                      on_step=lambda done, total: bar.update(task, completed=done))
         if as_json:
-            print(json.dumps({"model": {"source": model, "sha256": loaded.content_hash, "dtype": dtype},
+            print(json_text({"model": {"source": model, "sha256": loaded.content_hash, "dtype": dtype},
                               "text": str(text) if text else "caramba/data/corpus.txt", "n_tokens": len(ids),
                               "prompt_len": prompt_len, "baseline": base.describe(),
                               "results": [r.to_dict() for r in results]}))
@@ -398,7 +424,7 @@ def autotune(
     max_seq_len: Annotated[int, typer.Option(min=2, help="Context length the cache is sized and timed for.")] = 2048,
     batch_size: Annotated[int, typer.Option(min=1, help="Rows the cache is sized and timed for.")] = 1,
     text: Annotated[Optional[Path], typer.Option(help="Gate text file (default: caramba's bundled corpus).")] = None,
-    plan_path: Annotated[Optional[Path], typer.Option(help="The plan store (default: runs/cache_plans.json).")] = None,
+    plan_path: Annotated[Optional[Path], typer.Option(help="The plan store (default: runs/cache_plans.json). A file that is not a plan store is never overwritten.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Measure again even when a fresh plan is stored.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with chosen and candidates.")] = False,
 ) -> None:
@@ -416,15 +442,17 @@ def autotune(
 
         if text is not None and not text.is_file():
             raise UserError(f"--text {text}: no such file")
+        if not (math.isfinite(budget_mb) and budget_mb > 0):
+            raise UserError(f"--budget-mb {budget_mb}: give a finite number of MiB > 0")
         loaded = load_model(model, dtype, device, progress=not as_json)
         settings = AutotuneSettings(budget_mb=budget_mb, max_seq_len=max_seq_len, batch_size=batch_size)
         result = run_tuned(loaded, settings, err if as_json else out, text, plan_path, force, quiet=as_json)
         if as_json:
-            print(json.dumps(result.to_dict()))
+            print(json_text(result.to_dict()))
             return
         print_candidates(out, result)
-        out.print(f"chosen: [bold]{result.chosen['name']}[/bold] ({result.chosen['bytes'] / 2**20:.2f} MiB); "
-                  f"plan {result.key_id} in {result.plan_path}")
+        out.print(f"chosen: [bold]{escape(result.chosen['name'])}[/bold] ({result.chosen['bytes'] / 2**20:.2f} MiB); "
+                  f"plan {result.key_id} in {escape(str(result.plan_path))}")
 
 
 plans_app = typer.Typer(help="The stored cache plans (runs/cache_plans.json).", no_args_is_help=True)
@@ -435,7 +463,7 @@ PlanPathOption = Annotated[Optional[Path], typer.Option("--plan-path", help="The
 def _plan_store(plan_path: Path | None):
     from caramba.autotune import PlanStore
 
-    return PlanStore(plan_path, notice=lambda message: err.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True))
+    return PlanStore(plan_path, notice=lambda message: err.print(f"[yellow]warning:[/yellow] {escape(message)}", soft_wrap=True))
 
 
 @plans_app.command("list")
@@ -447,17 +475,22 @@ def plans_list(plan_path: PlanPathOption = None, as_json: Annotated[bool, typer.
         store = _plan_store(plan_path)
         plans = store.all()
         if as_json:
-            print(json.dumps(plans))
+            print(json_text(plans))
             return
-        table = Table(title=f"{len(plans)} plan(s) in {store.path}", title_justify="left")
-        for col in ("id", "model", "dtype", "device", "max_seq_len", "batch", "budget MB", "chosen", "created"):
+        table = Table(title=f"{len(plans)} plan(s) in {escape(str(store.path))}", title_justify="left")
+        for col in ("id", "model", "dtype", "device", "max_seq_len", "batch", "budget MiB", "chosen", "created"):
             table.add_column(col, no_wrap=col == "id", overflow="fold")
         for pid, p in plans.items():
             k = p["key"]
-            table.add_row(pid, k["model_sha256"][:12], k["dtype"], f"{k['device']} ({k['device_name']})",
-                          str(k["max_seq_len"]), str(k["batch_size"]), f"{k['budget_mb']:g}", p["chosen"]["name"],
-                          p["created_utc"])
+            cells = (pid, str(k.get("model_sha256"))[:12], k.get("dtype"), f"{k.get('device')} ({k.get('device_name')})",
+                     k.get("max_seq_len"), k.get("batch_size"), _g(k.get("budget_mb")), p["chosen"].get("name"),
+                     p.get("created_utc"))
+            table.add_row(*(escape(str(c)) for c in cells))  # the store is a file: its text is not markup
         out.print(table)
+
+
+def _g(value) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
 
 
 @plans_app.command("show")
@@ -469,7 +502,7 @@ def plans_show(plan_id: Annotated[str, typer.Argument(help="A plan id (or its fi
         found = [p for pid, p in plans.items() if pid.startswith(plan_id)]
         if len(found) != 1:
             raise UserError(f"plan id {plan_id!r} matches {len(found)} plans; `caramba plans list` shows the ids")
-        print(json.dumps(found[0], indent=2))
+        print(json_text(found[0], indent=2))
 
 
 @plans_app.command("clear")
@@ -477,11 +510,14 @@ def plans_clear(plan_ids: Annotated[Optional[list[str]], typer.Argument(help="Pl
                 plan_path: PlanPathOption = None) -> None:
     """Drop stored plans (all of them, or the ids given); the next autotune measures again."""
     with _errors_as_exit_codes():
+        if plan_ids is not None and not all(i.strip() for i in plan_ids):
+            raise UserError("an empty plan id would match every plan; give ids from `caramba plans list`, "
+                            "or no id to clear them all")
         store = _plan_store(plan_path)
         gone = store.remove(plan_ids or None)
         if plan_ids and not gone:
             raise UserError(f"no plan matches {', '.join(plan_ids)}; `caramba plans list` shows the ids")
-        err.print(f"removed {len(gone)} plan(s) from {store.path}")
+        err.print(f"removed {len(gone)} plan(s) from {escape(str(store.path))}")
 
 
 def main() -> None:

@@ -178,7 +178,8 @@ def test_two_processes_writing_at_once_keep_every_entry(tmp_path):
 
 
 @pytest.mark.parametrize("content", ["{not json", "[]", '{"version": 1, "plans": {"x": {"no": "chosen"}}}'])
-def test_a_corrupt_plan_file_is_moved_aside_and_reported(tmp_path, content):
+def test_a_corrupt_plan_file_is_moved_aside_and_reported(tmp_path, content, monkeypatch):
+    monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path))   # caramba's own territory: a damaged store is set aside
     path = tmp_path / "plans.json"
     path.write_text(content)
     notices: list[str] = []

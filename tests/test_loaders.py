@@ -411,6 +411,9 @@ def test_resolve_source(tmp_path, monkeypatch):
     txt.write_text("hi")
     with pytest.raises(UserError, match="is a file but not a .gguf"):
         zoo.resolve_source(str(txt))
+    with pytest.raises(UserError, match="directory without config.json"):
+        zoo.resolve_source(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
     assert zoo.resolve_source(str(tmp_path)) == tmp_path
     model_file = tmp_path / "m.gguf"
     model_file.write_bytes(b"")
@@ -440,7 +443,7 @@ def test_build_model_casts_and_freezes():
     model = build_model(cfg, fuse_hf_state_dict(hf_state(hf), cfg), torch.bfloat16, CPU)
     assert model.dtype == torch.bfloat16 and not model.training
     assert all(not p.requires_grad and p.device.type == "cpu" for p in model.parameters())
-    with pytest.raises(RuntimeError, match="Missing key"):
+    with pytest.raises(ValueError, match="missing norm.weight"):
         state = fuse_hf_state_dict(hf_state(hf), cfg)
         del state["norm.weight"]
         build_model(cfg, state, torch.float32, CPU)

@@ -31,7 +31,11 @@ class Grid:
 
 def run_grid(model, text_ids: list[int], grid: Grid, hf_model=None, progress: bool = True) -> list[dict]:
     """Measure every cell; with hf_model, the same cells through HF generate (batch 1 and the
-    model's own cache only: HF has no counterpart of caramba's cache kinds), with the ratio."""
+    model's own cache only: HF has no counterpart of caramba's cache kinds), with the ratio.
+
+    Both models then share this process, so every cell's peak_rss_mb includes the other model's
+    weights: rows say so in `peak_rss_includes`, and `cell_rss_mb` (what each cell added) is the
+    memory to compare."""
     rows: list[dict] = []
     cells = grid.cells()
     hf_cells = {(c.prompt_len, c.batch_size) for c in cells if c.batch_size == 1} if hf_model is not None else set()
@@ -42,7 +46,7 @@ def run_grid(model, text_ids: list[int], grid: Grid, hf_model=None, progress: bo
             bar.update(task, description=f"hf ctx={L} batch={B}")
             ref_cell = Cell(L, B, "hf-default", grid.new_tokens)
             ref = measure_hf(hf_model, ref_cell, prompt_batch(text_ids, L, B), grid.warmup, grid.repeats)
-            hf_rates[(L, B)] = ref.summary()
+            hf_rates[(L, B)] = {**ref.summary(), "peak_rss_includes": "caramba and HF reference weights"}
             rows.append(hf_rates[(L, B)])
             bar.advance(task)
         for cell in cells:
@@ -50,6 +54,8 @@ def run_grid(model, text_ids: list[int], grid: Grid, hf_model=None, progress: bo
             result: CellResult = measure_caramba(model, cell, prompt_batch(text_ids, cell.prompt_len, cell.batch_size),
                                                  grid.warmup, grid.repeats)
             row = result.summary()
+            if hf_model is not None:
+                row["peak_rss_includes"] = "caramba and HF reference weights"
             ref = hf_rates.get((cell.prompt_len, cell.batch_size))
             if ref is not None:
                 row["decode_tok_s_vs_hf"] = row["decode_tok_s"] / ref["decode_tok_s"]

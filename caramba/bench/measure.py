@@ -6,7 +6,11 @@ so percentiles come from real per-token samples rather than an average.
 
 Peak RSS is per cell: Linux lets a process reset its high-water mark (/proc/self/clear_refs,
 "5"), so VmHWM after the cell is that cell's peak. Where that is not possible the process-wide
-peak is reported and flagged as such.
+peak is reported and flagged as such. RSS is the whole process's: everything resident when the
+cell starts counts (the weights, and with an HF reference loaded beside the model, its weights
+too), so each cell also reports `cell_rss_mb`, its peak above the RSS it started from: what the
+cell itself added (cache, activations), comparable between caramba and HF in one process.
+Memory is in MiB (2^20 bytes), as /proc reports it.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ class CellResult:
     impl: str                                   # "caramba" or "hf"
     ttft_s: list[float] = field(default_factory=list)            # one per repeat
     token_latency_s: list[float] = field(default_factory=list)   # every decode step, all repeats
-    peak_rss_mb: float | None = None
+    peak_rss_mb: float | None = None            # MiB, the whole process's resident set at its peak
     peak_rss_scope: str = "cell"                # "cell" or "process" (could not reset the mark)
+    cell_rss_mb: float | None = None            # MiB the cell added above the RSS it started from
     cuda_max_allocated_mb: float | None = None
     cache_bytes: int | None = None
     plan: dict | None = None                    # the resolved decode plan (caramba only)
@@ -63,6 +68,7 @@ class CellResult:
             "decode_tok_s": c.batch_size / step,
             "peak_rss_mb": self.peak_rss_mb,
             "peak_rss_scope": self.peak_rss_scope,
+            "cell_rss_mb": self.cell_rss_mb,
             "cuda_max_allocated_mb": self.cuda_max_allocated_mb,
             "cache_bytes": self.cache_bytes,
             # What the plan resolved to; exact=False: a window changed outputs.
@@ -98,10 +104,12 @@ class PeakMemory:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.rss_mb: float | None = None
+        self.start_mb: float | None = None
         self.scope = "cell"
         self.cuda_mb: float | None = None
 
     def __enter__(self) -> "PeakMemory":
+        self.start_mb = _proc_status_mb("VmRSS:")
         try:
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:
@@ -111,7 +119,7 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.rss_mb = _vm_hwm_mb()
+        self.rss_mb = _proc_status_mb("VmHWM:")
         if self.rss_mb is None:
             import resource
 
@@ -121,10 +129,19 @@ class PeakMemory:
             self.cuda_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
 
 
-def _vm_hwm_mb() -> float | None:
+    @property
+    def added_mb(self) -> float | None:
+        """Peak above the RSS at the start (None where only a process-wide peak is known)."""
+        if self.scope != "cell" or self.rss_mb is None or self.start_mb is None:
+            return None
+        return max(0.0, self.rss_mb - self.start_mb)
+
+
+def _proc_status_mb(field_name: str) -> float | None:
+    """A /proc/self/status memory field (kB there, i.e. KiB) in MiB."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field_name):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
@@ -212,6 +229,7 @@ def _measure(impl: str, cell: Cell, one: Callable, warmup: int, repeats: int, de
             result.ttft_s.append(ttft)
             result.token_latency_s.extend(lat)
     result.peak_rss_mb, result.peak_rss_scope, result.cuda_max_allocated_mb = peak.rss_mb, peak.scope, peak.cuda_mb
+    result.cell_rss_mb = peak.added_mb
     if inspect is not None:
         inspect(gen, result)
     return result

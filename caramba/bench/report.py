@@ -39,8 +39,8 @@ def write_plots(directory: Path, rows: list[dict]) -> list[Path]:
     written = []
     for name, metric, ylabel in (
         ("decode_tok_s.png", "decode_tok_s", "decode tokens/s"),
-        ("memory.png", "peak_rss_mb", "peak RSS (MB)"),
-        ("cache_bytes.png", "cache_bytes", "KV cache (MB)"),
+        ("memory.png", "peak_rss_mb", "peak RSS (MiB)"),
+        ("cache_bytes.png", "cache_bytes", "KV cache (MiB)"),
     ):
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, points in sorted(series.items()):
@@ -64,30 +64,49 @@ def write_plots(directory: Path, rows: list[dict]) -> list[Path]:
 
 
 def load_rows(run_dir: Path) -> list[dict]:
-    """Comparable rows of a run record: bench cells, or a generate run's summary."""
+    """Comparable rows of a run record: bench cells, or a generate run's summary. A record that is
+    not one (no result.json, not JSON, another shape) is a ValueError naming the file."""
     result_file = run_dir / "result.json"
-    if not result_file.is_file():
+    if not result_file.is_file():  # also refuses a FIFO or device, which would block or never end
         raise FileNotFoundError(f"{run_dir} has no result.json (not a finished run record)")
-    result = json.loads(result_file.read_text())
+    try:
+        result = json.loads(result_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{result_file} is not valid JSON ({e})") from None
+    if not isinstance(result, dict):
+        raise ValueError(f"{result_file} is not a run result (a JSON object with cells or a summary)")
     if "cells" in result:
-        return result["cells"]
-    return [{"impl": "caramba", "prompt_len": None, "batch_size": None, "cache_kind": result.get("summary", {}).get("cache_kind"),
-             **{k: v for k, v in result.get("summary", {}).items() if isinstance(v, (int, float))}}]
+        cells = result["cells"]
+        if not (isinstance(cells, list) and all(isinstance(c, dict) for c in cells)):
+            raise ValueError(f"{result_file}: cells is not a list of objects")
+        return cells
+    summary = result.get("summary") if isinstance(result.get("summary"), dict) else {}
+    return [{"impl": "caramba", "prompt_len": None, "batch_size": None, "cache_kind": summary.get("cache_kind"),
+             **{k: v for k, v in summary.items() if _number(v)}}]
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def compare(run_dirs: list[Path]) -> list[dict]:
     """One row per (cell, run) with each metric's relative change against the first run."""
-    base = {tuple(r.get(k) for k in CELL_KEY): r for r in load_rows(run_dirs[0])}
+    base = {_key(r): r for r in load_rows(run_dirs[0])}
     out = []
     for run_dir in run_dirs:
         for row in load_rows(run_dir):
-            ref = base.get(tuple(row.get(k) for k in CELL_KEY))
+            ref = base.get(_key(row))
             entry = {"run": str(run_dir), **{k: row.get(k) for k in CELL_KEY}}
             for metric in COMPARED + ("decode_tok_s_median",):
-                if row.get(metric) is None:
+                if not _number(row.get(metric)):
                     continue
                 entry[metric] = row[metric]
-                if ref is not None and ref.get(metric) and run_dir != run_dirs[0]:
+                if ref is not None and _number(ref.get(metric)) and ref[metric] and run_dir != run_dirs[0]:
                     entry[f"{metric}_delta"] = row[metric] / ref[metric] - 1
             out.append(entry)
     return out
+
+
+def _key(row: dict) -> tuple:
+    # Cell keys come from a file: make them hashable whatever their JSON type.
+    return tuple(json.dumps(row.get(k), sort_keys=True) for k in CELL_KEY)

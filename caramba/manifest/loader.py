@@ -15,22 +15,37 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from caramba.errors import UserError
+from caramba.runs import runs_root
 from caramba.manifest.hints import did_you_mean, format_loc
 from caramba.manifest.overrides import apply_overrides
 from caramba.manifest.schema import Manifest, annotation_at
 from caramba.manifest.substitution import substitute_vars
-from caramba.manifest.yaml_lines import Locations, parse_yaml
+from caramba.manifest.yaml_lines import MAX_BYTES, Locations, parse_yaml
 
 
 def load_manifest(path: str | Path, overrides: Sequence[str] = ()) -> Manifest:
     """Read, override (`--set` strings, see caramba.manifest.overrides) and validate a manifest file."""
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        # A FIFO would block on open and /dev/zero never ends: only regular files, read bounded.
+        if not Path(path).is_file():
+            what = "a directory" if Path(path).is_dir() else "not a regular file"
+            if not Path(path).exists():
+                raise FileNotFoundError
+            raise UserError(f"{source}: is {what}; give the manifest's YAML file")
+        with open(path, "rb") as file:
+            raw = file.read(MAX_BYTES + 1)
+        if len(raw) > MAX_BYTES:
+            raise UserError(f"{source}: more than {MAX_BYTES >> 20} MiB is not a manifest; "
+                            "put long texts in files the manifest names")
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise UserError(f"{source}: manifest file not found") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"{source}: cannot read manifest: {error}") from None
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise UserError(f"{source}:{line}: the manifest is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except OSError as error:
+        raise UserError(f"{source}: cannot read manifest: {error.strerror or error}") from None
     return parse_manifest(text, source, overrides)
 
 
@@ -47,13 +62,39 @@ def parse_manifest(text: str, source: str = "<manifest>", overrides: Sequence[st
     locations.overrides = apply_overrides(data, overrides)
     data = substitute_vars(data, locations)
     try:
-        return Manifest.model_validate(data)
+        manifest = Manifest.model_validate(data)
     except ValidationError as error:
         # In file order, so the message reads top to bottom like the manifest.
         errors = sorted(error.errors(include_url=False), key=lambda e: locations.line_of(e["loc"]) or 0)
         problems = [_describe(problem, locations) for problem in errors]
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
         raise UserError(f"invalid manifest {source} ({count}):\n" + "\n".join(problems)) from None
+    _check_written_paths(manifest, locations, source)
+    return manifest
+
+
+def _check_written_paths(manifest: Manifest, locations: Locations, source: str) -> None:
+    """What a manifest writes stays under the runs root: today that is `autotune.plan_path` (the
+    command line's --plan-path may name any file; the user typed it there)."""
+    root = runs_root()
+    problems = []
+    for t, target in enumerate(manifest.targets):
+        for r, run in enumerate(target.runs):
+            plan_path = run.autotune.plan_path if run.autotune is not None else None
+            if plan_path is None:
+                continue
+            try:
+                inside = root.resolve() in Path(plan_path).expanduser().resolve().parents
+            except (OSError, ValueError, RuntimeError):  # a NUL, '~nouser', a loop of symlinks
+                inside = False
+            if not inside:
+                loc = ("targets", t, "runs", r, "autotune", "plan_path")
+                problems.append(f"{locations.where(loc)}: {format_loc(loc)}: {plan_path!r} is outside the runs "
+                                f"directory {root}; a manifest writes only there: give a path such as "
+                                f"'{root / 'plans.json'}', or leave plan_path out for the default store")
+    if problems:
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        raise UserError(f"invalid manifest {source} ({count}):\n" + "\n".join(problems))
 
 
 def resolved_manifest_yaml(manifest: Manifest) -> str:

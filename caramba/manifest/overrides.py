@@ -25,13 +25,12 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-import yaml
 from pydantic import BaseModel
 
 from caramba.errors import UserError
 from caramba.manifest.hints import did_you_mean, format_loc
 from caramba.manifest.schema import annotation_at
-from caramba.manifest.yaml_lines import Loc
+from caramba.manifest.yaml_lines import Loc, parse_value
 
 # Lists whose items can be addressed by name, and the field that names them.
 _NAMED_ITEMS = {"targets": "name", "runs": "id"}
@@ -49,11 +48,10 @@ def _apply(data: dict[str, Any], text: str) -> tuple[Loc, str]:
     segments = key_path.strip().split(".")
     if not sep or not all(segments):
         raise UserError(f"--set {text!r}: expected KEY.PATH=VALUE, {_EXAMPLE}")
-    try:
-        value = yaml.safe_load(raw_value)
-    except yaml.YAMLError as error:
-        problem = getattr(error, "problem", None) or error
-        raise UserError(f"--set {text!r}: the value is not valid YAML ({problem}); quote it to keep it a string") from None
+    try:  # bounded like a manifest: a VALUE can hold an alias bomb too
+        value = parse_value(raw_value, f"--set {text!r}")
+    except UserError as error:
+        raise UserError(f"{error}; the value is parsed as YAML: quote it to keep it a string") from None
 
     node: Any = data
     path: Loc = ()

@@ -49,7 +49,8 @@ Prompt = Annotated[str, Field(min_length=1)]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and inf pass every `ge`/`le` check (or fail later mid-run); no manifest float means them.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelSpec(_Model):
@@ -221,7 +222,7 @@ class Expect(_Model):
 class Run(_Model):
     id: SafeId
     mode: Mode
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)  # the range torch.manual_seed accepts
     model: ModelSpec | None = None  # fields given here override the defaults' model
     draft: ModelSpec | None = None  # speculative with draft: model; fields not given follow the run's model
     generate: GenerateSettings | None = None
@@ -288,6 +289,14 @@ class Manifest(_Model):
     vars: dict[str, str | int | float | bool] = {}
     defaults: Defaults = Field(default_factory=Defaults)
     targets: list[Target] = Field(min_length=1)
+
+    @field_validator("name")
+    @classmethod
+    def _not_the_plan_store(cls, name: str) -> str:
+        # runs/<name>/ would shadow the cache plan store (runs/cache_plans.json) and its lock.
+        if name.startswith("cache_plans.json"):
+            raise ValueError(f"{name!r} is the cache plan store's file name under runs/; name the manifest otherwise")
+        return name
 
     @field_validator("vars", mode="before")
     @classmethod

@@ -20,6 +20,13 @@ Loc = tuple[str | int, ...]
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
+# What a manifest may cost, checked on the composed node graph before any Python data is built:
+# an alias is a reference, so 400 bytes of `&a [*b, *b, ...]` expand to billions of values (the
+# "billion laughs"). Real manifests hold hundreds of values and nest a dozen levels deep.
+MAX_VALUES = 100_000     # scalars, mappings and lists once every alias is expanded
+MAX_DEPTH = 64           # nesting levels
+MAX_BYTES = 8 << 20      # manifest text (prompts included)
+
 
 @dataclass
 class Locations:
@@ -53,25 +60,87 @@ class Locations:
 
 
 def parse_yaml(text: str, source: str) -> tuple[Any, Locations]:
-    """Parse one YAML document; YAML errors become UserErrors with file:line."""
-    loader = yaml.SafeLoader(text)
+    """Parse one YAML document; YAML errors become UserErrors with file:line, and a document
+    over the bounds above is refused before it is built."""
+    if len(text) > MAX_BYTES:
+        raise UserError(f"{source}: {len(text)} characters is more than a manifest may hold "
+                        f"({MAX_BYTES >> 20} MiB); put long texts in files the manifest names")
+    loader = None
     try:
+        loader = yaml.SafeLoader(text)  # its reader already rejects characters YAML does not allow
         node = loader.get_single_node()
         lines: dict[Loc, int] = {}
         data = None
         if node is not None:
+            check_cost(node, source)
             lines[()] = node.start_mark.line + 1
             data = _build(loader, node, (), lines, source)
         return data, Locations(source, lines)
+    except yaml.reader.ReaderError as error:  # a NUL or control character
+        line = text.count("\n", 0, error.position) + 1
+        char = error.character if isinstance(error.character, int) else ord(error.character)
+        raise UserError(f"{source}:{line}: character U+{char:04X} is not allowed in YAML; "
+                        "remove it (write control characters as escapes in a double-quoted string, e.g. \"\\t\")") from None
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         where = f"{source}:{mark.line + 1}" if mark else source
         problem = ", ".join(part for part in (error.context, error.problem) if part)
         raise UserError(f"{where}: YAML syntax error: {problem}") from None
-    except yaml.YAMLError as error:  # e.g. a character YAML does not allow
+    except yaml.YAMLError as error:
         raise UserError(f"{source}: YAML error: {error}") from None
+    except RecursionError:  # pyyaml's composer recurses once per nesting level
+        raise UserError(f"{source}: the YAML nests too deeply (a manifest nests at most {MAX_DEPTH} levels)") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
+
+
+def parse_value(text: str, source: str) -> Any:
+    """One YAML value (a `--set` VALUE), with the same bounds as a manifest; '' is None."""
+    data, _ = parse_yaml(text, source)
+    return data
+
+
+def check_cost(root: yaml.Node, source: str) -> None:
+    """Refuse alias cycles, nesting deeper than MAX_DEPTH and more than MAX_VALUES values with
+    every alias expanded. Each node's expanded size is computed once (iteratively, no recursion),
+    so the check itself costs the size of the text, not of the expansion."""
+    size: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            on_path.discard(key)
+            size[key] = 1 + sum(size[id(child)] for child in _children(node))
+            if size[key] > MAX_VALUES:
+                raise UserError(f"{source}:{node.start_mark.line + 1}: this value expands to more than {MAX_VALUES:,} "
+                                "values (aliases are copied in full); a manifest needs far fewer: remove the aliases")
+            continue
+        if key in size:
+            continue
+        if key in on_path:
+            raise UserError(f"{source}:{node.start_mark.line + 1}: an alias refers to a value that contains it "
+                            "(a recursive alias); a manifest cannot be infinite")
+        if len(on_path) >= MAX_DEPTH:
+            raise UserError(f"{source}:{node.start_mark.line + 1}: the YAML nests more than {MAX_DEPTH} levels deep")
+        on_path.add(key)
+        stack.append((node, True))
+        for child in _children(node):
+            if id(child) in on_path:
+                raise UserError(f"{source}:{child.start_mark.line + 1}: an alias refers to a value that contains it "
+                                "(a recursive alias); a manifest cannot be infinite")
+            if id(child) not in size:
+                stack.append((child, False))
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
 
 
 def _build(loader: yaml.SafeLoader, node: yaml.Node, path: Loc, lines: dict[Loc, int], source: str) -> Any:

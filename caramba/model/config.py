@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # provenance (source file, hash, ...)
 
     def __post_init__(self) -> None:
+        _check_sizes(self)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         _check_attention(self)
@@ -65,11 +67,18 @@ class ModelConfig:
 
         Settings this model cannot compute exactly (a sliding window that can bind, GPT-2's
         per-layer attention scaling, ...) raise ValueError rather than load a different model."""
+        if not isinstance(hf, dict):
+            raise ValueError(f"must hold a JSON object (model_type, hidden_size, ...), not a {type(hf).__name__}")
         arch = hf.get("model_type", "llama")
         if arch == "gpt2":
             return cls(**_gpt2_fields(hf))
         if arch not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"model_type {arch!r} is not supported (supported: llama, mistral, qwen2, gpt2)")
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+            _hf_size(hf, key)
+        for key in ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window"):
+            if hf.get(key) is not None:
+                _hf_size(hf, key)
         window = _check_llama_family(arch, hf)
         n_heads = hf["num_attention_heads"]
         dim = hf["hidden_size"]
@@ -89,7 +98,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or dim // n_heads,
             intermediate_size=hf["intermediate_size"],
             norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=_hf_float(theta, "rope_theta"),
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -148,7 +157,11 @@ def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
     if act not in GELU_ACTIVATIONS:
         raise ValueError(f"activation_function {act!r} is not supported for gpt2 "
                          f"(supported: {', '.join(GELU_ACTIVATIONS)})")
-    dim, n_heads = hf["n_embd"], hf["n_head"]
+    dim, n_heads = _hf_size(hf, "n_embd"), _hf_size(hf, "n_head")
+    for key in ("vocab_size", "n_layer", "n_positions"):
+        _hf_size(hf, key)
+    if hf.get("n_inner") is not None:
+        _hf_size(hf, "n_inner")
     if dim % n_heads:
         raise ValueError(f"n_embd={dim} is not a multiple of n_head={n_heads}")
     return dict(
@@ -175,3 +188,63 @@ def _check_attention(cfg: ModelConfig) -> None:
         raise ValueError("attention: decoupled needs RoPE positions (its geometric path is rotary)")
     if cfg.geo_dim > cfg.head_dim:   # its pairs turn at head_dim's RoPE frequencies
         raise ValueError(f"geo_dim={cfg.geo_dim} must be <= head_dim={cfg.head_dim}")
+
+
+# Upper bounds far past any real checkpoint (the largest today: ~256k vocabulary, hidden size
+# ~25k, ~130 layers, 10M positions): a config past them is a typo or a hostile file, and some of
+# these sizes allocate before any weight is read (the RoPE table covers max_position_embeddings).
+SIZE_LIMITS = {
+    "vocab_size": 1 << 24, "dim": 1 << 16, "n_layers": 1024, "n_heads": 1024, "n_kv_heads": 1024,
+    "head_dim": 1 << 13, "intermediate_size": 1 << 19, "max_position_embeddings": 1 << 24,
+}
+_HF_LIMITS = {  # transformers' names for the same sizes
+    "vocab_size": "vocab_size", "hidden_size": "dim", "n_embd": "dim", "num_hidden_layers": "n_layers",
+    "n_layer": "n_layers", "num_attention_heads": "n_heads", "n_head": "n_heads", "num_key_value_heads": "n_kv_heads",
+    "head_dim": "head_dim", "intermediate_size": "intermediate_size", "n_inner": "intermediate_size",
+    "max_position_embeddings": "max_position_embeddings", "n_positions": "max_position_embeddings",
+    "sliding_window": "max_position_embeddings",
+}
+
+
+def _size_problem(value: Any, limit: int) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"must be a positive integer, not {type(value).__name__} {value!r}"
+    if value < 1:
+        return "must be a positive integer"
+    if value > limit:
+        return f"is absurdly large (at most {limit:,})"
+    return None
+
+
+def _hf_float(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key}={value!r} must be a number")
+    return float(value)
+
+
+def _hf_size(hf: dict[str, Any], key: str) -> int:
+    """hf[key] as a size, or ValueError naming the config.json field (KeyError when absent)."""
+    value = hf[key]
+    problem = _size_problem(value, SIZE_LIMITS[_HF_LIMITS[key]])
+    if problem:
+        raise ValueError(f"{key}={value!r} {problem}")
+    return value
+
+
+def _check_sizes(cfg: ModelConfig) -> None:
+    for name, limit in SIZE_LIMITS.items():
+        problem = _size_problem(getattr(cfg, name), limit)
+        if problem:
+            raise ValueError(f"ModelConfig.{name}={getattr(cfg, name)!r} {problem}")
+    for name in ("sem_dim", "geo_dim"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SIZE_LIMITS["head_dim"]:
+            raise ValueError(f"ModelConfig.{name}={value!r} must be an integer from 0 to {SIZE_LIMITS['head_dim']}")
+    if cfg.sliding_window is not None:
+        problem = _size_problem(cfg.sliding_window, SIZE_LIMITS["max_position_embeddings"])
+        if problem:
+            raise ValueError(f"ModelConfig.sliding_window={cfg.sliding_window!r} {problem}")
+    for name in ("norm_eps", "rope_theta"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"ModelConfig.{name}={value!r} must be a finite number > 0")

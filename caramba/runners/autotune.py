@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.progress import Progress, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -18,7 +20,9 @@ from caramba.infer.config import CacheConfig
 from caramba.manifest.schema import CacheAutotuneSettings, GenerateSettings
 from caramba.model.zoo import LoadedModel
 from caramba.options import options_of
-from caramba.runs import RunDir
+from caramba.autotune.plans import is_under
+from caramba.errors import UserError
+from caramba.runs import RunDir, runs_root
 
 PHASES = {"text": "gates: scoring the text", "needle": "gates: needle in a haystack", "speed": "speed: decode rounds"}
 
@@ -40,7 +44,7 @@ def run_tuned(loaded: LoadedModel, settings: AutotuneSettings, console: Console,
     """autotune() with progress bars on `console` and notices (a corrupt plan file moved aside) on
     stderr; on no candidate, the table first."""
     stderr = Console(stderr=True, highlight=False)
-    notice = lambda message: stderr.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)  # noqa: E731
+    notice = lambda message: stderr.print(f"[yellow]warning:[/yellow] {escape(message)}", soft_wrap=True)  # noqa: E731
     try:
         with progress_bars(console, disable=quiet) as progress:
             return autotune(loaded, settings, text, plan_path, force, progress, notice)
@@ -50,9 +54,25 @@ def run_tuned(loaded: LoadedModel, settings: AutotuneSettings, console: Console,
         raise
 
 
+def manifest_plan_path(plan_path: str | None, field: str) -> Path | None:
+    """A manifest's plan store (`autotune.plan_path`, `generate.cache_plan_path`), which must lie under
+    the runs root: what a manifest writes stays there (the command line's --plan-path may name any
+    file: the user typed it). UserError otherwise, before anything is read or written."""
+    if plan_path is None:
+        return None
+    root = runs_root()
+    path = Path(plan_path).expanduser()
+    if not is_under(path, root) or path.resolve() == root.resolve():
+        raise UserError(f"{field} {plan_path!r} is outside the runs directory {root}; what a "
+                        f"manifest writes stays there: give a path such as '{root / 'plans.json'}', or leave "
+                        "plan_path out for the default store (`caramba autotune --plan-path` may name any file)")
+    return path
+
+
 def run_cache_autotune(loaded: LoadedModel, settings: CacheAutotuneSettings, seed: int | None, record: RunDir,
                        console: Console) -> dict[str, Any]:
-    result = run_tuned(loaded, settings.engine_settings(), console, settings.text, settings.plan_path)
+    result = run_tuned(loaded, settings.engine_settings(), console, settings.text,
+                       manifest_plan_path(settings.plan_path, "autotune.plan_path"))
     print_candidates(console, result)
     write_csv(record.path / "candidates.csv", candidate_rows(result))
     record.log(f"plan {result.key_id} ({result.status}) in {result.plan_path}: chose {result.chosen['name']}")
@@ -67,7 +87,8 @@ def resolve_cache_auto(loaded: LoadedModel, settings: GenerateSettings, record: 
     if settings.cache_kind != "auto":
         return settings, None
     cache = settings.engine_config().cache
-    result = run_tuned(loaded, cache.autotune_settings(settings.batch_size), console, plan_path=cache.auto.plan_path)
+    result = run_tuned(loaded, cache.autotune_settings(settings.batch_size), console,
+                       plan_path=manifest_plan_path(cache.auto.plan_path, "cache_plan_path"))
     policy = result.chosen_policy()
     record.log(f"cache_kind auto -> {policy.describe()} (plan {result.key_id}, {result.status}, {result.plan_path})")
     console.print(f"[dim]cache_kind auto -> {policy.describe()} (plan {result.key_id}, {result.status})[/dim]")
@@ -104,7 +125,7 @@ def candidates_table(result: AutotuneResult) -> Group:
     needle = result.needle or {}
     found = {True: "found", False: "missed", None: "n/a"}[needle.get("baseline_found")]
     table = Table(title=f"cache autotune: max_seq_len={k['max_seq_len']} batch={k['batch_size']} "
-                        f"budget={k['budget_mb']:g} MB; plan {result.key_id} ({result.status}); "
+                        f"budget={k['budget_mb']:g} MiB; plan {result.key_id} ({result.status}); "
                         f"needle: baseline {found} the code", title_justify="left")
     for col in ("#", "candidate", "MiB", "dNLL", "PPL ratio", "mean KL", "needle KL", "needle", "tok/s", "verdict"):
         table.add_column(col, justify="left" if col in ("candidate", "verdict") else "right",

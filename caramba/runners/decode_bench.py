@@ -32,6 +32,8 @@ def load_hf_reference(loaded: LoadedModel):
         import transformers
     except ImportError:
         raise UserError("reference: hf needs transformers: pip install -e '.[test]'") from None
+    transformers.utils.logging.disable_progress_bar()   # its loading bars would land in the bench output
+    transformers.utils.logging.set_verbosity_error()
     path = loaded.path
     kwargs = {"dtype": loaded.model.dtype}
     if path.is_file():  # a GGUF: transformers dequantizes it on its own
@@ -61,9 +63,11 @@ def run_decode_bench(loaded: LoadedModel, settings: BenchSettings, seed: int | N
 
 
 def cells_table(rows: list[dict]) -> Table:
-    table = Table(title="decode-bench (medians; latency per decode step)")
+    shared = any(r.get("peak_rss_includes") for r in rows)
+    note = "; peak RSS counts both models (one process): compare 'cell MiB', what each cell added" if shared else ""
+    table = Table(title=f"decode-bench (medians; latency per decode step{note})")
     for col in ("impl", "ctx", "batch", "cache", "plan", "TTFT ms", "prefill tok/s", "p50 ms", "p90 ms", "p99 ms",
-                "decode tok/s", "vs HF", "peak RSS MB", "cache MB"):
+                "decode tok/s", "vs HF", "peak RSS MiB", "cell MiB", "cache MiB"):
         table.add_column(col, justify="left" if col in ("impl", "cache", "plan") else "right")
     for r in rows:
         ratio = r.get("decode_tok_s_vs_hf")
@@ -72,6 +76,7 @@ def cells_table(rows: list[dict]) -> Table:
             f"{1000 * r['ttft_s']:.1f}",
             f"{r['prefill_tok_s']:.0f}", f"{r['decode_p50_ms']:.1f}", f"{r['decode_p90_ms']:.1f}", f"{r['decode_p99_ms']:.1f}",
             f"{r['decode_tok_s']:.1f}", f"{ratio:.2f}x" if ratio else "", f"{r['peak_rss_mb']:.0f}",
+            f"{r['cell_rss_mb']:.0f}" if r.get("cell_rss_mb") is not None else "",
             f"{r['cache_bytes'] / 2**20:.1f}" if r.get("cache_bytes") is not None else "",
         )
     return table
