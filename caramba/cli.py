@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from caramba.errors import CarambaError, UserError
+from caramba.runs import json_text
 
 app = typer.Typer(
     help="caramba: run LLM inference experiments from YAML manifests.",
@@ -32,22 +33,6 @@ app = typer.Typer(
 _PIPE_WIDTH = None if "COLUMNS" in os.environ else 160
 out = Console(highlight=False, width=None if sys.stdout.isatty() else _PIPE_WIDTH)
 err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else _PIPE_WIDTH)
-
-
-def json_text(obj, **kwargs) -> str:
-    """json.dumps for stdout: NaN and infinities (a score of -inf, a failed metric) become null, so
-    the output is valid JSON for every parser (json.dumps would write NaN)."""
-    return json.dumps(_finite(obj), allow_nan=False, **kwargs)
-
-
-def _finite(obj):
-    if isinstance(obj, float):
-        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 @contextmanager

@@ -11,7 +11,6 @@ disagree. Nothing is written under runs/: the result is printed (streamed text, 
 from __future__ import annotations
 
 import inspect
-import json
 import typing
 from typing import Any, Optional
 
@@ -23,6 +22,7 @@ from rich.markup import escape
 from caramba.errors import UserError
 from caramba.infer.config import DRAFT_KINDS, DraftConfig, GenerateConfig, SpeculativeConfig, flat_paths
 from caramba.manifest.schema import option_fields
+from caramba.runs import json_text
 
 # The CLI's own spellings where a short one predates the derived flag (both work).
 ALIASES = {"stop_sequences": ["--stop"], "decode_q_chunk": ["--q-chunk"], "decode_local_window": ["--local-window"],
@@ -143,7 +143,7 @@ def generate(prompt: str, model: str, dtype: str, device: str, seed: int | None,
     row, summary = result["prompts"][0], result["summary"]
     if as_json:
         m = resolved.model
-        print(json.dumps({**row, "model": {"source": m.source, "path": str(loaded.path), "sha256": loaded.content_hash,
+        print(json_text({**row, "model": {"source": m.source, "path": str(loaded.path), "sha256": loaded.content_hash,
                                            "dtype": m.dtype},
                           "cache_kind": summary.get("cache_kind"), "cache_policy": summary.get("cache_policy"),
                           "cache_auto": summary.get("cache_auto"),

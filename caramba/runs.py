@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import platform
 import shutil
@@ -81,9 +82,25 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     _fsync_dir(path.parent)  # make the rename itself durable
 
 
+def json_text(obj: Any, **kwargs: Any) -> str:
+    """json.dumps that every parser reads: NaN and infinities (a score of -inf, a failed metric)
+    become null (json.dumps would write NaN, which is not JSON)."""
+    return json.dumps(_finite(obj), allow_nan=False, **kwargs)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     # Serialise first, so an unserialisable object fails before any file is touched.
-    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(path, json_text(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -201,16 +201,16 @@ def no_fit_message(model, s: AutotuneSettings, reports: list[dict]) -> str:
     smallest = min(reports, key=lambda r: r["bytes"])
     policy = policy_from_dict(smallest["policy"])
     budget = int(s.budget_mb * MIB)
-    fix = [f"raise the budget to at least {_mib_up(smallest['bytes']):g} MB (--budget-mb / budget_mb)"]
+    fix = [f"raise the budget to at least {_mib_up(smallest['bytes']):g} MiB (--budget-mb / budget_mb)"]
     max_len = _largest(lambda n: cache_nbytes(model, s.batch_size, n, policy) <= budget, s.max_seq_len)
     if max_len >= 2:
         fix.append(f"lower max_seq_len to {max_len} or less")
     max_batch = _largest(lambda b: cache_nbytes(model, b, s.max_seq_len, policy) <= budget, s.batch_size)
     if max_batch >= 1:
         fix.append(f"lower batch_size to {max_batch} or less")
-    return (f"no cache fits the budget of {s.budget_mb:g} MB (MiB) at max_seq_len={s.max_seq_len}, "
+    return (f"no cache fits the budget of {s.budget_mb:g} MiB at max_seq_len={s.max_seq_len}, "
             f"batch_size={s.batch_size}: the smallest candidate, {smallest['name']}, needs "
-            f"{smallest['bytes']} bytes ({smallest['bytes'] / MIB:.6g} MB). To fix: " + "; or ".join(fix))
+            f"{smallest['bytes']} bytes ({smallest['bytes'] / MIB:.6g} MiB). To fix: " + "; or ".join(fix))
 
 
 def _mib_up(nbytes: int) -> float:

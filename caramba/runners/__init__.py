@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 import caramba
 from caramba.errors import RunError, UserError
@@ -99,12 +100,12 @@ def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool
         record = RunDir(manifest.name, r.target, r.run.id)
         digest = run_hash(run_identity(r))
         if dry_run:
-            console.print(f"would {_plan(record, digest, force)} {name} ({r.run.mode}) on {r.model.source} -> {record.final}", soft_wrap=True)
+            console.print(f"would {_plan(record, digest, force)} {name} ({r.run.mode}) on {escape(r.model.source)} -> {escape(str(record.final))}", soft_wrap=True)
             continue
         if not record.try_lock():
             unchecked = "; not checked" if check else ""
             console.print(f"[yellow]skip {name}: another process (pid {record.holder() or '?'}) is running it "
-                          f"({record.lock_path}){unchecked}[/yellow]", soft_wrap=True)
+                          f"({escape(str(record.lock_path))}){unchecked}[/yellow]", soft_wrap=True)
             outcome.busy.append(name)
             continue
         try:
@@ -128,7 +129,7 @@ def _one(r: ResolvedRun, name: str, record: RunDir, digest: str, force: bool, ch
     if record.is_done():
         recorded = record.recorded_hash()
         if recorded == digest and not force:
-            console.print(f"[dim]skip {name}: already done ({record.final}); --force reruns it[/dim]", soft_wrap=True)
+            console.print(f"[dim]skip {escape(name)}: already done ({escape(str(record.final))}); --force reruns it[/dim]", soft_wrap=True)
             outcome.skipped.append(name)
             if check:
                 _check(r, record, outcome, console)
@@ -136,7 +137,7 @@ def _one(r: ResolvedRun, name: str, record: RunDir, digest: str, force: bool, ch
         if recorded != digest:
             why = ("the record has no run hash (made by an older caramba)" if recorded is None
                    else f"run hash {recorded[:12]} -> {digest[:12]}")
-            console.print(f"[yellow]{name}: settings changed since the record ({why}): redoing[/yellow]", soft_wrap=True)
+            console.print(f"[yellow]{escape(name)}: settings changed since the record ({escape(why)}): redoing[/yellow]", soft_wrap=True)
     console.rule(f"{name} ({r.run.mode})")
     record.begin(force=True)   # built aside: the finished record stays until the new one is complete
     try:
@@ -150,15 +151,15 @@ def _one(r: ResolvedRun, name: str, record: RunDir, digest: str, force: bool, ch
         record.log("interrupted")
         where = record.abandon()
         if record.is_done():
-            console.print(f"[yellow]{name} interrupted: the finished record {record.final} is kept; "
-                          f"the attempt's log is in {where}[/yellow]", soft_wrap=True)
+            console.print(f"[yellow]{name} interrupted: the finished record {escape(str(record.final))} is kept; "
+                          f"the attempt's log is in {escape(str(where))}[/yellow]", soft_wrap=True)
         raise
     except Exception as e:  # a failed run is reported and the manifest goes on
         record.log(traceback.format_exc())
         _fail(record, name, f"{type(e).__name__}: {e}", outcome, console)
     else:
         outcome.done.append(name)
-        console.print(f"[green]done[/green] {name} -> {record.final}", soft_wrap=True)
+        console.print(f"[green]done[/green] {escape(name)} -> {escape(str(record.final))}", soft_wrap=True)
         if check:
             _check(r, record, outcome, console)
 
@@ -174,9 +175,9 @@ def _check(r: ResolvedRun, record: RunDir, outcome: Outcome, console: Console) -
     problems = check_expect(result, r.run.expect)
     if problems:
         outcome.check_failed.append(name)
-        console.print(f"[red]check failed[/red] {name} ({record.final / 'result.json'}):")
+        console.print(f"[red]check failed[/red] {escape(name)} ({escape(str(record.final / 'result.json'))}):")
         for line in problems:
-            console.print(f"  - {line}", highlight=False, soft_wrap=True)
+            console.print(f"  - {escape(line)}", highlight=False, soft_wrap=True)
     else:
         console.print(f"[green]check ok[/green] {name}")
 
@@ -223,5 +224,5 @@ def _fail(record: RunDir, name: str, message: str, outcome: Outcome, console: Co
     record.log(f"FAILED: {message}")
     where = record.abandon()
     kept = f"; the finished record {record.final} is kept" if record.is_done() else ""
-    console.print(f"[red]failed[/red] {name}: {message} (log: {where / 'log.txt'}{kept})", soft_wrap=True)
+    console.print(f"[red]failed[/red] {escape(name)}: {escape(message)} (log: {escape(str(where / 'log.txt'))}{kept})", soft_wrap=True)
     outcome.failed.append(name)

@@ -14,7 +14,7 @@ from pathlib import Path
 from caramba.errors import UserError
 from caramba.manifest import ResolvedRun
 from caramba.model import native
-from caramba.model.zoo import CACHE_FORMAT, cache_root, file_sha256, resolve_device, resolve_source
+from caramba.model.zoo import CACHE_FORMAT, cache_root, file_sha256, inspect_source, resolve_device, resolve_source
 from caramba.prompting import encode_prompt
 from caramba.runs import LOCK, OLD, STAGING, runs_root
 from caramba.tokenizer import Tokenizer
@@ -34,7 +34,7 @@ def preflight(manifest_name: str, runs: list[ResolvedRun], root: str | Path | No
             if spec is None:
                 continue
             try:
-                resolve_source(spec.source)
+                inspect_source(spec.source)   # the config too, not only the path: one error up front
                 resolve_device(spec.device)
             except UserError as e:
                 raise UserError(f"{where}: {field}: {e}") from None
