@@ -201,15 +201,39 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids for `text`. Special token strings in it (<|im_start|>) become their single ids."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, return_tensors: str | None = None):
+        """Token ids for `text`. Special token strings in it (<|im_start|>) become their single ids.
+        return_tensors="pt": a [1, T] tensor, as HF tokenizers give it."""
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return _as_tensors(ids, return_tensors)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def __call__(self, texts: str | Sequence[str], return_tensors: str | None = None, padding: bool = False,
+                 add_special_tokens: bool = True) -> dict:
+        """HF's call form: {"input_ids", "attention_mask"}. With padding, rows are LEFT-padded with the
+        pad id (what generation needs: every row's next token comes last); pass the attention_mask
+        to Generator.generate so padding is not read as text."""
+        rows = self.encode_batch([texts] if isinstance(texts, str) else texts, add_special_tokens)
+        if padding:
+            width = max(len(r) for r in rows)
+            masks = [[0] * (width - len(r)) + [1] * len(r) for r in rows]
+            rows = [[self.pad_token_id or 0] * (width - len(r)) + r for r in rows]
+        else:
+            masks = [[1] * len(r) for r in rows]
+        if isinstance(texts, str) and return_tensors is None:
+            rows, masks = rows[0], masks[0]
+        return {"input_ids": _as_tensors(rows, return_tensors, batch=True),
+                "attention_mask": _as_tensors(masks, return_tensors, batch=True)}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """ids: a list or a 1-D tensor."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, rows, skip_special_tokens: bool = False) -> list[str]:
+        """A text per row of a [B, T] tensor or a list of id lists."""
+        return [self.decode(row, skip_special_tokens) for row in rows]
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
@@ -555,3 +579,13 @@ def _compile_chat_template(source: str, origin: str) -> jinja2.Template:
         return env.template_class.from_code(env, code, env.make_globals(None))
     except jinja2.TemplateSyntaxError as e:
         raise UserError(f"chat template of {origin} is not valid Jinja (line {e.lineno}: {e.message})") from None
+
+
+def _as_tensors(ids, return_tensors: str | None, batch: bool = False):
+    if return_tensors is None:
+        return ids
+    if return_tensors != "pt":
+        raise ValueError(f"return_tensors={return_tensors!r}: only 'pt' (torch) is supported")
+    import torch
+
+    return torch.tensor(ids if batch else [ids], dtype=torch.long)

@@ -286,7 +286,7 @@ class _Composed:
 
     def replace(self, **flat: Any) -> Any:
         """A copy with flat options (or whole sub-configs) changed."""
-        return type(self)(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **flat)
+        return type(self)(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **flat})
 
     def to_dict(self) -> dict[str, Any]:
         """Every option by flat name (how records and --json output name them)."""

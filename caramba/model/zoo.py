@@ -154,6 +154,9 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str = "float32", device: str 
         model = build_model(cfg, state, DTYPES[dtype], dev)
     except ValueError as e:
         raise UserError(f"cannot load model {source!r}: {e}") from None
+    # The model knows where it came from, so library code that holds only the model (a Generator
+    # resolving cache_kind="auto") keys plans like the CLI and finds the tokenizer for the gates.
+    model.content_hash, model.tokenizer = digest, tokenizer
     return LoadedModel(model, tokenizer, source, path, digest)
 
 
