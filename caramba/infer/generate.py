@@ -4,9 +4,9 @@
 session only prefills the new tokens. `generate()` (the function) is the stateless shortcut.
 
 Batches of ragged prompts are left-padded. Every cache slot carries a validity bit
-(`slot_mask`), and every row its own rotary positions, so padding, rows that finished early
-and later turns never leak into another token's attention: greedy output per row equals
-running that prompt alone.
+(`slot_mask`), and every row its own rotary positions (caramba.infer.state), so padding, rows
+that finished early and later turns never leak into another token's attention: greedy output
+per row equals running that prompt alone.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class Generator:
 
     def reset(self) -> None:
         """Forget the conversation: the next generate() starts from an empty cache."""
-        self.state: DecodeState | None = None          # cache, slot mask, positions, pending token
+        self.state: DecodeState | None = None         # cache, slot mask, positions, pending token
         self.seen: torch.Tensor | None = None         # [B, V] tokens in context (repetition penalty)
         self.history: History | None = None           # n-grams, token counts, tokens this turn
         if self.config.seed is not None:
