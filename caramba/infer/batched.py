@@ -6,12 +6,13 @@ per-row cost of the KV cache and the prefill's activations, and says what it cho
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from caramba.infer.generate import GenerateConfig, Generator
+from caramba.infer.config import GenerateConfig
+from caramba.infer.generate import Generator
 
 # Share of free memory "auto" plans to use: the rest is headroom for the allocator, the
 # tokenizer, other processes and what the estimate leaves out.
@@ -88,11 +89,21 @@ def auto_batch_size(model, config: GenerateConfig, prompt_len: int, n_prompts: i
                   "longest_prompt": prompt_len, "fits": fits, "chosen": size, "limited_by": why}
 
 
-def generate_batched(model, prompts: list[list[int]], batch_size: int | str = 4, config: GenerateConfig | None = None,
-                     tokenizer=None, free_bytes: int | None = None, **overrides) -> BatchedResult:
-    """Generate for every prompt (lists of ids); keyword overrides set GenerateConfig fields.
+def generate_batched(model, prompts: list[list[int]] | list[str], batch_size: int | str = 4,
+                     config: GenerateConfig | None = None, tokenizer=None, free_bytes: int | None = None,
+                     **overrides) -> BatchedResult | list[str]:
+    """Generate for every prompt; keyword overrides set GenerateConfig options. Prompts as lists of
+    ids give a BatchedResult; prompts as text (the seed guide's form; needs the tokenizer, or a
+    model loaded by caramba.model.zoo) give the completions as text, special tokens left out.
     free_bytes overrides the measured free memory for batch_size="auto" (tests, planning)."""
-    cfg = replace(config or GenerateConfig(), **overrides)
+    if prompts and all(isinstance(p, str) for p in prompts):
+        tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        if tok is None:
+            raise ValueError("text prompts need the tokenizer: generate_batched(model, prompts, tokenizer=tok)")
+        result = generate_batched(model, [tok.encode(p) for p in prompts], batch_size, config, tok, free_bytes,
+                                  **overrides)
+        return [tok.decode(seq, skip_special_tokens=True) for seq in result.sequences]
+    cfg = (config or GenerateConfig()).replace(**overrides)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate_batched needs at least one prompt, each with at least one token")
     t0 = time.perf_counter()
@@ -107,7 +118,7 @@ def generate_batched(model, prompts: list[list[int]], batch_size: int | str = 4,
     reasons = ["length"] * len(prompts)
     for b, rows in enumerate(batches):
         # Each batch is its own session; with a seed, batch b draws from seed + b so batches differ.
-        batch_cfg = cfg if cfg.seed is None else replace(cfg, seed=cfg.seed + b)
+        batch_cfg = cfg if cfg.seed is None else cfg.replace(seed=cfg.seed + b)
         out = Generator(model, batch_cfg, tokenizer=tokenizer).run([prompts[i] for i in rows])
         for j, i in enumerate(rows):
             sequences[i], reasons[i] = out.sequences[j], out.finish_reasons[j]

@@ -23,10 +23,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from caramba.infer.generate import GenerateConfig
+from caramba.infer.config import GenerateConfig
 from caramba.infer.padding import as_rows, left_pad
-from caramba.infer.plan import forward_chunked
 from caramba.infer.sampling import History, process_logits
+from caramba.infer.state import DecodeState
+from caramba.infer.stops import StopChecker, pad_id_for
 
 NEG = -1.0e9   # HF's "never chosen" score offset
 
@@ -54,35 +55,30 @@ def check_deterministic(cfg: GenerateConfig, what: str) -> None:
 def beam_search(model, input_ids, config: GenerateConfig | None = None, **overrides) -> BeamResult:
     """Beam search over one prompt or a batch of (ragged) prompts; keyword overrides set
     GenerateConfig fields (num_beams, length_penalty, early_stopping, num_return_sequences, ...)."""
-    cfg = replace(config or GenerateConfig(), **overrides)   # a copy: validated again
+    cfg = (config or GenerateConfig()).replace(**overrides)   # a copy: validated again
     check_deterministic(cfg, "beam search")
     if cfg.top_k is not None:
         raise ValueError("beam search does not use top_k (only contrastive search does); drop it")
     t0 = time.perf_counter()
     prompts = as_rows(input_ids)
     B, nb, N = len(prompts), cfg.num_beams, cfg.max_new_tokens
-    eos_ids = cfg.eos_ids()
-    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    stops = StopChecker.for_config(cfg, device=model.device)   # eos only: stop_sequences are refused above
+    pad_id = pad_id_for(cfg)
     device, V = model.device, model.config.vocab_size
     params = replace(cfg.sampling, temperature=0.0)   # processors only, no warpers
 
-    ids, mask = left_pad(prompts, pad_id)
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = left_pad(prompts, pad_id, device=device)
     T = ids.shape[1]
     if T + N - 1 > cfg.max_seq_len:
         raise ValueError(f"prompt ({T} tokens) + max_new_tokens={N} exceed max_seq_len={cfg.max_seq_len}")
-    # The prompt runs once per prompt, then every row is copied to its num_beams beams.
-    cache = model.new_cache(B, T + N - 1, cfg.cache_spec())
-    slot_mask = torch.ones(B, T + N - 1, dtype=torch.bool, device=device)
-    slot_mask[:, :T] = mask
-    positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
-    padded = not bool(mask.all())
-    q_chunk = cfg.decode.resolve(T).q_chunk                                                      # chunked prefill
-    logits = forward_chunked(model, ids, positions, cache, slot_mask if padded else None, True, q_chunk)[:, -1]  # [B, V]
+    # The prompt runs once per prompt (in chunks, as the decode plan says), then every row is
+    # copied to its num_beams beams. The final token is never fed: T + N - 1 slots.
+    state = DecodeState.for_config(model, B, cfg, slots=T + N - 1)
+    state.resolve(cfg.decode, T)
+    logits = state.prefill(ids, mask)                                                            # [B, V]
     expand = torch.arange(B, device=device).repeat_interleave(nb)                                # [B * nb]
-    cache.reorder(expand)
-    slot_mask, logits = slot_mask[expand], logits[expand]
-    next_pos = mask.long().sum(dim=1)[expand]                                                    # [B * nb]
+    state.reorder(expand)
+    logits = logits[expand]
     seen = None
     if cfg.repetition_penalty != 1.0:
         seen = torch.zeros(B * nb, V, dtype=torch.bool, device=device)
@@ -91,9 +87,8 @@ def beam_search(model, input_ids, config: GenerateConfig | None = None, **overri
     history = History(B * nb, V, params, device)
     history.add_context(ids[expand], mask[expand])
 
-    K = max(2, 1 + len(eos_ids)) * nb                    # candidates kept per prompt
+    K = max(2, 1 + len(stops.eos_ids)) * nb              # candidates kept per prompt
     top_nb = torch.arange(K, device=device) < nb         # [K] only these may become finished
-    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     running = torch.full((B, nb, N), pad_id, dtype=torch.long, device=device)
     running_scores = torch.zeros(B, nb, device=device)
     running_scores[:, 1:] = NEG                           # beams start identical: expand only the first
@@ -113,7 +108,7 @@ def beam_search(model, input_ids, config: GenerateConfig | None = None, **overri
         src_beam, cand_tok = flat // V, flat % V
         cand = torch.take_along_dim(running, src_beam[:, :, None], dim=1)                    # [B, K, N]
         cand[:, :, step] = cand_tok
-        ends = torch.isin(cand_tok, eos) if len(eos) else torch.zeros_like(cand_tok, dtype=torch.bool)
+        ends = stops.is_eos(cand_tok)
         if step == N - 1:
             ends = torch.ones_like(ends)
 
@@ -150,8 +145,7 @@ def beam_search(model, input_ids, config: GenerateConfig | None = None, **overri
 
         # Gather every per-row state by source beam, then feed each beam's new token.
         index = (keep_src + batch_offset).flatten()                                          # [B * nb]
-        cache.reorder(index)
-        next_pos, slot_mask = next_pos[index], slot_mask[index]
+        state.reorder(index)
         if seen is not None:
             seen = seen[index]
         history.reorder(index)
@@ -159,18 +153,16 @@ def beam_search(model, input_ids, config: GenerateConfig | None = None, **overri
         if seen is not None:
             seen[torch.arange(B * nb, device=device), new] = True
         history.add_generated(new)
-        logits = model(new[:, None], next_pos[:, None], cache, slot_mask if padded else None, last_only=True)[:, -1]
-        next_pos = next_pos + 1
+        logits = state.step(new)
         steps += 1
 
     R = cfg.num_return_sequences
-    eos_set = set(eos_ids)
     sequences, scores, reasons = [], [], []
     for b in range(B):
         seqs = [done[b, k, : int(done_len[b, k])].tolist() for k in range(R)]
         sequences.append(seqs)
         scores.append([float(done_scores[b, k]) for k in range(R)])
-        reasons.append(["eos" if s and s[-1] in eos_set else "length" for s in seqs])
+        reasons.append(["eos" if s and s[-1] in stops.eos_set else "length" for s in seqs])
     return BeamResult(sequences, scores, reasons, steps, time.perf_counter() - t0)
 
 

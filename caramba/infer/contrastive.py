@@ -24,30 +24,26 @@ from caramba.infer.beam import check_deterministic
 from caramba.infer.padding import as_rows, left_pad
 from caramba.infer.generate import GenerateConfig, GenerationResult
 from caramba.infer.sampling import History, process_logits
+from caramba.infer.state import DecodeState
+from caramba.infer.stops import StopChecker, pad_id_for
 
 
-class _FinalHidden:
-    """Captures the final norm's output [B, T, D] during a forward of the model."""
-
-    def __init__(self, model) -> None:
-        self.model, self.value = model, None
-
-    def __call__(self, tokens, positions, cache, slot_mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward -> (logits [B, T, V], hidden [B, T, D]) for every fed position."""
-        handle = self.model.norm.register_forward_hook(lambda _m, _i, out: setattr(self, "value", out))
-        try:
-            logits = self.model(tokens, positions, cache, slot_mask, last_only=False)
-        finally:
-            handle.remove()
-        hidden, self.value = self.value, None
-        return logits, hidden
+def _with_hidden(model, forward) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run forward() -> (its logits, the final norm's output [B, T, D] during it)."""
+    captured = []
+    handle = model.norm.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    try:
+        logits = forward()
+    finally:
+        handle.remove()
+    return logits, captured[-1]
 
 
 @torch.inference_mode()
 def contrastive_search(model, input_ids, config: GenerateConfig | None = None, **overrides) -> GenerationResult:
     """Contrastive search over one prompt or a batch of (ragged) prompts; needs penalty_alpha and
     top_k (keyword overrides set GenerateConfig fields)."""
-    cfg = replace(config or GenerateConfig(), **overrides)   # a copy: validated again
+    cfg = (config or GenerateConfig()).replace(**overrides)   # a copy: validated again
     check_deterministic(cfg, "contrastive search")
     if cfg.penalty_alpha is None or cfg.top_k is None:
         raise ValueError("contrastive search needs penalty_alpha (in [0, 1]) and top_k (>= 1); set both")
@@ -56,28 +52,20 @@ def contrastive_search(model, input_ids, config: GenerateConfig | None = None, *
     t0 = time.perf_counter()
     prompts = as_rows(input_ids)
     B, k, N, alpha = len(prompts), cfg.top_k, cfg.max_new_tokens, cfg.penalty_alpha
-    eos_ids = cfg.eos_ids()
-    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    stops = StopChecker.for_config(cfg, device=model.device)   # eos only: stop_sequences are refused above
     device, V = model.device, model.config.vocab_size
     params = replace(cfg.sampling, temperature=0.0)   # processors only, no warpers
-    run = _FinalHidden(model)
 
-    ids, mask = left_pad(prompts, pad_id)
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = left_pad(prompts, pad_id_for(cfg), device=device)
     T = ids.shape[1]
     # Every step feeds its candidates, the last one too (its hidden states score it): T + N slots.
     if T + N > cfg.max_seq_len:
         raise ValueError(f"prompt ({T} tokens) + max_new_tokens={N} exceed max_seq_len={cfg.max_seq_len}")
-    cache = model.new_cache(B, T + N, cfg.cache_spec())
-    slot_mask = torch.ones(B, T + N, dtype=torch.bool, device=device)
-    slot_mask[:, :T] = mask
-    padded = not bool(mask.all())
-    positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
-    logits, hidden = run(ids, positions, cache, slot_mask if padded else None)
+    state = DecodeState.for_config(model, B, cfg, slots=T + N)
+    logits, hidden = _with_hidden(model, lambda: state.feed(ids, mask))   # every position's hidden state
     logits = logits[:, -1]                                                  # [B, V]
     context = hidden.float()                                                # [B, S, D] every fed position
     context_mask = mask.clone()                                             # [B, S] which are real tokens
-    next_pos = mask.long().sum(dim=1)                                       # [B]
     seen = None
     if cfg.repetition_penalty != 1.0:
         seen = torch.zeros(B, V, dtype=torch.bool, device=device)
@@ -88,7 +76,7 @@ def contrastive_search(model, input_ids, config: GenerateConfig | None = None, *
     t_first = None
 
     sequences: list[list[int]] = [[] for _ in range(B)]
-    reasons = ["length"] * B
+    stops.start(B)
     active = torch.ones(B, dtype=torch.bool, device=device)
     expand = torch.arange(B, device=device).repeat_interleave(k)            # [B * k]
     rows = torch.arange(B, device=device)
@@ -96,9 +84,8 @@ def contrastive_search(model, input_ids, config: GenerateConfig | None = None, *
     for _ in range(N):
         probs = process_logits(logits, params, seen, history).softmax(dim=-1)
         top_p, top_ids = torch.topk(probs, k, dim=-1)                       # [B, k]
-        cache.reorder(expand)                                               # every row, k times
-        cand_logits, cand_hidden = run(top_ids.reshape(-1, 1), next_pos[expand, None], cache,
-                                       slot_mask[expand] if padded else None)
+        state.reorder(expand)                                               # every row, k times
+        cand_logits, cand_hidden = _with_hidden(model, lambda: state.step(top_ids.reshape(-1)))
         h = cand_hidden[:, -1].float().view(B, k, -1)                        # [B, k, D]
         ctx = context / context.norm(dim=-1, keepdim=True)
         cos = torch.einsum("bsd,bkd->bks", ctx, h / h.norm(dim=-1, keepdim=True))   # [B, k, S]
@@ -107,22 +94,17 @@ def contrastive_search(model, input_ids, config: GenerateConfig | None = None, *
         pick = score.argmax(dim=-1)                                         # [B]
         new = top_ids[rows, pick]
         chosen = rows * k + pick                                            # [B] rows of the candidate batch
-        cache.reorder(chosen)
-        logits = cand_logits[chosen, -1]
+        state.reorder(chosen)
+        logits = cand_logits[chosen]
         context = torch.cat([context, h[rows, pick][:, None]], dim=1)
         context_mask = torch.cat([context_mask, active[:, None]], dim=1)
 
         for row in active.nonzero().flatten().tolist():
             sequences[row].append(int(new[row]))
-        if eos_ids:
-            hit = torch.isin(new, torch.tensor(eos_ids, device=device)) & active
-            for row in hit.nonzero().flatten().tolist():
-                reasons[row] = "eos"
-            active = active & ~hit
+        active = stops.update(new, active)
         if seen is not None:
             seen[rows, new] = True
         history.add_generated(new)
-        next_pos = next_pos + 1
         if t_first is None:
             t_first = time.perf_counter()   # prompt + first token, as the Generator times it
         else:
@@ -130,7 +112,7 @@ def contrastive_search(model, input_ids, config: GenerateConfig | None = None, *
         if not bool(active.any()):
             break
     t_end = time.perf_counter()
-    return GenerationResult(sequences, reasons, t_first - t0, t_end - t_first, steps)
+    return GenerationResult(sequences, stops.reasons, t_first - t0, t_end - t_first, steps)
 
 
 __all__ = ["contrastive_search"]

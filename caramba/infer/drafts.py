@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from caramba.infer.padding import left_pad
-from caramba.infer.rowcache import RowCache
+from caramba.infer.state import DecodeState
 from caramba.model.transformer import InputMajorLinear, Transformer
 
 DRAFT_KINDS = ("model", "prompt_lookup", "self_int8", "layer_skip")
@@ -38,12 +38,12 @@ class ModelDraft:
 
     def __init__(self, model: Transformer, name: str = "model") -> None:
         self.model, self.name = model, name
-        self.rows: RowCache | None = None
+        self.rows: DecodeState | None = None
         self.fed: list[list[int]] = []  # per row: the tokens in the draft cache, in order
         self.forwards = 0
 
     def start(self, batch_size: int, max_seq_len: int, cache_spec) -> None:
-        self.rows = RowCache(self.model, batch_size, max_seq_len, cache_spec)
+        self.rows = DecodeState(self.model, self.model.new_cache(batch_size, max_seq_len, cache_spec))
         self.fed = [[] for _ in range(batch_size)]
         self.forwards = 0
 
@@ -53,7 +53,7 @@ class ModelDraft:
         # Roll back to what still matches the context (rejected drafts go), then catch up.
         # (At least the last context token is fed again: its logits start the draft.)
         keep = [min(_common_prefix(self.fed[r], contexts[r]), len(contexts[r]) - 1) for r in range(B)]
-        self.rows.keep(torch.tensor(keep, device=rows.n.device))
+        rows.rollback(torch.tensor(keep, device=device))
         self.fed = [self.fed[r][: keep[r]] for r in range(B)]
         missing = [contexts[r][keep[r]:] if ks[r] > 0 else [] for r in range(B)]
         width = max(len(m) for m in missing)
@@ -63,7 +63,7 @@ class ModelDraft:
         if K == 0:
             return [[] for _ in range(B)], None
         tokens, mask = left_pad(missing, pad_id, width, device)
-        logits = rows.feed(tokens, mask, last_only=True)[:, -1]
+        logits = rows.prefill(tokens, mask)
         self.forwards += 1
         for r in range(B):
             self.fed[r] += missing[r]
@@ -82,7 +82,7 @@ class ModelDraft:
             drafting = drafting & (n > j + 1)
             if not bool(drafting.any()):
                 break
-            logits = rows.feed(tok[:, None], drafting[:, None])[:, -1]
+            logits = rows.step(tok, drafting)
             self.forwards += 1
             for r in drafting.nonzero().flatten().tolist():
                 self.fed[r].append(int(tok[r]))

@@ -4,9 +4,9 @@
 session only prefills the new tokens. `generate()` (the function) is the stateless shortcut.
 
 Batches of ragged prompts are left-padded. Every cache slot carries a validity bit
-(`slot_mask`), and every row its own rotary positions, so padding, rows that finished early
-and later turns never leak into another token's attention: greedy output per row equals
-running that prompt alone.
+(`slot_mask`), and every row its own rotary positions (caramba.infer.state), so padding, rows
+that finished early and later turns never leak into another token's attention: greedy output
+per row equals running that prompt alone.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import torch
 
 from caramba.cache import KVCache
 from caramba.cache.layer import CacheOverflowError
-from caramba.cache.ring import RingKVCache
 from caramba.infer.config import GenerateConfig
 from caramba.infer.padding import left_pad
-from caramba.infer.plan import ResolvedPlan, has_residual_window, run_chunks, warn_window
+from caramba.infer.plan import ResolvedPlan, warn_window
 from caramba.infer.sampling import History, process_logits, select_tokens
+from caramba.infer.state import DecodeState
+from caramba.infer.stops import StopChecker, pad_id_for
 
 
 @dataclass
@@ -49,18 +50,10 @@ class Generator:
     def __init__(self, model, config: GenerateConfig | None = None, device: torch.device | str | None = None, tokenizer=None) -> None:
         self.config = config or GenerateConfig()
         self.tokenizer = tokenizer
-        if self.config.eos_token_id is None and tokenizer is not None:
-            # Every end-of-reply id the model declares (eos, eot, ...), not only eos.
-            stops = list(getattr(tokenizer, "stop_token_ids", ()) or [tokenizer.eos_token_id])
-            self.config.eos_token_id = [i for i in stops if i is not None] or None
         self.model = model if device is None else model.to(device)
         self.device = self.model.device
-        eos = self.config.eos_ids()
-        self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
-        self._stop_strings = [s for s in self.config.stop_sequences if isinstance(s, str)]
-        self._stop_ids = [list(s) for s in self.config.stop_sequences if not isinstance(s, str)]
-        if self._stop_strings and tokenizer is None:
-            raise ValueError("string stop_sequences need a tokenizer: Generator(..., tokenizer=tok)")
+        self.stops = StopChecker.for_config(self.config, tokenizer, self.device)
+        self.pad_id = pad_id_for(self.config)
         if self.config.num_beams > 1 or self.config.penalty_alpha is not None:
             raise ValueError("the Generator samples or decodes greedily: use caramba.infer.beam_search for "
                              "num_beams > 1 and contrastive_search for penalty_alpha")
@@ -73,16 +66,19 @@ class Generator:
 
     def reset(self) -> None:
         """Forget the conversation: the next generate() starts from an empty cache."""
-        self.cache: KVCache | None = None
-        self.slot_mask: torch.Tensor | None = None   # [B, max_seq_len] True where a slot is a real token
-        self.has_holes = False                        # any False slot below cache.length
-        self.next_pos: torch.Tensor | None = None     # [B] rotary position of each row's next token
+        self.state: DecodeState | None = None         # cache, slot mask, positions, pending token
         self.seen: torch.Tensor | None = None         # [B, V] tokens in context (repetition penalty)
-        self.pending: torch.Tensor | None = None      # [B] last sampled token, not yet in the cache
-        self.pending_mask: torch.Tensor | None = None  # [B] which rows have one
         self.history: History | None = None           # n-grams, token counts, tokens this turn
         if self.config.seed is not None:
             self.rng = torch.Generator(device=self.device).manual_seed(self.config.seed)
+
+    @property
+    def cache(self) -> KVCache | None:
+        return None if self.state is None else self.state.cache
+
+    @property
+    def has_holes(self) -> bool:
+        return self.state is not None and self.state.has_holes
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -127,7 +123,7 @@ class Generator:
                 if on_token is not None:
                     on_token(row, tok)
         t_end = time.perf_counter()
-        return GenerationResult(sequences, list(self._finish_reasons), t_first - t0, t_end - t_first, steps)
+        return GenerationResult(sequences, list(self.stops.reasons), t_first - t0, t_end - t_first, steps)
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -135,19 +131,14 @@ class Generator:
         """Yield (tokens [B], active [B]) per generated position; inactive rows are padding."""
         cfg = self.config
         B = tokens.shape[0]
-        self._start_turn(B)
+        state = self._start_turn(B)
         n_input = tokens.shape[1]
-        if self.pending is not None:  # the last turn's final token goes in before the new input
-            tokens = torch.cat([self.pending[:, None], tokens], dim=1)
-            mask = torch.cat([self.pending_mask[:, None], mask], dim=1)
+        tokens, mask = state.with_pending(tokens, mask)  # the last turn's final token goes in first
         T = tokens.shape[1]
         # The final sampled token is never fed, so the turn needs T + max_new_tokens - 1 slots.
         # Checked before the pending token is consumed, so an overflow leaves the session intact.
-        self.cache.check_room(T + cfg.max_new_tokens - 1)
-        self._check_positions(T + cfg.max_new_tokens - 1)
-        self.pending = self.pending_mask = None
-        ring = isinstance(self.cache, RingKVCache)
-        self.plan = cfg.decode.resolve(T, has_residual_window(self.cache), self.cache.max_write if ring else None)
+        state.check_room(T + cfg.max_new_tokens - 1)
+        self.plan = state.resolve(cfg.decode, T)
         if self.history is not None:   # this turn's input; the pending token is in it already
             self.history.n_new = 0
             self.history.add_context(tokens[:, T - n_input:], mask[:, T - n_input:])
@@ -155,95 +146,42 @@ class Generator:
         self._track_seen(tokens, mask)
         logits = self._forward(tokens, mask)
         active = torch.ones(B, dtype=torch.bool, device=self.device)
-        reasons = ["length"] * B
-        self._finish_reasons = reasons
-        recent: list[list[int]] = [[] for _ in range(B)]
-        eos = torch.tensor(cfg.eos_ids(), dtype=torch.long, device=self.device)
+        self.stops.start(B)
         for step in range(cfg.max_new_tokens):
             new = select_tokens(process_logits(logits, cfg.sampling, self.seen, self.history), cfg.sampling, self.rng)
             new = torch.where(active, new, torch.full_like(new, self.pad_id))
             yield new, active
             was_active = active
-            if len(eos):
-                hit_eos = torch.isin(new, eos) & active
-                for row in hit_eos.nonzero().flatten().tolist():
-                    reasons[row] = "eos"
-                active = active & ~hit_eos
-            if self._stop_strings or self._stop_ids:
-                active = self._check_stops(new, active, recent, reasons)
+            active = self.stops.update(new, active)
             self._track_seen(new[:, None], was_active[:, None])
             if self.history is not None:
                 self.history.add_generated(new, was_active)
             if not bool(active.any()) or step == cfg.max_new_tokens - 1:
                 # Rows whose last token is real keep it pending for the next turn.
-                self.pending, self.pending_mask = new, was_active
+                state.pending, state.pending_mask = new, was_active
                 return
             logits = self._forward(new[:, None], was_active[:, None])
 
-    @torch.inference_mode()
     def _forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Feed tokens [B, T] (mask: which are real) at the next slots; logits of the last [B, V]."""
-        T = tokens.shape[1]
-        positions = self.next_pos[:, None] + mask.long().cumsum(dim=1) - 1
-        positions = positions.clamp(min=0)  # padding's position is unused; keep it a valid index
-        self.has_holes = self.has_holes or not bool(mask.all())
-        self.next_pos += mask.long().sum(dim=1)
-        slot_mask = self.slot_mask if self.has_holes else None
+        """Feed tokens [B, T] (mask: which are real) -> logits of each row's next token [B, V].
+        The prefill and every decode step go through here."""
+        return self.state.prefill(tokens, mask)
 
-        def feed(a: int, b: int, last: bool) -> torch.Tensor:
-            # Mark each chunk's slots as it runs: a ring's slot_mask (slot % capacity) is too
-            # narrow to hold a long input's all at once.
-            start = self.cache.length
-            if isinstance(self.cache, RingKVCache):
-                slots = torch.arange(start, start + b - a, device=self.device)
-                self.slot_mask[:, slots % self.slot_mask.shape[1]] = mask[:, a:b]
-            else:
-                self.slot_mask[:, start : start + b - a] = mask[:, a:b]
-            return self.model(tokens[:, a:b], positions[:, a:b], self.cache, slot_mask, last_only=last)
+    def _start_turn(self, B: int) -> DecodeState:
+        if self.state is None:
+            if self.config.cache.is_auto:   # the autotune's choice, on first use (caramba.infer.autocache)
+                from caramba.infer.autocache import resolve
 
-        return run_chunks(feed, T, self.plan.q_chunk, last_only=True)[:, -1]
-
-    def _check_positions(self, n_new: int) -> None:
-        """A learned position table (GPT-2) ends at n_positions: say so before the first token
-        streams, not at the step that crosses it. A ring cache does not lift this bound."""
-        wpe = getattr(self.model, "wpe", None)
-        if wpe is not None and int(self.next_pos.max()) + n_new > wpe.num_embeddings:
-            raise CacheOverflowError(
-                f"{int(self.next_pos.max())} positions used + {n_new} new exceed this model's learned position "
-                f"table (n_positions={wpe.num_embeddings}); shorten the prompt or lower max_new_tokens")
-
-    def _start_turn(self, B: int) -> None:
-        if self.cache is None:
-            cfg = self.config
-            self.cache = self._new_cache(B)
-            width = self.cache.capacity if isinstance(self.cache, RingKVCache) else cfg.max_seq_len
-            self.slot_mask = torch.zeros(B, width, dtype=torch.bool, device=self.device)
-            self.next_pos = torch.zeros(B, dtype=torch.long, device=self.device)
+                self.config, self.cache_auto = resolve(self.model, self.tokenizer, self.config, B)
+            cfg, V = self.config, self.model.config.vocab_size
+            self.state = DecodeState.for_config(self.model, B, cfg)
             if cfg.repetition_penalty != 1.0:
-                self.seen = torch.zeros(B, self.model.config.vocab_size, dtype=torch.bool, device=self.device)
+                self.seen = torch.zeros(B, V, dtype=torch.bool, device=self.device)
             if cfg.min_new_tokens or cfg.no_repeat_ngram_size or cfg.frequency_penalty or cfg.presence_penalty:
-                self.history = History(B, self.model.config.vocab_size, cfg.sampling, self.device)
-        elif self.cache.batch_size != B:
-            raise ValueError(f"this session holds {self.cache.batch_size} rows; got {B} (call reset() first)")
-
-    def _new_cache(self, B: int) -> KVCache:
-        """The cache: with a window, a ring buffer where the cache supports one (then generation
-        is not bounded by max_seq_len), else a plain cache that masks to the window."""
-        if self.config.cache.is_auto:   # the autotune's choice, on first use (caramba.infer.autocache)
-            from caramba.infer.autocache import resolve
-
-            self.config, self.cache_auto = resolve(self.model, self.tokenizer, self.config, B)
-        cfg = self.config
-        window = cfg.decode_local_window
-        if window is not None:
-            try:
-                return RingKVCache.build(self.model, B, window, cfg.decode.max_write(), cfg.cache_spec())
-            except ValueError:
-                pass  # e.g. a residual window: the plain cache below, plan records ring=False
-        cache = self.model.new_cache(B, cfg.max_seq_len, cfg.cache_spec())
-        cfg.cache.check_budget(cache.nbytes)
-        cache.window = window
-        return cache
+                self.history = History(B, V, cfg.sampling, self.device)
+        elif self.state.batch_size != B:
+            raise ValueError(f"this session holds {self.state.batch_size} rows; got {B} (call reset() first)")
+        return self.state
 
     def _track_seen(self, tokens: torch.Tensor, mask: torch.Tensor) -> None:
         if self.seen is not None:
@@ -251,23 +189,6 @@ class Generator:
             # of the mask let a padding slot sharing a real token's id unmark it, in any order on GPU).
             rows, cols = mask.nonzero(as_tuple=True)
             self.seen[rows, tokens[rows, cols]] = True
-
-    def _check_stops(self, new: torch.Tensor, active: torch.Tensor, recent: list[list[int]], reasons: list[str]) -> torch.Tensor:
-        longest = max([len(s) for s in self._stop_strings] + [len(s) for s in self._stop_ids] + [1])
-        keep = longest + 8  # enough trailing tokens to contain any stop sequence
-        active = active.clone()
-        for row in active.nonzero().flatten().tolist():
-            recent[row].append(int(new[row]))
-            del recent[row][:-keep]
-            ids = recent[row]
-            hit = any(len(ids) >= len(s) and ids[-len(s):] == s for s in self._stop_ids)
-            if not hit and self._stop_strings:
-                text = self.tokenizer.decode(ids)
-                hit = any(s in text for s in self._stop_strings)
-            if hit:
-                active[row] = False
-                reasons[row] = "stop_sequence"
-        return active
 
     # ---- input handling ---------------------------------------------------------------------
 
@@ -285,7 +206,7 @@ class Generator:
             raise ValueError("attention_mask must be left-padded (padding before each row's tokens); "
                              "use padding_side='left' or pass ragged lists of ids")
         if tokens.shape[1] == 0 or not bool(mask.any(dim=1).all()):
-            if self.pending is None:
+            if self.state is None or self.state.pending is None:
                 raise ValueError("every row needs at least one input token")
         return tokens.to(self.device), mask.to(self.device)
 

@@ -12,7 +12,7 @@ with sampling draws the target's token at every position and accepts drafts that
 recomputation.
 
 Batches: each row drafts its own k, accepts its own prefix and stops on its own; rows keep
-their own cache lengths and positions (RowCache), so no row waits for the slowest.
+their own cache lengths and positions (DecodeState), so no row waits for the slowest.
 
 Draft length, per row: fixed `spec_k`, or with `spec_k_adaptive` HF's heuristic (all drafts
 accepted: k += 2, else k = max(1, k - 1); at most `spec_k_max`). `spec_confidence` stops a
@@ -40,9 +40,9 @@ from caramba.infer.drafts import (
 from caramba.infer.config import SpeculativeConfig
 from caramba.infer.generate import GenerationResult
 from caramba.infer.padding import as_rows, left_pad
-from caramba.infer.plan import has_residual_window
-from caramba.infer.rowcache import RowCache
 from caramba.infer.sampling import process_logits, select_tokens
+from caramba.infer.state import DecodeState
+from caramba.infer.stops import StopChecker, pad_id_for
 
 SPEC_ACCEPT_WINDOW = 4    # drafting rounds per row that spec_disable_below_accept averages over
 SPEC_PROBE_INTERVAL = 16  # plain target steps before a disabled row drafts again
@@ -95,20 +95,11 @@ class SpeculativeGenerator:
         self.config = config or SpeculativeConfig()
         self.target = target_model
         self.tokenizer = tokenizer
-        cfg = self.config
-        if cfg.eos_token_id is None and tokenizer is not None:
-            stops = list(getattr(tokenizer, "stop_token_ids", ()) or [tokenizer.eos_token_id])
-            cfg.eos_token_id = [i for i in stops if i is not None] or None
-        eos = cfg.eos_ids()
-        self.eos = set(eos)
-        self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
-        self._stop_strings = [s for s in cfg.stop_sequences if isinstance(s, str)]
-        self._stop_ids = [list(s) for s in cfg.stop_sequences if not isinstance(s, str)]
-        if self._stop_strings and tokenizer is None:
-            raise ValueError("string stop_sequences need a tokenizer: SpeculativeGenerator(..., tokenizer=tok)")
+        self.stops = StopChecker.for_config(self.config, tokenizer, target_model.device, owner="SpeculativeGenerator")
+        self.pad_id = pad_id_for(self.config)
         self.draft = self._make_draft(draft_model)
         self.stats = SpeculativeStats()
-        self.rows: RowCache | None = None   # the target's cache after the last call
+        self.rows: DecodeState | None = None   # the target's decoding state after the last call
         self.plan = None                     # the decode plan (ResolvedPlan) of the last call
         self.rng: torch.Generator | None = None
 
@@ -166,9 +157,8 @@ class SpeculativeGenerator:
         if cfg.seed is not None:
             self.rng = torch.Generator(device=device).manual_seed(cfg.seed)
         sampling = cfg.sampling
-        target = self.rows = RowCache(self.target, B, cfg.max_seq_len, cfg.cache_spec())  # kept for inspection
-        self.plan = cfg.decode.resolve(width, has_residual_window(target.cache))
-        target.q_chunk = self.plan.q_chunk   # the prefill and long verifications run in chunks
+        target = self.rows = DecodeState.for_config(self.target, B, cfg)   # kept for inspection
+        self.plan = target.resolve(cfg.decode, width)   # the prefill and long verifications run in chunks
         self.draft.start(B, cfg.max_seq_len, cfg.cache_spec())
         stats = self.stats = SpeculativeStats(k_history=[[] for _ in range(B)], row_forwards=[0] * B, row_tokens=[0] * B,
                                               row_proposed=[0] * B, row_accepted=[0] * B)
@@ -180,7 +170,7 @@ class SpeculativeGenerator:
 
         contexts = [list(r) for r in rows]
         sequences: list[list[int]] = [[] for _ in range(B)]
-        reasons = ["length"] * B
+        self.stops.start(B)
         active = [True] * B
 
         def emit(r: int, tokens: list[int]) -> None:
@@ -191,16 +181,15 @@ class SpeculativeGenerator:
                     seen[r, tok] = True
                 if on_token is not None:
                     on_token(r, tok)
-                reason = "eos" if tok in self.eos else "stop_sequence" if self._stop_hit(sequences[r]) else None
-                if reason is not None:
-                    reasons[r], active[r] = reason, False
+                if self.stops.check(r, tok) is not None:
+                    active[r] = False
                     return
             if len(sequences[r]) >= cfg.max_new_tokens:
                 active[r] = False
 
         t0 = time.perf_counter()
         tokens, mask = left_pad(rows, self.pad_id, width, device)
-        logits = target.feed(tokens, mask, last_only=True)[:, -1]
+        logits = target.prefill(tokens, mask)
         first = select_tokens(process_logits(logits, sampling, seen), sampling, self.rng).tolist()
         for r in range(B):
             emit(r, [first[r]])
@@ -223,7 +212,7 @@ class SpeculativeGenerator:
             block = [[contexts[r][-1], *drafts[r]] if active[r] else [] for r in range(B)]
             W = max(len(b) for b in block)
             tokens, mask = left_pad(block, self.pad_id, W, device)
-            n_before = target.n.clone()
+            n_before = target.next_pos.clone()
             logits = target.feed(tokens, mask)                           # [B, W, V]
             stats.target_forwards += 1
             accepted, extra = self._verify(logits, block, drafts, q, seen)
@@ -243,10 +232,10 @@ class SpeculativeGenerator:
                 stats.row_forwards[r] += 1
                 stats.row_tokens[r] += gained
                 self._adapt(r, n_draft, a, want[r], ks, windows, plain_left)
-            target.keep(n_before)
+            target.rollback(n_before)
         t_end = time.perf_counter()
         stats.draft_forwards = self.draft.forwards
-        return SpeculativeResult(sequences, reasons, t_first - t0, t_end - t_first, stats.target_forwards, stats)
+        return SpeculativeResult(sequences, list(self.stops.reasons), t_first - t0, t_end - t_first, stats.target_forwards, stats)
 
     # ---- one round --------------------------------------------------------------------------
 
@@ -341,15 +330,6 @@ class SpeculativeGenerator:
             if sum(x for x, _ in windows[r]) / sum(y for _, y in windows[r]) < cfg.spec_disable_below_accept:
                 plain_left[r] = SPEC_PROBE_INTERVAL
                 windows[r].clear()
-
-    def _stop_hit(self, seq: list[int]) -> bool:
-        if any(len(seq) >= len(s) and seq[-len(s):] == s for s in self._stop_ids):
-            return True
-        if self._stop_strings:
-            longest = max(len(s) for s in self._stop_strings) + 8  # enough trailing tokens to hold any stop string
-            text = self.tokenizer.decode(seq[-longest:])
-            return any(s in text for s in self._stop_strings)
-        return False
 
 
 __all__ = ["SPEC_ACCEPT_WINDOW", "SPEC_PROBE_INTERVAL", "SpeculativeConfig", "SpeculativeGenerator",
