@@ -130,13 +130,17 @@ def test_manifest_cache_autotune_then_cache_kind_auto_reuses_its_plan(tiny_model
     assert spec["summary"]["cache_auto"]["plan_status"] == "reused"
 
 
-@pytest.mark.parametrize("generate, message", [
-    ("{prompts: [hi], cache_kind: auto, cache_budget_mb: 0}", "cache_budget_mb"),
-    ("{prompts: [hi], cache_kind: q8_0, cache_budget_mb: .nan}", "cache_budget_mb"),
-    ("{prompts: [hi], cache_kind: auto, cache_budget_mb: 4, rotate_keys: true}", "chooses rotate_keys itself"),
-    ("{prompts: [hi], cache_kind: auto, cache_quality_max_mean_kl: -1}", "cache_quality_max_mean_kl"),
+@pytest.mark.parametrize("generate, code, message", [
+    ("{prompts: [hi], cache_kind: auto, cache_budget_mb: 0}", 2, "cache_budget_mb"),
+    ("{prompts: [hi], cache_kind: q8_0, cache_budget_mb: .nan}", 2, "cache_budget_mb"),
+    ("{prompts: [hi], cache_kind: auto, cache_budget_mb: 4, rotate_keys: true}", 2, "chooses rotate_keys itself"),
+    ("{prompts: [hi], cache_kind: auto, cache_quality_max_mean_kl: -1}", 2, "cache_quality_max_mean_kl"),
+    # As the seed guide writes them: auto with no budget picks among every candidate; a budget with a
+    # named kind is a bound the built cache is checked against.
+    ("{prompts: [hi], cache_kind: auto}", 0, "ok"),
+    ("{prompts: [hi], cache_kind: q8_0, cache_budget_mb: 4}", 0, "ok"),
 ])
-def test_auto_settings_are_validated(tmp_path, generate, message):
+def test_auto_settings_are_validated(tmp_path, generate, code, message):
     manifest = tmp_path / "m.yaml"
     write_manifest(manifest, f"""\
       - id: g
@@ -144,7 +148,7 @@ def test_auto_settings_are_validated(tmp_path, generate, message):
         generate: {generate}
 """, name="v")
     r = invoke("validate", manifest)
-    assert r.exit_code == 2 and message in r.output
+    assert r.exit_code == code and message in r.output, r.output
 
 
 def test_cache_autotune_section_is_required_and_checked(tmp_path):
@@ -165,17 +169,3 @@ def test_autotune_reports_a_corrupt_plan_file_and_keeps_it(tiny_model, tmp_path)
     aside = list(tmp_path.glob("plans.json.corrupt-*"))
     assert len(aside) == 1 and aside[0].read_text() == '{"version": 1, "plans": []}'
     assert result["status"] == "measured" and list(json.loads(plans.read_text())["plans"]) == [result["key_id"]]
-
-
-@pytest.mark.parametrize("generate", ["{prompts: [hi], cache_kind: auto}", "{prompts: [hi], cache_kind: q8_0, cache_budget_mb: 4}"])
-def test_auto_without_budget_and_budget_with_a_kind_are_valid(tmp_path, generate):
-    """As the seed guide writes them: auto with no budget picks among every candidate; a budget with a
-    named kind is a bound the built cache is checked against."""
-    manifest = tmp_path / "m.yaml"
-    write_manifest(manifest, f"""\
-      - id: g
-        mode: generate
-        generate: {generate}
-""", name="v")
-    r = invoke("validate", manifest)
-    assert r.exit_code == 0, r.output
