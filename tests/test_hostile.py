@@ -273,8 +273,12 @@ def test_a_normal_template_still_renders():
 # ---- text is not markup ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("text", ["[/INST]", "[/x]", "[bold]hi", "[red]x[/red]", "a\\"])
-def test_user_text_is_printed_verbatim(tmp_path, text):
-    # In an error (a --set path), in a path that is printed, in a plan store's contents.
+def test_user_text_is_printed_verbatim(tmp_path, monkeypatch, text):
+    # In an error (a --set path), in a path that is printed, in a plan store's contents. Wide enough
+    # that no table cell wraps the text, whatever $COLUMNS the machine running the tests has.
+    import caramba.cli
+
+    monkeypatch.setattr(caramba.cli.out, "width", 400)
     r = invoke("validate", tmp_path / "m.yaml", "--set", f"targets.{text}=1")
     assert r.exit_code == 2 and "MarkupError" not in r.output and "Traceback" not in r.output
     name = text.replace("/", "_").replace("\\", "_")
