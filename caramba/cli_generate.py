@@ -11,10 +11,12 @@ disagree. Nothing is written under runs/: the result is printed (streamed text, 
 from __future__ import annotations
 
 import inspect
+import types
 import typing
 from typing import Any, Optional
 
 import typer
+import yaml
 from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
@@ -40,8 +42,8 @@ def flag(name: str) -> str:
 def _cli_type(annotation: Any) -> Any:
     """The flag's type: the scalar types as they are, list[str] repeatable; anything else (a
     policy mapping, bool-or-'never') is a string parsed as YAML, like a --set value."""
-    members = [a for a in typing.get_args(annotation) if a is not type(None)] \
-        if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType")) else [annotation]
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    members = [a for a in typing.get_args(annotation) if a is not type(None)] if union else [annotation]
     if len(members) == 1 and members[0] in (bool, int, float, str):
         return members[0]
     if len(members) == 1 and typing.get_origin(members[0]) is list:
@@ -55,7 +57,7 @@ def _option_params() -> list[inspect.Parameter]:
     params = []
     for name, (annotation, field) in {**GENERATE_OPTIONS, **DRAFT_OPTIONS}.items():
         kind = _cli_type(annotation)
-        py = {"yaml": str, list[str]: list[str]}.get(kind, kind)
+        py = str if kind == "yaml" else kind
         default = field.get_default(call_default_factory=True)
         shown = "" if default in (None, [], False) else f" [default: {default}]"
         decls = [flag(name) + (f"/--no-{name.replace('_', '-')}" if py is bool else ""), *ALIASES.get(name, [])]
@@ -80,15 +82,12 @@ def generate(prompt: str, model: str, dtype: str, device: str, seed: int | None,
     """Build the one-run manifest, validate it, run it and print the result."""
     from caramba.manifest.overrides import apply_overrides
     from caramba.manifest.schema import Manifest
-    from caramba.model.zoo import load_model
-    from caramba.model.zoo import resolve_device, resolve_source
+    from caramba.model.zoo import inspect_source, load_model, resolve_device
     from caramba.runners import MODE_RUNNERS
 
     given = {k: v for k, v in options.items() if v is not None and v != []}
     for name, (annotation, _) in {**GENERATE_OPTIONS, **DRAFT_OPTIONS}.items():
         if name in given and _cli_type(annotation) == "yaml":
-            import yaml
-
             given[name] = yaml.safe_load(given[name])
     if system is not None and not chat:
         raise UserError("--system needs --chat")
@@ -122,7 +121,7 @@ def generate(prompt: str, model: str, dtype: str, device: str, seed: int | None,
     (resolved,) = list(manifest.iter_runs())
     for spec in (resolved.model, resolved.draft):
         if spec is not None:
-            resolve_source(spec.source)
+            inspect_source(spec.source)   # path and config: one clear error before loading weights
             resolve_device(spec.device)
     # --json: stdout holds the one object and stderr only warnings (the runner prints to a quiet console).
     console = Console(quiet=True) if as_json else out
