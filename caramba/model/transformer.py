@@ -140,14 +140,17 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.head.weight_t.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.head.weight_t.dtype
+        # The activations' dtype: the norms stay in it when the projections are quantized.
+        return self.norm.weight.dtype
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
+            if hasattr(self.head, "embedding"):   # a quantized head (caramba.model.quant) reads its rows
+                return self.head.embedding(tokens).to(self.dtype)
             return F.embedding(tokens, self.head.weight_t.t())
         return self.embed(tokens)
 
