@@ -93,7 +93,7 @@ def activation_error_bound(lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 SHAPES = [(1, 7, 32), (3, 33, 96), (11, 5, 64), (16, 40, 160)]
 
 
-@pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "q8")])
+@pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "q8"), ("q4_1", "q8")])
 @pytest.mark.parametrize("M,N,K", SHAPES)
 def test_kernel_equals_dequantize_then_matmul(fmt, act, M, N, K):
     needs_kernels()
@@ -142,8 +142,8 @@ def test_switched_off_by_environment(monkeypatch):
 def test_rejects_what_has_no_kernel():
     with pytest.raises(ValueError, match="divisible by 32"):
         QuantLinear.from_float(randn(4, 48))
-    with pytest.raises(ValueError, match="no kernel for weights q4_1 with q8"):
-        QuantLinear("q4_1", torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1), torch.zeros(4, 1), act="q8")
+    with pytest.raises(ValueError, match="no kernel for weights q4_0 with f32"):
+        QuantLinear("q4_0", torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1), torch.zeros(4, 1))
 
 
 def test_quantized_head_reads_its_embedding_rows():
@@ -254,3 +254,24 @@ def test_native_needs_a_gguf_and_unknown_kinds_are_named(tmp_path):
         zoo.load_model(str(d), progress=False, weights="native")
     with pytest.raises(UserError, match="weights 'q4' is not supported; use one of fp32, q8_0, native"):
         zoo.load_model(str(d), progress=False, weights="q4")
+
+
+def test_portable_kernels_equal_the_native_ones(monkeypatch, tmp_path):
+    """The scalar loops (built without -march=native, as on a CPU without AVX2) against the same
+    reference: both code paths of quant_gemv.c are exercised wherever the suite runs."""
+    needs_kernels()
+    from caramba import kernels
+
+    monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path))
+    flags = [f for f in kernels.FLAGS if not f.startswith("-march")]
+    lib, status = kernels.load(quant.SOURCE, quant._SIGNATURES, "test", flags=flags)
+    assert status == "c"
+    monkeypatch.setattr(quant, "library", lambda: lib)
+    for fmt, act in [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "q8"), ("q4_1", "q8")]:
+        lin = layer(fmt, act, 9, 64, seed=11)
+        x = randn(3, 64, seed=12)
+        ref = reference(lin, x)
+        atol = tol.reduction(ref, 64)["atol"] + 16 * torch.finfo(torch.float32).eps * float(
+            (lin.dequantized().abs() @ x.abs().t()).max())
+        bound = activation_error_bound(lin, x).float() if act == "q8" else 0
+        assert ((lin(x) - ref).abs() <= bound + atol).all(), (fmt, act)

@@ -37,6 +37,7 @@ _SIGNATURES = {
     "gemv_q8_0_q8": ([_P] * 4 + [_I] * 4, _I),
     "gemv_q8_0_f32": ([_P] * 4 + [_I] * 4, _I),
     "gemv_q4_1_f32": ([_P] * 5 + [_I] * 4, _I),
+    "gemv_q4_1_q8": ([_P] * 5 + [_I] * 4, _I),
 }
 _status = "not built yet"
 
@@ -113,14 +114,15 @@ class QuantLinear(nn.Module):
     """y = x @ W^T (+ bias) with W [out, in] held as quantized blocks.
 
     fmt 'q8_0' (codes int8 [N, K], d fp16) or 'q4_1' (codes uint8 [N, K/2], d and m fp16);
-    act 'q8' quantizes activations for the kernel (q8_0 only), 'f32' multiplies them as they are.
+    act 'q8' quantizes activations to q8_0 blocks for the kernel (int8 dot products, llama.cpp's
+    way: faster, but adds the activations' rounding); 'f32' multiplies them as they are.
     `embedding(tokens)` reads rows of W, for a head tied to the embeddings.
     """
 
     def __init__(self, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, act: str = "f32") -> None:
         super().__init__()
-        if fmt not in ("q8_0", "q4_1") or act not in ("q8", "f32") or (act == "q8" and fmt != "q8_0"):
+        if fmt not in ("q8_0", "q4_1") or act not in ("q8", "f32"):
             raise ValueError(f"no kernel for weights {fmt} with {act} activations")
         self.fmt, self.act = fmt, act
         self.out_features = qs.shape[0]
@@ -183,7 +185,8 @@ class QuantLinear(nn.Module):
             failed = lib.gemv_q8_0_f32(x2.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), out.data_ptr(),
                                        M, N, K, threads)
         else:
-            failed = lib.gemv_q4_1_f32(x2.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
+            fn = lib.gemv_q4_1_q8 if self.act == "q8" else lib.gemv_q4_1_f32
+            failed = fn(x2.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
                                        out.data_ptr(), M, N, K, threads)
         if failed:
             raise MemoryError("quantized GEMV could not allocate its activation buffer")

@@ -88,48 +88,48 @@ static void quantize_rows_q8(const float *x, int M, int K, int8_t *q, float *d) 
         }
 }
 
+/* One weight row (nb q8_0 blocks) . one activation row (q8 codes xq, scales xd). A row is at
+   most a few KiB, so a row re-read for the next activation row comes from L1. */
+static inline float dot_q8_0_q8(const int8_t *wq, const uint16_t *wd, const int8_t *xq, const float *xd, int nb) {
+#if HAVE_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();   /* two chains hide FMA latency */
+    int b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wq + b * QK));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wq + (b + 1) * QK));
+        const __m256i a0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        const __m256i a1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b]) * xd[b]), dot_i8(w0, a0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b + 1]) * xd[b + 1]), dot_i8(w1, a1), acc1);
+    }
+    for (; b < nb; b++) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wq + b * QK));
+        const __m256i a0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b]) * xd[b]), dot_i8(w0, a0), acc0);
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1));
+#else
+    float acc = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        int32_t s = 0;
+        for (int i = 0; i < QK; i++) s += (int32_t)wq[b * QK + i] * xq[b * QK + i];
+        acc += fp16_to_fp32(wd[b]) * xd[b] * (float)s;
+    }
+    return acc;
+#endif
+}
+
 int gemv_q8_0_q8(const float *x, const int8_t *qs, const uint16_t *d, float *out, int M, int N, int K,
-                  int nthreads) {
+                 int nthreads) {
     const int nb = K / QK;
     int8_t *xq = malloc((size_t)M * K);
     float *xd = malloc(sizeof(float) * (size_t)M * nb);
     if (!xq || !xd) { free(xq); free(xd); return 1; }   /* the caller raises MemoryError */
     quantize_rows_q8(x, M, K, xq, xd);
-    for (int m0 = 0; m0 < M; m0 += MMAX) {
-        const int mr = M - m0 < MMAX ? M - m0 : MMAX;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int n = 0; n < N; n++) {
-            const int8_t *wq = qs + (long)n * K;
-            const uint16_t *wd = d + (long)n * nb;
-#if HAVE_AVX2
-            __m256 acc[MMAX];
-            for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
-            for (int b = 0; b < nb; b++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(wq + b * QK));
-                const float dw = fp16_to_fp32(wd[b]);
-                for (int r = 0; r < mr; r++) {
-                    const int m = m0 + r;
-                    const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + (long)m * K + b * QK));
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[m * nb + b]), dot_i8(w, a), acc[r]);
-                }
-            }
-            for (int r = 0; r < mr; r++) out[(long)(m0 + r) * N + n] = hsum8(acc[r]);
-#else
-            float acc[MMAX] = {0};
-            for (int b = 0; b < nb; b++) {
-                const float dw = fp16_to_fp32(wd[b]);
-                for (int r = 0; r < mr; r++) {
-                    const int m = m0 + r;
-                    const int8_t *a = xq + (long)m * K + b * QK;
-                    int32_t s = 0;
-                    for (int i = 0; i < QK; i++) s += (int32_t)wq[b * QK + i] * a[i];
-                    acc[r] += dw * xd[m * nb + b] * (float)s;
-                }
-            }
-            for (int r = 0; r < mr; r++) out[(long)(m0 + r) * N + n] = acc[r];
-#endif
-        }
-    }
+    for (int n = 0; n < N; n++)
+        for (int m = 0; m < M; m++)
+            out[(long)m * N + n] = dot_q8_0_q8(qs + (long)n * K, d + (long)n * nb, xq + (long)m * K, xd + m * nb, nb);
     free(xq);
     free(xd);
     return 0;
@@ -231,6 +231,65 @@ int gemv_q4_1_f32(const float *x, const uint8_t *qs, const uint16_t *d, const ui
             for (int r = 0; r < mr; r++) out[(long)(m0 + r) * N + n] = res[r];
         }
     }
+    free(xs);
+    return 0;
+}
+
+/* q4_1 weights x q8 activations (llama.cpp's q4_1 x q8_1): per block
+   d_w d_x sum(q_i a_i) + m_w d_x sum(a_i), with unsigned 4-bit q and signed 8-bit a;
+   xs holds d_x sum(a_i) per activation block. */
+static inline float dot_q4_1_q8(const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, const int8_t *xq,
+                                const float *xd, const float *xs, int nb) {
+    float macc = 0.0f;
+#if HAVE_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(wq + b * QK / 2));
+        const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(15));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
+        const __m256i w = _mm256_set_m128i(hi, lo);       /* elements 0..15 | 16..31 */
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        const __m256i dot16 = _mm256_maddubs_epi16(w, a);     /* w unsigned, a signed */
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot16, _mm256_set1_epi16(1)));
+        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b]) * xd[b]), dot, acc1);
+        else acc0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b]) * xd[b]), dot, acc0);
+        macc += fp16_to_fp32(wm[b]) * xs[b];
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1)) + macc;
+#else
+    float acc = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = wq + b * QK / 2;
+        const int8_t *a = xq + b * QK;
+        int32_t s = 0;
+        for (int j = 0; j < QK / 2; j++) s += (qb[j] & 15) * a[j] + (qb[j] >> 4) * a[j + QK / 2];
+        acc += fp16_to_fp32(wd[b]) * xd[b] * (float)s;
+        macc += fp16_to_fp32(wm[b]) * xs[b];
+    }
+    return acc + macc;
+#endif
+}
+
+int gemv_q4_1_q8(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins, float *out,
+                 int M, int N, int K, int nthreads) {
+    const int nb = K / QK;
+    int8_t *xq = malloc((size_t)M * K);
+    float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
+    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return 1; }
+    quantize_rows_q8(x, M, K, xq, xd);
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < nb; b++) {
+            int32_t s = 0;
+            for (int i = 0; i < QK; i++) s += xq[(long)m * K + b * QK + i];
+            xs[m * nb + b] = xd[m * nb + b] * (float)s;
+        }
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int n = 0; n < N; n++)
+        for (int m = 0; m < M; m++)
+            out[(long)m * N + n] = dot_q4_1_q8(qs + (long)n * (K / 2), d + (long)n * nb, mins + (long)n * nb,
+                                               xq + (long)m * K, xd + m * nb, xs + m * nb, nb);
+    free(xq);
+    free(xd);
     free(xs);
     return 0;
 }
