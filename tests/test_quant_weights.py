@@ -275,3 +275,32 @@ def test_portable_kernels_equal_the_native_ones(monkeypatch, tmp_path):
             (lin.dequantized().abs() @ x.abs().t()).max())
         bound = activation_error_bound(lin, x).float() if act == "q8" else 0
         assert ((lin(x) - ref).abs() <= bound + atol).all(), (fmt, act)
+
+
+def test_cli_and_manifest_take_weights(tmp_path):
+    import json
+
+    from pydantic import ValidationError
+    from typer.testing import CliRunner
+
+    from caramba.cli import app
+    from caramba.infer.evaluate import corpus_text
+    from caramba.manifest.schema import ModelSpec
+    from test_cli import write_tiny_model
+
+    d = write_tiny_model(tmp_path / "m")
+    text = tmp_path / "t.txt"
+    text.write_text(corpus_text()[:300])
+
+    def invoke(*args):
+        return CliRunner().invoke(app, [str(a) for a in args])
+
+    r = invoke("eval", "--text", text, "--model", d, "--weights", "q8_0", "--prompt-len", "8", "--max-tokens", "30",
+               "--cache-kind", "fp32", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["model"]["weights"] == "q8_0"
+    bad = invoke("eval", "--text", text, "--model", d, "--weights", "native")
+    assert bad.exit_code == 2 and "keeps a GGUF" in bad.output
+    assert ModelSpec(weights="q8_0").weights == "q8_0" and ModelSpec().weights == "fp32"
+    with pytest.raises(ValidationError, match="weights"):
+        ModelSpec(weights="q4")
