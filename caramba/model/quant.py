@@ -163,36 +163,36 @@ class QuantLinear(nn.Module):
             rows = dequantize_q4_1(self.qs[flat], self.d[flat], self.m[flat])
         return rows.view(*tokens.shape, self.in_features)
 
-    def _kernel_ok(self, x: torch.Tensor, rows: int) -> bool:
-        return (rows <= KERNEL_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
-                and not (torch.is_grad_enabled() and x.requires_grad) and library() is not None)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The decode-step path first, with as few torch ops as possible: at batch 1 each op's
+        # dispatch costs about as much as the GEMV of a narrow projection.
+        if (x.is_cpu and x.dtype == torch.float32 and x.is_contiguous()
+                and not (x.requires_grad and torch.is_grad_enabled())):
+            M = x.numel() // self.in_features
+            lib = library() if M <= KERNEL_ROWS else None
+            if lib is not None:
+                return self._kernel(lib, x, M)
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        M = x2.shape[0]
-        if not self._kernel_ok(x, M):
-            y = F.linear(x2.to(torch.float32), self.dequantized().to(x2.device), self.bias).to(x.dtype)
-            return y.view(*shape[:-1], self.out_features)
-        x2 = x2.contiguous()
-        out = torch.empty(M, self.out_features, dtype=torch.float32)
-        lib, threads = library(), torch.get_num_threads()
+        y = F.linear(x.reshape(-1, self.in_features).to(torch.float32), self.dequantized().to(x.device), self.bias)
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, M: int) -> torch.Tensor:
         N, K = self.out_features, self.in_features
-        if self.fmt == "q8_0" and self.act == "q8":
-            failed = lib.gemv_q8_0_q8(x2.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), out.data_ptr(),
-                                      M, N, K, threads)
-        elif self.fmt == "q8_0":
-            failed = lib.gemv_q8_0_f32(x2.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), out.data_ptr(),
-                                       M, N, K, threads)
+        out = torch.empty(x.shape[:-1] + (N,))
+        # Below ~64k weights a thread hand-off costs more than it saves.
+        threads = torch.get_num_threads() if N * K >= 1 << 16 else 1
+        if self.fmt == "q8_0":
+            fn = lib.gemv_q8_0_q8 if self.act == "q8" else lib.gemv_q8_0_f32
+            failed = fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), out.data_ptr(), M, N, K, threads)
         else:
             fn = lib.gemv_q4_1_q8 if self.act == "q8" else lib.gemv_q4_1_f32
-            failed = fn(x2.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
-                                       out.data_ptr(), M, N, K, threads)
+            failed = fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), out.data_ptr(),
+                        M, N, K, threads)
         if failed:
             raise MemoryError("quantized GEMV could not allocate its activation buffer")
         if self.bias is not None:
             out += self.bias
-        return out.view(*shape[:-1], self.out_features)
+        return out
 
 
 # --- whole models ---------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ int gemv_q8_0_q8(const float *x, const int8_t *qs, const uint16_t *d, float *out
     float *xd = malloc(sizeof(float) * (size_t)M * nb);
     if (!xq || !xd) { free(xq); free(xd); return 1; }   /* the caller raises MemoryError */
     quantize_rows_q8(x, M, K, xq, xd);
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int n = 0; n < N; n++)
         for (int m = 0; m < M; m++)
             out[(long)m * N + n] = dot_q8_0_q8(qs + (long)n * K, d + (long)n * nb, xq + (long)m * K, xd + m * nb, nb);
@@ -140,7 +140,7 @@ int gemv_q8_0_f32(const float *x, const int8_t *qs, const uint16_t *d, float *ou
     const int nb = K / QK;
     for (int m0 = 0; m0 < M; m0 += MMAX) {
         const int mr = M - m0 < MMAX ? M - m0 : MMAX;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
         for (int n = 0; n < N; n++) {
             const int8_t *wq = qs + (long)n * K;
             const uint16_t *wd = d + (long)n * nb;
@@ -189,7 +189,7 @@ int gemv_q4_1_f32(const float *x, const uint8_t *qs, const uint16_t *d, const ui
         }
     for (int m0 = 0; m0 < M; m0 += MMAX) {
         const int mr = M - m0 < MMAX ? M - m0 : MMAX;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
         for (int n = 0; n < N; n++) {
             const uint8_t *wq = qs + (long)n * (K / 2);
             const uint16_t *wd = d + (long)n * nb, *wm = mins + (long)n * nb;
@@ -283,7 +283,7 @@ int gemv_q4_1_q8(const float *x, const uint8_t *qs, const uint16_t *d, const uin
             for (int i = 0; i < QK; i++) s += xq[(long)m * K + b * QK + i];
             xs[m * nb + b] = xd[m * nb + b] * (float)s;
         }
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int n = 0; n < N; n++)
         for (int m = 0; m < M; m++)
             out[(long)m * N + n] = dot_q4_1_q8(qs + (long)n * (K / 2), d + (long)n * nb, mins + (long)n * nb,

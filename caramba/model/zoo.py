@@ -164,6 +164,7 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str = "float32", device: str 
     # The model knows where it came from, so library code that holds only the model (a Generator
     # resolving cache_kind="auto") keys plans like the CLI and finds the tokenizer for the gates.
     model.content_hash, model.tokenizer = digest, tokenizer
+    model.weights = weights   # the weight format, for records and plan keys
     return LoadedModel(model, tokenizer, source, path, digest)
 
 
