@@ -208,15 +208,16 @@ def greedy(model, **kw):
     return Generator(model, GenerateConfig(max_new_tokens=12, temperature=0.0, **kw)).run(prompts()).sequences
 
 
+@pytest.mark.parametrize("cache_kind", ["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4"])
 @pytest.mark.parametrize("weights", quant.WEIGHT_KINDS)
-def test_every_weight_kind_generates(models, weights, read_path):
+def test_every_weight_kind_generates_with_every_cache_kind(models, weights, cache_kind, read_path):
     model = models[weights]
-    out = greedy(model, cache_kind="q8_0")
+    out = greedy(model, cache_kind=cache_kind)
     assert [len(s) for s in out] == [12, 12]
     if weights == "native":   # the same values as fp32: only the summation order differs
-        assert out == greedy(models["fp32"], cache_kind="q8_0")
+        assert out == greedy(models["fp32"], cache_kind=cache_kind)
     # a prompt alone (batch 1) decodes as it does in the batch
-    single = Generator(model, GenerateConfig(max_new_tokens=12, temperature=0.0, cache_kind="q8_0")).run(prompts()[:1])
+    single = Generator(model, GenerateConfig(max_new_tokens=12, temperature=0.0, cache_kind=cache_kind)).run(prompts()[:1])
     assert single.sequences[0] == out[0]
 
 
