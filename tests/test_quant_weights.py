@@ -139,6 +139,12 @@ def test_switched_off_by_environment(monkeypatch):
         quant.library.cache_clear()
 
 
+def test_a_wrong_input_width_is_an_error_not_a_wild_read():
+    lin = layer("q8_0", "q8", 8, 64)
+    with pytest.raises(RuntimeError, match="shape"):
+        lin(randn(1, 32))
+
+
 def test_rejects_what_has_no_kernel():
     with pytest.raises(ValueError, match="divisible by 32"):
         QuantLinear.from_float(randn(4, 48))

@@ -166,7 +166,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The decode-step path first, with as few torch ops as possible: at batch 1 each op's
         # dispatch costs about as much as the GEMV of a narrow projection.
-        if (x.is_cpu and x.dtype == torch.float32 and x.is_contiguous()
+        if (x.is_cpu and x.dtype == torch.float32 and x.is_contiguous() and x.shape[-1] == self.in_features
                 and not (x.requires_grad and torch.is_grad_enabled())):
             M = x.numel() // self.in_features
             lib = library() if M <= KERNEL_ROWS else None
