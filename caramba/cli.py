@@ -64,6 +64,7 @@ def _load(manifest: Path, overrides: list[str]):
 ModelOption = Annotated[str, typer.Option(help="smollm2-135m, a .gguf file or an HF directory.")]
 DtypeOption = Annotated[str, typer.Option(help="float32, bfloat16 or float16.")]
 DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, mps or auto.")]
+WeightsOption = Annotated[str, typer.Option(help="fp32, q8_0 (llama.cpp's 8-bit blocks) or native (a GGUF's own blocks).")]
 
 @app.command()
 def run(
@@ -162,6 +163,7 @@ def bench(
     model: ModelOption = "smollm2-135m",
     dtype: DtypeOption = "float32",
     device: DeviceOption = "cpu",
+    weights: WeightsOption = "fp32",
     prompt_lens: Annotated[str, typer.Option(help="Context lengths, comma-separated.")] = "128,512,2048",
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1",
     cache_kinds: Annotated[str, typer.Option(help="KV cache kinds, comma-separated.")] = "fp32",
@@ -198,15 +200,17 @@ def bench(
         except ValidationError as e:
             problems = "; ".join(f"--{'-'.join(str(p) for p in x['loc'][:1]).replace('_', '-')}: {x['msg']}" for x in e.errors())
             raise UserError(problems) from None
-        loaded = load_model(model, dtype, device, progress=not as_json)
+        loaded = load_model(model, dtype, device, progress=not as_json, weights=weights)
         # Unique even for two benches started in the same second: the second gets <time>-2.
         record = RunDir.unique("bench", "cli", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
         try:
             record.begin()
             record.write_json("env.json", capture_env(None, device))
-            record.write_json("settings.json", {"model": model, "dtype": dtype, "device": device, **settings.model_dump()})
+            record.write_json("settings.json", {"model": model, "dtype": dtype, "device": device, "weights": weights,
+                                                **settings.model_dump()})
             result = run_decode_bench(loaded, settings, None, record, err if as_json else out)
-            result["model"] = {"source": model, "path": str(loaded.path), "sha256": loaded.content_hash, "dtype": dtype}
+            result["model"] = {"source": model, "path": str(loaded.path), "sha256": loaded.content_hash, "dtype": dtype,
+                               "weights": weights}
             result["versions"] = {"caramba": caramba_version, **library_versions()}
             record.write_json("result.json", result)
             record.finish()
@@ -332,6 +336,7 @@ def eval_cache(
     model: ModelOption = "smollm2-135m",
     dtype: DtypeOption = "float32",
     device: DeviceOption = "cpu",
+    weights: WeightsOption = "fp32",
     cache_kind: Annotated[Optional[list[str]], typer.Option(help="Candidate cache kind; repeatable.")] = None,
     cache_policy: Annotated[Optional[list[str]], typer.Option(help="Candidate per-stream policy, e.g. k=q8_0,v=q4_0; repeatable.")] = None,
     baseline: Annotated[str, typer.Option(help="The reference cache kind.")] = "fp32",
@@ -368,7 +373,7 @@ def eval_cache(
             base = CachePolicy.build(baseline)
         except ValueError as e:
             raise UserError(f"--cache-kind/--cache-policy/--baseline: {e}") from None
-        loaded = load_model(model, dtype, device, progress=not as_json)
+        loaded = load_model(model, dtype, device, progress=not as_json, weights=weights)
         try:   # stream names against the model: k/v (standard) or k_sem/k_geo/v (decoupled)
             for policy in [base, *candidates]:
                 policy.check_streams(loaded.model.config.attention == "decoupled")
@@ -385,7 +390,8 @@ def eval_cache(
             results = evaluate_cache(loaded.model, ids, candidates, base, prompt_len,
                                      on_step=lambda done, total: bar.update(task, completed=done))
         if as_json:
-            print(json_text({"model": {"source": model, "sha256": loaded.content_hash, "dtype": dtype},
+            print(json_text({"model": {"source": model, "sha256": loaded.content_hash, "dtype": dtype,
+                               "weights": weights},
                               "text": str(text) if text else "caramba/data/corpus.txt", "n_tokens": len(ids),
                               "prompt_len": prompt_len, "baseline": base.describe(),
                               "results": [r.to_dict() for r in results]}))
@@ -406,6 +412,7 @@ def autotune(
     model: ModelOption = "smollm2-135m",
     dtype: DtypeOption = "float32",
     device: DeviceOption = "cpu",
+    weights: WeightsOption = "fp32",
     max_seq_len: Annotated[int, typer.Option(min=2, help="Context length the cache is sized and timed for.")] = 2048,
     batch_size: Annotated[int, typer.Option(min=1, help="Rows the cache is sized and timed for.")] = 1,
     text: Annotated[Optional[Path], typer.Option(help="Gate text file (default: caramba's bundled corpus).")] = None,
@@ -429,7 +436,7 @@ def autotune(
             raise UserError(f"--text {text}: no such file")
         if not (math.isfinite(budget_mb) and budget_mb > 0):
             raise UserError(f"--budget-mb {budget_mb}: give a finite number of MiB > 0")
-        loaded = load_model(model, dtype, device, progress=not as_json)
+        loaded = load_model(model, dtype, device, progress=not as_json, weights=weights)
         settings = AutotuneSettings(budget_mb=budget_mb, max_seq_len=max_seq_len, batch_size=batch_size)
         result = run_tuned(loaded, settings, err if as_json else out, text, plan_path, force, quiet=as_json)
         if as_json:

@@ -1,9 +1,7 @@
 """The C loops of quant_attend.c: decode-step attention straight from quantized codes.
 
-Built on first use with the system C compiler and loaded with ctypes: no build step at install
-and no torch headers, so a build takes about a second. The library is cached under
-$CARAMBA_CACHE_DIR/kernels (default ~/.cache/caramba/kernels), keyed by the source, the compile
-command and this CPU's flags (-march=native code is only good on the CPU it was built for).
+Built on first use and cached by caramba.kernels (the system C compiler, ctypes, a library
+keyed by source, compile command and CPU flags under $CARAMBA_CACHE_DIR/kernels).
 
 caramba.cache.attend keeps its eager path where these do not apply (GPU, non-fp32 queries,
 autograd) and when they are unavailable: CARAMBA_KERNELS=0, no C compiler, or a failed build
@@ -13,78 +11,28 @@ autograd) and when they are unavailable: CARAMBA_KERNELS=0, no C compiler, or a 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from caramba import kernels
 from caramba.cache.kinds import KindSpec, KVCacheKind, spec_of
 
 SOURCE = Path(__file__).with_name("quant_attend.c")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = kernels.FLAGS
 _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.c_long] * 2 + [ctypes.c_int] * 2
 
 _status = "not built yet"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(cc: str) -> Path:
-    command = [cc, *FLAGS]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(command).encode() + _cpu_flags().encode()
-                         + platform.machine().encode()).hexdigest()[:16]
-    out_dir = Path(os.environ.get("CARAMBA_CACHE_DIR", Path.home() / ".cache" / "caramba")) / "kernels"
-    out = out_dir / f"quant_attend-{key}.so"
-    if not out.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        try:
-            subprocess.run([*command, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True, timeout=120)
-            os.replace(tmp, out)   # atomic: a concurrent build or reader never sees half a library
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return out
 
 
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (see the module doc)."""
     global _status
-    if os.environ.get("CARAMBA_KERNELS", "1") == "0":
-        _status = "off (CARAMBA_KERNELS=0)"
-        return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        _status = "unavailable: no C compiler (cc)"
-    else:
-        try:
-            lib = ctypes.CDLL(str(_build(cc)))
-            for fn in (lib.key_scores, lib.value_mix):
-                fn.argtypes, fn.restype = _ARGS, None
-            _status = "c"
-            return lib
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", None) or str(e)
-            _status = f"unavailable: build failed ({detail.strip().splitlines()[-1] if detail.strip() else e})"
-    warnings.warn(f"quantized KV caches decode through the slower eager path: kernels {_status}", stacklevel=2)
-    return None
+    lib, _status = kernels.load(SOURCE, {"key_scores": (_ARGS, None), "value_mix": (_ARGS, None)},
+                                "quantized KV caches decode")
+    return lib
 
 
 def status() -> str:

@@ -14,6 +14,7 @@ from torch import nn
 
 from caramba.cache import CachePolicy, KVCache, KVCacheKind, LayerKVCache
 from caramba.cache.mask import attention_mask, narrowest
+from caramba.model import fused
 from caramba.model.config import ModelConfig
 from caramba.model.decoupled import DecoupledAttention, decoupled_cache
 from caramba.model.rope import RotaryTable, apply_rope
@@ -27,6 +28,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as the reference does, then scale in the model's dtype.
+        if fused.applies(x) and self.weight.dtype == torch.float32:
+            return fused.rms_norm(x, self.weight, self.eps)   # decode steps: one C call, not five ops
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
@@ -80,7 +83,10 @@ class MLP(nn.Module):
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)       # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.hidden, dim=-1)
+        gu = self.w13(x)
+        if fused.applies(gu):
+            return self.w2(fused.silu_mul(gu, self.hidden))
+        gate, up = gu.split(self.hidden, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
@@ -121,8 +127,13 @@ class Block(nn.Module):
         self.mlp = MLP(cfg) if cfg.mlp == "swiglu" else GeluMLP(cfg)
 
     def forward(self, x, cos, sin, cache, mask, causal):
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, mask, causal)
-        return x + self.mlp(self.mlp_norm(x))
+        h = self.attn(self.attn_norm(x), cos, sin, cache, mask, causal)
+        norm = self.mlp_norm
+        if isinstance(norm, RMSNorm) and fused.applies(x) and h.is_contiguous() and norm.weight.dtype == torch.float32:
+            x, normed = fused.add_rms_norm(x, h, norm.weight, norm.eps)   # residual + norm in one pass
+            return x + self.mlp(normed)
+        x = x + h
+        return x + self.mlp(norm(x))
 
 
 class Transformer(nn.Module):
@@ -140,14 +151,17 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.head.weight_t.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.head.weight_t.dtype
+        # The activations' dtype: the norms stay in it when the projections are quantized.
+        return self.norm.weight.dtype
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
+            if hasattr(self.head, "embedding"):   # a quantized head (caramba.model.quant) reads its rows
+                return self.head.embedding(tokens).to(self.dtype)
             return F.embedding(tokens, self.head.weight_t.t())
         return self.embed(tokens)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from caramba.errors import UserError
-from caramba.model import gguf_loader, hf_loader, native
+from caramba.model import gguf_loader, hf_loader, native, quant
 from caramba.model.config import ModelConfig
 from caramba.model.state_dict import fuse_hf_state_dict
 from caramba.model.transformer import Transformer
@@ -126,9 +126,14 @@ def inspect_source(source: str) -> ModelConfig:
         raise UserError(f"cannot load model {source!r}: {e}") from None
 
 
-def load_model(source: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu", progress: bool = True) -> LoadedModel:
+def load_model(source: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu", progress: bool = True,
+               weights: str = "fp32") -> LoadedModel:
+    """`weights`: fp32 (the checkpoint's values in `dtype`), q8_0 (llama.cpp's 8-bit blocks, any
+    source) or native (a GGUF's own Q4_1/Q8_0 blocks); see caramba.model.quant."""
     if dtype not in DTYPES:
         raise UserError(f"dtype '{dtype}' is not supported; use one of {', '.join(DTYPES)}")
+    if weights not in quant.WEIGHT_KINDS:
+        raise UserError(f"weights '{weights}' is not supported; use one of {', '.join(quant.WEIGHT_KINDS)}")
     path = resolve_source(source)
     dev = resolve_device(device)
     try:
@@ -152,12 +157,26 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str = "float32", device: str 
             cfg, state, tokenizer = _load_converted_gguf(path, digest, progress)
         cfg.extra = {"source": str(path), "sha256": digest}
         model = build_model(cfg, state, DTYPES[dtype], dev)
+        if weights != "fp32":
+            _quantize_weights(model, weights, path, dev)
     except ValueError as e:
         raise UserError(f"cannot load model {source!r}: {e}") from None
     # The model knows where it came from, so library code that holds only the model (a Generator
     # resolving cache_kind="auto") keys plans like the CLI and finds the tokenizer for the gates.
     model.content_hash, model.tokenizer = digest, tokenizer
+    model.weights = weights   # the weight format, for records and plan keys
     return LoadedModel(model, tokenizer, source, path, digest)
+
+
+def _quantize_weights(model: Transformer, weights: str, path: Path, device: torch.device) -> None:
+    if weights == "q8_0":
+        quant.quantize_model(model)
+    elif not (path.is_file() and path.suffix == ".gguf"):
+        raise ValueError(f"weights 'native' keeps a GGUF file's own blocks, but {path} is not a .gguf; "
+                         "use weights q8_0 (quantizes any source) or fp32")
+    elif not quant.native_from_gguf(model, gguf_loader.open_gguf(path), model.config):
+        raise ValueError(f"weights 'native': {path.name} holds no Q4_1/Q8_0 projections to keep; use q8_0 or fp32")
+    model.to(device)
 
 
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> Transformer:

@@ -189,14 +189,14 @@ def _run_one(r: ResolvedRun, record: RunDir, resolved_yaml: str, digest: str, ru
     record.write_json("env.json", {**capture_env(r.run.seed, r.model.device), "run": f"{r.target}/{r.run.id}",
                                    "run_hash": digest, "command": run_info["command"],
                                    "overrides": run_info["overrides"], "libraries": versions})
-    record.log(f"run {r.target}/{r.run.id} mode={r.run.mode} model={r.model.source} dtype={r.model.dtype}")
+    record.log(f"run {r.target}/{r.run.id} mode={r.run.mode} model={r.model.source} dtype={r.model.dtype} weights={r.model.weights}")
     if r.run.seed is not None:
         torch.manual_seed(r.run.seed)
     loaded = _model(r.model, models)
     record.log(f"model {loaded.path} sha256={loaded.content_hash}")
     extra = {}
     if r.draft is not None:  # a speculative run's draft model, loaded beside the target
-        draft = load_model(r.draft.source, r.draft.dtype, r.draft.device)
+        draft = load_model(r.draft.source, r.draft.dtype, r.draft.device, weights=r.draft.weights)
         record.log(f"draft model {draft.path} sha256={draft.content_hash}")
         extra["draft"] = draft
     result = MODE_RUNNERS[r.run.mode](loaded, r.run.settings, r.run.seed, record, console, **extra)
@@ -213,10 +213,10 @@ def _run_one(r: ResolvedRun, record: RunDir, resolved_yaml: str, digest: str, ru
 
 
 def _model(spec: ModelSpec, models: dict) -> LoadedModel:
-    key = (spec.source, spec.dtype, spec.device)
+    key = (spec.source, spec.dtype, spec.device, spec.weights)
     if key not in models:
         models.clear()  # one model in memory at a time
-        models[key] = load_model(spec.source, spec.dtype, spec.device)
+        models[key] = load_model(spec.source, spec.dtype, spec.device, weights=spec.weights)
     return models[key]
 
 

@@ -1,0 +1,146 @@
+"""Batch-1 decode tok/s of caramba and llama.cpp on SmolLM2-135M, per weight format, in one run.
+
+The anchor of issue 15: llama.cpp's `llama-bench` (tg: tokens generated one at a time after an
+empty prompt) on the same weights, against caramba's decode step (greedy, one token, fp32 KV
+cache) timed the same way: --tokens steps after a short prompt. Formats, as pairs:
+
+    F32   caramba weights=fp32    llama.cpp F32 GGUF   (the embedded Q4_1 file dequantized: same values)
+    Q8_0  caramba weights=q8_0    llama.cpp Q8_0 GGUF  (llama-quantize --allow-requantize from the Q4_1 file)
+    Q4_1  caramba weights=native  llama.cpp Q4_1 GGUF  (the file as shipped)
+
+caramba's q8_0 requantizes the same dequantized values as llama-quantize does. Runs alternate
+(caramba F32, llama.cpp F32, caramba Q8_0, ...) in every repeat, so a busy machine slows both
+sides alike; the table gives medians, with the load average before and after.
+
+    .venv/bin/python benchmarks/decode_vs_llamacpp.py [--threads 2] [--tokens 64] [--repeats 5]
+        [--formats F32,Q8_0,Q4_1] [--sdist FILE] [--no-llamacpp] [--json out.json]
+
+llama.cpp is built by benchmarks/llamacpp.py (from the llama-cpp-python sdist, cached under
+~/.cache/caramba/llama.cpp/<version>/; targets llama-bench and llama-quantize). It is a
+benchmark, never a test: CI never builds llama.cpp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import llamacpp  # noqa: E402  (benchmarks/llamacpp.py)
+from caramba.cache import kernel as cache_kernel  # noqa: E402
+from caramba.model import fused, quant  # noqa: E402
+from caramba.model.zoo import load_model  # noqa: E402
+
+CARAMBA_WEIGHTS = {"F32": "fp32", "Q8_0": "q8_0", "Q4_1": "native"}
+
+
+def llama_models(tools: llamacpp.Tools, formats: list[str]) -> dict[str, Path]:
+    src = llamacpp.embedded_gguf()
+    out = {}
+    for fmt in formats:
+        if fmt == "Q4_1":
+            out[fmt] = src
+        elif fmt == "F32":
+            out[fmt] = llamacpp.f32_model(tools)
+        else:
+            path = tools.root / "models" / f"{src.stem}.{fmt}.gguf"
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                subprocess.run([str(tools.exe("llama-quantize")), "--allow-requantize", str(src), str(path), fmt],
+                               check=True, capture_output=True, text=True)
+            out[fmt] = path
+    return out
+
+
+def llama_bench(tools: llamacpp.Tools, model: Path, tokens: int, threads: int) -> tuple[float, list[str]]:
+    """tok/s of one llama-bench tg run (one repetition: we repeat and alternate ourselves)."""
+    command = [str(tools.exe("llama-bench")), "-m", str(model), "-p", "0", "-n", str(tokens), "-t", str(threads),
+               "-r", "1", "-o", "json"]
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"llama-bench failed (exit {run.returncode}): {run.stderr.strip()[-2000:]}")
+    rows = json.loads(run.stdout)
+    return float(rows[0]["avg_ts"]), command
+
+
+@torch.inference_mode()
+def caramba_decode(model, prompt: torch.Tensor, tokens: int) -> float:
+    """tok/s of `tokens` greedy single-token decode steps after the prompt's prefill."""
+    cache = model.new_cache(1, prompt.shape[1] + tokens + 1)
+    tok = model(prompt, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        tok = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)
+    return tokens / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64, help="decode steps per measurement (llama-bench -n)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--formats", default="F32,Q8_0,Q4_1")
+    ap.add_argument("--sdist", default=None, help="llama_cpp_python-*.tar.gz (default: newest in /tmp/lcp)")
+    ap.add_argument("--no-llamacpp", action="store_true", help="caramba only (no llama.cpp build or runs)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in CARAMBA_WEIGHTS]
+    if unknown:
+        ap.error(f"--formats: unknown {', '.join(unknown)}; use {', '.join(CARAMBA_WEIGHTS)}")
+    torch.set_num_threads(args.threads)
+
+    tools = None if args.no_llamacpp else llamacpp.build(["llama-bench", "llama-quantize"], args.sdist)
+    ggufs = {} if tools is None else llama_models(tools, formats)
+    models = {f: load_model("smollm2-135m", progress=False, weights=CARAMBA_WEIGHTS[f]) for f in formats}
+    tokenizer = next(iter(models.values())).tokenizer
+    prompt = torch.tensor([tokenizer.encode("The history of the lighthouse begins with")])
+
+    load_before = os.getloadavg()
+    rows = {f: {"caramba": [], "llama.cpp": []} for f in formats}
+    commands = {}
+    for f in formats:   # warm-up: kernel builds, first-touch of the weights, llama.cpp's model load
+        caramba_decode(models[f].model, prompt, 4)
+    for _ in range(args.repeats):
+        for f in formats:
+            rows[f]["caramba"].append(caramba_decode(models[f].model, prompt, args.tokens))
+            if tools is not None:
+                ts, commands[f] = llama_bench(tools, ggufs[f], args.tokens, args.threads)
+                rows[f]["llama.cpp"].append(ts)
+    load_after = os.getloadavg()
+
+    print(f"SmolLM2-135M batch-1 decode, {args.tokens} tokens x {args.repeats} alternating repeats, "
+          f"{args.threads} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}; "
+          f"kernels: weights {quant.status()}, decode ops {fused.status()}, kv {cache_kernel.status()}")
+    print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
+          f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} (on {os.cpu_count()} CPUs)")
+    print(f"| format | caramba weights | caramba tok/s | llama.cpp tok/s | caramba / llama.cpp |")
+    print("|---|---|---|---|---|")
+    table = []
+    for f in formats:
+        c = statistics.median(rows[f]["caramba"])
+        lc = statistics.median(rows[f]["llama.cpp"]) if rows[f]["llama.cpp"] else None
+        ratio = f"{c / lc:.2f}x" if lc else "-"
+        print(f"| {f} | {CARAMBA_WEIGHTS[f]} | {c:.1f} | {f'{lc:.1f}' if lc else '-'} | {ratio} |")
+        table.append({"format": f, "caramba_weights": CARAMBA_WEIGHTS[f], "caramba_tok_s": c, "llamacpp_tok_s": lc,
+                      "caramba_runs": rows[f]["caramba"], "llamacpp_runs": rows[f]["llama.cpp"]})
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "torch": torch.__version__,
+            "loadavg_before": load_before, "loadavg_after": load_after, "kernels": quant.status(),
+            "llamacpp_commands": commands, "rows": table}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

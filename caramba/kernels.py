@@ -1,0 +1,85 @@
+"""Small C kernels built on first use with the system C compiler and loaded with ctypes.
+
+No build step at install and no torch headers, so a build takes about a second. Each library is
+cached under $CARAMBA_CACHE_DIR/kernels (default ~/.cache/caramba/kernels), keyed by its source,
+the compile command and this CPU's flags (-march=native code is only good on the CPU it was built
+for); the file appears atomically, so a concurrent build or reader never sees half a library.
+
+Callers keep an eager path for when a library is unavailable: CARAMBA_KERNELS=0, no C compiler,
+or a failed build (a warning says why, once per library); each user's `status()` says which,
+for benchmark records. Used by caramba.cache.kernel (quant_attend.c) and caramba.model.quant
+(quant_gemv.c).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def kernel_dir() -> Path:
+    return Path(os.environ.get("CARAMBA_CACHE_DIR", Path.home() / ".cache" / "caramba")) / "kernels"
+
+
+def build(source: Path, cc: str, flags: list[str] = FLAGS) -> Path:
+    """The shared library of `source`, compiled once per (source, command, CPU) and cached."""
+    command = [cc, *flags]
+    key = hashlib.sha256(source.read_bytes() + " ".join(command).encode() + cpu_flags().encode()
+                         + platform.machine().encode()).hexdigest()[:16]
+    out_dir = kernel_dir()
+    out = out_dir / f"{source.stem}-{key}.so"
+    if not out.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:
+            subprocess.run([*command, str(source), "-o", tmp], check=True, capture_output=True, text=True, timeout=120)
+            os.replace(tmp, out)   # atomic: a concurrent build or reader never sees half a library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return out
+
+
+def load(source: Path, signatures: dict[str, tuple[list, object]], purpose: str,
+         flags: list[str] = FLAGS, stacklevel: int = 3) -> tuple[ctypes.CDLL | None, str]:
+    """(library, status): the built and loaded `source` with `signatures` (function name ->
+    (argtypes, restype)) set, status 'c'; or (None, why not) after one warning
+    "<purpose> through the slower eager path: kernels <why>". Callers cache the result
+    (functools.lru_cache), so the warning comes once per process."""
+    if os.environ.get("CARAMBA_KERNELS", "1") == "0":
+        return None, "off (CARAMBA_KERNELS=0)"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        status = "unavailable: no C compiler (cc)"
+    else:
+        try:
+            lib = ctypes.CDLL(str(build(source, cc, flags)))
+            for name, (argtypes, restype) in signatures.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, restype
+            return lib, "c"
+        except (OSError, AttributeError, subprocess.SubprocessError) as e:
+            detail = (getattr(e, "stderr", None) or str(e)).strip()
+            status = f"unavailable: build failed ({detail.splitlines()[-1] if detail else e})"
+    warnings.warn(f"{purpose} through the slower eager path: kernels {status}", stacklevel=stacklevel)
+    return None, status

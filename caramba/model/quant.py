@@ -1,0 +1,267 @@
+"""Block-quantized weights (llama.cpp's q8_0 and q4_1) and the linear layer that reads them.
+
+`weights` on load_model, the CLI (--weights) and manifests (model.weights) picks the format:
+  fp32    the checkpoint's values in the model's dtype (the default);
+  q8_0    every projection and the head quantized to llama.cpp's q8_0 (32-element blocks, one fp16
+          scale), from any source; a decode step multiplies them with activations quantized to
+          q8_0 on the fly, as llama.cpp does (quant_gemv.c, gemv_q8_0_q8);
+  native  a GGUF's own blocks kept as they are (the embedded SmolLM2: Q4_1 projections, a Q8_0
+          embedding/head), multiplied with fp32 activations so that the weight values are exactly
+          the ones the fp32 path dequantizes: only the summation order differs.
+
+QuantLinear calls the C kernels for batch-1 decode and other small row counts (<= KERNEL_ROWS) on
+the CPU; prefill, larger batches, other devices and a missing kernel library take the eager path
+(dequantize, then matmul), which computes with fp32 activations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from caramba import kernels
+
+WEIGHT_KINDS = ("fp32", "q8_0", "native")
+QK = 32               # elements per block (both formats)
+KERNEL_ROWS = 16      # rows of activations up to which the GEMV kernels beat dequantize + matmul
+
+SOURCE = Path(__file__).with_name("quant_gemv.c")
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    "gemv_q8_0_q8": ([_P] * 4 + [_I] * 4, _I),
+    "gemv_q8_0_f32": ([_P] * 4 + [_I] * 4, _I),
+    "gemv_q4_1_f32": ([_P] * 5 + [_I] * 4, _I),
+    "gemv_q4_1_q8": ([_P] * 5 + [_I] * 4, _I),
+}
+_status = "not built yet"
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded GEMV kernels, or None (CARAMBA_KERNELS=0, no compiler, failed build: one warning)."""
+    global _status
+    lib, _status = kernels.load(SOURCE, _SIGNATURES, "quantized weights multiply")
+    return lib
+
+
+def status() -> str:
+    """'c' when the weight kernels are in use, else why not."""
+    library()
+    return _status
+
+
+def check_kind(weights: str) -> str:
+    if weights not in WEIGHT_KINDS:
+        raise ValueError(f"weights {weights!r} is not a weight format; use one of {', '.join(WEIGHT_KINDS)}")
+    return weights
+
+
+# --- the formats ----------------------------------------------------------------------------------
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (codes int8 [N, K], scales fp16 [N, K/32]), as llama.cpp's quantize_row_q8_0:
+    d = max|x| / 127 per block, q = round(x / d)."""
+    N, K = w.shape
+    if K % QK:
+        raise ValueError(f"quantized weights need in_features divisible by {QK}, got {K}")
+    blocks = w.detach().float().reshape(N, K // QK, QK)
+    d = blocks.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(N, K).contiguous(), d.to(torch.float16).contiguous()
+
+
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    N, K = q.shape
+    return (q.reshape(N, K // QK, QK).float() * d.float().unsqueeze(-1)).reshape(N, K)
+
+
+def dequantize_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [N, K/2] (per block: low nibbles are elements 0..15, high nibbles 16..31)."""
+    N = q.shape[0]
+    nb = d.shape[1]
+    b = q.reshape(N, nb, QK // 2)
+    codes = torch.cat([b & 15, b >> 4], dim=-1).float()          # [N, nb, 32]
+    return (codes * d.float().unsqueeze(-1) + m.float().unsqueeze(-1)).reshape(N, nb * QK)
+
+
+def gguf_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """A GGUF tensor's raw bytes [N, bytes per row] -> this module's buffers (codes and scales)."""
+    N, K = shape
+    nb = K // QK
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(N, nb, -1)
+    if type_name == "Q8_0":     # block: d fp16, 32 x int8
+        d = raw[:, :, 0:2].copy().view(np.float16).reshape(N, nb)
+        q = raw[:, :, 2:].copy().view(np.int8).reshape(N, K)
+        return {"qs": torch.from_numpy(q), "d": torch.from_numpy(d)}
+    if type_name == "Q4_1":     # block: d fp16, m fp16, 16 bytes of nibbles
+        d = raw[:, :, 0:2].copy().view(np.float16).reshape(N, nb)
+        m = raw[:, :, 2:4].copy().view(np.float16).reshape(N, nb)
+        q = raw[:, :, 4:].copy().reshape(N, K // 2)
+        return {"qs": torch.from_numpy(q), "d": torch.from_numpy(d), "m": torch.from_numpy(m)}
+    raise ValueError(f"GGUF type {type_name} has no kernel here (have Q8_0, Q4_1)")
+
+
+# --- the layer ------------------------------------------------------------------------------------
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W [out, in] held as quantized blocks.
+
+    fmt 'q8_0' (codes int8 [N, K], d fp16) or 'q4_1' (codes uint8 [N, K/2], d and m fp16);
+    act 'q8' quantizes activations to q8_0 blocks for the kernel (int8 dot products, llama.cpp's
+    way: faster, but adds the activations' rounding); 'f32' multiplies them as they are.
+    `embedding(tokens)` reads rows of W, for a head tied to the embeddings.
+    """
+
+    def __init__(self, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None, act: str = "f32") -> None:
+        super().__init__()
+        if fmt not in ("q8_0", "q4_1") or act not in ("q8", "f32"):
+            raise ValueError(f"no kernel for weights {fmt} with {act} activations")
+        self.fmt, self.act = fmt, act
+        self.out_features = qs.shape[0]
+        self.in_features = qs.shape[1] * (2 if fmt == "q4_1" else 1)
+        if self.in_features % QK:
+            raise ValueError(f"quantized weights need in_features divisible by {QK}, got {self.in_features}")
+        self.register_buffer("qs", qs.contiguous())
+        self.register_buffer("d", d.to(torch.float16).contiguous())
+        self.register_buffer("m", None if m is None else m.to(torch.float16).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str = "q8") -> QuantLinear:
+        """q8_0 blocks of a float weight [out, in]."""
+        q, d = quantize_q8_0(weight)
+        return cls("q8_0", q, d, bias=bias, act=act)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, fmt={self.fmt}, act={self.act}"
+
+    @property
+    def weight_t(self) -> torch.Tensor:
+        """W^T [in, out] dequantized: what code written for InputMajorLinear reads (a draft's tied
+        embedding matrix, say). A fresh fp32 copy, so use it once, not per step."""
+        return self.dequantized().t()
+
+    def dequantized(self) -> torch.Tensor:
+        if self.fmt == "q8_0":
+            return dequantize_q8_0(self.qs, self.d)
+        return dequantize_q4_1(self.qs, self.d, self.m)
+
+    def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows `tokens` of W, dequantized: [*tokens.shape, in_features]."""
+        flat = tokens.reshape(-1)
+        if self.fmt == "q8_0":
+            rows = dequantize_q8_0(self.qs[flat], self.d[flat])
+        else:
+            rows = dequantize_q4_1(self.qs[flat], self.d[flat], self.m[flat])
+        return rows.view(*tokens.shape, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The decode-step path first, with as few torch ops as possible: at batch 1 each op's
+        # dispatch costs about as much as the GEMV of a narrow projection.
+        if (x.is_cpu and x.dtype == torch.float32 and x.is_contiguous() and x.shape[-1] == self.in_features
+                and not (x.requires_grad and torch.is_grad_enabled())):
+            M = x.numel() // self.in_features
+            lib = library() if M <= KERNEL_ROWS else None
+            if lib is not None:
+                return self._kernel(lib, x, M)
+        shape = x.shape
+        y = F.linear(x.reshape(-1, self.in_features).to(torch.float32), self.dequantized().to(x.device), self.bias)
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, M: int) -> torch.Tensor:
+        N, K = self.out_features, self.in_features
+        out = torch.empty(x.shape[:-1] + (N,))
+        # Below ~64k weights a thread hand-off costs more than it saves.
+        threads = torch.get_num_threads() if N * K >= 1 << 16 else 1
+        if self.fmt == "q8_0":
+            fn = lib.gemv_q8_0_q8 if self.act == "q8" else lib.gemv_q8_0_f32
+            failed = fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), out.data_ptr(), M, N, K, threads)
+        else:
+            fn = lib.gemv_q4_1_q8 if self.act == "q8" else lib.gemv_q4_1_f32
+            failed = fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), out.data_ptr(),
+                        M, N, K, threads)
+        if failed:
+            raise MemoryError("quantized GEMV could not allocate its activation buffer")
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+
+# --- whole models ---------------------------------------------------------------------------------
+
+def _float_weight(module: nn.Module) -> torch.Tensor | None:
+    """[out, in] of an nn.Linear or an InputMajorLinear-like module, else None."""
+    if isinstance(module, nn.Linear):
+        return module.weight
+    if isinstance(getattr(module, "weight_t", None), torch.Tensor) and not isinstance(module, QuantLinear):
+        return module.weight_t.t()
+    return None
+
+
+def quantize_model(model: nn.Module, act: str = "q8") -> int:
+    """Replace every projection of `model` (nn.Linear and InputMajorLinear: q|k|v, o, the MLP's, the
+    head) whose input width divides into 32-blocks by a q8_0 QuantLinear. Returns how many."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            w = _float_weight(child)
+            if w is not None and w.shape[1] % QK == 0:
+                setattr(parent, name, QuantLinear.from_float(w, getattr(child, "bias", None), act=act))
+                count += 1
+    return count
+
+
+def native_from_gguf(model: nn.Module, reader, cfg) -> int:
+    """Swap in a GGUF's own Q4_1/Q8_0 blocks for the projections and the head of a Llama/Qwen2
+    `model` loaded from that file (rows unpermuted and fused exactly as the fp32 loader does).
+    A projection whose parts have another type (F32, F16, K-quants) keeps its fp32 weights, whose
+    values are the file's too. Returns how many were swapped."""
+    from caramba.model import gguf_loader
+
+    tensors = {t.name: t for t in reader.tensors}
+
+    def blocks(name: str, heads: int | None = None) -> tuple[str, dict[str, torch.Tensor]] | None:
+        t = tensors.get(name)
+        if t is None or t.tensor_type.name not in ("Q8_0", "Q4_1") or len(t.shape) != 2:
+            return None
+        K, N = (int(v) for v in t.shape)      # gguf lists ne0 (the row length) first
+        if K % QK:
+            return None
+        parts = gguf_blocks(np.asarray(t.data), t.tensor_type.name, (N, K))
+        if heads is not None and cfg.name == "llama":   # undo llama.cpp's q/k row permutation
+            parts = {k: gguf_loader.unpermute_rows(v, heads) for k, v in parts.items()}
+        return t.tensor_type.name, parts
+
+    def fused(names: list[tuple[str, int | None]], bias: torch.Tensor | None) -> QuantLinear | None:
+        got = [blocks(n, h) for n, h in names]
+        if any(g is None for g in got) or len({g[0] for g in got}) != 1:
+            return None
+        fmt = got[0][0].lower()
+        cat = {k: torch.cat([g[1][k] for g in got]) for k in got[0][1]}
+        return QuantLinear(fmt, cat["qs"], cat["d"], cat.get("m"), bias=bias, act="f32")
+
+    swaps = 0
+
+    def swap(parent: nn.Module, attr: str, new: QuantLinear | None) -> None:
+        nonlocal swaps
+        if new is not None:
+            setattr(parent, attr, new)
+            swaps += 1
+
+    for i, layer in enumerate(model.layers):
+        p, attn, mlp = f"blk.{i}.", layer.attn, layer.mlp
+        swap(attn, "wqkv", fused([(p + "attn_q.weight", cfg.n_heads), (p + "attn_k.weight", cfg.n_kv_heads),
+                                  (p + "attn_v.weight", None)], attn.wqkv.bias))
+        swap(attn, "wo", fused([(p + "attn_output.weight", None)], attn.wo.bias))
+        swap(mlp, "w13", fused([(p + "ffn_gate.weight", None), (p + "ffn_up.weight", None)], None))
+        swap(mlp, "w2", fused([(p + "ffn_down.weight", None)], None))
+    swap(model, "head", fused([("token_embd.weight" if cfg.tie_embeddings else "output.weight", None)], None))
+    return swaps

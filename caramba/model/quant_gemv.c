@@ -1,0 +1,295 @@
+/* Matrix-vector products straight from block-quantized weights (caramba.model.quant).
+
+   A batch-1 decode step is a string of GEMVs: each weight is read once per token, so the time is
+   the bytes read. These loops read llama.cpp's block formats where they lie (no fp32 copy of the
+   weight is ever made): q8_0 is 32 int8 codes and one fp16 scale per block (34 bytes for 32
+   weights, 8.5 bits), q4_1 is 32 4-bit codes, an fp16 scale d and an fp16 minimum m (20 bytes).
+
+   Layouts (row n of an [N, K] weight, K a multiple of 32, blocks along K):
+     q8_0: qs int8 [N, K], d fp16 [N, K/32];            w = d * q
+     q4_1: qs uint8 [N, K/2], d, m fp16 [N, K/32];      w = d * q + m, q in 0..15, byte j of a block
+           holds element j in its low nibble and element j + 16 in its high one (ggml's layout).
+
+   Two activation modes:
+     gemv_q8_0_q8: the activations are quantized to q8_0 on the fly (per 32-block, scale amax/127)
+       and the dot product runs in int8 x int8 -> int32, as llama.cpp's q8_0 x q8_0 does: fastest,
+       and adds the activation rounding error (relative ~1/254 per block) to the weight's.
+     gemv_q8_0_f32 / gemv_q4_1_f32: fp32 activations times the exact weight values: the product
+       differs from dequantize-then-matmul only by fp32 summation order.
+
+   x is [M, K] fp32 (M small: a decode step or a few rows), out is [M, N] fp32. Every weight row
+   is read once for all M rows. Parallel over output rows with OpenMP (the process shares
+   torch's libgomp). */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
+
+#define QK 32
+#define MMAX 8     /* activation rows per pass over the weights */
+
+static inline float fp16_to_fp32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else {                                   /* subnormal: renormalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+#if HAVE_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 32 int8 x 32 int8 -> 8 int32 lanes as floats (llama.cpp's mul_sum_i8_pairs_float). */
+static inline __m256 dot_i8(__m256i a, __m256i b) {
+    const __m256i ax = _mm256_sign_epi8(a, a);
+    const __m256i sy = _mm256_sign_epi8(b, a);
+    const __m256i dot16 = _mm256_maddubs_epi16(ax, sy);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(dot16, _mm256_set1_epi16(1)));
+}
+#endif
+
+/* x [M, K] -> int8 codes [M, K] and float scales [M, K/32] (round to nearest, like llama.cpp). */
+static void quantize_rows_q8(const float *x, int M, int K, int8_t *q, float *d) {
+    const int nb = K / QK;
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (long)m * K + b * QK;
+            float amax = 0.0f;
+            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const float scale = amax / 127.0f, inv = scale ? 1.0f / scale : 0.0f;
+            d[m * nb + b] = scale;
+            for (int i = 0; i < QK; i++) q[(long)m * K + b * QK + i] = (int8_t)lrintf(xb[i] * inv);
+        }
+}
+
+/* One weight row (nb q8_0 blocks) . one activation row (q8 codes xq, scales xd). A row is at
+   most a few KiB, so a row re-read for the next activation row comes from L1. */
+static inline float dot_q8_0_q8(const int8_t *wq, const uint16_t *wd, const int8_t *xq, const float *xd, int nb) {
+#if HAVE_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();   /* two chains hide FMA latency */
+    int b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wq + b * QK));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wq + (b + 1) * QK));
+        const __m256i a0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        const __m256i a1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b]) * xd[b]), dot_i8(w0, a0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b + 1]) * xd[b + 1]), dot_i8(w1, a1), acc1);
+    }
+    for (; b < nb; b++) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wq + b * QK));
+        const __m256i a0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b]) * xd[b]), dot_i8(w0, a0), acc0);
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1));
+#else
+    float acc = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        int32_t s = 0;
+        for (int i = 0; i < QK; i++) s += (int32_t)wq[b * QK + i] * xq[b * QK + i];
+        acc += fp16_to_fp32(wd[b]) * xd[b] * (float)s;
+    }
+    return acc;
+#endif
+}
+
+int gemv_q8_0_q8(const float *x, const int8_t *qs, const uint16_t *d, float *out, int M, int N, int K,
+                 int nthreads) {
+    const int nb = K / QK;
+    int8_t *xq = malloc((size_t)M * K);
+    float *xd = malloc(sizeof(float) * (size_t)M * nb);
+    if (!xq || !xd) { free(xq); free(xd); return 1; }   /* the caller raises MemoryError */
+    quantize_rows_q8(x, M, K, xq, xd);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int n = 0; n < N; n++)
+        for (int m = 0; m < M; m++)
+            out[(long)m * N + n] = dot_q8_0_q8(qs + (long)n * K, d + (long)n * nb, xq + (long)m * K, xd + m * nb, nb);
+    free(xq);
+    free(xd);
+    return 0;
+}
+
+int gemv_q8_0_f32(const float *x, const int8_t *qs, const uint16_t *d, float *out, int M, int N, int K,
+                   int nthreads) {
+    const int nb = K / QK;
+    for (int m0 = 0; m0 < M; m0 += MMAX) {
+        const int mr = M - m0 < MMAX ? M - m0 : MMAX;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+        for (int n = 0; n < N; n++) {
+            const int8_t *wq = qs + (long)n * K;
+            const uint16_t *wd = d + (long)n * nb;
+            float res[MMAX];
+            for (int r = 0; r < mr; r++) {
+                const float *xr = x + (long)(m0 + r) * K;
+#if HAVE_AVX2
+                __m256 acc = _mm256_setzero_ps();
+                for (int b = 0; b < nb; b++) {
+                    __m256 s = _mm256_setzero_ps();
+                    for (int j = 0; j < QK; j += 8) {
+                        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                            _mm_loadl_epi64((const __m128i *)(wq + b * QK + j))));
+                        s = _mm256_fmadd_ps(w, _mm256_loadu_ps(xr + b * QK + j), s);
+                    }
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b])), s, acc);
+                }
+                res[r] = hsum8(acc);
+#else
+                float acc = 0.0f;
+                for (int b = 0; b < nb; b++) {
+                    float s = 0.0f;
+                    for (int i = 0; i < QK; i++) s += (float)wq[b * QK + i] * xr[b * QK + i];
+                    acc += fp16_to_fp32(wd[b]) * s;
+                }
+                res[r] = acc;
+#endif
+            }
+            for (int r = 0; r < mr; r++) out[(long)(m0 + r) * N + n] = res[r];
+        }
+    }
+    return 0;
+}
+
+int gemv_q4_1_f32(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins, float *out,
+                   int M, int N, int K, int nthreads) {
+    const int nb = K / QK;
+    /* sum of x over each block: the minimum m multiplies it, once per block for every row. */
+    float *xs = malloc(sizeof(float) * (size_t)M * nb);
+    if (!xs) return 1;
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < nb; b++) {
+            float s = 0.0f;
+            for (int i = 0; i < QK; i++) s += x[(long)m * K + b * QK + i];
+            xs[m * nb + b] = s;
+        }
+    for (int m0 = 0; m0 < M; m0 += MMAX) {
+        const int mr = M - m0 < MMAX ? M - m0 : MMAX;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+        for (int n = 0; n < N; n++) {
+            const uint8_t *wq = qs + (long)n * (K / 2);
+            const uint16_t *wd = d + (long)n * nb, *wm = mins + (long)n * nb;
+            float res[MMAX];
+            for (int r = 0; r < mr; r++) {
+                const float *xr = x + (long)(m0 + r) * K;
+                const float *xsr = xs + (m0 + r) * nb;
+#if HAVE_AVX2
+                __m256 acc = _mm256_setzero_ps();
+                float macc = 0.0f;
+                for (int b = 0; b < nb; b++) {
+                    const __m128i bytes = _mm_loadu_si128((const __m128i *)(wq + b * QK / 2));
+                    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(15));
+                    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
+                    const float *xb = xr + b * QK;
+                    __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_loadu_ps(xb));
+                    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                                        _mm256_loadu_ps(xb + 8), s);
+                    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_loadu_ps(xb + 16), s);
+                    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))),
+                                        _mm256_loadu_ps(xb + 24), s);
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b])), s, acc);
+                    macc += fp16_to_fp32(wm[b]) * xsr[b];
+                }
+                res[r] = hsum8(acc) + macc;
+#else
+                float acc = 0.0f;
+                for (int b = 0; b < nb; b++) {
+                    const uint8_t *qb = wq + b * QK / 2;
+                    const float *xb = xr + b * QK;
+                    float s = 0.0f;
+                    for (int j = 0; j < QK / 2; j++)
+                        s += (float)(qb[j] & 15) * xb[j] + (float)(qb[j] >> 4) * xb[j + QK / 2];
+                    acc += fp16_to_fp32(wd[b]) * s + fp16_to_fp32(wm[b]) * xsr[b];
+                }
+                res[r] = acc;
+#endif
+            }
+            for (int r = 0; r < mr; r++) out[(long)(m0 + r) * N + n] = res[r];
+        }
+    }
+    free(xs);
+    return 0;
+}
+
+/* q4_1 weights x q8 activations (llama.cpp's q4_1 x q8_1): per block
+   d_w d_x sum(q_i a_i) + m_w d_x sum(a_i), with unsigned 4-bit q and signed 8-bit a;
+   xs holds d_x sum(a_i) per activation block. */
+static inline float dot_q4_1_q8(const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, const int8_t *xq,
+                                const float *xd, const float *xs, int nb) {
+    float macc = 0.0f;
+#if HAVE_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(wq + b * QK / 2));
+        const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(15));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
+        const __m256i w = _mm256_set_m128i(hi, lo);       /* elements 0..15 | 16..31 */
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        const __m256i dot16 = _mm256_maddubs_epi16(w, a);     /* w unsigned, a signed */
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot16, _mm256_set1_epi16(1)));
+        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b]) * xd[b]), dot, acc1);
+        else acc0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b]) * xd[b]), dot, acc0);
+        macc += fp16_to_fp32(wm[b]) * xs[b];
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1)) + macc;
+#else
+    float acc = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = wq + b * QK / 2;
+        const int8_t *a = xq + b * QK;
+        int32_t s = 0;
+        for (int j = 0; j < QK / 2; j++) s += (qb[j] & 15) * a[j] + (qb[j] >> 4) * a[j + QK / 2];
+        acc += fp16_to_fp32(wd[b]) * xd[b] * (float)s;
+        macc += fp16_to_fp32(wm[b]) * xs[b];
+    }
+    return acc + macc;
+#endif
+}
+
+int gemv_q4_1_q8(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins, float *out,
+                 int M, int N, int K, int nthreads) {
+    const int nb = K / QK;
+    int8_t *xq = malloc((size_t)M * K);
+    float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
+    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return 1; }
+    quantize_rows_q8(x, M, K, xq, xd);
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < nb; b++) {
+            int32_t s = 0;
+            for (int i = 0; i < QK; i++) s += xq[(long)m * K + b * QK + i];
+            xs[m * nb + b] = xd[m * nb + b] * (float)s;
+        }
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int n = 0; n < N; n++)
+        for (int m = 0; m < M; m++)
+            out[(long)m * N + n] = dot_q4_1_q8(qs + (long)n * (K / 2), d + (long)n * nb, mins + (long)n * nb,
+                                               xq + (long)m * K, xd + m * nb, xs + m * nb, nb);
+    free(xq);
+    free(xd);
+    free(xs);
+    return 0;
+}

@@ -1,0 +1,313 @@
+"""Quantized weights (caramba.model.quant): the q8_0 / q4_1 formats against gguf's own, the C GEMV
+kernels against dequantize + matmul, the eager fallback, and every weight kind through generation,
+beam search, speculative decoding and eval on tiny models (a GGUF for `native`)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from caramba.errors import UserError
+from caramba.infer import GenerateConfig, Generator
+from caramba.infer.beam import beam_search
+from caramba.infer.evaluate import evaluate_cache
+from caramba.infer.speculative import SpeculativeConfig, SpeculativeGenerator
+from caramba.model import quant, zoo
+from caramba.model.state_dict import fuse_hf_state_dict
+from caramba.model.quant import QuantLinear, dequantize_q4_1, dequantize_q8_0, gguf_blocks, quantize_q8_0
+import tolerance as tol
+from conftest import hf_model, make_model
+from test_loaders import read_gguf, write_gguf
+
+
+def randn(*shape, seed=0, std=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * std
+
+
+def needs_kernels():
+    if quant.library() is None:
+        pytest.skip(f"weight kernels {quant.status()}")
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """The dequantize + matmul path, as when the kernels cannot be built."""
+    monkeypatch.setattr(quant, "library", lambda: None)
+
+
+# --- formats --------------------------------------------------------------------------------------
+
+def test_q8_0_round_trip_is_within_half_a_step_and_matches_gguf():
+    w = randn(24, 96, seed=1)
+    q, d = quantize_q8_0(w)
+    back = dequantize_q8_0(q, d)
+    step = d.float().repeat_interleave(32, dim=1)
+    # half a code step, plus the fp16 rounding of the scale times the largest code (127)
+    assert ((back - w).abs() <= step / 2 + 127 * step * torch.finfo(torch.float16).eps).all()
+    ours = gguf_blocks(gguf.quants.quantize(w.numpy(), QT.Q8_0), "Q8_0", (24, 96))
+    assert torch.equal(ours["d"], d)
+    # Round-half-even (torch) and half-away (llama.cpp) may differ on exact ties only: one code.
+    assert (ours["qs"].int() - q.int()).abs().max() <= 1
+    assert (ours["qs"] != q).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q4_1])
+def test_gguf_blocks_dequantize_exactly_as_gguf(qt):
+    w = randn(10, 64, seed=2).numpy()
+    raw = gguf.quants.quantize(w, qt)
+    parts = gguf_blocks(raw, qt.name, (10, 64))
+    ours = dequantize_q8_0(parts["qs"], parts["d"]) if qt == QT.Q8_0 else \
+        dequantize_q4_1(parts["qs"], parts["d"], parts["m"])
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, qt).astype(np.float32))
+    torch.testing.assert_close(ours, ref, **tol.elementwise(ref, 2))   # d * q + m: two roundings
+
+
+# --- kernels ---------------------------------------------------------------------------------------
+
+def layer(fmt: str, act: str, N: int, K: int, seed: int = 0, bias: bool = False) -> QuantLinear:
+    w = randn(N, K, seed=seed).numpy()
+    b = randn(N, seed=seed + 9) if bias else None
+    if fmt == "q8_0":
+        return QuantLinear.from_float(torch.from_numpy(w), b, act=act)
+    p = gguf_blocks(gguf.quants.quantize(w, QT.Q4_1), "Q4_1", (N, K))
+    return QuantLinear("q4_1", p["qs"], p["d"], p["m"], bias=b, act=act)
+
+
+def reference(lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x.double(), lin.dequantized().double(),
+                                      None if lin.bias is None else lin.bias.double()).float()
+
+
+def activation_error_bound(lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """|W| @ (half a q8_0 step of x per element): what rounding the activations to q8_0 can move
+    each output by (each x_k moves by at most d_x / 2, d_x = its block's max|x| / 127)."""
+    xb = x.reshape(x.shape[0], -1, 32)
+    half_step = (xb.abs().amax(-1, keepdim=True) / 127 / 2).expand_as(xb).reshape(x.shape)
+    return half_step.double() @ lin.dequantized().abs().double().t()
+
+
+# M: one row, a few, past the kernel's 8-row pass; N odd; K one block and several.
+SHAPES = [(1, 7, 32), (3, 33, 96), (11, 5, 64), (16, 40, 160)]
+
+
+@pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "q8"), ("q4_1", "q8")])
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_kernel_equals_dequantize_then_matmul(fmt, act, M, N, K):
+    needs_kernels()
+    lin = layer(fmt, act, N, K, seed=M + N, bias=N % 2 == 1)
+    x = randn(M, K, seed=3)
+    with torch.inference_mode():
+        got = lin(x)
+    ref = reference(lin, x)
+    # fp32 sums in another order (K terms) on values up to sum|w||x|
+    atol = tol.reduction(ref, K)["atol"] + 16 * torch.finfo(torch.float32).eps * float(
+        (lin.dequantized().abs() @ x.abs().t()).max())
+    if act == "q8":
+        bound = activation_error_bound(lin, x).float()
+        assert ((got - ref).abs() <= bound + atol).all(), float(((got - ref).abs() - bound).max())
+        assert (got - ref).abs().max() > 0          # the activations really were quantized
+    else:
+        torch.testing.assert_close(got, ref, atol=atol, rtol=0)
+
+
+def test_eager_fallback_and_large_batches_match_the_kernel(monkeypatch):
+    needs_kernels()
+    lin = layer("q4_1", "f32", 48, 64, seed=4, bias=True)
+    x = randn(2, 3, 64, seed=5)
+    with torch.inference_mode():
+        kernel_out = lin(x)
+        monkeypatch.setattr(quant, "library", lambda: None)
+        eager_out = lin(x)
+    assert kernel_out.shape == eager_out.shape == (2, 3, 48)
+    torch.testing.assert_close(kernel_out, eager_out, **tol.reduction(eager_out, 64 * 4))
+    big = randn(quant.KERNEL_ROWS + 1, 64, seed=6)             # prefill-sized: dequantize + matmul
+    torch.testing.assert_close(lin(big), reference(lin, big), **tol.reduction(big, 64 * 4))
+
+
+def test_switched_off_by_environment(monkeypatch):
+    quant.library.cache_clear()
+    monkeypatch.setenv("CARAMBA_KERNELS", "0")
+    try:
+        assert quant.library() is None and quant.status() == "off (CARAMBA_KERNELS=0)"
+        lin = layer("q8_0", "q8", 8, 32)
+        x = randn(1, 32)
+        torch.testing.assert_close(lin(x), reference(lin, x), **tol.reduction(x, 32 * 4))
+    finally:
+        quant.library.cache_clear()
+
+
+def test_a_wrong_input_width_is_an_error_not_a_wild_read():
+    lin = layer("q8_0", "q8", 8, 64)
+    with pytest.raises(RuntimeError, match="shape"):
+        lin(randn(1, 32))
+
+
+def test_rejects_what_has_no_kernel():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        QuantLinear.from_float(randn(4, 48))
+    with pytest.raises(ValueError, match="no kernel for weights q4_0 with f32"):
+        QuantLinear("q4_0", torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1), torch.zeros(4, 1))
+
+
+def test_quantized_head_reads_its_embedding_rows():
+    model = make_model(seed=1)
+    ref = model.embed_tokens(torch.tensor([[1, 5, 96]]))
+    assert quant.quantize_model(model) == 2 * 4 + 1     # wqkv, wo, w13, w2 per layer + the head
+    got = model.embed_tokens(torch.tensor([[1, 5, 96]]))
+    step = float(model.head.d.float().max())            # one q8_0 step of the largest block
+    torch.testing.assert_close(got, ref, atol=step / 2 + 1e-6, rtol=0)
+    assert model.dtype == torch.float32 and model.device.type == "cpu"
+
+
+# --- whole models, every path ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A tiny Llama GGUF with Q4_1 projections and a Q8_0 embedding, like the shipped SmolLM2."""
+    hf = hf_model(seed=3, tie_word_embeddings=True)   # the head reads the Q8_0 embedding, as SmolLM2's does
+    types = {}
+    for i in range(hf.config.num_hidden_layers):
+        for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            types[f"blk.{i}.{t}.weight"] = QT.Q4_1
+    types["token_embd.weight"] = QT.Q8_0
+    path = tmp_path_factory.mktemp("qgguf") / "tiny.gguf"
+    write_gguf(path, hf, types)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tiny_gguf):
+    """The tiny GGUF as each weight kind, through load_model's hook (the file has no tokenizer,
+    which load_model would need)."""
+    out = {}
+    for w in quant.WEIGHT_KINDS:
+        _, cfg, tensors = read_gguf(tiny_gguf)
+        model = zoo.build_model(cfg, fuse_hf_state_dict(tensors, cfg), torch.float32, torch.device("cpu"))
+        if w != "fp32":
+            zoo._quantize_weights(model, w, tiny_gguf, torch.device("cpu"))
+        out[w] = model
+    return out
+
+
+def test_native_keeps_the_files_blocks(models):
+    native = models["native"]
+    for block in native.layers:
+        assert block.attn.wqkv.fmt == block.attn.wo.fmt == block.mlp.w13.fmt == block.mlp.w2.fmt == "q4_1"
+    assert native.head.fmt == "q8_0" and native.head.act == "f32"
+    # the same weight values as the fp32 load (which dequantized the same file)
+    fp32 = models["fp32"]
+    for a, b in [(native.layers[0].attn.wqkv.dequantized(), fp32.layers[0].attn.wqkv.weight),
+                 (native.layers[1].mlp.w13.dequantized(), fp32.layers[1].mlp.w13.weight_t.t()),
+                 (native.head.dequantized(), fp32.head.weight_t.t())]:
+        torch.testing.assert_close(a, b, **tol.elementwise(b, 2))
+
+
+def prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 97, (n,), generator=g).tolist() for n in (6, 3)]
+
+
+def greedy(model, **kw):
+    return Generator(model, GenerateConfig(max_new_tokens=12, temperature=0.0, **kw)).run(prompts()).sequences
+
+
+@pytest.mark.parametrize("cache_kind", ["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4"])
+@pytest.mark.parametrize("weights", quant.WEIGHT_KINDS)
+def test_every_weight_kind_generates_with_every_cache_kind(models, weights, cache_kind, read_path):
+    model = models[weights]
+    out = greedy(model, cache_kind=cache_kind)
+    assert [len(s) for s in out] == [12, 12]
+    if weights == "native":   # the same values as fp32: only the summation order differs
+        assert out == greedy(models["fp32"], cache_kind=cache_kind)
+    # a prompt alone (batch 1) decodes as it does in the batch
+    single = Generator(model, GenerateConfig(max_new_tokens=12, temperature=0.0, cache_kind=cache_kind)).run(prompts()[:1])
+    assert single.sequences[0] == out[0]
+
+
+@pytest.mark.parametrize("weights", quant.WEIGHT_KINDS)
+def test_every_weight_kind_through_beam_speculative_and_eval(models, weights):
+    model = models[weights]
+    ids = torch.tensor([prompts()[0]])
+    beams = beam_search(model, ids, max_new_tokens=6, num_beams=3, temperature=0, eos_token_id=[]).sequences[0][0]
+    assert len(beams) == 6
+    if weights == "native":
+        ref = beam_search(models["fp32"], ids, max_new_tokens=6, num_beams=3, temperature=0, eos_token_id=[])
+        assert beams == ref.sequences[0][0]
+    plain = greedy(model)
+    for draft in ("prompt_lookup", "layer_skip", "self_int8"):
+        kw = {"draft_layers": 1} if draft == "layer_skip" else {}
+        spec = SpeculativeGenerator(model, None, SpeculativeConfig(max_new_tokens=12, temperature=0.0, draft=draft, **kw))
+        assert spec.run(prompts()).sequences == plain, draft
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    (r,) = evaluate_cache(model, ids, ["fp32"], "fp32", prompt_len=10)
+    assert r.n_scored == 30 and np.isfinite(r.nll)
+
+
+def test_q8_0_stays_close_to_fp32(models):
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    (ref,) = evaluate_cache(models["fp32"], ids, ["fp32"], "fp32", prompt_len=10)
+    (q8,) = evaluate_cache(models["q8_0"], ids, ["fp32"], "fp32", prompt_len=10)
+    assert abs(q8.nll - ref.nll) < 0.02 * ref.nll
+
+
+def test_native_needs_a_gguf_and_unknown_kinds_are_named(tmp_path):
+    from test_cli import write_tiny_model
+
+    d = write_tiny_model(tmp_path / "m")
+    with pytest.raises(UserError, match="weights 'native' keeps a GGUF"):
+        zoo.load_model(str(d), progress=False, weights="native")
+    with pytest.raises(UserError, match="weights 'q4' is not supported; use one of fp32, q8_0, native"):
+        zoo.load_model(str(d), progress=False, weights="q4")
+
+
+def test_portable_kernels_equal_the_native_ones(monkeypatch, tmp_path):
+    """The scalar loops (built without -march=native, as on a CPU without AVX2) against the same
+    reference: both code paths of quant_gemv.c are exercised wherever the suite runs."""
+    needs_kernels()
+    from caramba import kernels
+
+    monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path))
+    flags = [f for f in kernels.FLAGS if not f.startswith("-march")]
+    lib, status = kernels.load(quant.SOURCE, quant._SIGNATURES, "test", flags=flags)
+    assert status == "c"
+    monkeypatch.setattr(quant, "library", lambda: lib)
+    for fmt, act in [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "q8"), ("q4_1", "q8")]:
+        lin = layer(fmt, act, 9, 64, seed=11)
+        x = randn(3, 64, seed=12)
+        ref = reference(lin, x)
+        atol = tol.reduction(ref, 64)["atol"] + 16 * torch.finfo(torch.float32).eps * float(
+            (lin.dequantized().abs() @ x.abs().t()).max())
+        bound = activation_error_bound(lin, x).float() if act == "q8" else 0
+        assert ((lin(x) - ref).abs() <= bound + atol).all(), (fmt, act)
+
+
+def test_cli_and_manifest_take_weights(tmp_path):
+    import json
+
+    from pydantic import ValidationError
+    from typer.testing import CliRunner
+
+    from caramba.cli import app
+    from caramba.infer.evaluate import corpus_text
+    from caramba.manifest.schema import ModelSpec
+    from test_cli import write_tiny_model
+
+    d = write_tiny_model(tmp_path / "m")
+    text = tmp_path / "t.txt"
+    text.write_text(corpus_text()[:300])
+
+    def invoke(*args):
+        return CliRunner().invoke(app, [str(a) for a in args])
+
+    r = invoke("eval", "--text", text, "--model", d, "--weights", "q8_0", "--prompt-len", "8", "--max-tokens", "30",
+               "--cache-kind", "fp32", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["model"]["weights"] == "q8_0"
+    bad = invoke("eval", "--text", text, "--model", d, "--weights", "native")
+    assert bad.exit_code == 2 and "keeps a GGUF" in bad.output
+    assert ModelSpec(weights="q8_0").weights == "q8_0" and ModelSpec().weights == "fp32"
+    with pytest.raises(ValidationError, match="weights"):
+        ModelSpec(weights="q4")
