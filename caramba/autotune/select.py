@@ -94,6 +94,7 @@ def plan_key(loaded, settings: AutotuneSettings, text: str, candidates: list[Can
     model = loaded.model
     return {
         "model_sha256": loaded.content_hash, "dtype": str(model.dtype).removeprefix("torch."),
+        "weights": getattr(model, "weights", "fp32"),   # a plan timed on fp32 weights is not one for q8_0
         "device": model.device.type, "device_name": device_name(model.device), "torch": torch.__version__,
         "max_seq_len": settings.max_seq_len, "batch_size": settings.batch_size, "budget_mb": settings.budget_mb,
         "gates": settings.gates.to_dict(), "text_sha256": hashlib.sha256(text.encode()).hexdigest(),

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -185,10 +184,10 @@ def layer_skip_draft(target: Transformer, n_layers: int | None = None) -> Transf
 
 def int8_self_draft(target: Transformer) -> Transformer:
     """A copy of the target whose linear layers (q|k|v, o, the MLP's and the vocabulary head)
-    are int8 dynamically quantized (per-output-channel weights, per-token activations).
-    CPU only (fbgemm/qnnpack kernels); runs in float32 whatever the target's dtype."""
+    hold q8_0 weights (llama.cpp's 32-element blocks) multiplied with int8 activations by
+    caramba's C kernels (caramba.model.quant). CPU only; runs in float32 whatever the target's dtype."""
     if target.device.type != "cpu":
-        raise ValueError(f"the self_int8 draft needs a CPU target (torch's int8 dynamic kernels); got {target.device}")
+        raise ValueError(f"the self_int8 draft needs a CPU target (caramba's q8_0 CPU kernels); got {target.device}")
     layers = []
     for block in target.layers:
         block = copy.deepcopy(block).float()
@@ -198,6 +197,7 @@ def int8_self_draft(target: Transformer) -> Transformer:
                     setattr(module, name, _int8_input_major(child))
                 elif isinstance(child, nn.Linear):
                     setattr(module, name, _int8(child.weight, child.bias))
+                # a QuantLinear (a target loaded with weights q8_0/native) is already quantized: kept
         layers.append(block)
     norm = copy.deepcopy(target.norm).float()
     head = _int8_input_major(target.head)
@@ -211,18 +211,17 @@ def _int8_input_major(layer: InputMajorLinear) -> nn.Module:
 
 
 def _int8(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-    """weight [out, in] -> torch's dynamically quantized Linear (symmetric int8 per output row)."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+    """weight [out, in] -> llama.cpp's q8_0 blocks multiplied with int8 activations by caramba's C
+    kernel (caramba.model.quant.QuantLinear); a width that is not a multiple of 32 keeps fp32."""
+    from caramba.model.quant import QK, QuantLinear
 
     w = weight.detach().float()
-    out_features, in_features = w.shape
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).double()
-    with warnings.catch_warnings():  # torch flags its quantized tensor types as deprecated
-        warnings.simplefilter("ignore", UserWarning)
-        qw = torch.quantize_per_channel(w, scale, torch.zeros(out_features, dtype=torch.long), 0, torch.qint8)
-        layer = DynamicInt8Linear(in_features, out_features, bias_=bias is not None, dtype=torch.qint8)
-        layer.set_weight_bias(qw, None if bias is None else bias.detach().float())
-    return layer
+    b = None if bias is None else bias.detach().float()
+    if w.shape[1] % QK:
+        layer = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+        layer.weight.data, layer.bias = w, None if b is None else nn.Parameter(b, requires_grad=False)
+        return layer.requires_grad_(False)
+    return QuantLinear.from_float(w, b, act="q8")
 
 
 def check_vocab(target: Transformer, draft: Transformer) -> None:
