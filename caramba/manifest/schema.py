@@ -231,6 +231,8 @@ class Run(_Model):
     autotune: CacheAutotuneSettings | None = None
     expect: Expect | None = None
     notes: str | None = None
+    # A sweep's values for this run (set by matrix expansion, caramba.manifest.matrix; None otherwise).
+    params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _settings_for_mode(self) -> Run:
