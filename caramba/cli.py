@@ -68,29 +68,100 @@ DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, mps or auto.")]
 @app.command()
 def run(
     manifest: Annotated[Path, typer.Argument(help="The manifest YAML file.")],
-    run_ids: Annotated[Optional[list[str]], typer.Option("--run", help="Only this run (id or target/id); repeatable.")] = None,
+    run_ids: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs: an id, target/id, a glob ('sweep.*') or a sweep's base id; repeatable.")] = None,
     overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field: targets.NAME.runs.ID.generate.temperature=0.7")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and list the runs, write nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and list the runs (a sweep's expanded), write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Rerun runs that already have a DONE record.")] = False,
     check: Annotated[bool, typer.Option("--check", help="Compare each run's result with its expect: block; exit 1 on drift.")] = False,
+    executor: Annotated[str, typer.Option(help="local (this machine), ray (caramba[ray]) or slurm (caramba[slurm], submitit).")] = "local",
+    jobs: Annotated[Optional[int], typer.Option("--jobs", min=1, help="Runs at once: local worker processes (each with cores/N threads), or the most tasks ray/slurm run at once.")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(help="Join this Ray cluster (default: start a local Ray).")] = None,
 ) -> None:
     """Validate a manifest and run its runs, leaving a record of each under runs/.
 
-    With --check, every selected run's result (fresh, or the DONE record being skipped) is
-    compared with the run's `expect:` block; a drift is printed and the exit code is 1."""
+    A run with a matrix: runs once per combination (docs/sweeps.md). With --jobs N (or
+    --executor ray/slurm) runs go to parallel workers, each run one task; a failed run does not
+    stop the others, and a summary table ends the sweep. With --check, every selected run's
+    result (fresh, or the DONE record being skipped) is compared with the run's `expect:` block;
+    a drift is printed and the exit code is 1."""
     with _errors_as_exit_codes():
+        from caramba.executors import require
         from caramba.runners import command_line, run_manifest
 
+        require(executor)
+        if ray_address and executor != "ray":
+            raise UserError("--ray-address is for --executor ray")
         m = _load(manifest, overrides or [])
         command = command_line(str(manifest), run_ids or [], overrides or [], force, check)
-        outcome = run_manifest(m, run_ids or [], force=force, dry_run=dry_run, console=out, check=check,
-                               overrides=overrides or [], command=command)
-        if not dry_run:
+        if dry_run or (executor == "local" and (jobs or 1) == 1):
+            outcome = run_manifest(m, run_ids or [], force=force, dry_run=dry_run, console=out, check=check,
+                                   overrides=overrides or [], command=command)
+            if dry_run:
+                from caramba.runners import select_runs
+
+                err.print(f"{len(select_runs(m, run_ids or []))} run(s); nothing written")
+                return
             checked = f", {len(outcome.check_failed)} failed their check" if check else ""
             busy = f", {len(outcome.busy)} left to another process running them" if outcome.busy else ""
             err.print(f"{len(outcome.done)} done, {len(outcome.skipped)} skipped{busy}, {len(outcome.failed)} failed{checked}")
-        if outcome.failed or outcome.check_failed:
+            failed = outcome.failed or outcome.check_failed
+        else:
+            failed = _run_parallel(m, run_ids or [], force, check, overrides or [], command, executor, jobs, ray_address)
+        if failed:
             raise typer.Exit(1)
+
+
+def _run_parallel(m, run_ids, force, check, overrides, command, executor, jobs, ray_address) -> bool:
+    from caramba.executors import make_executor
+    from caramba.executors.common import run_sweep
+    from caramba.runners import make_tasks, preflight, select_runs
+
+    runs = select_runs(m, run_ids)
+    preflight(m.name, runs)   # every run checked before any record is written
+    tasks = make_tasks(m, runs, force, check, {"command": command, "overrides": overrides})
+    result = run_sweep(make_executor(executor, jobs, m.executor, ray_address), tasks, out)
+    checked = f", {len(result.check_failed)} failed their check" if check else ""
+    busy = f", {len(result.names('busy'))} left to another process running them" if result.names("busy") else ""
+    err.print(f"{len(result.names('done'))} done, {len(result.names('skipped'))} skipped{busy}, "
+              f"{len(result.names('failed'))} failed{checked}")
+    return bool(result.names("failed") or result.check_failed)
+
+
+@app.command()
+def status(
+    manifest: Annotated[Path, typer.Argument(help="The manifest YAML file.")],
+    run_ids: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (ids, target/id or globs).")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field, as for run.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a list of {run, state, record, detail, params}.")] = False,
+) -> None:
+    """Where each run of a manifest stands: done, changed (its record was made with other
+    settings: the next run redoes it), running (another process holds its lock), failed (an
+    attempt without DONE) or pending. Reads records and locks; takes no lock."""
+    with _errors_as_exit_codes():
+        from rich.table import Table
+
+        from caramba.executors.state import STATES, held_locks, run_state
+        from caramba.runners import run_hash, run_identity, select_runs
+        from caramba.runs import RunDir
+
+        m = _load(manifest, overrides or [])
+        locks = held_locks()
+        runs = select_runs(m, run_ids or [])
+        states = [(r, run_state(RunDir(m.name, r.target, r.run.id), run_hash(run_identity(r)), locks)) for r in runs]
+        if as_json:
+            print(json_text([{"run": f"{r.target}/{r.run.id}", "state": s.state, "record": str(s.record),
+                              "detail": s.detail, "params": r.run.params} for r, s in states], indent=2))
+            return
+        table = Table(title=f"{escape(m.name)}: {len(runs)} run(s)", title_justify="left")
+        for col in ("run", "state", "detail"):
+            table.add_column(col, overflow="fold")
+        colors = {"done": "green", "changed": "yellow", "running": "cyan", "failed": "red", "pending": "dim"}
+        for r, s in states:
+            table.add_row(escape(f"{r.target}/{r.run.id}"), f"[{colors[s.state]}]{s.state}[/{colors[s.state]}]",
+                          escape(s.detail))
+        out.print(table)
+        counts = {state: sum(s.state == state for _, s in states) for state in STATES}
+        out.print(", ".join(f"{n} {state}" for state, n in counts.items()))
 
 
 @app.command()
