@@ -296,40 +296,109 @@ def bench(
 
 @app.command()
 def report(
-    run_dirs: Annotated[list[Path], typer.Argument(help="Run record directories; the first is the baseline.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")] = False,
+    run_dirs: Annotated[list[Path], typer.Argument(help="A manifest (or its records directory runs/NAME): one row per run. Or run record directories: compared with the first.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON (a sweep: a list of {run, params, metrics}).")] = False,
+    pivot_key: Annotated[Optional[str], typer.Option("--pivot", help="Put this matrix key's values across the columns (of --metric).")] = None,
+    metric: Annotated[Optional[str], typer.Option(help="The metric for --pivot and --plot (default: the runs' first).")] = None,
+    csv_file: Annotated[Optional[Path], typer.Option("--csv", help="Also write the rows to this CSV file.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Write a PNG of --metric against matrix key --x (needs matplotlib).")] = None,
+    x_key: Annotated[Optional[str], typer.Option("--x", help="The matrix key on the plot's x axis (default: --pivot, else the first).")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field of the manifest, as for run.")] = None,
 ) -> None:
-    """Compare finished runs (bench cells or generate summaries) side by side, with deltas
-    against the first."""
+    """A sweep as one table: every run of a manifest as a row, its matrix values as columns, then
+    the key metrics of its mode (decode tok/s, prefill, peak memory, cache bytes, acceptance,
+    speedup, the autotuned cache). Given run record directories instead, compares them (bench
+    cells or generate summaries) side by side, with deltas against the first."""
     with _errors_as_exit_codes():
-        from rich.table import Table
-
-        from caramba.bench.report import CELL_KEY, compare
-
-        try:
-            rows = compare(list(run_dirs))
-        except (FileNotFoundError, ValueError) as e:
-            raise UserError(str(e)) from None
-        if as_json:
-            print(json_text(rows))
+        single = run_dirs[0] if len(run_dirs) == 1 else None
+        if single is not None and (single.is_file() or not (single / "result.json").exists()):
+            _report_sweep(single, as_json, pivot_key, metric, csv_file, plot, x_key, overrides or [])
             return
-        metrics = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("run", *CELL_KEY) and not k.endswith("_delta")]
-        table = Table(title=f"compared with {escape(str(run_dirs[0]))}")
-        for col in ("run", "impl", "ctx", "batch", "cache", "plan", *metrics):
-            table.add_column(col)
-        for r in rows:
-            cells = []
-            for m in metrics:
-                value, delta = r.get(m), r.get(f"{m}_delta")
-                text = "" if value is None else f"{value:.4g}"
-                if delta is not None:
-                    color = "green" if (delta > 0) == (m in ("decode_tok_s", "decode_tok_s_median")) else "red"
-                    text += f" [{color}]({delta:+.1%})[/{color}]"
-                cells.append(text)
-            table.add_row(*(escape(str(v)) for v in (Path(r["run"]).name, r.get("impl"), r.get("prompt_len"),
-                                                     r.get("batch_size"), r.get("cache_kind"), r.get("decode_plan") or "")),
-                          *cells)
-        out.print(table)
+        _report_compare(run_dirs, as_json)
+
+
+def _report_sweep(source: Path, as_json, pivot_key, metric, csv_file, plot, x_key, overrides) -> None:
+    from rich.table import Table
+
+    from caramba.bench.report import flat_rows, pivot, plot_sweep, record_dirs, sweep_row, write_csv
+    from caramba.runs import RunDir
+
+    try:
+        if source.is_file():
+            m = _load(source, overrides)
+            rows = [sweep_row(f"{r.target}/{r.run.id}", RunDir(m.name, r.target, r.run.id).final, r.run.params)
+                    for r in m.iter_runs()]
+        else:
+            rows = [sweep_row(name, path) for name, path in record_dirs(source)]
+        metrics = list(dict.fromkeys(k for r in rows for k in r["metrics"]))
+        chosen = metric or (metrics[0] if metrics else None)
+        if (pivot_key or plot) and chosen is None:
+            raise ValueError("no finished run has metrics to pivot or plot yet")
+        if chosen is not None and chosen not in metrics and (pivot_key or plot):
+            raise ValueError(f"--metric {chosen!r}: not a metric of these runs; metrics: {', '.join(metrics)}")
+        table_rows = pivot(rows, pivot_key, chosen) if pivot_key else flat_rows(rows)
+        if plot is not None:
+            keys = list(dict.fromkeys(k for r in rows for k in r["params"]))
+            x = x_key or pivot_key or (keys[0] if keys else None)
+            if x is None:
+                raise ValueError("--plot needs a matrix key for the x axis (--x); these runs have no params")
+            plot_sweep(plot, rows, x, chosen)
+            err.print(f"plot: {escape(str(plot))}")
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
+    if csv_file is not None:
+        write_csv(csv_file, table_rows)
+        err.print(f"csv: {escape(str(csv_file))}")
+    if as_json:
+        print(json_text(table_rows if pivot_key else rows, indent=2))
+        return
+    columns = list(dict.fromkeys(k for r in table_rows for k in r))
+    title = f"{escape(str(source))}: {len(rows)} run(s)" + (f", {escape(chosen)} by {escape(pivot_key)}" if pivot_key else "")
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(escape(col), overflow="fold")
+    for r in table_rows:
+        table.add_row(*(escape(_cell(r.get(col))) for col in columns))
+    out.print(table)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return value if isinstance(value, str) else json_text(value)
+
+
+def _report_compare(run_dirs: list[Path], as_json: bool) -> None:
+    from rich.table import Table
+
+    from caramba.bench.report import CELL_KEY, compare
+
+    try:
+        rows = compare(list(run_dirs))
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
+    if as_json:
+        print(json_text(rows))
+        return
+    metrics = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("run", *CELL_KEY) and not k.endswith("_delta")]
+    table = Table(title=f"compared with {escape(str(run_dirs[0]))}")
+    for col in ("run", "impl", "ctx", "batch", "cache", "plan", *metrics):
+        table.add_column(col)
+    for r in rows:
+        cells = []
+        for m in metrics:
+            value, delta = r.get(m), r.get(f"{m}_delta")
+            text = "" if value is None else f"{value:.4g}"
+            if delta is not None:
+                color = "green" if (delta > 0) == (m in ("decode_tok_s", "decode_tok_s_median")) else "red"
+                text += f" [{color}]({delta:+.1%})[/{color}]"
+            cells.append(text)
+        table.add_row(*(escape(str(v)) for v in (Path(r["run"]).name, r.get("impl"), r.get("prompt_len"),
+                                                 r.get("batch_size"), r.get("cache_kind"), r.get("decode_plan") or "")),
+                      *cells)
+    out.print(table)
 
 
 @app.command("convert-dba")

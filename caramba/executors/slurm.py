@@ -1,6 +1,6 @@
 """`caramba run --executor slurm`: each run a Slurm array task through submitit, with the
 manifest's executor.slurm resources (partition, time_min, cpus, gpus, array_parallelism). Logs
-go to `<runs root>/<manifest>/.submitit/<job id>/`, one stdout/stderr pair per task. Records are
+go to `<runs root>/<manifest>/.submitit/`, one `<job id>_<task>_log.out/.err` pair per task. Records are
 written by the tasks, so the runs root must be on storage the nodes share.
 
 Where there is no Slurm (no `sbatch`), submitit's local executor runs the same tasks as local
@@ -38,12 +38,13 @@ class SlurmExecutor(Executor):
     def __init__(self, settings, jobs: int | None):
         self.settings, self.jobs = settings, jobs
         self.cluster = "slurm" if shutil.which("sbatch") else "local"
+        self.name = "slurm" if self.cluster == "slurm" else "submitit local (no sbatch here)"
         self._jobs: dict = {}       # submitit Job -> run name
         self._waiting: list[RunTask] = []
 
     def start(self, tasks: list[RunTask]) -> None:
         s = self.settings
-        folder = Path(tasks[0].root) / tasks[0].manifest_name / ".submitit" / "%j"
+        folder = Path(tasks[0].root) / tasks[0].manifest_name / ".submitit"   # <job id>_<task>_log.out/.err
         self._executor = submitit.AutoExecutor(folder=folder, cluster=self.cluster)
         self._executor.update_parameters(timeout_min=s.time_min, cpus_per_task=s.cpus, gpus_per_node=s.gpus,
                                          name=f"caramba-{tasks[0].manifest_name}", slurm_partition=s.partition,
