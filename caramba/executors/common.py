@@ -16,7 +16,7 @@ from rich.table import Table
 
 from caramba.executors.state import held_locks, lock_held
 from caramba.runners import RunTask, TaskResult
-from caramba.runs import LOCK
+from caramba.runs import LOCK, RunDir
 
 
 class Executor:
@@ -83,7 +83,15 @@ def run_sweep(executor: Executor, tasks: list[RunTask], console: Console) -> Swe
     with Progress(*columns, console=console, transient=False) as progress:
         bar = progress.add_task(_counts(outcome, 0, len(tasks)), total=len(tasks))
         try:
-            executor.start(tasks)
+            for result in _already_done(tasks):   # a resumed sweep dispatches only what is left
+                del pending[result.name]
+                outcome.results[result.name] = result
+            if outcome.results:
+                progress.console.print(f"[dim]skip {len(outcome.results)} run(s) already done (their records match "
+                                       "their settings); --force reruns them[/dim]")
+                progress.update(bar, completed=len(outcome.results), description=_counts(outcome, 0, len(pending)))
+            if pending:
+                executor.start(list(pending.values()))
             while pending:
                 for result in executor.poll(0.5):
                     if result.name not in pending:
@@ -108,6 +116,19 @@ def run_sweep(executor: Executor, tasks: list[RunTask], console: Console) -> Swe
     if interrupted:
         raise KeyboardInterrupt
     return outcome
+
+
+def _already_done(tasks: list[RunTask]) -> list[TaskResult]:
+    """Runs whose finished record matches their hash: skipped here, as a worker would, without a
+    task (with --force or --check they go to the workers, which redo or check them)."""
+    out = []
+    for t in tasks:
+        if t.force or t.check:
+            continue
+        record = RunDir(t.manifest_name, t.target, t.run["id"], root=t.root)
+        if record.is_done() and record.recorded_hash() == t.digest:
+            out.append(TaskResult(t.name, "skipped", message="already done"))
+    return out
 
 
 def _running(executor: Executor, unfinished) -> int:
