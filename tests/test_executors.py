@@ -121,7 +121,7 @@ def test_a_failed_run_does_not_stop_the_others(tmp_path, monkeypatch, tiny_model
     manifest = sweep_manifest(tmp_path, tiny_model, extra=extra)
     result = invoke("run", manifest, "--jobs", 2, "--run", "s.*q8_0*", "--run", "tune")
     assert result.exit_code == 1, result.output
-    assert "2 done, 0 skipped, 0 failed".replace("0 failed", "1 failed") in result.output
+    assert "2 done, 0 skipped, 1 failed" in result.output
     assert "failed t/tune" in result.output
     assert not (tmp_path / "runs" / "sw" / "t" / "tune" / DONE).exists()
 

@@ -98,7 +98,7 @@ def test_values_that_slug_alike_still_get_distinct_ids(tmp_path):
           model.source: ["/x/m one", "/x/m_one"]
         """)
     ids = [rid for rid in runs_of(path) if rid != "plain"]
-    assert len(set(ids)) == 4 and all(rid.startswith("sweep.prompts-h") for rid in ids)
+    assert len(set(ids)) == 4 and all(rid.startswith(("sweep.prompts-a-", "sweep.prompts-b-")) for rid in ids)
 
 
 def test_an_invalid_value_names_the_matrix_line_and_the_expanded_run(tmp_path):

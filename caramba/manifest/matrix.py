@@ -200,7 +200,10 @@ def _slug(value: Any) -> str:
         tail = value.rstrip("/").rsplit("/", 1)[-1] or value   # a model path: its last part
         slug = _UNSAFE.sub("_", tail).strip("._") or "x"
         return slug[:40] if slug == tail else slug[:31] + "-" + _digest(value)[:8]
-    return "h" + _digest(value)[:10]   # a list or a mapping
+    if isinstance(value, list) and value and isinstance(value[0], (str, int, float)):   # e.g. prompts: its first, and a hash
+        head = _UNSAFE.sub("_", str(value[0])).strip("._")[:20].rstrip("._-")
+        return f"{head}-{_digest(value)[:8]}" if head else "h" + _digest(value)[:10]
+    return "h" + _digest(value)[:10]   # a mapping, a list of lists
 
 
 def _digest(value: Any) -> str:
