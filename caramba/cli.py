@@ -103,7 +103,8 @@ def run(
                 return
             checked = f", {len(outcome.check_failed)} failed their check" if check else ""
             busy = f", {len(outcome.busy)} left to another process running them" if outcome.busy else ""
-            err.print(f"{len(outcome.done)} done, {len(outcome.skipped)} skipped{busy}, {len(outcome.failed)} failed{checked}")
+            took = f" in {sum(outcome.seconds.values()):.1f}s" if outcome.seconds else ""
+            err.print(f"{len(outcome.done)} done, {len(outcome.skipped)} skipped{busy}, {len(outcome.failed)} failed{checked}{took}")
             failed = outcome.failed or outcome.check_failed
         else:
             failed = _run_parallel(m, run_ids or [], force, check, overrides or [], command, executor, jobs, ray_address)

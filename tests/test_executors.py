@@ -172,6 +172,12 @@ def test_status_and_report_read_the_sweep(tmp_path, monkeypatch, tiny_model):  #
     status = json.loads(invoke("status", manifest, "--json").stdout)
     assert [row["state"] for row in status] == ["done", "done", "failed", "pending"]
     assert status[0]["params"] == {"generate.cache_kind": "fp32", "seed": 0}
+    holder = RunDir("sw", "t", IDS[3])
+    assert holder.try_lock()   # this process stands in for a worker busy with that run
+    try:
+        assert json.loads(invoke("status", manifest, "--json").stdout)[3]["state"] == "running"
+    finally:
+        holder.release()
     changed = json.loads(invoke("status", manifest, "--json", "--set", "targets.t.runs.s.generate.max_new_tokens=3").stdout)
     assert [row["state"] for row in changed][:2] == ["changed", "changed"]
 
@@ -192,3 +198,26 @@ def test_status_and_report_read_the_sweep(tmp_path, monkeypatch, tiny_model):  #
     if importlib.util.find_spec("matplotlib") is not None:
         plotted = invoke("report", manifest, "--plot", tmp_path / "p.png", "--x", "seed", "--metric", "new_tokens")
         assert plotted.exit_code == 0 and (tmp_path / "p.png").stat().st_size > 0, plotted.output
+
+
+def test_ctrl_c_cancels_the_sweep_and_keeps_no_done(tmp_path, tiny_model):  # noqa: F811
+    prompts = ", ".join(f'"slow prompt {i}"' for i in range(40))
+    slow_run = (f"- id: slow\n  mode: generate\n  generate: {{prompts: [{prompts}], max_new_tokens: 200, "
+                "temperature: 0.0, stream: false}\n")
+    manifest = sweep_manifest(tmp_path, tiny_model, first=slow_run)
+    runs = tmp_path / "runs"
+    env = {**os.environ, "CARAMBA_RUNS_DIR": str(runs), "PYTHONPATH": str(ROOT), "COLUMNS": "300"}
+    proc = subprocess.Popen([sys.executable, "-m", "caramba.cli", "run", str(manifest), "--jobs", "2"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    slow = RunDir("sw", "t", "slow", root=runs)
+    deadline = time.monotonic() + 120
+    while not (lock_held(slow.lock_path) and slow.staging.exists()):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C at a terminal reaches the whole process group
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out
+    assert "interrupted: cancelling" in out and "cancelled" in out, out
+    assert not (runs / "sw" / "t" / "slow" / DONE).exists()
+    assert not lock_held(slow.lock_path)   # no worker is left holding it
+    assert "interrupted" in (runs / "sw" / "t" / "slow" / "log.txt").read_text()
