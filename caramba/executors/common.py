@@ -172,6 +172,10 @@ def print_summary(outcome: SweepOutcome, tasks: list[RunTask], console: Console,
         took = f"{r.ended - r.started:.1f}" if r.ended and r.status in ("done", "failed") else ""
         table.add_row(escape(t.name), status, took, escape(r.message[:200]))
     console.print(table)
+    starts = [r.started - r.dispatched for r in outcome.results.values() if r.dispatched and r.started]
+    if starts:   # a task per process (submitit): its start-up (process, imports) before the run begins
+        console.print(f"task start on {executor}: median {statistics.median(starts):.1f} s from submission to the run "
+                      f"starting ({len(starts)} tasks; the model is loaded inside the run)")
     gaps = outcome.overhead_s()
     if gaps:
         console.print(f"per-task overhead on {executor}: median {statistics.median(gaps) * 1e3:.0f} ms between a "

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import io
 import shutil
+import time
 from pathlib import Path
 
 import submitit
 
 from caramba.executors.common import Executor
+from caramba.executors.pool import core_shares
 from caramba.runners import RunTask, TaskResult
 
 
@@ -41,6 +43,7 @@ class SlurmExecutor(Executor):
         self.name = "slurm" if self.cluster == "slurm" else "submitit local (no sbatch here)"
         self._jobs: dict = {}       # submitit Job -> run name
         self._waiting: list[RunTask] = []
+        self._submitted: dict[str, float] = {}   # run -> when its task was submitted
 
     def start(self, tasks: list[RunTask]) -> None:
         s = self.settings
@@ -50,9 +53,12 @@ class SlurmExecutor(Executor):
                                          name=f"caramba-{tasks[0].manifest_name}", slurm_partition=s.partition,
                                          slurm_array_parallelism=s.array_parallelism or self.jobs or 256)
         self._threads = s.cpus
+        if self.cluster == "local":   # local processes share this machine: cores/--jobs threads each, at most
+            self._threads = min(s.cpus, max(1, len(core_shares(s.array_parallelism or self.jobs or 1)[0])))
         order = sorted(tasks, key=lambda t: t.model_key)
         if self.cluster == "slurm":   # one array job; Slurm runs array_parallelism of it at once
             jobs = self._executor.map_array(_run_task, order, [self._threads] * len(order))
+            self._submitted = dict.fromkeys((t.name for t in order), time.time())
             self._jobs = dict(zip(jobs, (t.name for t in order)))
         else:   # local processes: at most --jobs at a time (one each by default)
             self._waiting = list(order)
@@ -63,17 +69,18 @@ class SlurmExecutor(Executor):
         while self._waiting and len(self._jobs) < limit:
             task = self._waiting.pop(0)
             self._jobs[self._executor.submit(_run_task, task, self._threads)] = task.name
+            self._submitted[task.name] = time.time()
 
     def poll(self, timeout: float) -> list[TaskResult]:
-        import time
-
         deadline = time.monotonic() + timeout
         out: list[TaskResult] = []
         while not out and time.monotonic() < deadline:
             for job in [j for j in self._jobs if j.done()]:
                 name = self._jobs.pop(job)
                 try:
-                    out.append(job.result())
+                    result = job.result()
+                    result.dispatched = self._submitted.get(name, 0.0)
+                    out.append(result)
                 except Exception as e:   # the task died (killed, timed out, node failure)
                     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                     out.append(TaskResult(name, "failed", message=f"Slurm task {job.job_id} failed: {first[:200]} "

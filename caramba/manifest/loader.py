@@ -115,11 +115,12 @@ def resolved_manifest_yaml(manifest: Manifest) -> str:
 def resolved_run_yaml(manifest: Manifest, target: str, run_id: str) -> str:
     """resolved_manifest_yaml of the one run (a record's manifest.yaml): loading it gives that
     run again, with its params; a sweep's records do not each repeat the whole sweep."""
-    data = manifest.model_dump(mode="json", exclude={"targets"})
     owner = next(t for t in manifest.targets if t.name == target)
     run = next(r for r in owner.runs if r.id == run_id)
     run_data = {**run.model_dump(mode="json"), "model": manifest.model_for(run).model_dump(mode="json")}
+    data = manifest.model_dump(mode="json", exclude={"targets"})
     data["targets"] = [{**owner.model_dump(mode="json", exclude={"runs"}), "runs": [run_data]}]
+    data = {key: data[key] for key in Manifest.model_fields}   # in schema order, as resolved_manifest_yaml
     return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
 
 

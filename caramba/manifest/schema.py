@@ -314,8 +314,8 @@ class Manifest(_Model):
     name: SafeId
     vars: dict[str, str | int | float | bool] = {}
     defaults: Defaults = Field(default_factory=Defaults)
-    executor: ExecutorSettings = Field(default_factory=ExecutorSettings)
     targets: list[Target] = Field(min_length=1)
+    executor: ExecutorSettings = Field(default_factory=ExecutorSettings)   # where runs go (docs/sweeps.md)
 
     @field_validator("name")
     @classmethod

@@ -138,6 +138,7 @@ class TaskResult:
     started: float = 0.0    # time.time() in the worker when the run began / ended
     ended: float = 0.0
     pid: int = 0
+    dispatched: float = 0.0  # time.time() in the driver when its task was handed over (0: not kept)
 
 
 def make_tasks(manifest: Manifest, runs: list[ResolvedRun], force: bool, check: bool, run_info: dict,
