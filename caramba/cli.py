@@ -73,7 +73,7 @@ def run(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and list the runs (a sweep's expanded), write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Rerun runs that already have a DONE record.")] = False,
     check: Annotated[bool, typer.Option("--check", help="Compare each run's result with its expect: block; exit 1 on drift.")] = False,
-    executor: Annotated[str, typer.Option(help="local (this machine), ray (caramba[ray]) or slurm (caramba[slurm], submitit).")] = "local",
+    executor: Annotated[str, typer.Option(help="local (this machine), ray (pip extra 'ray') or slurm (pip extra 'slurm': submitit).")] = "local",
     jobs: Annotated[Optional[int], typer.Option("--jobs", min=1, help="Runs at once: local worker processes (each with cores/N threads), or the most tasks ray/slurm run at once.")] = None,
     ray_address: Annotated[Optional[str], typer.Option(help="Join this Ray cluster (default: start a local Ray).")] = None,
 ) -> None:
