@@ -133,7 +133,8 @@ def record_dirs(directory: Path) -> list[tuple[str, Path]]:
         for run in sorted(p for p in target.iterdir() if p.is_dir() and not p.name.startswith(".")):
             found.append((f"{target.name}/{run.name}", run))
     if not found:
-        raise FileNotFoundError(f"{directory} holds no run records (expected {directory}/<target>/<run id>/)")
+        raise FileNotFoundError(f"{directory} is not a run record (no result.json) and holds none "
+                                f"(expected {directory}/<target>/<run id>/result.json)")
     return found
 
 
