@@ -69,29 +69,101 @@ WeightsOption = Annotated[str, typer.Option(help="fp32, q8_0 (llama.cpp's 8-bit 
 @app.command()
 def run(
     manifest: Annotated[Path, typer.Argument(help="The manifest YAML file.")],
-    run_ids: Annotated[Optional[list[str]], typer.Option("--run", help="Only this run (id or target/id); repeatable.")] = None,
+    run_ids: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs: an id, target/id, a glob ('sweep.*') or a sweep's base id; repeatable.")] = None,
     overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field: targets.NAME.runs.ID.generate.temperature=0.7")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and list the runs, write nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and list the runs (a sweep's expanded), write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Rerun runs that already have a DONE record.")] = False,
     check: Annotated[bool, typer.Option("--check", help="Compare each run's result with its expect: block; exit 1 on drift.")] = False,
+    executor: Annotated[str, typer.Option(help="local (this machine), ray (pip extra 'ray') or slurm (pip extra 'slurm': submitit).")] = "local",
+    jobs: Annotated[Optional[int], typer.Option("--jobs", min=1, help="Runs at once: local worker processes (each with cores/N threads), or the most tasks ray/slurm run at once.")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(help="Join this Ray cluster (default: start a local Ray).")] = None,
 ) -> None:
     """Validate a manifest and run its runs, leaving a record of each under runs/.
 
-    With --check, every selected run's result (fresh, or the DONE record being skipped) is
-    compared with the run's `expect:` block; a drift is printed and the exit code is 1."""
+    A run with a matrix: runs once per combination (docs/sweeps.md). With --jobs N (or
+    --executor ray/slurm) runs go to parallel workers, each run one task; a failed run does not
+    stop the others, and a summary table ends the sweep. With --check, every selected run's
+    result (fresh, or the DONE record being skipped) is compared with the run's `expect:` block;
+    a drift is printed and the exit code is 1."""
     with _errors_as_exit_codes():
+        from caramba.executors import require
         from caramba.runners import command_line, run_manifest
 
+        require(executor)
+        if ray_address and executor != "ray":
+            raise UserError("--ray-address is for --executor ray")
         m = _load(manifest, overrides or [])
         command = command_line(str(manifest), run_ids or [], overrides or [], force, check)
-        outcome = run_manifest(m, run_ids or [], force=force, dry_run=dry_run, console=out, check=check,
-                               overrides=overrides or [], command=command)
-        if not dry_run:
+        if dry_run or (executor == "local" and (jobs or 1) == 1):
+            outcome = run_manifest(m, run_ids or [], force=force, dry_run=dry_run, console=out, check=check,
+                                   overrides=overrides or [], command=command)
+            if dry_run:
+                from caramba.runners import select_runs
+
+                err.print(f"{len(select_runs(m, run_ids or []))} run(s); nothing written")
+                return
             checked = f", {len(outcome.check_failed)} failed their check" if check else ""
             busy = f", {len(outcome.busy)} left to another process running them" if outcome.busy else ""
-            err.print(f"{len(outcome.done)} done, {len(outcome.skipped)} skipped{busy}, {len(outcome.failed)} failed{checked}")
-        if outcome.failed or outcome.check_failed:
+            took = f" in {sum(outcome.seconds.values()):.1f}s" if outcome.seconds else ""
+            err.print(f"{len(outcome.done)} done, {len(outcome.skipped)} skipped{busy}, {len(outcome.failed)} failed{checked}{took}")
+            failed = outcome.failed or outcome.check_failed
+        else:
+            failed = _run_parallel(m, run_ids or [], force, check, overrides or [], command, executor, jobs, ray_address)
+        if failed:
             raise typer.Exit(1)
+
+
+def _run_parallel(m, run_ids, force, check, overrides, command, executor, jobs, ray_address) -> bool:
+    from caramba.executors import make_executor
+    from caramba.executors.common import run_sweep
+    from caramba.runners import make_tasks, preflight, select_runs
+
+    runs = select_runs(m, run_ids)
+    preflight(m.name, runs)   # every run checked before any record is written
+    tasks = make_tasks(m, runs, force, check, {"command": command, "overrides": overrides})
+    result = run_sweep(make_executor(executor, jobs, m.executor, ray_address), tasks, out)
+    checked = f", {len(result.check_failed)} failed their check" if check else ""
+    busy = f", {len(result.names('busy'))} left to another process running them" if result.names("busy") else ""
+    err.print(f"{len(result.names('done'))} done, {len(result.names('skipped'))} skipped{busy}, "
+              f"{len(result.names('failed'))} failed{checked}")
+    return bool(result.names("failed") or result.check_failed)
+
+
+@app.command()
+def status(
+    manifest: Annotated[Path, typer.Argument(help="The manifest YAML file.")],
+    run_ids: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (ids, target/id or globs).")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field, as for run.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a list of {run, state, record, detail, params}.")] = False,
+) -> None:
+    """Where each run of a manifest stands: done, changed (its record was made with other
+    settings: the next run redoes it), running (another process holds its lock), failed (an
+    attempt without DONE) or pending. Reads records and locks; takes no lock."""
+    with _errors_as_exit_codes():
+        from rich.table import Table
+
+        from caramba.executors.state import STATES, held_locks, run_state
+        from caramba.runners import run_hash, run_identity, select_runs
+        from caramba.runs import RunDir
+
+        m = _load(manifest, overrides or [])
+        locks = held_locks()
+        runs = select_runs(m, run_ids or [])
+        states = [(r, run_state(RunDir(m.name, r.target, r.run.id), run_hash(run_identity(r)), locks)) for r in runs]
+        if as_json:
+            print(json_text([{"run": f"{r.target}/{r.run.id}", "state": s.state, "record": str(s.record),
+                              "detail": s.detail, "params": r.run.params} for r, s in states], indent=2))
+            return
+        table = Table(title=f"{escape(m.name)}: {len(runs)} run(s)", title_justify="left")
+        for col in ("run", "state", "detail"):
+            table.add_column(col, overflow="fold")
+        colors = {"done": "green", "changed": "yellow", "running": "cyan", "failed": "red", "pending": "dim"}
+        for r, s in states:
+            table.add_row(escape(f"{r.target}/{r.run.id}"), f"[{colors[s.state]}]{s.state}[/{colors[s.state]}]",
+                          escape(s.detail))
+        out.print(table)
+        counts = {state: sum(s.state == state for _, s in states) for state in STATES}
+        out.print(", ".join(f"{n} {state}" for state, n in counts.items()))
 
 
 @app.command()
@@ -229,40 +301,109 @@ def bench(
 
 @app.command()
 def report(
-    run_dirs: Annotated[list[Path], typer.Argument(help="Run record directories; the first is the baseline.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")] = False,
+    run_dirs: Annotated[list[Path], typer.Argument(help="A manifest (or its records directory runs/NAME): one row per run. Or run record directories: compared with the first.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON (a sweep: a list of {run, params, metrics}).")] = False,
+    pivot_key: Annotated[Optional[str], typer.Option("--pivot", help="Put this matrix key's values across the columns (of --metric).")] = None,
+    metric: Annotated[Optional[str], typer.Option(help="The metric for --pivot and --plot (default: the runs' first).")] = None,
+    csv_file: Annotated[Optional[Path], typer.Option("--csv", help="Also write the rows to this CSV file.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Write a PNG of --metric against matrix key --x (needs matplotlib).")] = None,
+    x_key: Annotated[Optional[str], typer.Option("--x", help="The matrix key on the plot's x axis (default: --pivot, else the first).")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field of the manifest, as for run.")] = None,
 ) -> None:
-    """Compare finished runs (bench cells or generate summaries) side by side, with deltas
-    against the first."""
+    """A sweep as one table: every run of a manifest as a row, its matrix values as columns, then
+    the key metrics of its mode (decode tok/s, prefill, peak memory, cache bytes, acceptance,
+    speedup, the autotuned cache). Given run record directories instead, compares them (bench
+    cells or generate summaries) side by side, with deltas against the first."""
     with _errors_as_exit_codes():
-        from rich.table import Table
-
-        from caramba.bench.report import CELL_KEY, compare
-
-        try:
-            rows = compare(list(run_dirs))
-        except (FileNotFoundError, ValueError) as e:
-            raise UserError(str(e)) from None
-        if as_json:
-            print(json_text(rows))
+        single = run_dirs[0] if len(run_dirs) == 1 else None
+        if single is not None and (single.is_file() or not (single / "result.json").exists()):
+            _report_sweep(single, as_json, pivot_key, metric, csv_file, plot, x_key, overrides or [])
             return
-        metrics = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("run", *CELL_KEY) and not k.endswith("_delta")]
-        table = Table(title=f"compared with {escape(str(run_dirs[0]))}")
-        for col in ("run", "impl", "ctx", "batch", "cache", "plan", *metrics):
-            table.add_column(col)
-        for r in rows:
-            cells = []
-            for m in metrics:
-                value, delta = r.get(m), r.get(f"{m}_delta")
-                text = "" if value is None else f"{value:.4g}"
-                if delta is not None:
-                    color = "green" if (delta > 0) == (m in ("decode_tok_s", "decode_tok_s_median")) else "red"
-                    text += f" [{color}]({delta:+.1%})[/{color}]"
-                cells.append(text)
-            table.add_row(*(escape(str(v)) for v in (Path(r["run"]).name, r.get("impl"), r.get("prompt_len"),
-                                                     r.get("batch_size"), r.get("cache_kind"), r.get("decode_plan") or "")),
-                          *cells)
-        out.print(table)
+        _report_compare(run_dirs, as_json)
+
+
+def _report_sweep(source: Path, as_json, pivot_key, metric, csv_file, plot, x_key, overrides) -> None:
+    from rich.table import Table
+
+    from caramba.bench.report import flat_rows, pivot, plot_sweep, record_dirs, sweep_row, write_csv
+    from caramba.runs import RunDir
+
+    try:
+        if source.is_file():
+            m = _load(source, overrides)
+            rows = [sweep_row(f"{r.target}/{r.run.id}", RunDir(m.name, r.target, r.run.id).final, r.run.params)
+                    for r in m.iter_runs()]
+        else:
+            rows = [sweep_row(name, path) for name, path in record_dirs(source)]
+        metrics = list(dict.fromkeys(k for r in rows for k in r["metrics"]))
+        chosen = metric or (metrics[0] if metrics else None)
+        if (pivot_key or plot) and chosen is None:
+            raise ValueError("no finished run has metrics to pivot or plot yet")
+        if chosen is not None and chosen not in metrics and (pivot_key or plot):
+            raise ValueError(f"--metric {chosen!r}: not a metric of these runs; metrics: {', '.join(metrics)}")
+        table_rows = pivot(rows, pivot_key, chosen) if pivot_key else flat_rows(rows)
+        if plot is not None:
+            keys = list(dict.fromkeys(k for r in rows for k in r["params"]))
+            x = x_key or pivot_key or (keys[0] if keys else None)
+            if x is None:
+                raise ValueError("--plot needs a matrix key for the x axis (--x); these runs have no params")
+            plot_sweep(plot, rows, x, chosen)
+            err.print(f"plot: {escape(str(plot))}")
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
+    if csv_file is not None:
+        write_csv(csv_file, table_rows)
+        err.print(f"csv: {escape(str(csv_file))}")
+    if as_json:
+        print(json_text(table_rows if pivot_key else rows, indent=2))
+        return
+    columns = list(dict.fromkeys(k for r in table_rows for k in r))
+    title = f"{escape(str(source))}: {len(rows)} run(s)" + (f", {escape(chosen)} by {escape(pivot_key)}" if pivot_key else "")
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(escape(col), overflow="fold")
+    for r in table_rows:
+        table.add_row(*(escape(_cell(r.get(col))) for col in columns))
+    out.print(table)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return value if isinstance(value, str) else json_text(value)
+
+
+def _report_compare(run_dirs: list[Path], as_json: bool) -> None:
+    from rich.table import Table
+
+    from caramba.bench.report import CELL_KEY, compare
+
+    try:
+        rows = compare(list(run_dirs))
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
+    if as_json:
+        print(json_text(rows))
+        return
+    metrics = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("run", *CELL_KEY) and not k.endswith("_delta")]
+    table = Table(title=f"compared with {escape(str(run_dirs[0]))}")
+    for col in ("run", "impl", "ctx", "batch", "cache", "plan", *metrics):
+        table.add_column(col)
+    for r in rows:
+        cells = []
+        for m in metrics:
+            value, delta = r.get(m), r.get(f"{m}_delta")
+            text = "" if value is None else f"{value:.4g}"
+            if delta is not None:
+                color = "green" if (delta > 0) == (m in ("decode_tok_s", "decode_tok_s_median")) else "red"
+                text += f" [{color}]({delta:+.1%})[/{color}]"
+            cells.append(text)
+        table.add_row(*(escape(str(v)) for v in (Path(r["run"]).name, r.get("impl"), r.get("prompt_len"),
+                                                 r.get("batch_size"), r.get("cache_kind"), r.get("decode_plan") or "")),
+                      *cells)
+    out.print(table)
 
 
 @app.command("convert-dba")

@@ -110,3 +110,140 @@ def compare(run_dirs: list[Path]) -> list[dict]:
 def _key(row: dict) -> tuple:
     # Cell keys come from a file: make them hashable whatever their JSON type.
     return tuple(json.dumps(row.get(k), sort_keys=True) for k in CELL_KEY)
+
+
+# ---- one table across a sweep (`caramba report MANIFEST` or `caramba report runs/NAME`) ----------
+
+# The key metrics of each mode's result.json, in column order.
+MODE_METRICS = {
+    "generate": ("decode_tok_s_median", "prefill_s_median", "new_tokens"),
+    "speculative": ("speedup", "acceptance_rate", "tokens_per_target_forward", "speculative_s", "plain_s"),
+    "decode-bench": ("decode_tok_s", "ttft_s", "peak_rss_mb", "cache_bytes"),
+    "cache-autotune": ("chosen", "chosen_bytes", "chosen_dnll", "chosen_kl_mean", "chosen_ppl_ratio"),
+}
+
+
+def record_dirs(directory: Path) -> list[tuple[str, Path]]:
+    """(target/run, record directory) of every run record under a manifest's records directory
+    (runs/<manifest name>), in name order; hidden entries (locks, attempts being built) are not runs."""
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a directory of run records (runs/<manifest name>)")
+    found = []
+    for target in sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for run in sorted(p for p in target.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            found.append((f"{target.name}/{run.name}", run))
+    if not found:
+        raise FileNotFoundError(f"{directory} is not a run record (no result.json) and holds none "
+                                f"(expected {directory}/<target>/<run id>/result.json)")
+    return found
+
+
+def sweep_row(name: str, record: Path, params: dict | None = None) -> dict:
+    """One run as a row: {run, status, mode, params, metrics}. status: done, failed (an attempt
+    without DONE), pending (no record). params come from the record, else from the manifest."""
+    row = {"run": name, "status": "pending", "mode": None, "params": dict(params or {}), "metrics": {}}
+    if not record.is_dir():
+        return row
+    row["status"] = "done" if (record / "DONE").is_file() else "failed"
+    try:
+        result = json.loads((record / "result.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return row
+    if not isinstance(result, dict):
+        return row
+    row["mode"] = result.get("mode")
+    if isinstance(result.get("params"), dict):
+        row["params"] = result["params"]
+    row["metrics"] = _metrics(result)
+    return row
+
+
+def _metrics(result: dict) -> dict:
+    mode = result.get("mode")
+    summary = result.get("summary") if isinstance(result.get("summary"), dict) else {}
+    if mode == "decode-bench":   # one row per run: the cells' median speed and latency, their peak memory
+        cells = [c for c in result.get("cells") or [] if isinstance(c, dict)]
+        out = {}
+        for key, how in (("decode_tok_s", _median), ("ttft_s", _median), ("peak_rss_mb", max), ("cache_bytes", max)):
+            values = [c[key] for c in cells if _number(c.get(key))]
+            if values:
+                out[key] = how(values)
+        return out
+    if mode == "cache-autotune":
+        chosen = result.get("chosen") if isinstance(result.get("chosen"), dict) else {}
+        out = {"chosen": chosen.get("name"), "chosen_bytes": chosen.get("bytes")}
+        for part in (chosen, *(v for v in chosen.values() if isinstance(v, dict))):
+            for key in ("dnll", "kl_mean", "ppl_ratio"):
+                if _number(part.get(key)):
+                    out[f"chosen_{key}"] = part[key]
+        return {k: v for k, v in out.items() if v is not None}
+    keys = MODE_METRICS.get(mode, ())
+    return {k: summary[k] for k in keys if _number(summary.get(k))}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def flat_rows(rows: list[dict]) -> list[dict]:
+    """Rows with params and metrics as columns (for the table and CSV)."""
+    return [{"run": r["run"], "status": r["status"], "mode": r["mode"], **r["params"], **r["metrics"]} for r in rows]
+
+
+def pivot(rows: list[dict], key: str, metric: str) -> list[dict]:
+    """One row per combination of the other params, one column per value of `key` holding `metric`."""
+    if not any(key in r["params"] for r in rows):
+        keys = sorted({k for r in rows for k in r["params"]})
+        raise ValueError(f"--pivot {key!r} is not a matrix key of these runs; keys: {', '.join(keys) or 'none'}")
+    table: dict[str, dict] = {}
+    for r in rows:
+        if key not in r["params"]:
+            continue
+        others = {k: v for k, v in r["params"].items() if k != key}
+        group = table.setdefault(json.dumps(others, sort_keys=True), dict(others))
+        group[f"{metric} @ {key}={_text(r['params'][key])}"] = r["metrics"].get(metric)
+    return list(table.values())
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def plot_sweep(path: Path, rows: list[dict], x: str, metric: str) -> Path:
+    """`metric` against matrix key `x`, one line per combination of the other params (PNG; needs
+    matplotlib, the `plots` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("plots need matplotlib: pip install 'caramba[plots]'") from None
+    series: dict[str, list[tuple]] = {}
+    for r in rows:
+        if x in r["params"] and _number(r["metrics"].get(metric)):
+            label = " ".join(f"{k}={_text(v)}" for k, v in r["params"].items() if k != x) or metric
+            series.setdefault(label, []).append((r["params"][x], r["metrics"][metric]))
+    if not series:
+        raise ValueError(f"no run has both matrix key {x!r} and metric {metric!r} to plot")
+    values = list(dict.fromkeys(v for points in series.values() for v, _ in points))
+    numeric = all(_number(v) for v in values)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, points in sorted(series.items()):
+        points.sort(key=lambda p: p[0] if numeric else values.index(p[0]))
+        xs = [p[0] if numeric else values.index(p[0]) for p in points]
+        ax.plot(xs, [p[1] for p in points], marker="o", label=label)
+    if not numeric:
+        ax.set_xticks(range(len(values)), [_text(v) for v in values])
+    ax.set_xlabel(x)
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

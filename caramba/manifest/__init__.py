@@ -4,7 +4,7 @@
 validates against the schema; every problem is reported as a UserError with file:line.
 """
 
-from caramba.manifest.loader import load_manifest, parse_manifest, resolved_manifest_yaml
+from caramba.manifest.loader import load_manifest, parse_manifest, resolved_manifest_yaml, resolved_run_yaml
 from caramba.manifest.schema import (
     MODES,
     Defaults,
@@ -30,4 +30,5 @@ __all__ = [
     "load_manifest",
     "parse_manifest",
     "resolved_manifest_yaml",
+    "resolved_run_yaml",
 ]

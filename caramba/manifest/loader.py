@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from caramba.errors import UserError
 from caramba.runs import runs_root
 from caramba.manifest.hints import did_you_mean, format_loc
+from caramba.manifest.matrix import expand_matrices
 from caramba.manifest.overrides import apply_overrides
 from caramba.manifest.schema import Manifest, annotation_at
 from caramba.manifest.substitution import substitute_vars
@@ -61,6 +62,7 @@ def parse_manifest(text: str, source: str = "<manifest>", overrides: Sequence[st
         )
     locations.overrides = apply_overrides(data, overrides)
     data = substitute_vars(data, locations)
+    data = expand_matrices(data, locations)   # after --set and vars: a sweep expands what they made
     try:
         manifest = Manifest.model_validate(data)
     except ValidationError as error:
@@ -107,6 +109,18 @@ def resolved_manifest_yaml(manifest: Manifest) -> str:
     for target_data, target in zip(data["targets"], manifest.targets):
         for run_data, run in zip(target_data["runs"], target.runs):
             run_data["model"] = manifest.model_for(run).model_dump(mode="json")
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+
+
+def resolved_run_yaml(manifest: Manifest, target: str, run_id: str) -> str:
+    """resolved_manifest_yaml of the one run (a record's manifest.yaml): loading it gives that
+    run again, with its params; a sweep's records do not each repeat the whole sweep."""
+    owner = next(t for t in manifest.targets if t.name == target)
+    run = next(r for r in owner.runs if r.id == run_id)
+    run_data = {**run.model_dump(mode="json"), "model": manifest.model_for(run).model_dump(mode="json")}
+    data = manifest.model_dump(mode="json", exclude={"targets"})
+    data["targets"] = [{**owner.model_dump(mode="json", exclude={"runs"}), "runs": [run_data]}]
+    data = {key: data[key] for key in Manifest.model_fields}   # in schema order, as resolved_manifest_yaml
     return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
 
 

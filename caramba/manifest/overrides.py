@@ -53,44 +53,51 @@ def _apply(data: dict[str, Any], text: str) -> tuple[Loc, str]:
     except UserError as error:
         raise UserError(f"{error}; the value is parsed as YAML: quote it to keep it a string") from None
 
+    return set_path(data, segments, value, f"--set {text}"), text
+
+
+def set_path(data: Any, segments: Sequence[str], value: Any, label: str, root: Loc = ()) -> Loc:
+    """Set the value at `segments` below `data` (which sits at `root` in the manifest), by the
+    rules above; errors start with `label`. Returns the path set, from the manifest's top.
+    A sweep's `matrix:` sets its values through this too (root: the run)."""
     node: Any = data
-    path: Loc = ()
+    path: Loc = tuple(root)
     for position, segment in enumerate(segments):
         if isinstance(node, list):
-            key: str | int = _list_index(node, segment, path, text)
+            key: str | int = _list_index(node, segment, path, label)
         elif isinstance(node, dict):
             key = segment
             if key not in node:
-                _check_new_key(path, key, node, text)
+                _check_new_key(path, key, node, label)
                 if position < len(segments) - 1:
                     node[key] = {}  # an optional section the manifest leaves out
         else:
-            raise UserError(f"--set {text}: {format_loc(path)} is a single value, it has no {segment!r}")
+            raise UserError(f"{label}: {format_loc(path)} is a single value, it has no {segment!r}")
         if position == len(segments) - 1:
             node[key] = value
         node = node[key]
         path += (key,)
-    return path, text
+    return path
 
 
-def _list_index(items: list[Any], segment: str, path: Loc, text: str) -> int:
+def _list_index(items: list[Any], segment: str, path: Loc, label: str) -> int:
     if segment.isdigit():
         if int(segment) < len(items):
             return int(segment)
-        raise UserError(f"--set {text}: index {segment} is out of range, {format_loc(path)} has {len(items)} item(s)")
+        raise UserError(f"{label}: index {segment} is out of range, {format_loc(path)} has {len(items)} item(s)")
     id_field = _NAMED_ITEMS.get(path[-1]) if path else None
     if id_field is None:
-        raise UserError(f"--set {text}: {format_loc(path)} is a list; address its items by index 0..{len(items) - 1}")
+        raise UserError(f"{label}: {format_loc(path)} is a list; address its items by index 0..{len(items) - 1}")
     names = [item.get(id_field) for item in items if isinstance(item, dict)]
     if segment in names:
         return names.index(segment)
     raise UserError(
-        f"--set {text}: no item with {id_field} {segment!r} in {format_loc(path)}; "
+        f"{label}: no item with {id_field} {segment!r} in {format_loc(path)}; "
         f"valid: {', '.join(map(str, names))} (or an index 0..{len(items) - 1}){did_you_mean(segment, names)}"
     )
 
 
-def _check_new_key(path: Loc, key: str, mapping: dict[str, Any], text: str) -> None:
+def _check_new_key(path: Loc, key: str, mapping: dict[str, Any], label: str) -> None:
     """A key the manifest lacks may be added only where the schema has such a field (or any key, for vars)."""
     annotation = annotation_at(path)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -102,4 +109,4 @@ def _check_new_key(path: Loc, key: str, mapping: dict[str, Any], text: str) -> N
     else:
         valid = list(mapping)
     where = f"in {format_loc(path)}" if path else "at the top level"
-    raise UserError(f"--set {text}: no {key!r} {where}; valid keys: {', '.join(valid)}{did_you_mean(key, valid)}")
+    raise UserError(f"{label}: no {key!r} {where}; valid keys: {', '.join(valid)}{did_you_mean(key, valid)}")

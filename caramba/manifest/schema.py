@@ -234,6 +234,8 @@ class Run(_Model):
     autotune: CacheAutotuneSettings | None = None
     expect: Expect | None = None
     notes: str | None = None
+    # A sweep's values for this run (set by matrix expansion, caramba.manifest.matrix; None otherwise).
+    params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _settings_for_mode(self) -> Run:
@@ -272,6 +274,30 @@ class Target(_Model):
         return runs
 
 
+class RayExecutor(_Model):
+    """Resources of each run's Ray task (`caramba run --executor ray`)."""
+
+    num_cpus: float = Field(1, gt=0, description="CPUs per run; also its torch threads")
+    num_gpus: float = Field(0, ge=0, description="GPUs per run (fractions share a GPU)")
+
+
+class SlurmExecutor(_Model):
+    """Resources of each run's Slurm array task (`caramba run --executor slurm`, via submitit)."""
+
+    partition: str | None = None
+    time_min: int = Field(60, ge=1, description="time limit of one run's task, minutes")
+    cpus: int = Field(1, ge=1, description="CPUs per task; also its torch threads")
+    gpus: int = Field(0, ge=0, description="GPUs per task")
+    array_parallelism: int | None = Field(None, ge=1, description="at most this many tasks at once (default: --jobs)")
+
+
+class ExecutorSettings(_Model):
+    """Where runs go when the command line picks an executor; no part of any run's identity."""
+
+    ray: RayExecutor = Field(default_factory=RayExecutor)
+    slurm: SlurmExecutor = Field(default_factory=SlurmExecutor)
+
+
 class Defaults(_Model):
     model: ModelSpec = Field(default_factory=ModelSpec)
 
@@ -292,6 +318,7 @@ class Manifest(_Model):
     vars: dict[str, str | int | float | bool] = {}
     defaults: Defaults = Field(default_factory=Defaults)
     targets: list[Target] = Field(min_length=1)
+    executor: ExecutorSettings = Field(default_factory=ExecutorSettings)   # where runs go (docs/sweeps.md)
 
     @field_validator("name")
     @classmethod

@@ -35,14 +35,19 @@ class Locations:
     source: str
     lines: dict[Loc, int]
     overrides: list[tuple[Loc, str]] = field(default_factory=list)  # (path it set, the --set text)
+    notes: dict[Loc, str] = field(default_factory=dict)   # a run a matrix made -> "matrix run ID"
 
     def where(self, loc: Sequence[str | int]) -> str:
-        """'manifest.yaml:LINE', or 'manifest.yaml (from --set ...)' for an overridden value."""
+        """'manifest.yaml:LINE', or 'manifest.yaml (from --set ...)' for an overridden value; a
+        value in a run a matrix made adds '(matrix run ID)'."""
         override = self.override_of(loc)
         if override is not None:
-            return f"{self.source} (from --set {override})"
-        line = self.line_of(loc)
-        return f"{self.source}:{line}" if line else self.source
+            text = f"{self.source} (from --set {override})"
+        else:
+            line = self.line_of(loc)
+            text = f"{self.source}:{line}" if line else self.source
+        note = self.notes.get(tuple(loc)[:4])   # ('targets', t, 'runs', r)
+        return f"{text} ({note})" if note else text
 
     def override_of(self, loc: Sequence[str | int]) -> str | None:
         loc = tuple(loc)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import os
 import shlex
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -16,14 +20,14 @@ import caramba
 from caramba.errors import RunError, UserError
 from caramba.expect import check as check_expect
 from caramba.expect import output_sha256
-from caramba.manifest import Manifest, ModelSpec, ResolvedRun, resolved_manifest_yaml
+from caramba.manifest import Manifest, ModelSpec, ResolvedRun, Run, resolved_run_yaml
 from caramba.model.zoo import LoadedModel, load_model
 from caramba.runners.autotune import run_cache_autotune
 from caramba.runners.decode_bench import run_decode_bench
 from caramba.runners.generate import run_generate
 from caramba.runners.preflight import preflight
 from caramba.runners.speculative import run_speculative
-from caramba.runs import RunDir, capture_env, library_versions, run_hash
+from caramba.runs import RunDir, capture_env, library_versions, run_hash, runs_root
 
 # mode -> runner(loaded model, the mode's settings, seed, record, console) -> result dict
 MODE_RUNNERS: dict[str, Callable] = {"generate": run_generate, "decode-bench": run_decode_bench,
@@ -37,10 +41,13 @@ class Outcome:
     failed: list[str] = field(default_factory=list)
     check_failed: list[str] = field(default_factory=list)
     busy: list[str] = field(default_factory=list)   # being run by another process: left to it
+    messages: dict[str, str] = field(default_factory=dict)   # why a run failed
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 # Fields of a run that do not change what it computes: editing them keeps its record.
-NOT_IDENTITY = {"expect", "notes", "model", "draft"}   # model/draft: their resolved specs are used instead
+# model/draft: their resolved specs are used instead; params repeat what the settings already say.
+NOT_IDENTITY = {"expect", "notes", "model", "draft", "params"}
 
 
 def run_identity(r: ResolvedRun) -> dict:
@@ -68,22 +75,112 @@ def command_line(manifest_path: str, only: list[str], overrides: list[str], forc
 
 
 def select_runs(manifest: Manifest, only: list[str]) -> list[ResolvedRun]:
-    """All runs, or those named by `--run ID` (a run id, or target/run id)."""
+    """All runs, or those named by `--run`: a run id or target/id, a glob of either
+    (`'sweep.*'`, `'t/*seed-1*'`), or a sweep's base id (every run its matrix made)."""
     runs = list(manifest.iter_runs())
     if not only:
         return runs
-    chosen = [r for r in runs if r.run.id in only or f"{r.target}/{r.run.id}" in only]
-    known = {r.run.id for r in runs} | {f"{r.target}/{r.run.id}" for r in runs}
-    unknown = [name for name in only if name not in known]
+    def picks(pattern: str, r: ResolvedRun) -> bool:
+        names = (r.run.id, f"{r.target}/{r.run.id}")
+        swept = r.run.params is not None and any(n.startswith(pattern + ".") for n in names)
+        return any(fnmatch.fnmatchcase(n, pattern) for n in names) or swept
+    chosen = [r for r in runs if any(picks(p, r) for p in only)]
+    unknown = [p for p in only if not any(picks(p, r) for r in runs)]
     if unknown:
+        listed = [f"{r.target}/{r.run.id}" for r in runs]
+        more = f" ... ({len(listed)} in all; caramba run --dry-run lists them)" if len(listed) > 20 else ""
         raise UserError(f"--run {', '.join(unknown)}: no such run; runs in this manifest: "
-                        + ", ".join(f"{r.target}/{r.run.id}" for r in runs))
+                        + ", ".join(listed[:20]) + more)
     return chosen
+
+
+@dataclass
+class RunTask:
+    """One run as plain, picklable data: what a worker needs to do it (a pool process, a Ray
+    task, a Slurm array task), through the same per-run path as a serial run (lock, hash, a
+    record built aside and swapped in)."""
+
+    manifest_name: str
+    target: str
+    run: dict               # Run.model_dump(mode="json"), validated again by the worker
+    model: dict
+    draft: dict | None
+    digest: str             # the run hash, computed once by the driver
+    resolved_yaml: str      # the record's manifest.yaml
+    force: bool
+    check: bool
+    run_info: dict
+    root: str               # the runs root, absolute: workers may start elsewhere
+    cwd: str                # relative model paths and texts are the driver's
+
+    @property
+    def name(self) -> str:
+        return f"{self.target}/{self.run['id']}"
+
+    @property
+    def model_key(self) -> tuple:
+        return (self.model["source"], self.model["dtype"], self.model["device"])
+
+    def resolved(self) -> ResolvedRun:
+        draft = ModelSpec.model_validate(self.draft) if self.draft is not None else None
+        return ResolvedRun(self.target, Run.model_validate(self.run), ModelSpec.model_validate(self.model), draft)
+
+
+@dataclass
+class TaskResult:
+    """What became of one RunTask: status is done, skipped, failed or busy (another process has it)."""
+
+    name: str
+    status: str
+    check_failed: bool = False
+    message: str = ""
+    output: str = ""        # what the run printed (kept for failures and check failures)
+    started: float = 0.0    # time.time() in the worker when the run began / ended
+    ended: float = 0.0
+    pid: int = 0
+    dispatched: float = 0.0  # time.time() in the driver when its task was handed over (0: not kept)
+
+
+def make_tasks(manifest: Manifest, runs: list[ResolvedRun], force: bool, check: bool, run_info: dict,
+               root: str | Path | None = None) -> list[RunTask]:
+    base = runs_root(root).absolute()
+    return [RunTask(manifest.name, r.target, r.run.model_dump(mode="json"), r.model.model_dump(mode="json"),
+                    r.draft.model_dump(mode="json") if r.draft is not None else None, run_hash(run_identity(r)),
+                    resolved_run_yaml(manifest, r.target, r.run.id), force, check, run_info, str(base), os.getcwd())
+            for r in runs]
+
+
+def execute(task: RunTask, models: dict, console: Console) -> TaskResult:
+    """Do one task in this process, under its lock; the worker side of every executor. Never
+    raises for a run that fails (that is a result); KeyboardInterrupt and SystemExit pass."""
+    started = time.time()
+    outcome = Outcome()
+    name = task.name
+    if task.cwd and os.path.isdir(task.cwd) and os.getcwd() != task.cwd:
+        os.chdir(task.cwd)
+    try:
+        r = task.resolved()
+        record = RunDir(task.manifest_name, task.target, r.run.id, root=task.root)
+        if not record.try_lock():
+            return TaskResult(name, "busy", message=f"another process (pid {record.holder() or '?'}) is running it",
+                              started=started, ended=time.time(), pid=os.getpid())
+        try:
+            _one(r, name, record, task.digest, task.force, task.check, task.resolved_yaml, task.run_info, models,
+                 outcome, console)
+        finally:
+            record.release()
+    except (UserError, RunError, ValueError) as e:   # bad input found late: this run fails, the sweep goes on
+        outcome.failed.append(name)
+        outcome.messages[name] = str(e)
+    status = "failed" if name in outcome.failed else "skipped" if name in outcome.skipped else "done"
+    return TaskResult(name, status, check_failed=name in outcome.check_failed, message=outcome.messages.get(name, ""),
+                      started=started, ended=time.time(), pid=os.getpid())
 
 
 def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool, console: Console,
                  check: bool = False, overrides: list[str] | None = None, command: str | None = None) -> Outcome:
-    """Run the selected runs; with check, compare each finished run's result with its `expect:`.
+    """Run the selected runs one after another in this process; with check, compare each
+    finished run's result with its `expect:`. (caramba.executors runs them in parallel.)
 
     Every selected run is checked first (preflight: exit 2, nothing written). A run whose
     finished record matches its hash is skipped unless forced; one whose settings changed since
@@ -93,14 +190,14 @@ def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool
     preflight(manifest.name, runs)
     outcome = Outcome()
     models: dict[tuple, LoadedModel] = {}
-    resolved_yaml = resolved_manifest_yaml(manifest)
     run_info = {"command": command, "overrides": list(overrides or [])}
     for r in runs:
         name = f"{r.target}/{r.run.id}"
         record = RunDir(manifest.name, r.target, r.run.id)
         digest = run_hash(run_identity(r))
         if dry_run:
-            console.print(f"would {_plan(record, digest, force)} {name} ({r.run.mode}) on {escape(r.model.source)} -> {escape(str(record.final))}", soft_wrap=True)
+            params = f" {escape(format_params(r.run.params))}" if r.run.params else ""
+            console.print(f"would {_plan(record, digest, force)} {name} ({r.run.mode}){params} on {escape(r.model.source)} -> {escape(str(record.final))}", soft_wrap=True)
             continue
         if not record.try_lock():
             unchecked = "; not checked" if check else ""
@@ -108,11 +205,19 @@ def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool
                           f"({escape(str(record.lock_path))}){unchecked}[/yellow]", soft_wrap=True)
             outcome.busy.append(name)
             continue
+        started = time.monotonic()
         try:
-            _one(r, name, record, digest, force, check, resolved_yaml, run_info, models, outcome, console)
+            _one(r, name, record, digest, force, check, resolved_run_yaml(manifest, r.target, r.run.id), run_info,
+                 models, outcome, console)
         finally:
             record.release()
+            outcome.seconds[name] = time.monotonic() - started
     return outcome
+
+
+def format_params(params: dict | None) -> str:
+    """{'generate.cache_kind': 'q8_0', 'seed': 1} -> 'generate.cache_kind=q8_0 seed=1'."""
+    return " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in (params or {}).items())
 
 
 def _plan(record: RunDir, digest: str, force: bool) -> str:
@@ -187,7 +292,7 @@ def _run_one(r: ResolvedRun, record: RunDir, resolved_yaml: str, digest: str, ru
     record.write_text("manifest.yaml", resolved_yaml)
     versions = {"caramba": caramba.__version__, **library_versions()}
     record.write_json("env.json", {**capture_env(r.run.seed, r.model.device), "run": f"{r.target}/{r.run.id}",
-                                   "run_hash": digest, "command": run_info["command"],
+                                   "run_hash": digest, "params": r.run.params, "command": run_info["command"],
                                    "overrides": run_info["overrides"], "libraries": versions})
     record.log(f"run {r.target}/{r.run.id} mode={r.run.mode} model={r.model.source} dtype={r.model.dtype} weights={r.model.weights}")
     if r.run.seed is not None:
@@ -205,6 +310,7 @@ def _run_one(r: ResolvedRun, record: RunDir, resolved_yaml: str, digest: str, ru
         result["draft_model"] = {**r.draft.model_dump(), "path": str(extra["draft"].path), "sha256": extra["draft"].content_hash}
     result["output_sha256"] = output_sha256(result)   # what --check compares (None: no generated ids)
     result["run_hash"] = digest
+    result["params"] = r.run.params   # a sweep's matrix values (None: not from a matrix)
     result["command"] = run_info["command"]
     result["overrides"] = run_info["overrides"]
     result["versions"] = versions
@@ -226,3 +332,4 @@ def _fail(record: RunDir, name: str, message: str, outcome: Outcome, console: Co
     kept = f"; the finished record {record.final} is kept" if record.is_done() else ""
     console.print(f"[red]failed[/red] {escape(name)}: {escape(message)} (log: {escape(str(where / 'log.txt'))}{kept})", soft_wrap=True)
     outcome.failed.append(name)
+    outcome.messages[name] = message
