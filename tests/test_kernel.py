@@ -37,7 +37,7 @@ def needs_kernels():
 SHAPES = [(64, 32), (64, 64), (24, 6), (48, 16)]
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "nf4"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "nf4", "q4_0l"])
 @pytest.mark.parametrize("D,block", SHAPES)
 def test_kernel_equals_sdpa_over_the_dequantized_cache(kind, D, block):
     needs_kernels()

@@ -40,15 +40,16 @@ def test_aliases_and_unknown_kinds():
 
 
 def test_kind_table():
-    assert kind_names() == ("fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q8", "q4")
-    assert kind_names(aliases=False, quantized_only=True) == ("q8_0", "q4_0", "nf4")
+    assert kind_names() == ("fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q4_0l", "q8", "q4")
+    assert kind_names(aliases=False, quantized_only=True) == ("q8_0", "q4_0", "nf4", "q4_0l")
     for name in kind_names():   # every listed name parses, and the seed's spellings keep working
         assert KVCacheKind.parse(name).value in kind_names(aliases=False)
     assert KVCacheKind.FP16 == "fp16" and KVCacheKind("q4_0") is KVCacheKind.Q4_0 and KVCacheKind.Q8_0.value == "q8_0"
     specs = {k.value: (k.bits, k.spec.dtype, k.quantized, k.spec.packed, k.spec.kernel) for k in KVCacheKind}
     assert specs == {"fp32": (32, torch.float32, False, False, None), "fp16": (16, torch.float16, False, False, None),
                      "bf16": (16, torch.bfloat16, False, False, None), "q8_0": (8, torch.int8, True, False, 0),
-                     "q4_0": (4, torch.uint8, True, True, 1), "nf4": (4, torch.uint8, True, True, 2)}
+                     "q4_0": (4, torch.uint8, True, True, 1), "nf4": (4, torch.uint8, True, True, 2),
+                     "q4_0l": (4, torch.uint8, True, True, 3)}
     with pytest.raises(ValueError, match="uint8 nibbles"):
         KindSpec("bad", bits=4, dtype=torch.int8, code_range=(-8, 7))
     with pytest.raises(ValueError, match="must fit the storage dtype"):
@@ -153,7 +154,8 @@ def test_policy_parsing():
 
 # ---- quantization ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", [k for k in QUANT if KVCacheKind(k).spec.levels is None])   # uniform kinds
+@pytest.mark.parametrize("kind", [k for k in QUANT if KVCacheKind(k).spec.levels is None    # uniform mid-rise
+                                  and not KVCacheKind(k).spec.mid_tread])
 @pytest.mark.parametrize("block", [8, 32])
 def test_uniform_round_trip_error_is_at_most_half_a_step(kind, block):
     x = randn(2, 3, 7, 64, seed=1) * torch.linspace(0.01, 5, 64)   # channels of very different size
@@ -164,6 +166,49 @@ def test_uniform_round_trip_error_is_at_most_half_a_step(kind, block):
     step = scales.float().unsqueeze(-1)
     assert bool((err <= step / 2 + 1e-6).all())
     assert float((err / step).max()) > 0.4            # the bound is tight, not vacuous
+
+
+def _llamacpp_q4_0(x, block, d=None):
+    """llama.cpp's quantize_row_q4_0_ref / dequantize_row_q4_0, elementwise: d = max / -8 with
+    max the signed element of largest magnitude, q = min(15, trunc(x / d + 8.5)), x^ = (q - 8) d.
+    `d`: use this (stored fp16) scale for the codes instead of the float one."""
+    xb = x.float().unflatten(-1, (-1, block))
+    peak = xb.gather(-1, xb.abs().argmax(-1, keepdim=True))
+    d = peak / -8 if d is None else d.float().unsqueeze(-1)
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = (xb * inv + 8.5).trunc().clamp(max=15)
+    return q.flatten(-2), ((q - 8) * d).flatten(-2)
+
+
+@pytest.mark.parametrize("block", [8, 32])
+def test_q4_0l_is_llamacpp_q4_0(block):
+    x = randn(2, 3, 7, 64, seed=11) * torch.linspace(0.01, 5, 64)
+    x[0, 0, 0, :block] = 0                      # an all-zero block: code 8 (zero) everywhere
+    codes, scales = quantize(x, "q4_0l", block)
+    u, ref = _llamacpp_q4_0(x, block, d=scales)
+    assert torch.equal(unpack_nibbles(codes).float(), u)
+    assert torch.equal(dequantize(codes, scales, "q4_0l", block), ref)
+    # The stored scale is llama.cpp's d = max/-8 rounded to fp16 (up in magnitude, by <= 2^-10 + 2^-11).
+    u_exact, _ = _llamacpp_q4_0(x, block)   # llama.cpp codes from the unrounded d: rarely a neighbour
+    d = (x.unflatten(-1, (-1, block)).gather(-1, x.unflatten(-1, (-1, block)).abs().argmax(-1, keepdim=True))[..., 0]
+         / -8)
+    assert bool(((scales.float() - d).abs() <= d.abs() * 2**-9).all()) and bool((scales.float() * d >= 0).all())
+    assert float((u - u_exact).abs().max()) <= 1 and float((u != u_exact).float().mean()) < 0.01
+    # Zero is a level, the peak is exact, every code is reachable.
+    assert bool((dequantize(codes, scales, "q4_0l", block)[0, 0, 0, :block] == 0).all())
+    peak_err = (dequantize(codes, scales, "q4_0l", block) - x).unflatten(-1, (-1, block)).gather(
+        -1, x.unflatten(-1, (-1, block)).abs().argmax(-1, keepdim=True))
+    assert float(peak_err.abs().max()) <= float(x.abs().max()) * 2**-9
+    assert len(torch.unique(unpack_nibbles(codes))) == 16
+
+
+def test_q4_0l_pinned_codes():
+    x = torch.tensor([[1.0, -1.0, 0.5, 0.0, 0.3, -0.02, 2.0, -0.7]])
+    c, s = quantize(x, "q4_0l", 4)
+    # peak +1.0 -> d = -1/8 (stored -0.12512): 1 -> 0, -1 -> 16 clipped to 15, 0.5 -> 4, 0 -> 8;
+    # peak 2.0 -> d = -1/4: 0.3 -> trunc(-1.2 + 8.5) = 7, -0.02 -> 8, -0.7 -> 11
+    assert unpack_nibbles(c)[0].tolist() == [0, 15, 4, 8, 7, 8, 0, 11]
+    assert s[0].tolist() == [-0.1251220703125, -0.250244140625]
 
 
 def test_codes_use_the_full_range():

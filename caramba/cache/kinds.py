@@ -15,7 +15,10 @@ How to add a quantized kind
 
    A uniform kind is fixed by its code range [lo, hi]: code c stands for (c - (lo + hi)/2) *
    scale with scale = absmax / ((hi - lo)/2), a mid-rise quantizer symmetric about zero whose
-   extremes are exact. A codebook kind gives `codebook` (ascending, hi - lo + 1 values, max |v| =
+   extremes are exact. With `mid_tread=True` zero is a level instead (llama.cpp's q4_0): code c
+   stands for (c - z) * scale, z = (lo + hi + 1)/2, and the scale is signed, -x_m / (z - lo)
+   with x_m the block's element of largest magnitude, so x_m is exact (code lo) and the other
+   sign reaches hi - z steps (an element there may clip by up to one step). A codebook kind gives `codebook` (ascending, hi - lo + 1 values, max |v| =
    the value absmax maps to) and codes index it. bits=4 kinds are packed two codes per byte
    (uint8 codes in [0, 15]); bits=8 kinds store one code per byte. `aliases` adds short names.
 2. tests/test_kv_quant.py: its kind lists come from this table (error bound for uniform kinds,
@@ -53,6 +56,7 @@ class KindSpec:
     code_range: [lo, hi] of the stored codes; None for a float kind (values stored as `dtype`).
     codebook: the value of code u (ascending, one per code); None: uniform levels c + offset.
     kernel: the kind's id in quant_attend.c, or None (decode reads it through the eager path).
+    mid_tread: uniform levels with an exact zero and a signed scale (see the module doc).
     """
 
     name: str
@@ -62,6 +66,7 @@ class KindSpec:
     codebook: tuple[float, ...] | None = None
     kernel: int | None = None
     aliases: tuple[str, ...] = ()
+    mid_tread: bool = False
     # Derived (see __post_init__).
     quantized: bool = field(init=False)
     packed: bool = field(init=False)          # two 4-bit codes per byte
@@ -97,12 +102,20 @@ class KindSpec:
                                     and torch.iinfo(self.dtype).min <= lo < hi <= torch.iinfo(self.dtype).max):
             raise ValueError(f"kind {self.name}: code_range {self.code_range} must fit the storage dtype {self.dtype} "
                              "(torch.int8 or torch.uint8)")
-        if self.codebook is None:
+        if self.codebook is None and self.mid_tread:
+            # Zero is level z; the largest-magnitude element is level lo (the scale takes its sign).
+            z = (lo + hi + 1) // 2
+            set_(self, "offset", float(-z))
+            set_(self, "shift", z + 0.5)
+            set_(self, "half_range", float(z - lo))
+        elif self.codebook is None:
             # Symmetric mid-rise levels: both extremes are +-absmax and every code is used.
             set_(self, "offset", -(lo + hi) / 2)
             set_(self, "shift", 0.5 + (lo + hi) / 2)
             set_(self, "half_range", (hi - lo) / 2)
         else:
+            if self.mid_tread:
+                raise ValueError(f"kind {self.name}: mid_tread is for uniform levels, not a codebook")
             if len(self.codebook) != hi - lo + 1 or list(self.codebook) != sorted(self.codebook):
                 raise ValueError(f"kind {self.name}: codebook needs {hi - lo + 1} ascending values (one per code)")
             if lo != 0:
@@ -130,6 +143,9 @@ class KVCacheKind(str, Enum):
     Q4_0 = KindSpec("q4_0", bits=4, dtype=torch.uint8, code_range=(0, 15), kernel=1, aliases=("q4",))
     # 4-bit indexes into the QLoRA NormalFloat codebook, one fp16 absmax per block
     NF4 = KindSpec("nf4", bits=4, dtype=torch.uint8, code_range=(0, 15), codebook=NF4_LEVELS, kernel=2)
+    # llama.cpp's q4_0: 4-bit codes u standing for (u - 8) * scale, scale = -x_m/8 (x_m: the
+    # block's largest-magnitude element, exact); zero is a level
+    Q4_0L = KindSpec("q4_0l", bits=4, dtype=torch.uint8, code_range=(0, 15), mid_tread=True, kernel=3)
 
     spec: KindSpec
 

@@ -11,7 +11,8 @@ Uniform kinds are mid-rise quantizers symmetric about zero: code c stands for (c
 absmax/7.5). Both extremes +-absmax are exact, every one of the 2^bits levels is used, and every
 element's error is at most scale/2. (llama.cpp's q4_0 steps by absmax/8 with levels -8..7 and
 clips the opposite sign's extreme to +7: an error up to a full step there. Zero is not a level
-here, which costs nothing for K and V vectors.)
+here.) `q4_0l` is llama.cpp's: mid-tread, zero a level (see caramba.cache.kinds); measured
+better on SmolLM2's K and V (docs/kv-cache.md).
 """
 
 from __future__ import annotations
@@ -32,8 +33,15 @@ def quantize(x: torch.Tensor, kind: KVCacheKind | KindSpec | str, block: int) ->
     xb = x.float().unflatten(-1, (-1, block))                      # [..., nb, block]
     # Nearest-rounding to fp16 moves a value by <= 2^-11 relative; scaling by 1 + 2^-10 first
     # lands at or above the exact scale, so |x| / scale never leaves the code range.
-    scales = (xb.abs().amax(-1) * ((1 + 2**-10) / spec.half_range)).to(torch.float16)   # [..., nb]
-    y = xb / scales.float().clamp_min(1e-30).unsqueeze(-1)         # an all-zero block gets codes 0
+    if spec.mid_tread:   # signed: the largest-magnitude element lands on the lowest code, exactly
+        peak = xb.gather(-1, xb.abs().argmax(-1, keepdim=True))[..., 0]
+        scales = (peak * (-(1 + 2**-10) / spec.half_range)).to(torch.float16)
+    else:
+        scales = (xb.abs().amax(-1) * ((1 + 2**-10) / spec.half_range)).to(torch.float16)   # [..., nb]
+    # An all-zero block gets codes 0 (mid-rise) or the zero level (mid-tread).
+    safe = scales.float()
+    safe = torch.where(safe == 0, torch.full_like(safe, 1e-30), safe)
+    y = xb / safe.unsqueeze(-1)
     if spec.levels is None:    # uniform levels: the nearest is floor(y + shift), clamped for rounding
         if spec.shift:
             y = y + spec.shift

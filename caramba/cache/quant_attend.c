@@ -8,14 +8,15 @@
    Layouts are caramba.cache.streams.QuantStream's: keys [BH, Dc, S] (keys-major), values
    [BH, S, Dc]; 4-bit codes hold element i in the low nibble of byte i and element i + D/2 in its
    high nibble. Scales arrive as float [BH, nb, n] (converted from the stored fp16 by the caller).
-   Code values: q8_0 c + 1/2, q4_0 u - 15/2, nf4 the NF4 codebook; times the block scale.
+   Code values: q8_0 c + 1/2, q4_0 u - 15/2, nf4 the NF4 codebook, q4_0l u - 8; times the block
+   scale (q4_0l's is signed).
    Parallel over independent output pieces with OpenMP (the process shares torch's libgomp). */
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { KIND_Q8_0 = 0, KIND_Q4_0 = 1, KIND_NF4 = 2 };
+enum { KIND_Q8_0 = 0, KIND_Q4_0 = 1, KIND_NF4 = 2, KIND_Q4_0L = 3 };
 
 static const float NF4[16] = {
     -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
@@ -25,7 +26,7 @@ static const float NF4[16] = {
 };
 
 static float code_offset(int kind) {
-    return kind == KIND_Q8_0 ? 0.5f : (kind == KIND_Q4_0 ? -7.5f : 0.0f);
+    return kind == KIND_Q8_0 ? 0.5f : (kind == KIND_Q4_0 ? -7.5f : (kind == KIND_Q4_0L ? -8.0f : 0.0f));
 }
 
 /* GCC/Clang vector extensions: 16 floats, lowered to whatever SIMD -march=native offers. The
@@ -72,7 +73,7 @@ INLINE vf code_vector(const void *src, int w, const int kind, int high) {
     if (kind == KIND_Q8_0) return __builtin_convertvector((__builtin_convertvector(b, vi32) << 24) >> 24, vf);
     const vu8 u = high ? b >> 4 : b & 15;
     const vi32 idx = __builtin_convertvector(u, vi32);
-    if (kind == KIND_Q4_0) return __builtin_convertvector(idx, vf);
+    if (kind == KIND_Q4_0 || kind == KIND_Q4_0L) return __builtin_convertvector(idx, vf);
 #if defined(__clang__)
     vf v;
     for (int i = 0; i < VW; i++) v[i] = NF4[idx[i]];
@@ -132,7 +133,7 @@ INLINE void value_item(const int kind, const int rr, const float *wt, const floa
 }
 
 #define FOR_ROWS(X, K) X(K, 1) X(K, 2) X(K, 3) X(K, 4) X(K, 5) X(K, 6) X(K, 7) X(K, 8)
-#define FOR_KINDS_ROWS(X) FOR_ROWS(X, KIND_Q8_0) FOR_ROWS(X, KIND_Q4_0) FOR_ROWS(X, KIND_NF4)
+#define FOR_KINDS_ROWS(X) FOR_ROWS(X, KIND_Q8_0) FOR_ROWS(X, KIND_Q4_0) FOR_ROWS(X, KIND_NF4) FOR_ROWS(X, KIND_Q4_0L)
 
 /* scores[bh, r, t] = sum_j scale[bh, j, t] * sum_{e in block j} q[bh, r, e] * value(code[bh, e, t]),
    for positions t in [0, n). q: [BH, R, D] floats (already scaled), out: [BH, R, n]. Keys-major
