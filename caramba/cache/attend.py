@@ -12,7 +12,9 @@ block scales are folded into the (much smaller) score and probability rows inste
 Both sums over blocks come out of one matmul by giving the query (or the probabilities) one
 row per block: row (g, j) holds only block j, and the rows are recombined afterwards. A uniform
 kind's code offset (q8_0: c + 1/2, q4_0: u - 7.5) folds the same way: q . (u + o) = q . u + o * sum(q).
-What a code stands for is read from the kind's spec (caramba.cache.kinds).
+What a code stands for is read from the kind's spec (caramba.cache.kinds). Zero-point,
+per-channel and 2-bit kinds (`spec.reads_dequantized`) are read by dequantizing each chunk and
+one matmul instead.
 
 That is the eager path. On the CPU with fp32 queries the coded pieces go to the C kernels
 instead (caramba.cache.kernel; kinds whose spec names a kernel), which apply the same sums
@@ -149,6 +151,8 @@ def attend_pairs(pairs: Sequence[tuple[torch.Tensor, object]], v_stream, end: in
         ps = p[..., s0:s1]
         if coded and fused:
             part = kernel.value_mix(ps, *v_stream.code_slice(s0, s1), v_stream.spec, v_stream.block, v_stream.head_dim)
+        elif coded and v_stream.spec.reads_dequantized:
+            part = ps @ v_stream.dequant(s0, s1, q0.dtype)
         else:
             part = _value_mix(ps, v_stream, s0, s1) if coded else ps @ _float_values(v_stream, s0, s1, q0.dtype)
         out = part if out is None else out.add_(part)
@@ -158,11 +162,14 @@ def attend_pairs(pairs: Sequence[tuple[torch.Tensor, object]], v_stream, end: in
 def _stream_scores(qg: torch.Tensor, k_stream, end: int, chunk: int) -> torch.Tensor:
     """Scaled queries qg [B, KVH, R, D] against one key stream's slots [0, end) -> [B, KVH, R, end]."""
     fused = k_stream.quantized and k_stream.spec.kernel is not None and kernel.usable(qg)
-    qx = _per_block_rows(qg, k_stream.nb) if k_stream.quantized and not fused else None
+    qx = _per_block_rows(qg, k_stream.nb) if k_stream.quantized and not fused \
+        and not k_stream.spec.reads_dequantized else None
     parts = []
     for s0, s1, coded in _pieces(k_stream, end, end if fused else chunk):
         if coded and fused:
             parts.append(kernel.key_scores(qg, *k_stream.code_slice(s0, s1), k_stream.spec, k_stream.block))
+        elif coded and k_stream.spec.reads_dequantized:
+            parts.append(qg @ k_stream.dequant(s0, s1, qg.dtype).transpose(-1, -2))
         elif coded:
             parts.append(_key_scores(qx, k_stream, s0, s1))
         else:
