@@ -448,10 +448,6 @@ def autotune(
 
         if text is not None and not text.is_file():
             raise UserError(f"--text {text}: no such file")
-        if protocol not in ("decode", "chunks"):
-            raise UserError(f"--protocol {protocol!r}: choose decode or chunks")
-        if protocol == "chunks" and ctx % 2:
-            raise UserError(f"--ctx {ctx}: must be even (windows are scored on their second half)")
         loaded = load_model(model, dtype, device, progress=not as_json)
         settings = AutotuneSettings(budget_mb=budget_mb, max_seq_len=max_seq_len, batch_size=batch_size)
         result = run_tuned(loaded, settings, err if as_json else out, text, plan_path, force, quiet=as_json)
