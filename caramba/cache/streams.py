@@ -171,8 +171,13 @@ class ChannelQuantStream(QuantStream):
         """Positions [fp_start, end) are read from the ring: the incomplete group and the residual window."""
         return min(end // self.G * self.G, max(end - self.R, self.fp_lo), self.scales.shape[-1] * self.G)
 
-    def code_slice(self, s0: int, s1: int):
-        raise NotImplementedError("per-channel codes are read through dequant()")
+    def code_slice(self, s0: int, s1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes of positions [s0, s1) (s0 a group start) and the parameters of the groups they
+        touch: [B, H, 2 D, ceil((s1 - s0) / G)] (scales, then minimums)."""
+        if s0 % self.G:
+            raise ValueError(f"a per-channel code slice starts at a group boundary; got {s0} (groups of {self.G})")
+        codes = self.codes[..., s0:s1] if self.keys_major else self.codes[:, :, s0:s1]
+        return codes, self.scales[..., s0 // self.G : -(-s1 // self.G)]
 
     def dequant(self, s0: int, s1: int, dtype: torch.dtype) -> torch.Tensor:
         """Positions [s0, s1) from the codes (whole groups): [B, H, s1 - s0, D]."""
