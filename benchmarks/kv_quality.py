@@ -25,6 +25,18 @@ from caramba.infer.evaluate import adds_bos, corpus_text, evaluate_chunks
 from caramba.model.zoo import load_model
 
 
+PYDOC_TOPICS = "pydoc-topics"
+
+
+def pydoc_topics_text(chars: int = 24000) -> str:
+    """A second real text that every Python ships (PSF license): the Python reference manual's
+    help topics (pydoc_data.topics), joined in sorted key order, first `chars` characters
+    (English prose about the language, with grammar rules and code examples)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))[:chars]
+
+
 def parse_spec(spec: str) -> CachePolicy:
     words = spec.split()
     kind, streams, options = words[0], {}, {}
@@ -44,7 +56,8 @@ def parse_spec(spec: str) -> CachePolicy:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("specs", nargs="+")
-    ap.add_argument("--text", default=None, help="text file (default: caramba's corpus)")
+    ap.add_argument("--text", default=None, help=f"text file (default: caramba's corpus), or {PYDOC_TOPICS} "
+                                                 "(pydoc_topics_text())")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--baseline", default="fp32")
@@ -55,7 +68,8 @@ def main() -> None:
     loaded = load_model(args.model, "float32", "cpu", progress=False)
     tok = loaded.tokenizer
     bos = tok.bos_token_id if adds_bos(tok) else None
-    ids = tok.encode(corpus_text(args.text), add_special_tokens=True)
+    text = pydoc_topics_text() if args.text == PYDOC_TOPICS else corpus_text(args.text)
+    ids = tok.encode(text, add_special_tokens=True)
     policies = [parse_spec(s) for s in args.specs]
     t0 = time.time()
     results = evaluate_chunks(loaded.model, ids, policies, args.baseline, args.ctx, bos)

@@ -19,15 +19,20 @@ How to add a quantized kind
    stands for (c - z) * scale, z = (lo + hi + 1)/2, and the scale is signed, -x_m / (z - lo)
    with x_m the block's element of largest magnitude, so x_m is exact (code lo) and the other
    sign reaches hi - z steps (an element there may clip by up to one step). A codebook kind gives `codebook` (ascending, hi - lo + 1 values, max |v| =
-   the value absmax maps to) and codes index it. bits=4 kinds are packed two codes per byte
-   (uint8 codes in [0, 15]); bits=8 kinds store one code per byte. `aliases` adds short names.
+   the value absmax maps to) and codes index it. `zero_point=True`: asymmetric levels m + u *
+   scale (each block stores an fp16 scale and minimum). `per_channel=True`: a block is qblock
+   consecutive tokens of one channel (KIVI's keys; caramba.cache.streams.ChannelQuantStream).
+   bits=4 kinds are packed two codes per byte (uint8 codes in [0, 15]), bits=2 four per byte;
+   bits=8 kinds store one code per byte. `aliases` adds short names.
 2. tests/test_kv_quant.py: its kind lists come from this table (error bound for uniform kinds,
    update, rollback, reorder, batches, byte accounting); pin a few of the new kind's codes in
    test_codes_match_reference_formulas.
 
 Without `kernel=` the kind decodes through the eager path (caramba.cache.attend). For the C fast
 path also give it `kernel=N` and handle KIND id N in caramba/cache/quant_attend.c's
-`code_vector` and `code_offset`.
+`code_vector` and `code_offset`. Zero-point kinds (4- or 2-bit, per token, or per channel for
+keys in groups of a multiple of 16 tokens) take the C loops key_scores_zp / value_mix_zp
+without a kernel id.
 """
 
 from __future__ import annotations
