@@ -485,25 +485,36 @@ def eval_cache(
     residual_len: Annotated[int, typer.Option(min=0, help="Newest tokens kept in full precision (candidates).")] = 0,
     rotate_keys: Annotated[bool, typer.Option("--rotate-keys", help="Hadamard-rotate keys (candidates).")] = False,
     cache_fp16_prefix_layers: Annotated[int, typer.Option(min=0, help="First N layers in fp16 (candidates).")] = 0,
-    prompt_len: Annotated[int, typer.Option(min=1, help="Tokens prefilled before token-by-token scoring.")] = 256,
-    max_tokens: Annotated[Optional[int], typer.Option(min=2, help="Use only the text's first N tokens.")] = 1024,
+    protocol: Annotated[str, typer.Option(help="decode: prefill --prompt-len tokens, then score token by token "
+                                               "through the cache; chunks: llama-perplexity's non-overlapping "
+                                               "--ctx windows, each scored on its second half.")] = "decode",
+    ctx: Annotated[int, typer.Option(min=4, help="Window size of --protocol chunks (llama-perplexity -c).")] = 512,
+    prompt_len: Annotated[int, typer.Option(min=1, help="Tokens prefilled before token-by-token scoring (decode).")] = 256,
+    max_tokens: Annotated[Optional[int], typer.Option(min=2, help="Use only the text's first N tokens "
+                                                      "(default: 1024 for decode, the whole text for chunks).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
-    """Score a text teacher-forced through the KV cache: NLL/PPL of each candidate cache, and
+    """Score a text through the KV cache: NLL/PPL of each candidate cache, and
     KL(baseline || candidate) and top-1 agreement against the baseline cache.
 
-    The first --prompt-len tokens are prefilled; each later token is fed one at a time through
-    the cache, as generation does. Candidates: each --cache-kind and --cache-policy (default q8_0)."""
+    --protocol decode (default): the first --prompt-len tokens are prefilled; each later token is
+    fed one at a time through the cache, as generation does. --protocol chunks --ctx 512: as
+    llama.cpp's perplexity tool, with the PPL's standard error. Candidates: each --cache-kind and
+    --cache-policy (default q8_0)."""
     with _errors_as_exit_codes():
         from rich.progress import Progress
         from rich.table import Table
 
         from caramba.cache import CachePolicy
-        from caramba.infer.evaluate import corpus_ids, evaluate_cache
+        from caramba.infer.evaluate import adds_bos, corpus_text, evaluate_cache, evaluate_chunks
         from caramba.model.zoo import load_model
 
         if text is not None and not text.is_file():
             raise UserError(f"--text {text}: no such file")
+        if protocol not in ("decode", "chunks"):
+            raise UserError(f"--protocol {protocol!r}: choose decode or chunks")
+        if protocol == "chunks" and ctx % 2:
+            raise UserError(f"--ctx {ctx}: must be even (windows are scored on their second half)")
         specs = [("kind", k) for k in cache_kind or []] + [("policy", p) for p in cache_policy or []]
         try:
             candidates = [CachePolicy.build(kind=v, qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys,
@@ -520,29 +531,50 @@ def eval_cache(
                 policy.check_streams(loaded.model.config.attention == "decoupled")
         except ValueError as e:
             raise UserError(f"--cache-policy/--baseline: {e}") from None
-        ids = corpus_ids(loaded.tokenizer, text)
+        chunks = protocol == "chunks"
+        tok = loaded.tokenizer
+        # chunks: the text as llama.cpp tokenizes it, with BOS when the model adds one
+        bos = tok.bos_token_id if chunks and adds_bos(tok) else None
+        ids = tok.encode(corpus_text(text), add_special_tokens=chunks)
+        if max_tokens is None and not chunks:
+            max_tokens = 1024
         if max_tokens is not None:
             ids = ids[:max_tokens]
-        if len(ids) < prompt_len + 2:
+        if chunks and len(ids) < ctx:
+            raise UserError(f"--ctx {ctx}: the text has only {len(ids)} tokens (after --max-tokens); "
+                            f"use a smaller --ctx or a longer text")
+        if not chunks and len(ids) < prompt_len + 2:
             raise UserError(f"--prompt-len {prompt_len}: the text has only {len(ids)} tokens (after --max-tokens); "
                             f"use a shorter prompt or a longer text")
         with Progress(transient=True, disable=as_json) as bar:
-            task = bar.add_task("scoring", total=len(ids) - prompt_len)
-            results = evaluate_cache(loaded.model, ids, candidates, base, prompt_len,
-                                     on_step=lambda done, total: bar.update(task, completed=done))
+            task = bar.add_task("scoring", total=len(ids) // ctx if chunks else len(ids) - prompt_len)
+            step = lambda done, total: bar.update(task, completed=done)   # noqa: E731
+            if chunks:
+                results = evaluate_chunks(loaded.model, ids, candidates, base, ctx, bos, on_step=step)
+            else:
+                results = evaluate_cache(loaded.model, ids, candidates, base, prompt_len, on_step=step)
+        n_scored = results[0].n_scored
+        setup = ({"ctx": ctx, "n_chunks": len(ids) // ctx, "bos": bos} if chunks else {"prompt_len": prompt_len})
         if as_json:
             print(json_text({"model": {"source": model, "sha256": loaded.content_hash, "dtype": dtype,
                                "weights": weights},
                               "text": str(text) if text else "caramba/data/corpus.txt", "n_tokens": len(ids),
-                              "prompt_len": prompt_len, "baseline": base.describe(),
+                              "protocol": protocol, **setup, "baseline": base.describe(),
                               "results": [r.to_dict() for r in results]}))
             return
-        table = Table(title=f"{len(ids) - prompt_len} tokens scored after a {prompt_len}-token prompt; "
-                            f"baseline {base.describe()} PPL {results[0].baseline_ppl:.4f}")
+        r0 = results[0]
+        if chunks:
+            title = (f"{len(ids) // ctx} windows of {ctx} tokens, {n_scored} tokens scored (second halves); "
+                     f"baseline {base.describe()} PPL {r0.baseline_ppl:.4f} +/- {r0.baseline_ppl_stderr:.5f}")
+        else:
+            title = (f"{n_scored} tokens scored after a {prompt_len}-token prompt; "
+                     f"baseline {base.describe()} PPL {r0.baseline_ppl:.4f}")
+        table = Table(title=title)
         for col in ("cache", "bytes/token", "PPL", "dNLL", "mean KL", "max KL", "top-1 agree"):
             table.add_column(col)
         for r in results:
-            table.add_row(r.policy, str(r.bytes_per_token), f"{r.ppl:.4f}", f"{r.dnll:+.5f}", f"{r.kl_mean:.2e}",
+            ppl = f"{r.ppl:.4f}" + (f" +/- {r.ppl_stderr:.5f}" if r.ppl_stderr is not None else "")
+            table.add_row(r.policy, str(r.bytes_per_token), ppl, f"{r.dnll:+.5f}", f"{r.kl_mean:.2e}",
                           f"{r.kl_max:.2e}", f"{r.top1_agreement:.4f}")
         out.print(table)
 

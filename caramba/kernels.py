@@ -52,7 +52,7 @@ def build(source: Path, cc: str, flags: list[str] = FLAGS) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            subprocess.run([*command, str(source), "-o", tmp], check=True, capture_output=True, text=True, timeout=120)
+            subprocess.run([*command, str(source), "-o", tmp], check=True, capture_output=True, text=True, timeout=600)   # a build took 130 s at load average 12
             os.replace(tmp, out)   # atomic: a concurrent build or reader never sees half a library
         finally:
             if os.path.exists(tmp):

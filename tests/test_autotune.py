@@ -42,7 +42,8 @@ def test_candidate_bytes_equal_what_new_cache_allocates(loaded):
     candidates = default_candidates(model)
     assert candidates[0].baseline and candidates[0].name == "fp32"
     names = [c.name for c in candidates]
-    assert {"fp16", "q8_0", "q4_0", "nf4 rotate_keys", "k=q8_0,v=q4_0", "q4_0 residual_len=128 rotate_keys"} <= set(names)
+    assert {"fp16", "q8_0", "q4_0", "nf4 rotate_keys", "k=q8_0,v=q4_0", "q4_0 residual_len=128 rotate_keys",
+            "q4_0l", "k=q4_1c,v=q4_1", "k=q2_1c,v=q2_1 residual_len=128"} <= set(names)
     assert len(set(names)) == len(names)
     for c in candidates:
         for batch, length in ((1, 7), (3, 130)):

@@ -4,6 +4,7 @@ top-1 agreement, on tiny models; the bundled corpus; CLI errors and JSON."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from caramba.cache import CachePolicy
 from caramba.cli import app
-from caramba.infer.evaluate import corpus_text, evaluate_cache
+from caramba.infer.evaluate import adds_bos, chunk_windows, corpus_text, evaluate_cache, evaluate_chunks
 from conftest import TINY, make_model
 from test_cli import write_tiny_model
 from typer.testing import CliRunner
@@ -106,3 +107,93 @@ def test_cli_generate_with_a_quantized_cache_policy(tiny_dir):
                                    "cache_fp16_prefix_layers": 0}
     bad = invoke("generate", "hello", "--model", tiny_dir, "--cache-policy", "q=q8_0")
     assert bad.exit_code == 2 and "unknown stream" in bad.output
+
+
+# ---- --protocol chunks (llama-perplexity's windows) ------------------------------------------------
+
+def reference_chunks(model, ids, ctx, bos=None):
+    """Per-token NLLs of llama.cpp's protocol, from full forwards without a cache."""
+    nll = []
+    for s in range(0, len(ids) - ctx + 1, ctx):
+        w = list(ids[s : s + ctx])
+        if bos is not None:
+            w[0] = bos
+        logp = torch.log_softmax(model(torch.tensor([w]))[0].double(), dim=-1)
+        nll += [-float(logp[j, w[j + 1]]) for j in range(ctx // 2, ctx - 1)]
+    return torch.tensor(nll, dtype=torch.float64)
+
+
+def test_chunks_fp32_is_llamacpp_protocol_with_its_standard_error():
+    model = make_model(std=0.1)
+    ids = text_ids(70, seed=3)                       # 4 windows of 16; the 6-token tail is dropped
+    (r,) = evaluate_chunks(model, ids, ["fp32"], "fp32", ctx=16)
+    ref = reference_chunks(model, ids, 16)
+    assert r.protocol == "chunks" and r.n_scored == 4 * 7 == ref.numel()
+    assert r.nll == pytest.approx(float(ref.mean()), abs=1e-5) and r.nll == r.baseline_nll
+    assert r.kl_mean == 0 and r.top1_agreement == 1
+    # llama.cpp: PPL * sqrt((E[nll^2] - E[nll]^2) / (N - 1)), i.e. PPL * the std error of the mean NLL
+    se = math.exp(float(ref.mean())) * float(ref.std(unbiased=False)) / math.sqrt(ref.numel() - 1)
+    assert r.ppl_stderr == pytest.approx(se, rel=1e-4) and r.baseline_ppl_stderr == r.ppl_stderr
+    d = r.to_dict()
+    assert d["protocol"] == "chunks" and d["ppl_stderr"] == r.ppl_stderr
+
+
+def test_chunks_put_bos_first_in_every_window():
+    model = make_model(std=0.1)
+    ids = text_ids(48, seed=4)
+    (r,) = evaluate_chunks(model, ids, ["fp32"], ctx=16, bos=1)
+    assert r.nll == pytest.approx(float(reference_chunks(model, ids, 16, bos=1).mean()), abs=1e-5)
+    assert chunk_windows([5, 6, 7, 8, 9], 2, bos=0) == [[0, 6], [0, 8]]
+
+
+def test_chunks_read_the_quantized_cache_like_token_by_token_decode():
+    """Every token of a window goes through the cache: the prefill attends over the stored q4_0
+    codes (its own key included), which is what one-token forwards read."""
+    model = make_model(std=0.1)
+    ids = text_ids(32, seed=5)
+    policy = CachePolicy.build("q4_0", qblock=8)
+    fp, q4 = evaluate_chunks(model, ids, ["fp32", policy], ctx=16)
+    assert q4.nll != fp.nll and q4.kl_mean > 0
+    nll = []
+    for s in (0, 16):
+        cache = model.new_cache(1, 16, policy)
+        logits = torch.cat([model(torch.tensor([[t]]), cache=cache)[0] for t in ids[s : s + 16]])
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        nll += [-float(logp[j, ids[s + j + 1]]) for j in range(8, 15)]
+    assert q4.nll == pytest.approx(sum(nll) / len(nll), abs=1e-4)
+
+
+def test_chunks_errors_and_adds_bos():
+    with pytest.raises(ValueError, match="ctx=15 must be an even"):
+        evaluate_chunks(make_model(), text_ids(40), ["q8_0"], ctx=15)
+    with pytest.raises(ValueError, match="needs at least 64"):
+        evaluate_chunks(make_model(), text_ids(40), ["q8_0"], ctx=64)
+
+    class Tok:
+        bos_token_id = 7
+
+        def __init__(self, add):
+            self.add = add
+
+        def encode(self, text, add_special_tokens=True):
+            return ([7] if add_special_tokens and self.add else []) + [3]
+
+    assert adds_bos(Tok(True)) and not adds_bos(Tok(False))
+
+
+def test_cli_eval_chunks_json(tiny_dir, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(corpus_text()[:600])
+    r = invoke("eval", "--text", text, "--model", tiny_dir, "--cache-kind", "q4_0", "--qblock", "8",
+               "--protocol", "chunks", "--ctx", "32", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["protocol"] == "chunks" and out["ctx"] == 32 and out["n_chunks"] == out["n_tokens"] // 32
+    (x,) = out["results"]
+    assert x["protocol"] == "chunks" and x["n_scored"] == out["n_chunks"] * 15 and x["ppl_stderr"] > 0
+    table = invoke("eval", "--text", text, "--model", tiny_dir, "--qblock", "8", "--protocol", "chunks", "--ctx", "32")
+    assert table.exit_code == 0 and "+/-" in table.stdout and "windows of 32 tokens" in table.stdout
+    bad = invoke("eval", "--text", text, "--model", tiny_dir, "--protocol", "sliding")
+    assert bad.exit_code == 2 and "--protocol" in bad.output
+    odd = invoke("eval", "--text", text, "--model", tiny_dir, "--protocol", "chunks", "--ctx", "33")
+    assert odd.exit_code == 2 and "--ctx 33" in odd.output

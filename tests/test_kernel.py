@@ -37,7 +37,7 @@ def needs_kernels():
 SHAPES = [(64, 32), (64, 64), (24, 6), (48, 16)]
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "nf4"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "nf4", "q4_0l"])
 @pytest.mark.parametrize("D,block", SHAPES)
 def test_kernel_equals_sdpa_over_the_dequantized_cache(kind, D, block):
     needs_kernels()
@@ -104,3 +104,51 @@ def test_the_build_is_cached_per_source_and_cpu(fresh_library, monkeypatch, tmp_
     stamp = built[0].stat().st_mtime_ns
     kernel.library.cache_clear()
     assert kernel.library() is not None and built[0].stat().st_mtime_ns == stamp   # reused, not rebuilt
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q2_1"])
+@pytest.mark.parametrize("D,block", [(64, 32), (64, 64), (48, 16), (32, 8)])
+def test_zero_point_kernels_equal_sdpa_over_the_dequantized_cache(kind, D, block, monkeypatch):
+    """q4_1 / q2_1 (per-token, zero-point) keys and values through key_scores_zp / value_mix_zp."""
+    needs_kernels()
+    calls = []
+    for name in ("key_scores_zp", "value_mix_zp"):
+        fn = getattr(kernel, name)
+        monkeypatch.setattr(kernel, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
+    for (B, KVH, G), T, S in itertools.product([(1, 3, 3), (2, 2, 6)], [1, 3], [5, 300]):
+        cfg = KVCacheTensorConfig(kind, qblock=block)
+        c = LayerKVCache(B, 320, KVH * D, KVH * D, cfg, cfg, "cpu", KVH)
+        c.update(randn(B, KVH, S, D, seed=1) + 1.5, randn(B, KVH, S, D, seed=2) - 0.5)   # offsets: minimums matter
+        q = randn(B, KVH * G, T, D, seed=3)
+        with torch.inference_mode():
+            got = attend_chunked(q, c.k_stream, c.v_stream, S, None)
+            ref = F.scaled_dot_product_attention(q, c.k_stream.read(S, q.dtype), c.v_stream.read(S, q.dtype),
+                                                 enable_gqa=True)
+        torch.testing.assert_close(got, ref, **tol.attention(ref, D, S), msg=f"B={B} KVH={KVH} G={G} T={T} S={S}")
+    assert set(calls) == {"key_scores_zp", "value_mix_zp"}
+
+
+@pytest.mark.parametrize("k_kind,v_kind", [("q4_1c", "q4_1"), ("q2_1c", "q2_1")])
+@pytest.mark.parametrize("group,residual_len", [(16, 0), (32, 0), (32, 40)])
+def test_per_channel_key_kernel_equals_sdpa_over_the_dequantized_cache(k_kind, v_kind, group, residual_len,
+                                                                       monkeypatch):
+    """Per-channel keys (groups of 16 or 32 tokens), with the incomplete group and a residual
+    window read from full precision, at lengths that end inside a group."""
+    needs_kernels()
+    calls = []
+    fn = kernel.key_scores_zp
+    monkeypatch.setattr(kernel, "key_scores_zp", lambda *a, **k: calls.append(a[-1]) or fn(*a, **k))
+    D, KVH, G = 64, 2, 3
+    for B, S in itertools.product([1, 2], [7, 100, 257]):
+        c = LayerKVCache(B, 300, KVH * D, KVH * D, KVCacheTensorConfig(k_kind, group, residual_len),
+                         KVCacheTensorConfig(v_kind, group, residual_len), "cpu", KVH)
+        k = randn(B, KVH, S, D, seed=4) * torch.linspace(0.2, 5, D) + torch.linspace(-2, 2, D)
+        c.update(k[:, :, : S // 2], randn(B, KVH, S // 2, D, seed=5))
+        c.update(k[:, :, S // 2 :], randn(B, KVH, S - S // 2, D, seed=6))
+        q = randn(B, KVH * G, 2, D, seed=7)
+        with torch.inference_mode():
+            got = attend_chunked(q, c.k_stream, c.v_stream, S, None)
+            ref = F.scaled_dot_product_attention(q, c.k_stream.read(S, q.dtype), c.v_stream.read(S, q.dtype),
+                                                 enable_gqa=True)
+        torch.testing.assert_close(got, ref, **tol.attention(ref, D, S), msg=f"B={B} S={S}")
+    assert group in calls   # the per-channel loop ran (short caches are all full precision)

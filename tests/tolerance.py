@@ -48,7 +48,9 @@ def forward(expected: torch.Tensor, config, dtype: torch.dtype = torch.float32) 
 # One step of each cache kind's storage grid, relative to the value (float formats: eps) or to
 # its block's largest |value| (quantized: the code spacing; nf4: its codebook's widest gap).
 STORAGE_STEP = {"fp32": 0.0, "fp16": torch.finfo(torch.float16).eps, "bf16": torch.finfo(torch.bfloat16).eps,
-                "q8_0": 1 / 127.5, "q4_0": 1 / 7.5, "nf4": 0.304}
+                "q8_0": 1 / 127.5, "q4_0": 1 / 7.5, "nf4": 0.304, "q4_0l": 1 / 8,
+                # zero-point kinds: (max - min) / levels <= 2 max|x| / levels
+                "q4_1": 2 / 15, "q4_1c": 2 / 15, "q2_1": 2 / 3, "q2_1c": 2 / 3}
 
 
 def cache_paths(expected: torch.Tensor, config, kind: str) -> dict[str, float]:

@@ -30,6 +30,12 @@ MIXED = [
     ("q4_0", None, {"rotate_keys": True}),
     ("nf4", None, {"rotate_keys": True}),
     ("q4_0", None, {}),
+    # llama.cpp's q4_0 (an exact zero level) and KIVI's (Liu et al. 2024): keys per channel over
+    # groups of qblock tokens, values per token, zero-point; KIVI-2 with its full-precision window
+    ("q4_0l", None, {}),
+    ("q4_0l", None, {"rotate_keys": True}),
+    ("q4_1", "k=q4_1c", {}),
+    ("q2_1", "k=q2_1c", {"residual_len": RESIDUAL_LEN}),
 ]
 
 

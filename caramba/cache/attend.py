@@ -12,7 +12,10 @@ block scales are folded into the (much smaller) score and probability rows inste
 Both sums over blocks come out of one matmul by giving the query (or the probabilities) one
 row per block: row (g, j) holds only block j, and the rows are recombined afterwards. A uniform
 kind's code offset (q8_0: c + 1/2, q4_0: u - 7.5) folds the same way: q . (u + o) = q . u + o * sum(q).
-What a code stands for is read from the kind's spec (caramba.cache.kinds).
+What a code stands for is read from the kind's spec (caramba.cache.kinds). Zero-point,
+per-channel and 2-bit kinds (`spec.reads_dequantized`) go to the C kernels' zero-point loops
+(key_scores_zp / value_mix_zp) or, where those do not apply, are read by dequantizing each chunk
+and one matmul.
 
 That is the eager path. On the CPU with fp32 queries the coded pieces go to the C kernels
 instead (caramba.cache.kernel; kinds whose spec names a kernel), which apply the same sums
@@ -144,11 +147,18 @@ def attend_pairs(pairs: Sequence[tuple[torch.Tensor, object]], v_stream, end: in
         scores = scores.view(B, KVH, G, T, end).masked_fill(~mask[:, :, None], float("-inf")).view(B, KVH, G * T, end)
     p = torch.softmax(scores.float(), dim=-1).to(q0.dtype)
     fused = v_stream.quantized and v_stream.spec.kernel is not None and kernel.usable(p)
+    fused_zp = (v_stream.quantized and not v_stream.spec.per_channel and kernel.reads_zero_point(v_stream)
+                and kernel.usable(p))
     out = None
-    for s0, s1, coded in _pieces(v_stream, end, end if fused else chunk):
+    for s0, s1, coded in _pieces(v_stream, end, end if fused or fused_zp else chunk):
         ps = p[..., s0:s1]
         if coded and fused:
             part = kernel.value_mix(ps, *v_stream.code_slice(s0, s1), v_stream.spec, v_stream.block, v_stream.head_dim)
+        elif coded and fused_zp:
+            part = kernel.value_mix_zp(ps, *v_stream.code_slice(s0, s1), v_stream.spec, v_stream.block,
+                                       v_stream.head_dim)
+        elif coded and v_stream.spec.reads_dequantized:
+            part = ps @ v_stream.dequant(s0, s1, q0.dtype)
         else:
             part = _value_mix(ps, v_stream, s0, s1) if coded else ps @ _float_values(v_stream, s0, s1, q0.dtype)
         out = part if out is None else out.add_(part)
@@ -158,11 +168,18 @@ def attend_pairs(pairs: Sequence[tuple[torch.Tensor, object]], v_stream, end: in
 def _stream_scores(qg: torch.Tensor, k_stream, end: int, chunk: int) -> torch.Tensor:
     """Scaled queries qg [B, KVH, R, D] against one key stream's slots [0, end) -> [B, KVH, R, end]."""
     fused = k_stream.quantized and k_stream.spec.kernel is not None and kernel.usable(qg)
-    qx = _per_block_rows(qg, k_stream.nb) if k_stream.quantized and not fused else None
+    fused_zp = k_stream.quantized and kernel.reads_zero_point(k_stream) and kernel.usable(qg)
+    qx = _per_block_rows(qg, k_stream.nb) if k_stream.quantized and not fused \
+        and not k_stream.spec.reads_dequantized else None
     parts = []
-    for s0, s1, coded in _pieces(k_stream, end, end if fused else chunk):
+    for s0, s1, coded in _pieces(k_stream, end, end if fused or fused_zp else chunk):
         if coded and fused:
             parts.append(kernel.key_scores(qg, *k_stream.code_slice(s0, s1), k_stream.spec, k_stream.block))
+        elif coded and fused_zp:
+            group = k_stream.G if k_stream.spec.per_channel else 0
+            parts.append(kernel.key_scores_zp(qg, *k_stream.code_slice(s0, s1), k_stream.spec, k_stream.block, group))
+        elif coded and k_stream.spec.reads_dequantized:
+            parts.append(qg @ k_stream.dequant(s0, s1, qg.dtype).transpose(-1, -2))
         elif coded:
             parts.append(_key_scores(qx, k_stream, s0, s1))
         else:

@@ -22,6 +22,8 @@ from caramba.cache.kinds import KindSpec, KVCacheKind, spec_of
 SOURCE = Path(__file__).with_name("quant_attend.c")
 FLAGS = kernels.FLAGS
 _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.c_long] * 2 + [ctypes.c_int] * 2
+# zero-point kinds: ... bits, group (0: per-token blocks), parameter row stride, threads
+_ZP_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.c_long] * 2 + [ctypes.c_int] * 2 + [ctypes.c_long, ctypes.c_int]
 
 _status = "not built yet"
 
@@ -30,7 +32,8 @@ _status = "not built yet"
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (see the module doc)."""
     global _status
-    lib, _status = kernels.load(SOURCE, {"key_scores": (_ARGS, None), "value_mix": (_ARGS, None)},
+    lib, _status = kernels.load(SOURCE, {"key_scores": (_ARGS, None), "value_mix": (_ARGS, None),
+                                         "key_scores_zp": (_ZP_ARGS, None), "value_mix_zp": (_ZP_ARGS, None)},
                                 "quantized KV caches decode")
     return lib
 
@@ -83,3 +86,38 @@ def value_mix(p: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: 
               dim: int) -> torch.Tensor:
     """Weights p [B, H, R, n] over value codes [B, H, n, Dc] and scales [B, H, nb, n] -> [B, H, R, dim]."""
     return _run(library().value_mix, p, codes, scales, kind, block, dim, p.shape[-1], dim)
+
+
+def reads_zero_point(stream) -> bool:
+    """Whether a zero-point stream's codes can go to key_scores_zp / value_mix_zp: 4- or 2-bit,
+    per-token blocks, or per-channel keys (keys-major codes) in groups of a multiple of 16 tokens."""
+    spec = stream.spec
+    if not (spec.zero_point and spec.bits in (2, 4)):
+        return False
+    return not spec.per_channel or (stream.keys_major and stream.G % 16 == 0)
+
+
+def _run_zp(fn, x: torch.Tensor, codes: torch.Tensor, params: torch.Tensor, spec: KindSpec, block: int, group: int,
+            D: int, n: int, width: int) -> torch.Tensor:
+    B, H, R = x.shape[:3]
+    x, params = x.contiguous(), params.float().contiguous()
+    out = torch.empty(B, H, R, width, dtype=torch.float32)
+    BH, head_stride = _heads(codes)
+    fn(x.data_ptr(), codes.data_ptr(), params.data_ptr(), out.data_ptr(), BH, R, D, block, n,
+       head_stride, codes.stride(2), spec.bits, group, params.shape[-1], torch.get_num_threads())
+    return out
+
+
+def key_scores_zp(q: torch.Tensor, codes: torch.Tensor, params: torch.Tensor, spec: KindSpec, block: int,
+                  group: int = 0) -> torch.Tensor:
+    """q [B, H, R, D] against keys-major zero-point codes [B, H, Dc, n] -> scores [B, H, R, n].
+    params: [B, H, 2 nb, n] (per-token blocks of `block` elements; group=0) or [B, H, 2 D, ng]
+    (per-channel groups of `group` tokens covering [0, n))."""
+    n = codes.shape[-1]
+    return _run_zp(library().key_scores_zp, q, codes, params, spec, block, group, q.shape[-1], n, n)
+
+
+def value_mix_zp(p: torch.Tensor, codes: torch.Tensor, params: torch.Tensor, spec: KindSpec, block: int,
+                 dim: int) -> torch.Tensor:
+    """Weights p [B, H, R, n] over per-token zero-point value codes [B, H, n, Dc], params [B, H, 2 nb, n]."""
+    return _run_zp(library().value_mix_zp, p, codes, params, spec, block, 0, dim, p.shape[-1], dim)

@@ -15,16 +15,24 @@ How to add a quantized kind
 
    A uniform kind is fixed by its code range [lo, hi]: code c stands for (c - (lo + hi)/2) *
    scale with scale = absmax / ((hi - lo)/2), a mid-rise quantizer symmetric about zero whose
-   extremes are exact. A codebook kind gives `codebook` (ascending, hi - lo + 1 values, max |v| =
-   the value absmax maps to) and codes index it. bits=4 kinds are packed two codes per byte
-   (uint8 codes in [0, 15]); bits=8 kinds store one code per byte. `aliases` adds short names.
+   extremes are exact. With `mid_tread=True` zero is a level instead (llama.cpp's q4_0): code c
+   stands for (c - z) * scale, z = (lo + hi + 1)/2, and the scale is signed, -x_m / (z - lo)
+   with x_m the block's element of largest magnitude, so x_m is exact (code lo) and the other
+   sign reaches hi - z steps (an element there may clip by up to one step). A codebook kind gives `codebook` (ascending, hi - lo + 1 values, max |v| =
+   the value absmax maps to) and codes index it. `zero_point=True`: asymmetric levels m + u *
+   scale (each block stores an fp16 scale and minimum). `per_channel=True`: a block is qblock
+   consecutive tokens of one channel (KIVI's keys; caramba.cache.streams.ChannelQuantStream).
+   bits=4 kinds are packed two codes per byte (uint8 codes in [0, 15]), bits=2 four per byte;
+   bits=8 kinds store one code per byte. `aliases` adds short names.
 2. tests/test_kv_quant.py: its kind lists come from this table (error bound for uniform kinds,
    update, rollback, reorder, batches, byte accounting); pin a few of the new kind's codes in
    test_codes_match_reference_formulas.
 
 Without `kernel=` the kind decodes through the eager path (caramba.cache.attend). For the C fast
 path also give it `kernel=N` and handle KIND id N in caramba/cache/quant_attend.c's
-`code_vector` and `code_offset`.
+`code_vector` and `code_offset`. Zero-point kinds (4- or 2-bit, per token, or per channel for
+keys in groups of a multiple of 16 tokens) take the C loops key_scores_zp / value_mix_zp
+without a kernel id.
 """
 
 from __future__ import annotations
@@ -53,6 +61,11 @@ class KindSpec:
     code_range: [lo, hi] of the stored codes; None for a float kind (values stored as `dtype`).
     codebook: the value of code u (ascending, one per code); None: uniform levels c + offset.
     kernel: the kind's id in quant_attend.c, or None (decode reads it through the eager path).
+    mid_tread: uniform levels with an exact zero and a signed scale (see the module doc).
+    zero_point: asymmetric uniform levels: code u stands for m + u * scale with m the block's
+      minimum (rounded down to fp16) and scale = (max - m) / hi; a block stores scale and m.
+    per_channel: a block is `qblock` consecutive *tokens* of one channel (KIVI's keys), not
+      `qblock` elements of one vector; a group is quantized once its qblock tokens are written.
     """
 
     name: str
@@ -62,9 +75,14 @@ class KindSpec:
     codebook: tuple[float, ...] | None = None
     kernel: int | None = None
     aliases: tuple[str, ...] = ()
+    mid_tread: bool = False
+    zero_point: bool = False
+    per_channel: bool = False
     # Derived (see __post_init__).
     quantized: bool = field(init=False)
-    packed: bool = field(init=False)          # two 4-bit codes per byte
+    packed: bool = field(init=False)          # several codes per byte (bits < 8)
+    per_byte: int = field(init=False)         # codes per byte: 1, 2 (4-bit) or 4 (2-bit)
+    params: int = field(init=False)           # fp16 numbers per block: scale (and the minimum)
     offset: float = field(init=False)         # uniform kinds: code c stands for (c + offset) * scale
     shift: float = field(init=False)          # quantize: code = floor(x / scale + shift)
     half_range: float = field(init=False)     # absmax / scale: the largest |value| of a code
@@ -75,34 +93,55 @@ class KindSpec:
         set_ = object.__setattr__
         quantized = self.code_range is not None
         set_(self, "quantized", quantized)
-        set_(self, "packed", quantized and self.bits == 4)
+        set_(self, "packed", quantized and self.bits < 8)
+        set_(self, "per_byte", 8 // self.bits if quantized else 1)
+        set_(self, "params", 2 if self.zero_point else 1)
         set_(self, "levels", None)
         set_(self, "midpoints", None)
         set_(self, "offset", 0.0)
         set_(self, "shift", 0.0)
         set_(self, "half_range", 0.0)
         if not quantized:
-            if self.codebook is not None or self.kernel is not None:
-                raise ValueError(f"kind {self.name}: a float kind (no code_range) takes no codebook or kernel")
+            if self.codebook is not None or self.kernel is not None or self.zero_point or self.per_channel:
+                raise ValueError(f"kind {self.name}: a float kind (no code_range) takes no codebook, kernel, "
+                                 "zero_point or per_channel")
             if torch.empty(0, dtype=self.dtype).element_size() * 8 != self.bits:
                 raise ValueError(f"kind {self.name}: bits={self.bits} is not the size of {self.dtype}")
             return
         lo, hi = self.code_range
-        if self.bits not in (4, 8):
-            raise ValueError(f"kind {self.name}: quantized kinds store 8-bit or 4-bit codes; got bits={self.bits}")
-        if self.packed and not (self.dtype == torch.uint8 and 0 <= lo < hi <= 15):
-            raise ValueError(f"kind {self.name}: 4-bit codes are packed as uint8 nibbles: dtype must be torch.uint8 "
-                             f"and code_range within [0, 15]; got {self.dtype}, {self.code_range}")
+        if self.bits not in (2, 4, 8):
+            raise ValueError(f"kind {self.name}: quantized kinds store 8-, 4- or 2-bit codes; got bits={self.bits}")
+        top = (1 << self.bits) - 1
+        if self.packed and not (self.dtype == torch.uint8 and 0 <= lo < hi <= top):
+            raise ValueError(f"kind {self.name}: {self.bits}-bit codes are packed as uint8 nibbles (4-bit) or bit "
+                             f"pairs (2-bit): dtype must be torch.uint8 and code_range within [0, {top}]; "
+                             f"got {self.dtype}, {self.code_range}")
+        if self.zero_point and (self.mid_tread or self.codebook is not None or lo != 0):
+            raise ValueError(f"kind {self.name}: zero_point kinds are uniform codes from 0 (no mid_tread, no codebook)")
+        if self.kernel is not None and (self.zero_point or self.per_channel or self.bits == 2):
+            raise ValueError(f"kind {self.name}: the C kernels read 8- and 4-bit per-token scales only; "
+                             "a zero_point, per_channel or 2-bit kind decodes through the eager path (no kernel=)")
         if not self.packed and not (self.dtype in (torch.int8, torch.uint8)
                                     and torch.iinfo(self.dtype).min <= lo < hi <= torch.iinfo(self.dtype).max):
             raise ValueError(f"kind {self.name}: code_range {self.code_range} must fit the storage dtype {self.dtype} "
                              "(torch.int8 or torch.uint8)")
-        if self.codebook is None:
+        if self.zero_point:
+            # Asymmetric: code u stands for min + u * scale; offset/shift unused.
+            set_(self, "half_range", float(hi))
+        elif self.codebook is None and self.mid_tread:
+            # Zero is level z; the largest-magnitude element is level lo (the scale takes its sign).
+            z = (lo + hi + 1) // 2
+            set_(self, "offset", float(-z))
+            set_(self, "shift", z + 0.5)
+            set_(self, "half_range", float(z - lo))
+        elif self.codebook is None:
             # Symmetric mid-rise levels: both extremes are +-absmax and every code is used.
             set_(self, "offset", -(lo + hi) / 2)
             set_(self, "shift", 0.5 + (lo + hi) / 2)
             set_(self, "half_range", (hi - lo) / 2)
         else:
+            if self.mid_tread:
+                raise ValueError(f"kind {self.name}: mid_tread is for uniform levels, not a codebook")
             if len(self.codebook) != hi - lo + 1 or list(self.codebook) != sorted(self.codebook):
                 raise ValueError(f"kind {self.name}: codebook needs {hi - lo + 1} ascending values (one per code)")
             if lo != 0:
@@ -112,9 +151,15 @@ class KindSpec:
             set_(self, "midpoints", (levels[1:] + levels[:-1]) / 2)
             set_(self, "half_range", float(levels.abs().max()))
 
+    @property
+    def reads_dequantized(self) -> bool:
+        """Decode reads this kind by dequantizing a chunk and one matmul (zero-point, per-channel
+        and 2-bit kinds), not by folding scales into the score rows."""
+        return self.zero_point or self.per_channel or self.bits == 2
+
     def code_width(self, head_dim: int) -> int:
         """Bytes of codes per head vector of head_dim elements."""
-        return head_dim // 2 if self.packed else head_dim
+        return head_dim // self.per_byte
 
 
 class KVCacheKind(str, Enum):
@@ -130,6 +175,15 @@ class KVCacheKind(str, Enum):
     Q4_0 = KindSpec("q4_0", bits=4, dtype=torch.uint8, code_range=(0, 15), kernel=1, aliases=("q4",))
     # 4-bit indexes into the QLoRA NormalFloat codebook, one fp16 absmax per block
     NF4 = KindSpec("nf4", bits=4, dtype=torch.uint8, code_range=(0, 15), codebook=NF4_LEVELS, kernel=2)
+    # llama.cpp's q4_0: 4-bit codes u standing for (u - 8) * scale, scale = -x_m/8 (x_m: the
+    # block's largest-magnitude element, exact); zero is a level
+    Q4_0L = KindSpec("q4_0l", bits=4, dtype=torch.uint8, code_range=(0, 15), mid_tread=True, kernel=3)
+    # Zero-point (asymmetric) kinds, KIVI's (Liu et al. 2024): per token (values) and per channel
+    # over groups of qblock tokens (keys); each block stores an fp16 scale and minimum.
+    Q4_1 = KindSpec("q4_1", bits=4, dtype=torch.uint8, code_range=(0, 15), zero_point=True)
+    Q4_1C = KindSpec("q4_1c", bits=4, dtype=torch.uint8, code_range=(0, 15), zero_point=True, per_channel=True)
+    Q2_1 = KindSpec("q2_1", bits=2, dtype=torch.uint8, code_range=(0, 3), zero_point=True)
+    Q2_1C = KindSpec("q2_1c", bits=2, dtype=torch.uint8, code_range=(0, 3), zero_point=True, per_channel=True)
 
     spec: KindSpec
 
@@ -218,6 +272,8 @@ class KVCacheTensorConfig:
         return self.kind.spec.bits / 8
 
     def block_for(self, head_dim: int) -> int:
+        if self.kind.spec.per_channel:
+            return self.qblock   # tokens per group: not bounded by the head size
         block = min(self.qblock, head_dim)
         if head_dim % block:
             raise ValueError(f"qblock={self.qblock} must divide head_dim={head_dim} (a block never spans two heads)")
@@ -229,4 +285,15 @@ class KVCacheTensorConfig:
         spec = self.kind.spec
         if not spec.quantized:
             return n_heads * head_dim * spec.bits // 8
-        return n_heads * (spec.code_width(head_dim) + head_dim // self.block_for(head_dim) * SCALE_BYTES)
+        if spec.per_channel:   # one group of qblock tokens stores head_dim * params fp16 numbers
+            return n_heads * (spec.code_width(head_dim) + self.channel_param_bytes(head_dim))
+        return n_heads * (spec.code_width(head_dim) + head_dim // self.block_for(head_dim) * SCALE_BYTES * spec.params)
+
+    def channel_param_bytes(self, head_dim: int) -> int:
+        """Per-channel kinds: bytes of block parameters per token and head (qblock must divide
+        head_dim * params * 2 so that a token's share is whole)."""
+        total = head_dim * self.kind.spec.params * SCALE_BYTES
+        if total % self.qblock:
+            raise ValueError(f"qblock={self.qblock} must divide {total} for {self.kind.value} on head_dim={head_dim} "
+                             "(a group of qblock tokens stores head_dim fp16 scales and minimums)")
+        return total // self.qblock

@@ -127,7 +127,8 @@ class LayerKVCache(StreamLayerCache):
         if self.rotation is not None:
             k = k @ self.rotation.to(k.dtype)
         ks, vs = self.k_stream, self.v_stream
-        if ks.quantized and vs.quantized and (ks.kind, ks.block) == (vs.kind, vs.block) and k.shape == v.shape:
+        if ks.quantized and vs.quantized and (ks.kind, ks.block) == (vs.kind, vs.block) and k.shape == v.shape \
+                and not ks.spec.per_channel:
             # One quantize call for both: a decode step is dominated by per-op overhead.
             codes, scales = quantize(torch.cat([k, v], dim=1), ks.spec, ks.block)
             H = k.shape[1]

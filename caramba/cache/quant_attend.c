@@ -8,14 +8,15 @@
    Layouts are caramba.cache.streams.QuantStream's: keys [BH, Dc, S] (keys-major), values
    [BH, S, Dc]; 4-bit codes hold element i in the low nibble of byte i and element i + D/2 in its
    high nibble. Scales arrive as float [BH, nb, n] (converted from the stored fp16 by the caller).
-   Code values: q8_0 c + 1/2, q4_0 u - 15/2, nf4 the NF4 codebook; times the block scale.
+   Code values: q8_0 c + 1/2, q4_0 u - 15/2, nf4 the NF4 codebook, q4_0l u - 8; times the block
+   scale (q4_0l's is signed).
    Parallel over independent output pieces with OpenMP (the process shares torch's libgomp). */
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { KIND_Q8_0 = 0, KIND_Q4_0 = 1, KIND_NF4 = 2 };
+enum { KIND_Q8_0 = 0, KIND_Q4_0 = 1, KIND_NF4 = 2, KIND_Q4_0L = 3 };
 
 static const float NF4[16] = {
     -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
@@ -25,7 +26,7 @@ static const float NF4[16] = {
 };
 
 static float code_offset(int kind) {
-    return kind == KIND_Q8_0 ? 0.5f : (kind == KIND_Q4_0 ? -7.5f : 0.0f);
+    return kind == KIND_Q8_0 ? 0.5f : (kind == KIND_Q4_0 ? -7.5f : (kind == KIND_Q4_0L ? -8.0f : 0.0f));
 }
 
 /* GCC/Clang vector extensions: 16 floats, lowered to whatever SIMD -march=native offers. The
@@ -72,7 +73,7 @@ INLINE vf code_vector(const void *src, int w, const int kind, int high) {
     if (kind == KIND_Q8_0) return __builtin_convertvector((__builtin_convertvector(b, vi32) << 24) >> 24, vf);
     const vu8 u = high ? b >> 4 : b & 15;
     const vi32 idx = __builtin_convertvector(u, vi32);
-    if (kind == KIND_Q4_0) return __builtin_convertvector(idx, vf);
+    if (kind == KIND_Q4_0 || kind == KIND_Q4_0L) return __builtin_convertvector(idx, vf);
 #if defined(__clang__)
     vf v;
     for (int i = 0; i < VW; i++) v[i] = NF4[idx[i]];
@@ -132,7 +133,7 @@ INLINE void value_item(const int kind, const int rr, const float *wt, const floa
 }
 
 #define FOR_ROWS(X, K) X(K, 1) X(K, 2) X(K, 3) X(K, 4) X(K, 5) X(K, 6) X(K, 7) X(K, 8)
-#define FOR_KINDS_ROWS(X) FOR_ROWS(X, KIND_Q8_0) FOR_ROWS(X, KIND_Q4_0) FOR_ROWS(X, KIND_NF4)
+#define FOR_KINDS_ROWS(X) FOR_ROWS(X, KIND_Q8_0) FOR_ROWS(X, KIND_Q4_0) FOR_ROWS(X, KIND_NF4) FOR_ROWS(X, KIND_Q4_0L)
 
 /* scores[bh, r, t] = sum_j scale[bh, j, t] * sum_{e in block j} q[bh, r, e] * value(code[bh, e, t]),
    for positions t in [0, n). q: [BH, R, D] floats (already scaled), out: [BH, R, n]. Keys-major
@@ -179,6 +180,138 @@ void value_mix(const float *p, const void *codes, const float *scales, float *ou
         switch (kind * 16 + rr) {
 #define VALUE_CASE(K, RR) case K * 16 + RR: value_item(K, RR, wt, wsum, base, oh, D, n, row_stride, j * blk, (j + 1) * blk); break;
             FOR_KINDS_ROWS(VALUE_CASE)
+        }
+        free(wt);
+    }
+}
+
+/* ---- zero-point kinds (q4_1, q2_1 per token; q4_1c, q2_1c per channel): code u stands for
+   m + u * s with a per-block scale s and minimum m. Codes of `bits` (4 or 2) are packed
+   8/bits per byte: element e sits in bit field e / fw of byte e % fw, fw = D * bits / 8.
+   Parameters arrive as float [BH, 2 nb, n] for per-token blocks (scales, then minimums) and
+   [BH, 2 D, ng] for per-channel groups of G tokens (keys only; G a multiple of VW). */
+
+INLINE vf field_vector(const void *src, int w, int shift, int mask) {
+    const vu8 b = load_bytes(src, w);
+    return __builtin_convertvector(__builtin_convertvector((b >> shift) & (uint8_t)mask, vi32), vf);
+}
+
+/* Per-token blocks: score[r, t] = sum_j s_j(t) (q_j . u_j(t)) + m_j(t) sum(q_j). */
+INLINE void key_item_zp(const int bits, const int rr, const float *qh, const uint8_t *base, const float *ph,
+                        float *oh, int D, int blk, int n, long pstride, long row_stride, int t0, int t1) {
+    const int nb = D / blk, fw = D * bits / 8, mask = (1 << bits) - 1;
+    for (int v0 = t0; v0 < t1; v0 += VW) {
+        const int w = t1 - v0 < VW ? t1 - v0 : VW;
+        vf score[RMAX] = {0};
+        for (int j = 0; j < nb; j++) {
+            vf acc[RMAX] = {0};
+            float qs[RMAX] = {0};
+            for (int e = j * blk; e < (j + 1) * blk; e++) {
+                const vf c = field_vector(base + (e % fw) * row_stride + v0, w, bits * (e / fw), mask);
+                for (int r = 0; r < rr; r++) {
+                    acc[r] += qh[(long)r * D + e] * c;
+                    qs[r] += qh[(long)r * D + e];
+                }
+            }
+            const vf s = load_floats(ph + (long)j * pstride + v0, w), m = load_floats(ph + (long)(nb + j) * pstride + v0, w);
+            for (int r = 0; r < rr; r++) score[r] += s * acc[r] + m * qs[r];
+        }
+        for (int r = 0; r < rr; r++) store_floats(oh + (long)r * n + v0, score[r], w);
+    }
+}
+
+/* Per-channel groups: score[r, t] = sum_e (q_e s_e(g)) u_e(t) + sum_e q_e m_e(g), g = t / G. */
+INLINE void key_item_channel(const int bits, const int rr, const float *qh, const uint8_t *base, const float *ph,
+                             float *oh, int D, int G, int n, long pstride, long row_stride, int t0, int t1) {
+    const int fw = D * bits / 8, mask = (1 << bits) - 1;
+    for (int v0 = t0; v0 < t1; v0 += VW) {
+        const int w = t1 - v0 < VW ? t1 - v0 : VW, g = v0 / G;
+        vf acc[RMAX] = {0};
+        float cst[RMAX] = {0};
+        for (int e = 0; e < D; e++) {
+            const float s = ph[(long)e * pstride + g], m = ph[(long)(D + e) * pstride + g];
+            const vf c = field_vector(base + (e % fw) * row_stride + v0, w, bits * (e / fw), mask);
+            for (int r = 0; r < rr; r++) {
+                acc[r] += (qh[(long)r * D + e] * s) * c;
+                cst[r] += qh[(long)r * D + e] * m;
+            }
+        }
+        for (int r = 0; r < rr; r++) store_floats(oh + (long)r * n + v0, acc[r] + cst[r], w);
+    }
+}
+
+#define FOR_BITS_ROWS(X) FOR_ROWS(X, 4) FOR_ROWS(X, 2)
+
+/* group == 0: per-token blocks of blk elements; group > 0: per-channel groups of `group` tokens. */
+void key_scores_zp(const float *q, const void *codes, const float *params, float *out,
+                   int BH, int R, int D, int blk, int n, long head_stride, long row_stride,
+                   int bits, int group, long pstride, int nthreads) {
+    const int nb = D / blk, tiles = (n + TILE - 1) / TILE, groups = (R + RMAX - 1) / RMAX;
+    const long prows = group ? 2L * D : 2L * nb;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (long item = 0; item < (long)BH * groups * tiles; item++) {
+        const int bh = (int)(item / ((long)groups * tiles)), gr = (int)(item / tiles % groups);
+        const int t0 = (int)(item % tiles) * TILE, t1 = t0 + TILE < n ? t0 + TILE : n;
+        const int r0 = gr * RMAX, rr = R - r0 < RMAX ? R - r0 : RMAX;
+        const float *qh = q + ((long)bh * R + r0) * D, *ph = params + (long)bh * prows * pstride;
+        const uint8_t *base = (const uint8_t *)codes + bh * head_stride;
+        float *oh = out + ((long)bh * R + r0) * n;
+        if (group) {
+            switch (bits * 16 + rr) {
+#define KEYC_CASE(B, RR) case B * 16 + RR: key_item_channel(B, RR, qh, base, ph, oh, D, group, n, pstride, row_stride, t0, t1); break;
+                FOR_BITS_ROWS(KEYC_CASE)
+            }
+        } else {
+            switch (bits * 16 + rr) {
+#define KEYZ_CASE(B, RR) case B * 16 + RR: key_item_zp(B, RR, qh, base, ph, oh, D, blk, n, pstride, row_stride, t0, t1); break;
+                FOR_BITS_ROWS(KEYZ_CASE)
+            }
+        }
+    }
+}
+
+/* Per-token blocks of values: out[r, e] = sum_t (p_t s_j(t)) u_e(t) + sum_t p_t m_j(t), j = e / blk. */
+INLINE void value_item_zp(const int bits, const int rr, const float *wt, const float *moff, const uint8_t *base,
+                          float *oh, int D, int n, long row_stride, int e0, int e1) {
+    const int fw = D * bits / 8, mask = (1 << bits) - 1;
+    for (int e = e0; e < e1;) {
+        int w = e1 - e < VW ? e1 - e : VW;
+        const int field = e / fw;
+        if ((e + w - 1) / fw != field) w = (field + 1) * fw - e;   /* never straddle two bit fields */
+        const uint8_t *col = base + e % fw;
+        vf acc[RMAX] = {0};
+        for (int t = 0; t < n; t++) {
+            const vf c = field_vector(col + (long)t * row_stride, w, bits * field, mask);
+            for (int r = 0; r < rr; r++) acc[r] += wt[(long)r * n + t] * c;
+        }
+        for (int r = 0; r < rr; r++) store_floats(oh + (long)r * D + e, acc[r] + moff[r], w);
+        e += w;
+    }
+}
+
+void value_mix_zp(const float *p, const void *codes, const float *params, float *out,
+                  int BH, int R, int D, int blk, int n, long head_stride, long row_stride,
+                  int bits, int group, long pstride, int nthreads) {
+    (void)group;
+    const int nb = D / blk, groups = (R + RMAX - 1) / RMAX;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (long item = 0; item < (long)BH * nb * groups; item++) {
+        const int bh = (int)(item / ((long)nb * groups)), j = (int)(item / groups % nb), gr = (int)(item % groups);
+        const int r0 = gr * RMAX, rr = R - r0 < RMAX ? R - r0 : RMAX;
+        const float *ph = p + ((long)bh * R + r0) * n;
+        const float *s = params + ((long)bh * 2 * nb + j) * pstride, *m = params + ((long)bh * 2 * nb + nb + j) * pstride;
+        float *wt = malloc((size_t)rr * n * sizeof(float));
+        float moff[RMAX] = {0};
+        for (int r = 0; r < rr; r++)
+            for (int t = 0; t < n; t++) {
+                wt[(long)r * n + t] = ph[(long)r * n + t] * s[t];
+                moff[r] += ph[(long)r * n + t] * m[t];
+            }
+        const uint8_t *base = (const uint8_t *)codes + bh * head_stride;
+        float *oh = out + ((long)bh * R + r0) * D;
+        switch (bits * 16 + rr) {
+#define VALUEZ_CASE(B, RR) case B * 16 + RR: value_item_zp(B, RR, wt, moff, base, oh, D, n, row_stride, j * blk, (j + 1) * blk); break;
+            FOR_BITS_ROWS(VALUEZ_CASE)
         }
         free(wt);
     }

@@ -49,6 +49,9 @@ class RingKVCache(KVCache):
             if type(layer) is not LayerKVCache:
                 raise ValueError(f"a ring-buffer cache needs standard attention layers; got {type(layer).__name__}")
             for stream in (layer.k_stream, layer.v_stream):
+                if getattr(stream, "spec", None) is not None and stream.spec.per_channel:
+                    raise ValueError(f"a ring-buffer cache cannot hold a per-channel kind ({stream.kind.value}): its "
+                                     "token groups assume storage order is slot order; use a per-token kind")
                 if getattr(stream, "R", 0):
                     raise ValueError("a ring-buffer cache cannot keep a quantized kind's full-precision residual "
                                      "window (residual_len > 0); set residual_len: 0 or turn the ring off")

@@ -1,11 +1,20 @@
-"""Teacher-forced scoring of a text through the KV cache: what a cache policy costs in quality.
+"""Scoring a text through the KV cache: what a cache policy costs in quality. Two protocols.
 
-The text's first `prompt_len` tokens are prefilled; every later token is then fed one at a time
+`evaluate_cache` ("decode", the default of `caramba eval`): the text's first `prompt_len` tokens are prefilled; every later token is then fed one at a time
 through the cache, exactly as generation does, and the logits predicting each next token are
 scored: NLL/PPL of the text, and against the baseline cache (fp32 by default) the KL divergence
 KL(baseline || candidate) and how often the top-1 token agrees (llama.cpp's perplexity tool
 with --kl-divergence). The baseline and every candidate advance in lockstep, so no logits are
 stored.
+
+`evaluate_chunks` ("chunks", comparable with llama.cpp's `llama-perplexity -c CTX`): the text is
+split into non-overlapping windows of `ctx` tokens, each run as one forward through an empty
+cache (so every token's attention reads the cache's stored, possibly quantized, K/V, as
+llama.cpp's does), and scored on its second half: the logits at positions ctx/2 .. ctx-2
+predict tokens ctx/2+1 .. ctx-1 (ctx/2 - 1 per window, as llama.cpp counts). When the model's
+tokenizer adds BOS, the text is tokenized with it and the first token of every window is
+replaced by BOS. PPL comes with llama.cpp's standard error: PPL * the standard error of the
+mean NLL, sqrt((mean(nll^2) - mean(nll)^2) / (N - 1)).
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from importlib.resources import files
 from pathlib import Path
+
+import math
 
 import torch
 
@@ -45,6 +56,9 @@ class EvalResult:
     kl_max: float
     top1_agreement: float       # fraction of positions where both caches' argmax agree
     bytes_per_token: int        # the candidate cache's, batch 1, all layers
+    protocol: str = "decode"    # "decode" (evaluate_cache) or "chunks" (evaluate_chunks)
+    ppl_stderr: float | None = None           # chunks: llama.cpp's standard error of the PPL
+    baseline_ppl_stderr: float | None = None
 
     @property
     def dnll(self) -> float:
@@ -60,9 +74,26 @@ class EvalResult:
 
 class _Score:
     def __init__(self) -> None:
-        self.nll = self.kl = 0.0
+        self.nll = self.nll2 = self.kl = 0.0
         self.kl_max = 0.0
         self.agree = self.n = 0
+
+    def add(self, lp: torch.Tensor, base: torch.Tensor, targets: torch.Tensor) -> None:
+        """Score rows lp [N, V] (log-probabilities) against the baseline's base [N, V] at targets [N]."""
+        nll = -lp.gather(-1, targets[:, None])[:, 0].double()
+        self.nll += float(nll.sum())
+        self.nll2 += float((nll * nll).sum())
+        kl = (base.exp() * (base - lp)).sum(-1).clamp(min=0)
+        self.kl += float(kl.double().sum())
+        self.kl_max = max(self.kl_max, float(kl.max()))
+        self.agree += int((lp.argmax(-1) == base.argmax(-1)).sum())
+        self.n += int(targets.numel())
+
+    def ppl_stderr(self) -> float:
+        """llama.cpp's: PPL * sqrt((mean(nll^2) - mean(nll)^2) / (N - 1))."""
+        mean = self.nll / self.n
+        var = self.nll2 / self.n - mean * mean
+        return math.exp(mean) * math.sqrt(max(var, 0.0) / max(self.n - 1, 1))
 
 
 @torch.inference_mode()
@@ -88,35 +119,91 @@ def evaluate_cache(
     logits = [model(tokens[:, :prompt_len], cache=c, last_only=True)[:, -1] for c in caches]
     total = n - prompt_len
     for t in range(prompt_len, n):
-        target = tokens[0, t]
-        logp = [torch.log_softmax(x.float(), dim=-1)[0] for x in logits]  # [V] each
-        base = logp[0]
-        base_top = int(base.argmax())
-        p_base = base.exp()
-        for i, lp in enumerate(logp):
-            s = scores[i]
-            s.nll -= float(lp[target])
-            kl = float((p_base * (base - lp)).sum().clamp(min=0))
-            s.kl += kl
-            s.kl_max = max(s.kl_max, kl)
-            s.agree += int(int(lp.argmax()) == base_top)
-            s.n += 1
+        logp = [torch.log_softmax(x.float(), dim=-1) for x in logits]  # [1, V] each
+        for s, lp in zip(scores, logp):
+            s.add(lp, logp[0], tokens[0, t : t + 1])
         if t + 1 < n:
             logits = [model(tokens[:, t : t + 1], cache=c)[:, -1] for c in caches]
         if on_step is not None:
             on_step(t - prompt_len + 1, total)
-    base_nll = scores[0].nll / scores[0].n
-    results = []
+    return _results(model, policies, caches, scores, "decode")
+
+
+def _results(model, policies, caches, scores, protocol: str) -> list[EvalResult]:
+    base = scores[0]
+    base_nll = base.nll / base.n
     decoupled = model.config.attention == "decoupled"   # names k_sem/k_geo/v kinds
+    chunks = protocol == "chunks"
+    results = []
     for policy, cache, s in list(zip(policies, caches, scores))[1:]:
         nll = s.nll / s.n
         results.append(EvalResult(
-            policy=policy.describe(decoupled), n_scored=s.n, nll=nll, ppl=float(torch.tensor(nll).exp()),
-            baseline_nll=base_nll, baseline_ppl=float(torch.tensor(base_nll).exp()),
+            policy=policy.describe(decoupled), n_scored=s.n, nll=nll, ppl=math.exp(nll),
+            baseline_nll=base_nll, baseline_ppl=math.exp(base_nll),
             kl_mean=s.kl / s.n, kl_max=s.kl_max, top1_agreement=s.agree / s.n,
-            bytes_per_token=cache.bytes_per_token(),
+            bytes_per_token=cache.bytes_per_token(), protocol=protocol,
+            ppl_stderr=s.ppl_stderr() if chunks else None, baseline_ppl_stderr=base.ppl_stderr() if chunks else None,
         ))
     return results
 
 
-__all__ = ["EvalResult", "corpus_ids", "corpus_text", "evaluate_cache"]
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts BOS in front of a text (llama.cpp's llama_vocab_get_add_bos)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    with_special = tokenizer.encode("a", add_special_tokens=True)
+    return with_special[:1] == [bos] and tokenizer.encode("a", add_special_tokens=False)[:1] != [bos]
+
+
+def chunk_windows(ids: Sequence[int], ctx: int, bos: int | None = None) -> list[list[int]]:
+    """The non-overlapping ctx-token windows of ids (a tail shorter than ctx is dropped, as
+    llama.cpp does); with `bos`, each window's first token is replaced by it."""
+    windows = [list(ids[i : i + ctx]) for i in range(0, len(ids) - ctx + 1, ctx)]
+    if bos is not None:
+        for w in windows:
+            w[0] = bos
+    return windows
+
+
+@torch.inference_mode()
+def evaluate_chunks(
+    model,
+    ids: Sequence[int],
+    candidates: Sequence[CachePolicy | str],
+    baseline: CachePolicy | str = "fp32",
+    ctx: int = 512,
+    bos: int | None = None,
+    max_chunks: int | None = None,
+    on_step: Callable[[int, int], None] | None = None,   # (done, total) after each window
+) -> list[EvalResult]:
+    """llama-perplexity's protocol (module doc): ids are the whole text's tokens (with the BOS the
+    tokenizer adds, if any; `bos` is then its id). Baseline and candidates see the same windows."""
+    if ctx < 4 or ctx % 2:
+        raise ValueError(f"ctx={ctx} must be an even number >= 4 (windows are scored on their second half)")
+    windows = chunk_windows(ids, ctx, bos)
+    if max_chunks is not None:
+        windows = windows[:max_chunks]
+    if not windows:
+        raise ValueError(f"the text has {len(ids)} tokens; ctx={ctx} needs at least {ctx} (one window)")
+    policies = [CachePolicy.of(baseline)] + [CachePolicy.of(c) for c in candidates]
+    device = model.device
+    caches = [model.new_cache(1, ctx, p) for p in policies]
+    scores = [_Score() for _ in policies]
+    first = ctx // 2
+    for i, window in enumerate(windows):
+        tokens = torch.tensor([window], device=device)
+        targets = tokens[0, first + 1 :]
+        base = None
+        for cache, s in zip(caches, scores):   # the baseline first; one candidate's rows held at a time
+            cache.reset()
+            logits = model(tokens, cache=cache)[0, first : ctx - 1]          # [ctx/2 - 1, V]
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            base = lp if base is None else base
+            s.add(lp, base, targets)
+        if on_step is not None:
+            on_step(i + 1, len(windows))
+    return _results(model, policies, caches, scores, "chunks")
+
+
+__all__ = ["EvalResult", "adds_bos", "chunk_windows", "corpus_ids", "corpus_text", "evaluate_cache", "evaluate_chunks"]
