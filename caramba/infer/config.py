@@ -411,6 +411,13 @@ class SpeculativeConfig(_Composed):
             if value != default:
                 raise OptionError(name, value, f"is not supported with speculative decoding; leave it at {default!r} "
                                   "or use plain decoding")
+        cache = self.generate.cache
+        if not cache.is_auto:
+            policy = cache.spec()
+            grouped = sorted({c.kind.value for c in (policy.k, policy.v, policy.k_sem, policy.k_geo) if c.kind.spec.per_channel})
+            if grouped:   # a rejected draft would leave a group quantized twice: not plain decoding's cache
+                raise OptionError("cache_kind", ",".join(grouped), "quantizes groups of tokens per channel, which "
+                                  "rejected drafts cannot roll back exactly; use a per-token kind with speculative decoding")
 
     def __getattr__(self, name: str) -> Any:   # flat options, then GenerateConfig's helpers (eos_ids, decode, ...)
         try:
