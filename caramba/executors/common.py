@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,18 +20,18 @@ from caramba.runners import RunTask, TaskResult
 from caramba.runs import LOCK, RunDir
 
 
-class Executor:
+class Executor(ABC):
     """Runs RunTasks somewhere. The driver calls start() once, poll() until every task has a
     result, and cancel() on Ctrl-C; close() always."""
 
     name = "executor"
 
-    def start(self, tasks: list[RunTask]) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def start(self, tasks: list[RunTask]) -> None: ...
 
+    @abstractmethod
     def poll(self, timeout: float) -> list[TaskResult]:
         """Results of the tasks finished since the last call (waiting up to `timeout` s for one)."""
-        raise NotImplementedError
 
     def running(self) -> set[str] | None:
         """Names of the runs in progress, when the executor knows; None: read their locks."""
