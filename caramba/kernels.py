@@ -83,3 +83,26 @@ def load(source: Path, signatures: dict[str, tuple[list, object]], purpose: str,
             status = f"unavailable: build failed ({detail.splitlines()[-1] if detail else e})"
     warnings.warn(f"{purpose} through the slower eager path: kernels {status}", stacklevel=stacklevel)
     return None, status
+
+
+class Library:
+    """One C source's kernels for its callers: `library()` builds and loads them on first use and
+    then returns the same handle (or None, after one warning); `status()` says which ('c' or why
+    not); `cache_clear()` forgets, so the next call loads again (tests, a changed environment)."""
+
+    def __init__(self, source: Path, signatures: dict[str, tuple[list, object]], purpose: str) -> None:
+        self.source, self.signatures, self.purpose = source, signatures, purpose
+        self.cache_clear()
+
+    def __call__(self) -> ctypes.CDLL | None:
+        if not self._loaded:
+            self._lib, self._status = load(self.source, self.signatures, self.purpose, stacklevel=4)
+            self._loaded = True
+        return self._lib
+
+    def status(self) -> str:
+        self()
+        return self._status
+
+    def cache_clear(self) -> None:
+        self._lib, self._status, self._loaded = None, "not built yet", False

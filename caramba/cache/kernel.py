@@ -11,7 +11,6 @@ autograd) and when they are unavailable: CARAMBA_KERNELS=0, no C compiler, or a 
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -25,23 +24,15 @@ _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.c_long] * 2 + [ctyp
 # zero-point kinds: ... bits, group (0: per-token blocks), parameter row stride, threads
 _ZP_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.c_long] * 2 + [ctypes.c_int] * 2 + [ctypes.c_long, ctypes.c_int]
 
-_status = "not built yet"
-
-
-@lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (see the module doc)."""
-    global _status
-    lib, _status = kernels.load(SOURCE, {"key_scores": (_ARGS, None), "value_mix": (_ARGS, None),
-                                         "key_scores_zp": (_ZP_ARGS, None), "value_mix_zp": (_ZP_ARGS, None)},
-                                "quantized KV caches decode")
-    return lib
+# library(): the loaded kernels, or None (see the module doc).
+library = kernels.Library(SOURCE, {"key_scores": (_ARGS, None), "value_mix": (_ARGS, None),
+                                   "key_scores_zp": (_ZP_ARGS, None), "value_mix_zp": (_ZP_ARGS, None)},
+                          "quantized KV caches decode")
 
 
 def status() -> str:
     """'c' when the kernels are in use, else why not."""
-    library()
-    return _status
+    return library.status()
 
 
 def usable(x: torch.Tensor) -> bool:

@@ -10,7 +10,6 @@ them off).
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -25,19 +24,13 @@ _SIGNATURES = {
     "add_rms_norm": ([_P] * 5 + [_L, _I, _F], None),
     "silu_mul": ([_P] * 2 + [_L, _I], None),
 }
-_status = "not built yet"
-
-
-@lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    global _status
-    lib, _status = kernels.load(SOURCE, _SIGNATURES, "decode steps run elementwise ops")
-    return lib
+# library(): the loaded elementwise kernels, or None.
+library = kernels.Library(SOURCE, _SIGNATURES, "decode steps run elementwise ops")
 
 
 def status() -> str:
-    library()
-    return _status
+    """'c' when the fused kernels are in use, else why not."""
+    return library.status()
 
 
 def applies(x: torch.Tensor) -> bool:

@@ -17,7 +17,6 @@ the CPU; prefill, larger batches, other devices and a missing kernel library tak
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -39,21 +38,13 @@ _SIGNATURES = {
     "gemv_q4_1_f32": ([_P] * 5 + [_I] * 4, _I),
     "gemv_q4_1_q8": ([_P] * 5 + [_I] * 4, _I),
 }
-_status = "not built yet"
-
-
-@lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    """The loaded GEMV kernels, or None (CARAMBA_KERNELS=0, no compiler, failed build: one warning)."""
-    global _status
-    lib, _status = kernels.load(SOURCE, _SIGNATURES, "quantized weights multiply")
-    return lib
+# library(): the loaded GEMV kernels, or None (CARAMBA_KERNELS=0, no compiler, failed build: one warning).
+library = kernels.Library(SOURCE, _SIGNATURES, "quantized weights multiply")
 
 
 def status() -> str:
     """'c' when the weight kernels are in use, else why not."""
-    library()
-    return _status
+    return library.status()
 
 
 def check_kind(weights: str) -> str:
