@@ -13,7 +13,10 @@ caramba's q8_0 requantizes the same dequantized values as llama-quantize does. R
 sides alike; the table gives medians, with the load average before and after.
 
     .venv/bin/python benchmarks/decode_vs_llamacpp.py [--threads 2] [--tokens 64] [--repeats 5]
-        [--formats F32,Q8_0,Q4_1] [--sdist FILE] [--no-llamacpp] [--json out.json]
+        [--formats F32,Q8_0,Q4_1] [--sdist FILE] [--no-llamacpp] [--torch-path] [--json out.json]
+
+--torch-path adds caramba with its one-call decode step off (caramba.model.fast_decode), the
+torch-op path every step took before it, in the same alternation.
 
 llama.cpp is built by benchmarks/llamacpp.py (from the llama-cpp-python sdist, cached under
 ~/.cache/caramba/llama.cpp/<version>/; targets llama-bench and llama-quantize). It is a
@@ -39,7 +42,7 @@ import torch  # noqa: E402
 
 import llamacpp  # noqa: E402  (benchmarks/llamacpp.py)
 from caramba.cache import kernel as cache_kernel  # noqa: E402
-from caramba.model import fused, quant  # noqa: E402
+from caramba.model import fast_decode, fused, quant  # noqa: E402
 from caramba.model.zoo import load_model  # noqa: E402
 
 CARAMBA_WEIGHTS = {"F32": "fp32", "Q8_0": "q8_0", "Q4_1": "native"}
@@ -93,6 +96,8 @@ def main() -> None:
     ap.add_argument("--formats", default="F32,Q8_0,Q4_1")
     ap.add_argument("--sdist", default=None, help="llama_cpp_python-*.tar.gz (default: newest in /tmp/lcp)")
     ap.add_argument("--no-llamacpp", action="store_true", help="caramba only (no llama.cpp build or runs)")
+    ap.add_argument("--torch-path", action="store_true",
+                    help="also time caramba with its one-call decode step off (model.fast_decode = False)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -108,13 +113,17 @@ def main() -> None:
     prompt = torch.tensor([tokenizer.encode("The history of the lighthouse begins with")])
 
     load_before = os.getloadavg()
-    rows = {f: {"caramba": [], "llama.cpp": []} for f in formats}
+    rows = {f: {"caramba": [], "llama.cpp": [], "torch path": []} for f in formats}
     commands = {}
     for f in formats:   # warm-up: kernel builds, first-touch of the weights, llama.cpp's model load
         caramba_decode(models[f].model, prompt, 4)
     for _ in range(args.repeats):
         for f in formats:
             rows[f]["caramba"].append(caramba_decode(models[f].model, prompt, args.tokens))
+            if args.torch_path:
+                models[f].model.fast_decode = False
+                rows[f]["torch path"].append(caramba_decode(models[f].model, prompt, args.tokens))
+                models[f].model.fast_decode = True
             if tools is not None:
                 ts, commands[f] = llama_bench(tools, ggufs[f], args.tokens, args.threads)
                 rows[f]["llama.cpp"].append(ts)
@@ -122,23 +131,28 @@ def main() -> None:
 
     print(f"SmolLM2-135M batch-1 decode, {args.tokens} tokens x {args.repeats} alternating repeats, "
           f"{args.threads} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}; "
-          f"kernels: weights {quant.status()}, decode ops {fused.status()}, kv {cache_kernel.status()}")
+          f"kernels: decode step {fast_decode.status()}, weights {quant.status()}, decode ops {fused.status()}, "
+          f"kv {cache_kernel.status()}")
     print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
           f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} (on {os.cpu_count()} CPUs)")
-    print(f"| format | caramba weights | caramba tok/s | llama.cpp tok/s | caramba / llama.cpp |")
-    print("|---|---|---|---|---|")
+    extra = " caramba, torch path tok/s |" if args.torch_path else ""
+    print(f"| format | caramba weights | caramba tok/s | llama.cpp tok/s | caramba / llama.cpp |{extra}")
+    print("|---|---|---|---|---|" + ("---|" if args.torch_path else ""))
     table = []
     for f in formats:
         c = statistics.median(rows[f]["caramba"])
         lc = statistics.median(rows[f]["llama.cpp"]) if rows[f]["llama.cpp"] else None
         ratio = f"{c / lc:.2f}x" if lc else "-"
-        print(f"| {f} | {CARAMBA_WEIGHTS[f]} | {c:.1f} | {f'{lc:.1f}' if lc else '-'} | {ratio} |")
+        tp = f" {statistics.median(rows[f]['torch path']):.1f} |" if args.torch_path else ""
+        print(f"| {f} | {CARAMBA_WEIGHTS[f]} | {c:.1f} | {f'{lc:.1f}' if lc else '-'} | {ratio} |{tp}")
         table.append({"format": f, "caramba_weights": CARAMBA_WEIGHTS[f], "caramba_tok_s": c, "llamacpp_tok_s": lc,
-                      "caramba_runs": rows[f]["caramba"], "llamacpp_runs": rows[f]["llama.cpp"]})
+                      "caramba_runs": rows[f]["caramba"], "llamacpp_runs": rows[f]["llama.cpp"],
+                      "torch_path_runs": rows[f]["torch path"]})
     if args.json:
         Path(args.json).write_text(json.dumps({
             "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "torch": torch.__version__,
             "loadavg_before": load_before, "loadavg_after": load_after, "kernels": quant.status(),
+            "decode_step": fast_decode.status(),
             "llamacpp_commands": commands, "rows": table}, indent=2))
 
 

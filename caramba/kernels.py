@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -40,10 +41,22 @@ def kernel_dir() -> Path:
     return Path(os.environ.get("CARAMBA_CACHE_DIR", Path.home() / ".cache" / "caramba")) / "kernels"
 
 
+def _source_bytes(source: Path, seen: frozenset = frozenset()) -> bytes:
+    """The source and, recursively, the sibling files it #includes "like_this.c": a library is
+    rebuilt when any of them changes."""
+    text = source.read_bytes()
+    parts = [text]
+    for name in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', text, re.M):
+        included = source.parent / name.decode()
+        if included.exists() and included not in seen:
+            parts.append(_source_bytes(included, seen | {source}))
+    return b"".join(parts)
+
+
 def build(source: Path, cc: str, flags: list[str] = FLAGS) -> Path:
     """The shared library of `source`, compiled once per (source, command, CPU) and cached."""
     command = [cc, *flags]
-    key = hashlib.sha256(source.read_bytes() + " ".join(command).encode() + cpu_flags().encode()
+    key = hashlib.sha256(_source_bytes(source) + " ".join(command).encode() + cpu_flags().encode()
                          + platform.machine().encode()).hexdigest()[:16]
     out_dir = kernel_dir()
     out = out_dir / f"{source.stem}-{key}.so"

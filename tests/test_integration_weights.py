@@ -52,3 +52,19 @@ def test_native_logits_match_fp32(smollm2, native):
     # Same values, other summation order: fp32 rounding through 30 layers (tolerance.forward).
     import tolerance as tol
     torch.testing.assert_close(got, ref, **tol.forward(ref, smollm2.model.config))
+
+
+@pytest.mark.parametrize("weights", ["fp32", "native"])
+def test_the_one_call_decode_step_gives_the_torch_paths_greedy_output(smollm2, native, weights):
+    """caramba.model.fast_decode against the torch path it replaces, on real prompts."""
+    from caramba.model import fast_decode
+
+    if fast_decode.library() is None:
+        pytest.skip(f"decode step kernel {fast_decode.status()}")
+    model = smollm2.model if weights == "fp32" else native
+    fast = greedy(model, smollm2.tokenizer)
+    model.fast_decode = False
+    try:
+        assert greedy(model, smollm2.tokenizer) == fast
+    finally:
+        model.fast_decode = True

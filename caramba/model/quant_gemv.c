@@ -34,7 +34,6 @@
 #endif
 
 #define QK 32
-#define MMAX 8     /* activation rows per pass over the weights */
 
 static inline float fp16_to_fp32(uint16_t h) {
 #if defined(__F16C__)
@@ -135,102 +134,117 @@ int gemv_q8_0_q8(const float *x, const int8_t *qs, const uint16_t *d, float *out
     return 0;
 }
 
-int gemv_q8_0_f32(const float *x, const int8_t *qs, const uint16_t *d, float *out, int M, int N, int K,
-                   int nthreads) {
-    const int nb = K / QK;
-    for (int m0 = 0; m0 < M; m0 += MMAX) {
-        const int mr = M - m0 < MMAX ? M - m0 : MMAX;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-        for (int n = 0; n < N; n++) {
-            const int8_t *wq = qs + (long)n * K;
-            const uint16_t *wd = d + (long)n * nb;
-            float res[MMAX];
-            for (int r = 0; r < mr; r++) {
-                const float *xr = x + (long)(m0 + r) * K;
+/* One fp32 weight row . one fp32 activation row (the decode step's fp32 projections). */
+static inline float dot_f32(const float *w, const float *x, int K) {
 #if HAVE_AVX2
-                __m256 acc = _mm256_setzero_ps();
-                for (int b = 0; b < nb; b++) {
-                    __m256 s = _mm256_setzero_ps();
-                    for (int j = 0; j < QK; j += 8) {
-                        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                            _mm_loadl_epi64((const __m128i *)(wq + b * QK + j))));
-                        s = _mm256_fmadd_ps(w, _mm256_loadu_ps(xr + b * QK + j), s);
-                    }
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b])), s, acc);
-                }
-                res[r] = hsum8(acc);
-#else
-                float acc = 0.0f;
-                for (int b = 0; b < nb; b++) {
-                    float s = 0.0f;
-                    for (int i = 0; i < QK; i++) s += (float)wq[b * QK + i] * xr[b * QK + i];
-                    acc += fp16_to_fp32(wd[b]) * s;
-                }
-                res[r] = acc;
-#endif
-            }
-            for (int r = 0; r < mr; r++) out[(long)(m0 + r) * N + n] = res[r];
-        }
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
     }
-    return 0;
+    for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+    float acc = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; k < K; k++) acc += w[k] * x[k];
+    return acc;
+#else
+    float acc = 0.0f;
+    for (int k = 0; k < K; k++) acc += w[k] * x[k];
+    return acc;
+#endif
 }
 
-int gemv_q4_1_f32(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins, float *out,
-                   int M, int N, int K, int nthreads) {
+/* One q8_0 weight row . fp32 activations: the exact weight values times x. */
+static inline float dot_q8_0_f32(const int8_t *wq, const uint16_t *wd, const float *xr, int nb) {
+#if HAVE_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256 s = _mm256_setzero_ps();
+        for (int j = 0; j < QK; j += 8) {
+            const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wq + b * QK + j))));
+            s = _mm256_fmadd_ps(w, _mm256_loadu_ps(xr + b * QK + j), s);
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b])), s, acc);
+    }
+    return hsum8(acc);
+#else
+    float acc = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        float s = 0.0f;
+        for (int i = 0; i < QK; i++) s += (float)wq[b * QK + i] * xr[b * QK + i];
+        acc += fp16_to_fp32(wd[b]) * s;
+    }
+    return acc;
+#endif
+}
+
+/* One q4_1 weight row . fp32 activations; xs: the activations' sum over each block (the minimum
+   m multiplies it). */
+static inline float dot_q4_1_f32(const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, const float *xr,
+                                 const float *xs, int nb) {
+#if HAVE_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    float macc = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(wq + b * QK / 2));
+        const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(15));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
+        const float *xb = xr + b * QK;
+        __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_loadu_ps(xb));
+        s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(xb + 8), s);
+        s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_loadu_ps(xb + 16), s);
+        s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(xb + 24), s);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b])), s, acc);
+        macc += fp16_to_fp32(wm[b]) * xs[b];
+    }
+    return hsum8(acc) + macc;
+#else
+    float acc = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = wq + b * QK / 2;
+        const float *xb = xr + b * QK;
+        float s = 0.0f;
+        for (int j = 0; j < QK / 2; j++) s += (float)(qb[j] & 15) * xb[j] + (float)(qb[j] >> 4) * xb[j + QK / 2];
+        acc += fp16_to_fp32(wd[b]) * s + fp16_to_fp32(wm[b]) * xs[b];
+    }
+    return acc;
+#endif
+}
+
+/* x [M, K] -> the sum of each 32-block [M, K/32]. */
+static void block_sums(const float *x, int M, int K, float *xs) {
     const int nb = K / QK;
-    /* sum of x over each block: the minimum m multiplies it, once per block for every row. */
-    float *xs = malloc(sizeof(float) * (size_t)M * nb);
-    if (!xs) return 1;
     for (int m = 0; m < M; m++)
         for (int b = 0; b < nb; b++) {
             float s = 0.0f;
             for (int i = 0; i < QK; i++) s += x[(long)m * K + b * QK + i];
             xs[m * nb + b] = s;
         }
-    for (int m0 = 0; m0 < M; m0 += MMAX) {
-        const int mr = M - m0 < MMAX ? M - m0 : MMAX;
+}
+
+int gemv_q8_0_f32(const float *x, const int8_t *qs, const uint16_t *d, float *out, int M, int N, int K,
+                   int nthreads) {
+    const int nb = K / QK;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-        for (int n = 0; n < N; n++) {
-            const uint8_t *wq = qs + (long)n * (K / 2);
-            const uint16_t *wd = d + (long)n * nb, *wm = mins + (long)n * nb;
-            float res[MMAX];
-            for (int r = 0; r < mr; r++) {
-                const float *xr = x + (long)(m0 + r) * K;
-                const float *xsr = xs + (m0 + r) * nb;
-#if HAVE_AVX2
-                __m256 acc = _mm256_setzero_ps();
-                float macc = 0.0f;
-                for (int b = 0; b < nb; b++) {
-                    const __m128i bytes = _mm_loadu_si128((const __m128i *)(wq + b * QK / 2));
-                    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(15));
-                    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
-                    const float *xb = xr + b * QK;
-                    __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_loadu_ps(xb));
-                    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
-                                        _mm256_loadu_ps(xb + 8), s);
-                    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_loadu_ps(xb + 16), s);
-                    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))),
-                                        _mm256_loadu_ps(xb + 24), s);
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b])), s, acc);
-                    macc += fp16_to_fp32(wm[b]) * xsr[b];
-                }
-                res[r] = hsum8(acc) + macc;
-#else
-                float acc = 0.0f;
-                for (int b = 0; b < nb; b++) {
-                    const uint8_t *qb = wq + b * QK / 2;
-                    const float *xb = xr + b * QK;
-                    float s = 0.0f;
-                    for (int j = 0; j < QK / 2; j++)
-                        s += (float)(qb[j] & 15) * xb[j] + (float)(qb[j] >> 4) * xb[j + QK / 2];
-                    acc += fp16_to_fp32(wd[b]) * s + fp16_to_fp32(wm[b]) * xsr[b];
-                }
-                res[r] = acc;
-#endif
-            }
-            for (int r = 0; r < mr; r++) out[(long)(m0 + r) * N + n] = res[r];
-        }
-    }
+    for (int n = 0; n < N; n++)
+        for (int m = 0; m < M; m++)
+            out[(long)m * N + n] = dot_q8_0_f32(qs + (long)n * K, d + (long)n * nb, x + (long)m * K, nb);
+    return 0;
+}
+
+int gemv_q4_1_f32(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins, float *out,
+                   int M, int N, int K, int nthreads) {
+    const int nb = K / QK;
+    float *xs = malloc(sizeof(float) * (size_t)M * nb);
+    if (!xs) return 1;
+    block_sums(x, M, K, xs);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int n = 0; n < N; n++)
+        for (int m = 0; m < M; m++)
+            out[(long)m * N + n] = dot_q4_1_f32(qs + (long)n * (K / 2), d + (long)n * nb, mins + (long)n * nb,
+                                                x + (long)m * K, xs + m * nb, nb);
     free(xs);
     return 0;
 }

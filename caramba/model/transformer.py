@@ -14,7 +14,7 @@ from torch import nn
 
 from caramba.cache import CachePolicy, KVCache, KVCacheKind, LayerKVCache
 from caramba.cache.mask import attention_mask, narrowest
-from caramba.model import fused
+from caramba.model import fast_decode, fused
 from caramba.model.config import ModelConfig
 from caramba.model.decoupled import DecoupledAttention, decoupled_cache
 from caramba.model.rope import RotaryTable, apply_rope
@@ -137,6 +137,10 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    # Decode steps of one token per row go through decode_step.c where they can
+    # (caramba.model.fast_decode); False keeps every step on the torch path.
+    fast_decode: bool = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -216,6 +220,8 @@ class Transformer(nn.Module):
             # The cache knows where its keys lie (a ring buffer's are not in slot order) and its
             # own window; the model's trained window binds too.
             mask, causal = cache.attention_mask(B, T, slot_mask, tokens.device, window, self.config.sliding_window)
+            if fast_decode.applies(self, tokens, cache, mask, causal):
+                return fast_decode.step(self, tokens, positions, cache, mask)
         else:
             mask, causal = self._attention_mask(B, T, slot_mask, tokens.device,
                                                 narrowest(window, self.config.sliding_window))

@@ -1,0 +1,267 @@
+"""The decode step of a Llama-family model as one C call (decode_step.c), on the CPU.
+
+A batch-1 decode step through torch spends nearly as long dispatching ~300 small ops as reading
+the weights (docs/decode-speed.md). Where it applies, Transformer.forward hands the step to
+`step`, which runs every layer, the final norm and the head in one parallel region, reading the
+weights in the layouts the model holds (fp32 nn.Linear / InputMajorLinear, or QuantLinear's
+blocks) and writing K and V into the cache as the torch path does.
+
+It applies to one new token per row (padding and sliding windows come as the cache's mask) on
+an fp32 model with RMSNorm, RoPE and SwiGLU, an fp32 KVCache of plain layers, and projections of
+those kinds; everything else takes the torch path, which stays the reference (tests compare the
+two). `model.fast_decode = False` or CARAMBA_KERNELS=0 turns it off. The thread count adapts
+to a busy machine (ThreadChoice; `model.decode_threads = ThreadChoice(fixed=n)` pins it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from caramba import kernels
+from caramba.cache.layer import KVCache, LayerKVCache
+from caramba.cache.streams import FloatStream
+from caramba.model import quant
+
+SOURCE = Path(__file__).with_name("decode_step.c")
+MAX_ROWS = 16        # beyond this the torch path's GEMMs win
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {"decode_step": ([_I] + [_P] * 6 + [_I] * 8 + [_P] * 4 + [_F, _I], _I)}
+library = kernels.Library(SOURCE, _SIGNATURES, "decode steps run through torch's ops")
+
+# decode_step.c's projection formats
+F32_ROWS, F32_COLS, Q8_0_Q8, Q8_0_F32, Q4_1_F32, Q4_1_Q8 = range(6)
+_QUANT_FORMATS = {("q8_0", "q8"): Q8_0_Q8, ("q8_0", "f32"): Q8_0_F32, ("q4_1", "f32"): Q4_1_F32,
+                  ("q4_1", "q8"): Q4_1_Q8}
+
+
+def status() -> str:
+    """'c' when the fused decode step is available, else why not."""
+    return library.status()
+
+
+def _fp32(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
+
+
+def _linear(module: nn.Module, n: int, k: int) -> tuple[list[int], list[torch.Tensor]] | None:
+    """A projection's 7 plan slots (fmt, N, K, weights, scales, minimums, bias) and the tensors
+    they point into, or None when the step has no kernel for it."""
+    from caramba.model.transformer import InputMajorLinear   # the model imports this module
+
+    bias = getattr(module, "bias", None)
+    if not _fp32(bias):
+        return None
+    if type(module) is nn.Linear and _fp32(module.weight) and tuple(module.weight.shape) == (n, k):
+        fmt, tensors = F32_ROWS, [module.weight, None, None]
+    elif type(module) is InputMajorLinear and _fp32(module.weight_t) and tuple(module.weight_t.shape) == (k, n):
+        fmt, tensors = F32_COLS, [module.weight_t, None, None]
+    elif type(module) is quant.QuantLinear and (module.out_features, module.in_features) == (n, k) \
+            and module.qs.device.type == "cpu":
+        fmt, tensors = _QUANT_FORMATS[(module.fmt, module.act)], [module.qs, module.d, module.m]
+    else:
+        return None
+    tensors.append(bias)
+    return [fmt, n, k, *(0 if t is None else t.data_ptr() for t in tensors)], [t for t in tensors if t is not None]
+
+
+class _Plan:
+    """The model's weights as decode_step.c reads them: per layer 30 int64 slots."""
+
+    usable = True
+
+    def __init__(self, model) -> None:
+        cfg = model.config
+        self.modules = _module_list(model)
+        slots, keep = [], []
+        qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        for layer in model.layers:
+            a, m = layer.attn, layer.mlp
+            row = [layer.attn_norm.weight.data_ptr(), layer.mlp_norm.weight.data_ptr()]
+            keep += [layer.attn_norm.weight, layer.mlp_norm.weight]
+            for mod, n, k in ((a.wqkv, qkv, cfg.dim), (a.wo, cfg.dim, cfg.n_heads * cfg.head_dim),
+                              (m.w13, 2 * cfg.intermediate_size, cfg.dim), (m.w2, cfg.dim, cfg.intermediate_size)):
+                got = _linear(mod, n, k)
+                if got is None:
+                    raise _NoKernel
+                row += got[0]
+                keep += got[1]
+            slots.append(row)
+        head = _linear(model.head, cfg.vocab_size, cfg.dim)
+        if head is None:
+            raise _NoKernel
+        self.layers = torch.tensor(slots, dtype=torch.int64)
+        self.head = torch.tensor(head[0], dtype=torch.int64)
+        self.keep = keep + head[1] + [model.norm.weight]   # the pointers stay valid while the plan lives
+        self.pointers = [t.data_ptr() for t in self.keep]
+
+
+class _NoKernel(Exception):
+    pass
+
+
+def _module_list(model) -> list:
+    """Every module whose forward the C step stands in for."""
+    return [model.head, model.norm] + [m for layer in model.layers
+                                       for m in (layer, layer.attn, layer.mlp, layer.attn_norm, layer.mlp_norm,
+                                                 layer.attn.wqkv, layer.attn.wo, layer.mlp.w13, layer.mlp.w2)]
+
+
+def _hooked(modules: list) -> bool:
+    """Whether a forward hook would see what the C step does not run (contrastive search reads the
+    final norm's output through one)."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks) or any(
+        m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def _plan(model) -> _Plan | None:
+    """The cached plan, rebuilt when a module was swapped or a weight moved (.to(), quantize_model);
+    None when the weights have no kernel or a module is hooked."""
+    modules = _module_list(model)
+    if _hooked(modules):
+        return None
+    plan = getattr(model, "_fast_plan", None)
+    if plan is not None and (any(a is not b for a, b in zip(plan.modules, modules))
+                             or plan.usable and (plan.pointers[0] != plan.keep[0].data_ptr()
+                                                 or plan.pointers[-1] != plan.keep[-1].data_ptr())):
+        plan = None
+    if plan is None:
+        try:
+            plan = _Plan(model)
+        except _NoKernel:      # remembered as such until a module changes
+            plan = _Unusable(modules)
+        model._fast_plan = plan
+    return plan if plan.usable else None
+
+
+class _Unusable:
+    """A model whose weights the step cannot read (a projection of another kind)."""
+
+    usable = False
+
+    def __init__(self, modules: list) -> None:
+        self.modules = modules
+
+
+def model_applies(model) -> bool:
+    """Whether the model's architecture is one decode_step.c computes (not its weights' formats)."""
+    from caramba.model.transformer import MLP, Attention, RMSNorm
+
+    cfg = model.config
+    if (cfg.norm, cfg.mlp, cfg.positions, cfg.attention) != ("rms", "swiglu", "rope", "standard") \
+            or model.dtype != torch.float32 or model.device.type != "cpu" or cfg.head_dim > 512:
+        return False
+    layer = model.layers[0]
+    return type(layer.attn) is Attention and type(layer.mlp) is MLP and type(layer.attn_norm) is RMSNorm \
+        and type(model.norm) is RMSNorm
+
+
+def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causal: bool) -> bool:
+    """Whether this forward is a step decode_step.c can take. mask: the cache's attention mask
+    for it (KVCache.attention_mask: None, or [B, 1, 1, slots] in slot order)."""
+    B, T = tokens.shape
+    if T != 1 or B > MAX_ROWS or causal or not getattr(model, "fast_decode", True):
+        return False
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, 1, 1, cache.length + 1)):
+        return False
+    if type(cache) is not KVCache or torch.is_grad_enabled() and model.norm.weight.requires_grad:
+        return False
+    for layer in cache.layers:
+        if type(layer) is not LayerKVCache or layer.rotation is not None or type(layer.k_stream) is not FloatStream \
+                or type(layer.v_stream) is not FloatStream or layer.k_stream.data.dtype != torch.float32 \
+                or layer.v_stream.data.dtype != torch.float32:
+            return False
+    if not model_applies(model) or library() is None:
+        return False
+    return _plan(model) is not None
+
+
+class ThreadChoice:
+    """How many threads the next step runs with: torch's count, unless one thread measures faster.
+
+    Each of the step's ~150 barriers waits for the slowest thread; on a machine busier than its
+    cores (another job on a 2-core box) a waiting thread's peer is often descheduled for a whole
+    scheduler slice, and a step that takes 10 ms alone took over a second on two threads
+    (measured), where one thread stayed near its quiet speed. So the step times itself: every
+    `interval` steps it tries the count it is not using, keeps whichever was faster (a running
+    mean of recent steps against the trial), and doubles the interval each time the trial loses,
+    up to MAX_INTERVAL, so a settled choice costs almost nothing. `fixed` pins a count."""
+
+    FIRST_INTERVAL, MAX_INTERVAL = 16, 1024
+
+    def __init__(self, fixed: int | None = None) -> None:
+        self.fixed = fixed
+        self.current: int | None = None      # the count in use; None until the first step
+        self.mean = 0.0                      # running mean of recent steps' seconds at `current`
+        self.interval = self.FIRST_INTERVAL
+        self.countdown = self.FIRST_INTERVAL
+
+    def next(self) -> int:
+        """The thread count for this step."""
+        wanted = torch.get_num_threads() if self.fixed is None else self.fixed
+        if self.fixed is not None or wanted == 1:
+            return wanted
+        if self.current not in (1, wanted):      # first step, or torch's count changed
+            self.current, self.mean = wanted, 0.0
+        self.countdown -= 1
+        if self.countdown <= 0 and self.mean > 0.0:
+            return 1 if self.current != 1 else wanted        # a trial of the other count
+        return self.current
+
+    def took(self, threads: int, seconds: float) -> None:
+        """Record a step's time at `threads`."""
+        if self.current is None or self.fixed is not None:
+            return
+        if threads == self.current:
+            self.mean = seconds if self.mean == 0.0 else 0.8 * self.mean + 0.2 * seconds
+            return
+        # a trial: switch when it beat the running mean by a clear margin, else back off
+        if seconds < 0.8 * self.mean:
+            self.current, self.mean, self.interval = threads, seconds, self.FIRST_INTERVAL
+        else:
+            self.interval = min(2 * self.interval, self.MAX_INTERVAL)
+        self.countdown = self.interval
+
+
+def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVCache,
+         mask: torch.Tensor | None) -> torch.Tensor:
+    """logits [B, 1, vocab] of one new token per row, its K and V appended to the cache; mask
+    [B, 1, 1, slots] (True: attend) or None, as `applies` took it."""
+    cfg = model.config
+    B = tokens.shape[0]
+    slot = cache.length
+    cache.check_room(1)
+    if positions is None:
+        positions = torch.full((B, 1), slot, dtype=torch.int64)
+    positions = positions.reshape(B).to(torch.int64).contiguous()
+    table = model._rope
+    if table is None or table.cos.shape[0] <= int(positions.max()) or table.cos.device != model.device:
+        model.rotary(positions[:, None])          # grows the table; its rows are read in C
+        table = model._rope
+    x = model.embed_tokens(tokens).reshape(B, cfg.dim).contiguous()   # read only
+    logits = torch.empty(B, 1, cfg.vocab_size)
+    plan = model._fast_plan          # as applies() just checked it
+    if mask is not None:
+        mask = mask.contiguous()
+    kv = (ctypes.c_void_p * (2 * cfg.n_layers))(
+        *[s.data.data_ptr() for layer in cache.layers for s in (layer.k_stream, layer.v_stream)])
+    choice = model.__dict__.setdefault("decode_threads", ThreadChoice())
+    threads = choice.next()
+    t0 = time.perf_counter()
+    failed = library().decode_step(
+        cfg.n_layers, plan.layers.data_ptr(), plan.head.data_ptr(), model.norm.weight.data_ptr(), kv, x.data_ptr(),
+        logits.data_ptr(), B, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size,
+        cache.max_seq_len, slot, positions.data_ptr(), None if mask is None else mask.data_ptr(),
+        table.cos.data_ptr(), table.sin.data_ptr(), cfg.norm_eps, threads)
+    choice.took(threads, time.perf_counter() - t0)
+    if failed:
+        raise MemoryError("the fused decode step could not allocate its scratch")
+    for layer in cache.layers:
+        layer.length = slot + 1
+    return logits
