@@ -113,7 +113,8 @@ def main() -> None:
     results = evaluate_chunks(loaded.model, ids, policies, args.baseline, args.ctx, bos)
     record = {"text": args.text or "caramba/data/corpus.txt", "n_tokens": len(ids), "ctx": args.ctx,
               "n_chunks": len(ids) // args.ctx, "bos": bos, "baseline": args.baseline, "specs": args.specs,
-              "seconds": round(time.time() - t0, 1), "results": [r.to_dict() for r in results]}
+              "seconds": round(time.time() - t0, 1),
+              "results": [{**r.to_dict(), **({"key_order": order} if order else {})} for r, (_, order) in zip(results, parsed)]}
     print(json.dumps(record))
     r0 = results[0]
     print(f"\n{record['n_chunks']} windows of {args.ctx}, {r0.n_scored} tokens scored; baseline {args.baseline} "
