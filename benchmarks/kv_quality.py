@@ -7,7 +7,9 @@ spec per candidate, so rows with and without rotation share one baseline pass:
         "q4_0" "q4_0 rotate_keys" "q4_1 k=q4_1c" "q2_1 k=q2_1c residual_len=128"
 
 A spec is `KIND [STREAM=KIND ...] [rotate_keys] [rotate_values] [residual_len=N] [qblock=N]
-[fp16_prefix_layers=N] [key_order=pairs]` (CachePolicy.build's arguments, and one experiment).
+[fp16_prefix_layers=N] [k_qblock=N] [key_order=pairs]` (CachePolicy.build's arguments; k_qblock:
+the key stream's own qblock, standard attention only, where CachePolicy.build shares one; and one
+experiment).
 Prints one JSON object (the records of caramba.infer.evaluate.EvalResult) and a markdown table.
 
 `key_order=pairs` is an experiment, not a cache setting: keys are stored in llama.cpp's channel
@@ -20,12 +22,14 @@ llama.cpp's default q4_0 cache does). Measured worse than HF's layout (docs/kv-c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
 import torch
 
 from caramba.cache import CachePolicy
+from caramba.cache.kinds import KVCacheTensorConfig
 from caramba.cache.policy import ALL_STREAMS
 from caramba.infer.evaluate import adds_bos, corpus_text, evaluate_chunks
 from caramba.model.zoo import load_model
@@ -46,7 +50,7 @@ def pydoc_topics_text(chars: int = 24000) -> str:
 def parse_spec(spec: str) -> tuple[CachePolicy, str | None]:
     """(policy, key order: None or 'pairs')."""
     words = spec.split()
-    kind, streams, options, key_order = words[0], {}, {}, None
+    kind, streams, options, key_order, k_qblock = words[0], {}, {}, None, None
     for w in words[1:]:
         name, _, value = w.partition("=")
         if name in ALL_STREAMS:
@@ -57,9 +61,14 @@ def parse_spec(spec: str) -> tuple[CachePolicy, str | None]:
             options[name] = int(value)
         elif name == "key_order" and value == "pairs":
             key_order = value
+        elif name == "k_qblock":
+            k_qblock = int(value)
         else:
             raise SystemExit(f"spec {spec!r}: unknown word {w!r}")
-    return CachePolicy.build(kind, streams or None, **options), key_order
+    policy = CachePolicy.build(kind, streams or None, **options)
+    if k_qblock is not None:   # the standard-attention key stream only (k_sem/k_geo keep the shared one)
+        policy = dataclasses.replace(policy, k=KVCacheTensorConfig(policy.k.kind, k_qblock, policy.k.residual_len))
+    return policy, key_order
 
 
 def pair_order(head_dim: int) -> torch.Tensor:

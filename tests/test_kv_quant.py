@@ -641,6 +641,10 @@ def test_value_rotation_policy(model):
     assert first.v_rotation is None and second.v_rotation is not None and second.rotation is None
     with pytest.raises(ValueError, match="decoupled"):
         p.check_streams(decoupled=True)
+    # streams with their own qblock (CachePolicy built per stream) say so
+    mixed = CachePolicy(KVCacheTensorConfig("q4_1c", 16), KVCacheTensorConfig("q4_1", 32))
+    assert mixed.describe() == "k=q4_1c,v=q4_1 qblock=k:16,v:32"
+    assert CachePolicy(KVCacheTensorConfig("fp16", 16), KVCacheTensorConfig("q4_0", 16)).describe() == "k=fp16,v=q4_0 qblock=16"
 
 
 @pytest.mark.parametrize("kind", ["q4_0", "q4_0l", "q8_0"])

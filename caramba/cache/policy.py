@@ -121,7 +121,10 @@ class CachePolicy:
         kinds = [c.kind.value for c in cfgs]
         name = kinds[0] if len(set(kinds)) == 1 else ",".join(f"{n}={k}" for n, k in zip(streams, kinds))
         quantized = any(c.quantized for c in cfgs)
-        extras = [f"qblock={self.k.qblock}" if quantized and self.k.qblock != 32 else "",
+        blocks = {c.qblock for c in cfgs if c.quantized}
+        qblock = (f"qblock={blocks.pop()}" if blocks != {32} else "") if len(blocks) == 1 else \
+            "qblock=" + ",".join(f"{n}:{c.qblock}" for n, c in zip(streams, cfgs) if c.quantized) if blocks else ""
+        extras = [qblock,
                   f"residual_len={self.k.residual_len}" if quantized and self.k.residual_len else "",
                   "rotate_keys" if self.rotate_keys else "",
                   "rotate_values" if self.rotate_values else "",
