@@ -333,10 +333,10 @@ def test_a_block_never_spans_two_heads():
 
 # ---- the layer cache -------------------------------------------------------------------------------
 
-def layer(kind, B=2, S=24, H=2, D=16, qblock=8, residual_len=0, rotate=False, v_kind=None):
+def layer(kind, B=2, S=24, H=2, D=16, qblock=8, residual_len=0, rotate=False, v_kind=None, rotate_values=False):
     k_cfg = KVCacheTensorConfig(kind, qblock, residual_len)
     v_cfg = KVCacheTensorConfig(v_kind or kind, qblock, residual_len)
-    return LayerKVCache(B, S, H * D, H * D, k_cfg, v_cfg, "cpu", H, rotate_keys=rotate)
+    return LayerKVCache(B, S, H * D, H * D, k_cfg, v_cfg, "cpu", H, rotate_keys=rotate, rotate_values=rotate_values)
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
@@ -379,7 +379,8 @@ def sdpa_reference(c: LayerKVCache, q, mask):
     keys, values = c.k_stream.read(c.length, q.dtype), c.v_stream.read(c.length, q.dtype)
     if c.rotation is not None:
         q = q @ c.rotation
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    return out if c.v_rotation is None else out @ c.v_rotation
 
 
 @pytest.mark.parametrize("kind,v_kind", [("q8_0", None), ("q4_0", None), ("nf4", None), ("q8_0", "q4_0"),
@@ -416,6 +417,79 @@ def test_rotation_is_orthogonal_and_keeps_attention_exact():
     torch.testing.assert_close(a, b, **tol.attention(a, 16 * 16, 10))   # rotating q and k adds a 16-long sum to each
     k, _ = rotated.update(randn(2, 2, 1, 16, seed=4), randn(2, 2, 1, 16, seed=5))
     torch.testing.assert_close(k[:, :, :9], kv[0], **tol.reduction(kv[0], 16 * 16))   # update() undoes the rotation: two 16-long sums
+
+
+def pair_order(D):
+    """llama.cpp's key channel order: RoPE pair (i, i + D/2) of the half-split layout at (2i, 2i + 1)."""
+    half = torch.arange(D // 2)
+    return torch.stack([half, half + D // 2], 1).flatten()
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_0l", "q8_0", "nf4", "q4_1"])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_keys_in_pair_order_through_the_key_rotation(kind, rotate):
+    """Any orthogonal key matrix works in the rotation's place (benchmarks/kv_quality.py's
+    key_order=pairs sets a permutation): the stored codes are the codes of the permuted vectors,
+    bit for bit, and attention equals attention over the unpermuted dequantized keys."""
+    D, order = 16, pair_order(16)
+    c = layer(kind, S=40, qblock=8, rotate=rotate)
+    P = torch.eye(D)[:, order]                               # x @ P == x[..., order]
+    rot = P if c.rotation is None else P @ c.rotation
+    c.rotation, c.unrotation = rot, rot.T.contiguous()
+    k, v = randn(2, 2, 20, D, seed=1), randn(2, 2, 20, D, seed=2)
+    keys, _ = c.update(k, v)
+    stored = k[..., order] if not rotate else k @ rot
+    codes, scales = quantize(stored, KVCacheKind(kind), 8)
+    if not rotate:   # a gather moves elements without arithmetic: the very same codes
+        assert torch.equal(c.k_stream.codes[..., :20].transpose(-1, -2), codes)
+        assert torch.equal(c.k_stream.scales[..., :20].transpose(-1, -2), scales)
+    deq = dequantize(codes, scales, KVCacheKind(kind), 8) @ rot.T   # back in the model's order
+    torch.testing.assert_close(keys, deq, **tol.reduction(deq, 2 * D))
+    q = randn(2, 4, 1, D, seed=3)
+    got = c.attend(q, randn(2, 2, 1, D, seed=4), randn(2, 2, 1, D, seed=5), None, False)
+    keys_all = c.k_stream.read(c.length, q.dtype) @ rot.T            # unpermuted dequantized keys
+    ref = F.scaled_dot_product_attention(q, keys_all, c.v_stream.read(c.length, q.dtype), enable_gqa=True)
+    torch.testing.assert_close(got, ref, **tol.attention(ref, 2 * D, c.length))
+
+
+@pytest.mark.parametrize("kind,v_kind", [("q4_0", None), ("q4_0l", None), ("q4_1c", "q4_1"), ("fp32", "q4_0l"),
+                                          ("q8_0", "nf4")])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_value_rotation_stores_rotated_values_and_undoes_it_on_the_output(kind, v_kind, rotate, read_path, monkeypatch):
+    monkeypatch.setattr(attend, "READ_CHUNK", 7)
+    D = 16
+    c = layer(kind, S=40, rotate=rotate, v_kind=v_kind, rotate_values=True)
+    vk = KVCacheKind(v_kind or kind)
+    k, v = randn(2, 2, 20, D, seed=1), randn(2, 2, 20, D, seed=2)
+    _, values = c.update(k, v)
+    H = hadamard(D)
+    # what the value stream holds: the codes of v H (block by block), read back un-rotated
+    ref = dequantize(*quantize(v @ H, vk, 8), vk, 8)
+    torch.testing.assert_close(c.v_stream.read(20, torch.float32), ref, **tol.reduction(ref, D))
+    torch.testing.assert_close(values, ref @ H, **tol.reduction(ref, 2 * D))
+    q, k1, v1 = randn(2, 4, 1, D, seed=3), randn(2, 2, 1, D, seed=4), randn(2, 2, 1, D, seed=5)
+    got = c.attend(q, k1, v1, None, False)                     # decode: the chunked (C or eager) path
+    torch.testing.assert_close(got, sdpa_reference(c, q, None), **tol.attention(got, 2 * D, c.length))
+    q3, k3, v3 = randn(2, 4, 3, D, seed=6), randn(2, 2, 3, D, seed=7), randn(2, 2, 3, D, seed=8)
+    S = c.length + 3
+    mask = (torch.arange(S)[None, :] <= torch.arange(c.length, S)[:, None]).expand(2, 3, S).clone()
+    mask[1, :, 2] = False
+    got = c.attend(q3, k3, v3, mask[:, None], False)
+    torch.testing.assert_close(got, sdpa_reference(c, q3, mask[:, None]), **tol.attention(got, 2 * D, S))
+
+
+def test_value_rotation_on_a_float_cache_keeps_attention_exact():
+    plain, rotated = layer("fp32"), layer("fp32", rotate_values=True)
+    kv = randn(2, 2, 9, 16, seed=1), randn(2, 2, 9, 16, seed=2)
+    q = randn(2, 4, 1, 16, seed=3)
+    a = plain.attend(q, *kv, None, False)
+    b = rotated.attend(q, *kv, None, False)
+    torch.testing.assert_close(a, b, **tol.attention(a, 16 * 16, 10))   # v H and out H: two 16-long sums more
+    _, v = rotated.update(randn(2, 2, 1, 16, seed=4), randn(2, 2, 1, 16, seed=5))
+    torch.testing.assert_close(v[:, :, :9], kv[1], **tol.reduction(kv[1], 16 * 16))
+    with pytest.raises(ValueError, match="power-of-two"):
+        LayerKVCache(1, 4, 12, 12, KVCacheTensorConfig("q4_0", 4), KVCacheTensorConfig("q4_0", 4), "cpu", 1,
+                     rotate_values=True)
 
 
 def test_rotation_cuts_4bit_key_error_on_outlier_channels():
@@ -556,6 +630,40 @@ def test_quantized_cache_logits_are_close_to_fp32(kind, tol):
         out[name] = torch.cat([model(x[:, :4], cache=cache)] + [model(x[:, t : t + 1], cache=cache) for t in range(4, 24)], 1)
     err = float((out[kind] - out["fp32"]).abs().max() / out["fp32"].abs().max())
     assert 0 < err < tol
+
+
+def test_value_rotation_policy(model):
+    p = CachePolicy.build("q4_0l", "k=q4_1c", rotate_values=True, fp16_prefix_layers=1)
+    assert p.describe() == "k=q4_1c,v=q4_0l rotate_values fp16_prefix_layers=1"
+    assert p.to_dict()["rotate_values"] is True and "rotate_values" not in CachePolicy.build("q4_0").to_dict()
+    cache = model.new_cache(1, 8, p)
+    first, second = cache.layers
+    assert first.v_rotation is None and second.v_rotation is not None and second.rotation is None
+    with pytest.raises(ValueError, match="decoupled"):
+        p.check_streams(decoupled=True)
+    # streams with their own qblock (CachePolicy built per stream) say so
+    mixed = CachePolicy(KVCacheTensorConfig("q4_1c", 16), KVCacheTensorConfig("q4_1", 32))
+    assert mixed.describe() == "k=q4_1c,v=q4_1 qblock=k:16,v:32"
+    assert CachePolicy(KVCacheTensorConfig("fp16", 16), KVCacheTensorConfig("q4_0", 16)).describe() == "k=fp16,v=q4_0 qblock=16"
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_0l", "q8_0"])
+def test_truncate_rolls_back_with_rotated_keys_and_values(model, kind):
+    prefix, rejected, accepted = tokens(2, 6, seed=1), tokens(2, 4, seed=2), tokens(2, 5, seed=3)
+    policy = CachePolicy.build(kind, qblock=8, rotate_keys=True, rotate_values=True)
+    clean = model.new_cache(2, 20, policy)
+    model(prefix, cache=clean)
+    expected = torch.cat([model(accepted[:, t : t + 1], cache=clean) for t in range(5)], dim=1)
+    cache = model.new_cache(2, 20, policy)
+    model(prefix, cache=cache)
+    model(rejected, cache=cache)
+    cache.truncate(6)
+    got = torch.cat([model(accepted[:, t : t + 1], cache=cache) for t in range(5)], dim=1)
+    torch.testing.assert_close(got, expected, **tol.forward(expected, model.config))
+    cache.truncate(6)
+    torch.testing.assert_close(model(accepted, cache=cache), expected, **tol.cache_paths(expected, model.config, kind))
+    cache.reorder(torch.tensor([1]))   # beam search / finished rows: the rotated streams gather too
+    assert cache.batch_size == 1 and cache.layers[1].v_stream.codes.shape[0] == 1
 
 
 def test_policy_per_layer_and_stream(model):

@@ -28,7 +28,7 @@ class CacheOverflowError(ValueError):
 def hadamard(n: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The orthonormal Sylvester-Hadamard matrix [n, n]; symmetric, so it is its own inverse."""
     if n < 1 or n & (n - 1):
-        raise ValueError(f"rotate_keys needs a power-of-two head_dim; got {n}")
+        raise ValueError(f"rotate_keys / rotate_values need a power-of-two head_dim; got {n}")
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -79,6 +79,9 @@ class LayerKVCache(StreamLayerCache):
     rotate_keys: keys are multiplied by a per-head Hadamard matrix before they are stored and
     queries by the same matrix before q.k, which leaves q.k unchanged (the matrix is orthogonal)
     but spreads outlier channels across the block, so 4-bit keys lose less.
+    rotate_values: values are stored multiplied by a per-head Hadamard matrix H and the attention
+    output is multiplied by H again (sum_i p_i (v_i H) = (sum_i p_i v_i) H, and H H = I). llama.cpp
+    does both by default for quantized K and V (its attn_rot_k / attn_rot_v; docs/kv-cache.md).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class LayerKVCache(StreamLayerCache):
         n_kv_heads: int = 1,
         rotate_keys: bool = False,
         dtype: torch.dtype = torch.float32,   # of the full-precision residual window
+        rotate_values: bool = False,
     ) -> None:
         if k_dim % n_kv_heads or v_dim % n_kv_heads:
             raise ValueError(f"k_dim={k_dim} and v_dim={v_dim} must divide into {n_kv_heads} heads")
@@ -101,7 +105,10 @@ class LayerKVCache(StreamLayerCache):
         hk, hv = k_dim // n_kv_heads, v_dim // n_kv_heads
         self.k_stream = make_stream(batch_size, n_kv_heads, max_seq_len, hk, k_cfg, device, dtype, keys_major=True)
         self.v_stream = make_stream(batch_size, n_kv_heads, max_seq_len, hv, v_cfg, device, dtype)
-        self.rotation = hadamard(hk, device) if rotate_keys else None   # [hk, hk]
+        # [hk, hk]: any orthogonal matrix works (benchmarks/kv_quality.py's key_order=pairs sets a
+        # permutation); `unrotation` is its inverse, the transpose (the Hadamard matrix's own).
+        self.rotation = self.unrotation = hadamard(hk, device) if rotate_keys else None
+        self.v_rotation = hadamard(hv, device) if rotate_values else None   # [hv, hv]
         self.length = 0
 
     @property
@@ -126,6 +133,8 @@ class LayerKVCache(StreamLayerCache):
         """k, v [B, KVH, T, D] into storage slots [start, start + T)."""
         if self.rotation is not None:
             k = k @ self.rotation.to(k.dtype)
+        if self.v_rotation is not None:
+            v = v @ self.v_rotation.to(v.dtype)
         ks, vs = self.k_stream, self.v_stream
         if ks.quantized and vs.quantized and (ks.kind, ks.block) == (vs.kind, vs.block) and k.shape == v.shape \
                 and not ks.spec.per_channel:
@@ -140,28 +149,32 @@ class LayerKVCache(StreamLayerCache):
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append k, v [B, kv_heads, T, head_dim]; return every cached K and V in k's dtype
-        (dequantized, and with the key rotation undone)."""
+        (dequantized, and with the key and value rotations undone)."""
         end = self._append(k, v)
-        keys = self.k_stream.read(end, k.dtype)
+        keys, values = self.k_stream.read(end, k.dtype), self.v_stream.read(end, v.dtype)
         if self.rotation is not None:
-            keys = keys @ self.rotation.to(k.dtype)
-        return keys, self.v_stream.read(end, v.dtype)
+            keys = keys @ self.unrotation.to(k.dtype)
+        if self.v_rotation is not None:
+            values = values @ self.v_rotation.to(v.dtype)
+        return keys, values
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """Append k, v and attend q [B, H, T, D] over everything cached -> [B, H, T, Dv].
 
         The new tokens are read back from the cache like the old ones, so a T-token forward
         gives what T one-token forwards give (speculative verification relies on it)."""
-        if not self.quantized and self.rotation is None:
+        if not self.quantized and self.rotation is None and self.v_rotation is None:
             k, v = self.update(k, v)                                       # [B, KVH, S, D]
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
         end = self._append(k, v)
         if self.rotation is not None:
             q = q @ self.rotation.to(q.dtype)
         if q.shape[2] <= CHUNKED_MAX_T and not causal:
-            return attend_chunked(q, self.k_stream, self.v_stream, end, mask)
-        keys, values = self.k_stream.read(end, q.dtype), self.v_stream.read(end, q.dtype)   # prefill: once
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
+            out = attend_chunked(q, self.k_stream, self.v_stream, end, mask)
+        else:
+            keys, values = self.k_stream.read(end, q.dtype), self.v_stream.read(end, q.dtype)   # prefill: once
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        return out if self.v_rotation is None else out @ self.v_rotation.to(out.dtype)
 
     @property
     def streams(self) -> tuple:

@@ -54,6 +54,9 @@ class CachePolicy:
     k_sem: KVCacheTensorConfig | None = None
     k_geo: KVCacheTensorConfig | None = None
     named: tuple[str, ...] = ()   # the streams the policy named explicitly (checked per model)
+    # Values stored Hadamard-rotated, the attention output rotated back (caramba.cache.layer);
+    # standard attention only. Not a CacheConfig option: benchmarks/kv_quality.py measures it.
+    rotate_values: bool = False
 
     def __post_init__(self) -> None:
         if self.fp16_prefix_layers < 0:
@@ -66,7 +69,8 @@ class CachePolicy:
 
     @classmethod
     def build(cls, kind: KVCacheKind | str = "fp32", policy: str | dict[str, Any] | None = None, qblock: int = 32,
-              residual_len: int = 0, rotate_keys: bool = False, fp16_prefix_layers: int = 0) -> "CachePolicy":
+              residual_len: int = 0, rotate_keys: bool = False, fp16_prefix_layers: int = 0,
+              rotate_values: bool = False) -> "CachePolicy":
         """`kind` for every stream the policy does not name; an unnamed k_geo is kept at >= q8_0
         when `kind` is 4-bit (positional geometry), unless the policy names it."""
         named = parse_policy(policy)
@@ -74,7 +78,7 @@ class CachePolicy:
         cfgs = {name: KVCacheTensorConfig(named.get(name, default), qblock, residual_len) for name in ALL_STREAMS}
         return cls(cfgs["k"], cfgs["v"], rotate_keys, fp16_prefix_layers,
                    k_sem=cfgs["k_sem"], k_geo=cfgs["k_geo"] if "k_geo" in named else None,
-                   named=tuple(n for n in ALL_STREAMS if n in named))
+                   named=tuple(n for n in ALL_STREAMS if n in named), rotate_values=rotate_values)
 
     @classmethod
     def of(cls, spec: "CachePolicy | KVCacheKind | str") -> "CachePolicy":
@@ -82,6 +86,8 @@ class CachePolicy:
 
     def check_streams(self, decoupled: bool) -> None:
         """Raise if the policy names streams the model (standard or decoupled) does not have."""
+        if decoupled and self.rotate_values:
+            raise ValueError("rotate_values is implemented for standard attention caches only, not decoupled (DBA) ones")
         streams = DECOUPLED_STREAMS if decoupled else STREAMS
         foreign = [n for n in self.named if n not in streams]
         if foreign:
@@ -90,11 +96,15 @@ class CachePolicy:
                              f"its streams are {', '.join(streams)}")
 
     def for_layer(self, i: int) -> tuple[KVCacheTensorConfig, KVCacheTensorConfig, bool]:
-        """(k config, v config, rotate keys) of layer i."""
+        """(k config, v config, rotate keys) of layer i (`values_rotated(i)`: rotate values)."""
         if i < self.fp16_prefix_layers:
             fp16 = KVCacheTensorConfig("fp16")
             return fp16, fp16, False
         return self.k, self.v, self.rotate_keys
+
+    def values_rotated(self, i: int) -> bool:
+        """Whether layer i stores its values Hadamard-rotated (not the fp16 prefix layers)."""
+        return self.rotate_values and i >= self.fp16_prefix_layers
 
     def for_decoupled_layer(self, i: int) -> tuple[KVCacheTensorConfig, KVCacheTensorConfig, KVCacheTensorConfig, bool]:
         """(k_sem, k_geo, v configs, rotate keys) of layer i of a decoupled model."""
@@ -111,9 +121,13 @@ class CachePolicy:
         kinds = [c.kind.value for c in cfgs]
         name = kinds[0] if len(set(kinds)) == 1 else ",".join(f"{n}={k}" for n, k in zip(streams, kinds))
         quantized = any(c.quantized for c in cfgs)
-        extras = [f"qblock={self.k.qblock}" if quantized and self.k.qblock != 32 else "",
+        blocks = {c.qblock for c in cfgs if c.quantized}
+        qblock = (f"qblock={blocks.pop()}" if blocks != {32} else "") if len(blocks) == 1 else \
+            "qblock=" + ",".join(f"{n}:{c.qblock}" for n, c in zip(streams, cfgs) if c.quantized) if blocks else ""
+        extras = [qblock,
                   f"residual_len={self.k.residual_len}" if quantized and self.k.residual_len else "",
                   "rotate_keys" if self.rotate_keys else "",
+                  "rotate_values" if self.rotate_values else "",
                   f"fp16_prefix_layers={self.fp16_prefix_layers}" if self.fp16_prefix_layers else ""]
         return " ".join([name] + [e for e in extras if e])
 
@@ -123,4 +137,5 @@ class CachePolicy:
             if {"k_sem", "k_geo"} & set(self.named) else {}
         return {"k": self.k.kind.value, "v": self.v.kind.value, **dba, "qblock": self.k.qblock,
                 "residual_len": self.k.residual_len, "rotate_keys": self.rotate_keys,
-                "cache_fp16_prefix_layers": self.fp16_prefix_layers}
+                "cache_fp16_prefix_layers": self.fp16_prefix_layers,
+                **({"rotate_values": True} if self.rotate_values else {})}
