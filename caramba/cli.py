@@ -484,6 +484,7 @@ def eval_cache(
     qblock: Annotated[int, typer.Option(min=2, help="Elements per quantization block (candidates).")] = 32,
     residual_len: Annotated[int, typer.Option(min=0, help="Newest tokens kept in full precision (candidates).")] = 0,
     rotate_keys: Annotated[bool, typer.Option("--rotate-keys", help="Hadamard-rotate keys (candidates).")] = False,
+    rotate_values: Annotated[bool, typer.Option("--rotate-values", help="Hadamard-rotate values (candidates).")] = False,
     cache_fp16_prefix_layers: Annotated[int, typer.Option(min=0, help="First N layers in fp16 (candidates).")] = 0,
     protocol: Annotated[str, typer.Option(help="decode: prefill --prompt-len tokens, then score token by token "
                                                "through the cache; chunks: llama-perplexity's non-overlapping "
@@ -517,10 +518,9 @@ def eval_cache(
             raise UserError(f"--ctx {ctx}: must be even (windows are scored on their second half)")
         specs = [("kind", k) for k in cache_kind or []] + [("policy", p) for p in cache_policy or []]
         try:
-            candidates = [CachePolicy.build(kind=v, qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys,
-                                            fp16_prefix_layers=cache_fp16_prefix_layers) if how == "kind" else
-                          CachePolicy.build(policy=v, qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys,
-                                            fp16_prefix_layers=cache_fp16_prefix_layers)
+            shared = dict(qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys, rotate_values=rotate_values,
+                          fp16_prefix_layers=cache_fp16_prefix_layers)
+            candidates = [CachePolicy.build(kind=v, **shared) if how == "kind" else CachePolicy.build(policy=v, **shared)
                           for how, v in specs or [("kind", "q8_0")]]
             base = CachePolicy.build(baseline)
         except ValueError as e:

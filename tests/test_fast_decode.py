@@ -147,7 +147,7 @@ def test_positions_past_the_rotary_table_grow_it(taken):
     assert_same(ref, got, model.config)
 
 
-@pytest.mark.parametrize("case", ["fp16 cache", "q8_0 cache", "rotate_keys", "prefill", "grad", "switched off",
+@pytest.mark.parametrize("case", ["fp16 cache", "q8_0 cache", "rotate_keys", "rotate_values", "prefill", "grad", "switched off",
                                   "bf16 model", "gelu model", "hooked"])
 def test_everything_else_takes_the_torch_path(case, taken):
     model = make_model(seed=7, **({"mlp": "gelu", "norm": "layer", "positions": "learned"} if case == "gelu model" else {}))
@@ -162,9 +162,9 @@ def test_everything_else_takes_the_torch_path(case, taken):
         if case == "hooked":                                   # contrastive search reads the norm's output
             model.norm.register_forward_hook(lambda *_: None)
         cache = model.new_cache(1, 16, kind)
-        if case == "rotate_keys":
+        if case in ("rotate_keys", "rotate_values"):
             from caramba.cache import CachePolicy
-            cache = model.new_cache(1, 16, CachePolicy.build("fp32", rotate_keys=True))
+            cache = model.new_cache(1, 16, CachePolicy.build("fp32", **{case: True}))
         model(torch.tensor([[1, 2, 3]]), cache=cache)
         model(torch.tensor([[4, 5]]) if case == "prefill" else torch.tensor([[4]]), cache=cache)
     assert taken == []

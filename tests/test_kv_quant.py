@@ -738,3 +738,20 @@ def test_manifest_cache_fields_reach_the_generator():
     for bad in ({"cache_kind": "q3"}, {"cache_policy": {"q": "q8_0"}}, {"qblock": 7}, {"residual_len": -1}):
         with pytest.raises(ValidationError):
             GenerateSettings(prompts=["x"], **bad)
+
+
+def test_rotate_values_is_an_option_of_the_config_the_cli_and_plans():
+    from caramba.autotune.candidates import canonical, default_candidates, policy_from_dict
+    from caramba.infer.config import CacheConfig, GenerateConfig
+
+    cfg = GenerateConfig(cache_kind="q4_0l", rotate_keys=True, rotate_values=True)
+    policy = cfg.cache.spec()
+    assert policy.rotate_values and policy.rotate_keys and policy.describe() == "q4_0l rotate_keys rotate_values"
+    assert CacheConfig.of_policy(policy).spec() == policy                # what cache_kind: auto resolves to
+    assert policy_from_dict(policy.to_dict()) == canonical(policy)       # how plans store it
+    assert any(c.policy.rotate_values for c in default_candidates(make_model()))
+    with pytest.raises(ValueError, match="rotate_values"):
+        GenerateConfig(cache_kind="auto", rotate_values=True)            # auto chooses it itself
+    model = make_model(seed=3)
+    out = Generator(model, cfg.replace(max_new_tokens=5, temperature=0.0)).run([[1, 2, 3]])
+    assert len(out.sequences[0]) == 5

@@ -34,7 +34,9 @@ MIXED = [
     # groups of qblock tokens, values per token, zero-point; KIVI-2 with its full-precision window
     ("q4_0l", None, {}),
     ("q4_0l", None, {"rotate_keys": True}),
+    ("q4_0l", None, {"rotate_keys": True, "rotate_values": True}),   # llama.cpp's q4_0 cache as it runs by default
     ("q4_1", "k=q4_1c", {}),
+    ("q4_1", "k=q4_1c", {"qblock": 16}),                              # within +1% PPL on two texts (docs/kv-cache.md)
     ("q2_1", "k=q2_1c", {"residual_len": RESIDUAL_LEN}),
 ]
 
@@ -97,7 +99,7 @@ def policy_from_dict(d: dict) -> CachePolicy:
     """Inverse of CachePolicy.to_dict (how plans store a policy), naming streams only where they
     differ from `v`'s kind, so a uniform policy fits standard and decoupled (DBA) models alike."""
     return CachePolicy.build(d["v"], _named_streams(d) or None, d["qblock"], d["residual_len"], d["rotate_keys"],
-                             d["cache_fp16_prefix_layers"])
+                             d["cache_fp16_prefix_layers"], d.get("rotate_values", False))
 
 
 def canonical(policy: CachePolicy) -> CachePolicy:

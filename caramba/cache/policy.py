@@ -55,7 +55,7 @@ class CachePolicy:
     k_geo: KVCacheTensorConfig | None = None
     named: tuple[str, ...] = ()   # the streams the policy named explicitly (checked per model)
     # Values stored Hadamard-rotated, the attention output rotated back (caramba.cache.layer);
-    # standard attention only. Not a CacheConfig option: benchmarks/kv_quality.py measures it.
+    # standard attention only.
     rotate_values: bool = False
 
     def __post_init__(self) -> None:

@@ -119,6 +119,8 @@ class CacheConfig:
     qblock: int = option(32, ge=2, multiple_of=2, help="elements per quantization block (clipped to head_dim)")
     residual_len: int = option(0, ge=0, help="newest tokens also kept in full precision")
     rotate_keys: bool = option(False, help="Hadamard-rotate keys before quantizing them")
+    rotate_values: bool = option(False, help="Hadamard-rotate values before quantizing them (the output is "
+                                             "rotated back); with rotate_keys, llama.cpp's default for quantized caches")
     fp16_prefix_layers: int = option(0, ge=0, name="cache_fp16_prefix_layers", help="the first N layers keep an fp16 cache")
     max_seq_len: int = option(2048, ge=1, name="max_seq_len", help="cache slots per row: prompt + new tokens")
     budget_mb: float | None = option(None, gt=0, name="cache_budget_mb",
@@ -133,7 +135,8 @@ class CacheConfig:
             self.spec()   # a bad policy fails here, not at the first generate()
             return
         chosen = {"cache_policy": (self.policy, None), "qblock": (self.qblock, 32), "residual_len": (self.residual_len, 0),
-                  "rotate_keys": (self.rotate_keys, False), "cache_fp16_prefix_layers": (self.fp16_prefix_layers, 0)}
+                  "rotate_keys": (self.rotate_keys, False), "rotate_values": (self.rotate_values, False),
+                  "cache_fp16_prefix_layers": (self.fp16_prefix_layers, 0)}
         clash = [name for name, (value, default) in chosen.items() if value != default]
         if clash:
             raise OptionError("cache_kind", "auto", f"chooses {', '.join(clash)} itself; drop them or name a cache_kind")
@@ -147,7 +150,7 @@ class CacheConfig:
         if self.is_auto:
             raise ValueError("cache_kind='auto' is resolved when the cache is built (caramba.infer.autocache)")
         return CachePolicy.build(self.kind, self.policy, self.qblock, self.residual_len, self.rotate_keys,
-                                 self.fp16_prefix_layers)
+                                 self.fp16_prefix_layers, self.rotate_values)
 
     @classmethod
     def of_policy(cls, policy: CachePolicy, **keep: Any) -> CacheConfig:
@@ -156,7 +159,8 @@ class CacheConfig:
         keys = ("k_sem", "k_geo") if "k_sem" in d else ("k",)
         named = {name: d[name] for name in keys if d[name] != d["v"]}
         return cls(kind=d["v"], policy=named or None, qblock=d["qblock"], residual_len=d["residual_len"],
-                   rotate_keys=d["rotate_keys"], fp16_prefix_layers=d["cache_fp16_prefix_layers"], **keep)
+                   rotate_keys=d["rotate_keys"], rotate_values=d.get("rotate_values", False),
+                   fp16_prefix_layers=d["cache_fp16_prefix_layers"], **keep)
 
     def with_policy(self, policy: CachePolicy) -> CacheConfig:
         """These settings with `policy` in place of the kind (what `auto` resolves to)."""

@@ -173,7 +173,8 @@ def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causa
     if type(cache) is not KVCache or torch.is_grad_enabled() and model.norm.weight.requires_grad:
         return False
     for layer in cache.layers:
-        if type(layer) is not LayerKVCache or layer.rotation is not None or type(layer.k_stream) is not FloatStream \
+        if type(layer) is not LayerKVCache or layer.rotation is not None or layer.v_rotation is not None \
+                or type(layer.k_stream) is not FloatStream \
                 or type(layer.v_stream) is not FloatStream or layer.k_stream.data.dtype != torch.float32 \
                 or layer.v_stream.data.dtype != torch.float32:
             return False
