@@ -48,8 +48,8 @@ typedef struct {
 /* Per layer: attn_norm, mlp_norm, wqkv, wo, w13, w2 (int64 slots). */
 enum { L_ATTN_NORM = 0, L_MLP_NORM = 1, L_QKV = 2, L_O = 9, L_13 = 16, L_2 = 23, L_SLOTS = 30 };
 
-#define COLS_SPLIT_ROWS 2   /* input-major products of up to this many rows split k over the threads */
-#define COLS_CHUNK 256      /* else output columns per task: its [M, 256] sums stay in L1 */
+#define COLS_SPLIT_ROWS 1   /* input-major products of up to this many rows sum whole rows per thread */
+#define COLS_CHUNK 4096     /* more rows: partial sums [rows, 4096] per thread, L2-resident */
 
 static inline Lin lin_at(const int64_t *p) {
     Lin L = {p[0], p[1], p[2], (const void *)p[3], (const uint16_t *)p[4], (const uint16_t *)p[5],
@@ -62,6 +62,116 @@ typedef struct {
     int8_t *xq;
     float *xd, *xs;
 } Act;
+
+/* Several token rows (a batch) make the fp32 products compute-bound rather than read-bound, so
+   they go through register tiles: each weight element loaded once feeds up to TR rows' sums held
+   in registers (8 accumulators: 2 weight rows x 4 token rows, or 16 columns x 4 token rows). */
+#define TR 4
+#define INLINE static inline __attribute__((always_inline))
+
+#if HAVE_AVX2
+/* y[r, n0 .. n0 + 1] for token rows [r0, r0 + RR) of [N, K] weights: rows n0 and n1 (n1 == n0
+   when N is odd at the end). */
+INLINE void rows_tile(const int RR, const float *w0, const float *w1, const float *x, int K, float out[2][TR]) {
+    __m256 a[TR], b[TR];
+    for (int r = 0; r < RR; r++) a[r] = b[r] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 u = _mm256_loadu_ps(w0 + k), v = _mm256_loadu_ps(w1 + k);
+        for (int r = 0; r < RR; r++) {
+            const __m256 xv = _mm256_loadu_ps(x + (long)r * K + k);
+            a[r] = _mm256_fmadd_ps(u, xv, a[r]);
+            b[r] = _mm256_fmadd_ps(v, xv, b[r]);
+        }
+    }
+    for (int r = 0; r < RR; r++) {
+        float s0 = hsum8(a[r]), s1 = hsum8(b[r]);
+        for (int kk = k; kk < K; kk++) {
+            s0 += w0[kk] * x[(long)r * K + kk];
+            s1 += w1[kk] * x[(long)r * K + kk];
+        }
+        out[0][r] = s0;
+        out[1][r] = s1;
+    }
+}
+
+#define TILE_ROWS(X) X(1) X(2) X(3) X(4)
+#endif
+
+/* fp32 [N, K] weights times M >= 2 token rows. */
+static void rows_f32_batch(const float *w, const float *x, int M, int N, int K, float *y, const float *bias) {
+#pragma omp for schedule(static)
+    for (int np = 0; np < (N + 1) / 2; np++) {
+        const int n0 = 2 * np, n1 = n0 + 1 < N ? n0 + 1 : n0;
+        for (int r0 = 0; r0 < M; r0 += TR) {
+            const int rr = M - r0 < TR ? M - r0 : TR;
+#if HAVE_AVX2
+            float out[2][TR];
+            const float *xr = x + (long)r0 * K;
+            switch (rr) {
+#define ROWS_CASE(RR) case RR: rows_tile(RR, w + (long)n0 * K, w + (long)n1 * K, xr, K, out); break;
+                TILE_ROWS(ROWS_CASE)
+            }
+            for (int r = 0; r < rr; r++) {
+                y[(long)(r0 + r) * N + n0] = out[0][r] + (bias ? bias[n0] : 0.0f);
+                y[(long)(r0 + r) * N + n1] = out[1][r] + (bias ? bias[n1] : 0.0f);
+            }
+#else
+            for (int r = r0; r < r0 + rr; r++) {
+                y[(long)r * N + n0] = dot_f32(w + (long)n0 * K, x + (long)r * K, K) + (bias ? bias[n0] : 0.0f);
+                y[(long)r * N + n1] = dot_f32(w + (long)n1 * K, x + (long)r * K, K) + (bias ? bias[n1] : 0.0f);
+            }
+#endif
+        }
+    }
+}
+
+/* fp32 [K, N] weights times M >= 2 token rows. Column tiles would read 64 bytes of every weight
+   row at a stride of N floats (a page apart for the head: a TLB miss per load; measured 4x slower
+   than the [N, K] products), so, as for one row, each thread streams whole rows of its band of k,
+   here in chunks of COLS_CHUNK columns whose [M, chunk] partial sums stay in L2, four weight rows
+   per pass over them (one load and store of a partial per four products). */
+static void cols_f32_batch(const float *w, const float *x, int M, int N, int K, float *y, const float *bias,
+                           float *cols) {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    float *mine = cols + (size_t)tid * M * COLS_CHUNK;
+    for (int c0 = 0; c0 < N; c0 += COLS_CHUNK) {
+        const int cw = N - c0 < COLS_CHUNK ? N - c0 : COLS_CHUNK;
+        memset(mine, 0, sizeof(float) * (size_t)M * COLS_CHUNK);
+        const int quads = (K + 3) / 4;
+#pragma omp for schedule(static)
+        for (int kq = 0; kq < quads; kq++) {
+            const int k0 = 4 * kq, kn = K - k0 < 4 ? K - k0 : 4;
+            const float *restrict w0 = w + (long)k0 * N + c0, *restrict w1 = w0 + (kn > 1 ? N : 0),
+                        *restrict w2 = w0 + (kn > 2 ? 2L * N : 0), *restrict w3 = w0 + (kn > 3 ? 3L * N : 0);
+            int r = 0;
+            for (; r + 1 < M; r += 2) {   /* two token rows per pass: each weight load feeds both */
+                const float *xa = x + (long)r * K + k0, *xb = xa + K;
+                const float a0 = xa[0], a1 = kn > 1 ? xa[1] : 0.0f, a2 = kn > 2 ? xa[2] : 0.0f, a3 = kn > 3 ? xa[3] : 0.0f;
+                const float b0 = xb[0], b1 = kn > 1 ? xb[1] : 0.0f, b2 = kn > 2 ? xb[2] : 0.0f, b3 = kn > 3 ? xb[3] : 0.0f;
+                float *restrict pa = mine + (long)r * COLS_CHUNK, *restrict pb = pa + COLS_CHUNK;
+                for (int n = 0; n < cw; n++) {
+                    const float u0 = w0[n], u1 = w1[n], u2 = w2[n], u3 = w3[n];
+                    pa[n] += a0 * u0 + a1 * u1 + a2 * u2 + a3 * u3;
+                    pb[n] += b0 * u0 + b1 * u1 + b2 * u2 + b3 * u3;
+                }
+            }
+            for (; r < M; r++) {
+                const float *xr = x + (long)r * K + k0;
+                const float x0 = xr[0], x1 = kn > 1 ? xr[1] : 0.0f, x2 = kn > 2 ? xr[2] : 0.0f, x3 = kn > 3 ? xr[3] : 0.0f;
+                float *pr = mine + (long)r * COLS_CHUNK;
+                for (int n = 0; n < cw; n++) pr[n] += x0 * w0[n] + x1 * w1[n] + x2 * w2[n] + x3 * w3[n];
+            }
+        }
+#pragma omp for schedule(static)
+        for (long i = 0; i < (long)M * cw; i++) {
+            const int r = (int)(i / cw), n = (int)(i % cw);
+            float v = bias ? bias[c0 + n] : 0.0f;
+            for (int t = 0; t < nt; t++) v += cols[(size_t)t * M * COLS_CHUNK + (long)r * COLS_CHUNK + n];
+            y[(long)r * N + c0 + n] = v;
+        }
+    }
+}
 
 /* y [M, N] = x [M, K] W^T (+ bias), x private to the calling thread (every thread holds the same
    values), y shared. Called by every thread of the region; ends with a barrier. cols: shared
@@ -105,23 +215,11 @@ static void linear(const Lin *L, const float *x, int M, float *y, Act *a, float 
             }
             return;
         }
-        const int chunks = (N + COLS_CHUNK - 1) / COLS_CHUNK;
-#pragma omp for schedule(static)
-        for (int c = 0; c < chunks; c++) {
-            const int n0 = c * COLS_CHUNK, n1 = n0 + COLS_CHUNK < N ? n0 + COLS_CHUNK : N;
-            for (int r = 0; r < M; r++) {
-                float *yr = y + (long)r * N;
-                for (int n = n0; n < n1; n++) yr[n] = L->bias ? L->bias[n] : 0.0f;
-            }
-            for (int k = 0; k < K; k++) {
-                const float *wk = w + (long)k * N;
-                for (int r = 0; r < M; r++) {
-                    const float xk = x[(long)r * K + k];
-                    float *yr = y + (long)r * N;
-                    for (int n = n0; n < n1; n++) yr[n] += xk * wk[n];
-                }
-            }
-        }
+        cols_f32_batch(w, x, M, N, K, y, L->bias, cols);
+        return;
+    }
+    if (L->fmt == F32_ROWS && M > 1) {
+        rows_f32_batch((const float *)L->w, x, M, N, K, y, L->bias);
         return;
     }
 #pragma omp for schedule(static)
@@ -179,7 +277,7 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
     /* shared: projection outputs, attention partials [threads, M, heads, D + 2], column partials */
     const size_t part_w = (size_t)D + 2;
     const size_t shared = (size_t)M * (qkv_w + dim + 2 * hidden) + (size_t)nthreads * M * n_heads * part_w +
-                          (M <= COLS_SPLIT_ROWS ? (size_t)nthreads * M * widest : 0);
+                          (size_t)nthreads * M * (M <= COLS_SPLIT_ROWS ? widest : COLS_CHUNK);
     float *sh = malloc(sizeof(float) * shared);
     if (!sh) return 1;
     float *qkv = sh, *proj = qkv + (size_t)M * qkv_w, *gu = proj + (size_t)M * dim, *part = gu + (size_t)M * 2 * hidden,
