@@ -48,8 +48,7 @@ typedef struct {
 /* Per layer: attn_norm, mlp_norm, wqkv, wo, w13, w2 (int64 slots). */
 enum { L_ATTN_NORM = 0, L_MLP_NORM = 1, L_QKV = 2, L_O = 9, L_13 = 16, L_2 = 23, L_SLOTS = 30 };
 
-#define COLS_SPLIT_ROWS 1   /* input-major products of up to this many rows sum whole rows per thread */
-#define COLS_CHUNK 4096     /* more rows: partial sums [rows, 4096] per thread, L2-resident */
+#define COLS_CHUNK 4096     /* input-major products: partial sums [rows, 4096] per thread, L1/L2-resident */
 
 static inline Lin lin_at(const int64_t *p) {
     Lin L = {p[0], p[1], p[2], (const void *)p[3], (const uint16_t *)p[4], (const uint16_t *)p[5],
@@ -126,11 +125,11 @@ static void rows_f32_batch(const float *w, const float *x, int M, int N, int K, 
     }
 }
 
-/* fp32 [K, N] weights times M >= 2 token rows. Column tiles would read 64 bytes of every weight
-   row at a stride of N floats (a page apart for the head: a TLB miss per load; measured 4x slower
-   than the [N, K] products), so, as for one row, each thread streams whole rows of its band of k,
-   here in chunks of COLS_CHUNK columns whose [M, chunk] partial sums stay in L2, four weight rows
-   per pass over them (one load and store of a partial per four products). */
+/* fp32 [K, N] (input-major) weights times M token rows. Column tiles would read 64 bytes of every
+   weight row at a stride of N floats (a page apart for the head: a TLB miss per load; measured 4x
+   slower for a batch than the [N, K] products), so each thread streams whole rows of its band of
+   k, in chunks of COLS_CHUNK columns whose [M, chunk] partial sums stay in L1/L2, four weight rows
+   per pass (one load and store of a partial per four products); then the partials are added. */
 static void cols_f32_batch(const float *w, const float *x, int M, int N, int K, float *y, const float *bias,
                            float *cols) {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -175,7 +174,7 @@ static void cols_f32_batch(const float *w, const float *x, int M, int N, int K, 
 
 /* y [M, N] = x [M, K] W^T (+ bias), x private to the calling thread (every thread holds the same
    values), y shared. Called by every thread of the region; ends with a barrier. cols: shared
-   [threads, M, N] partial sums for input-major weights. */
+   [threads, M, COLS_CHUNK] partial sums for input-major weights. */
 static void linear(const Lin *L, const float *x, int M, float *y, Act *a, float *cols) {
     const int N = (int)L->N, K = (int)L->K, nb = K / QK;
     if (L->fmt == Q8_0_Q8 || L->fmt == Q4_1_Q8) {
@@ -191,30 +190,6 @@ static void linear(const Lin *L, const float *x, int M, float *y, Act *a, float 
         block_sums(x, M, K, a->xs);
     if (L->fmt == F32_COLS) {
         const float *w = (const float *)L->w;
-        if (M <= COLS_SPLIT_ROWS) {
-            /* Each thread streams whole weight rows of its band of k into its own partial sums
-               (L2-resident), which are then added: whole rows stream near bandwidth, column
-               chunks of every row do not (~27 against ~18 GB/s for the head on this AMD EPYC). */
-            const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-            float *mine = cols + (size_t)tid * M * N;
-            memset(mine, 0, sizeof(float) * (size_t)M * N);
-#pragma omp for schedule(static)
-            for (int k = 0; k < K; k++) {
-                const float *wk = w + (long)k * N;
-                for (int r = 0; r < M; r++) {
-                    const float xk = x[(long)r * K + k];
-                    float *pr = mine + (long)r * N;
-                    for (int n = 0; n < N; n++) pr[n] += xk * wk[n];
-                }
-            }
-#pragma omp for schedule(static)
-            for (long i = 0; i < (long)M * N; i++) {
-                float v = L->bias ? L->bias[i % N] : 0.0f;
-                for (int t = 0; t < nt; t++) v += cols[(size_t)t * M * N + i];
-                y[i] = v;
-            }
-            return;
-        }
         cols_f32_batch(w, x, M, N, K, y, L->bias, cols);
         return;
     }
@@ -269,15 +244,10 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
     const float scale = 1.0f / sqrtf((float)D);
     if (D > 512) return 2;
     const Lin wh = lin_at(head);
-    size_t widest = wh.fmt == F32_COLS ? (size_t)wh.N : 0;
-    for (int l = 0; l < n_layers; l++)
-        for (int j = L_QKV; j <= L_2; j += 7)
-            if (plan[(long)l * L_SLOTS + j] == F32_COLS && (size_t)plan[(long)l * L_SLOTS + j + 1] > widest)
-                widest = (size_t)plan[(long)l * L_SLOTS + j + 1];
     /* shared: projection outputs, attention partials [threads, M, heads, D + 2], column partials */
     const size_t part_w = (size_t)D + 2;
     const size_t shared = (size_t)M * (qkv_w + dim + 2 * hidden) + (size_t)nthreads * M * n_heads * part_w +
-                          (size_t)nthreads * M * (M <= COLS_SPLIT_ROWS ? widest : COLS_CHUNK);
+                          (size_t)nthreads * M * COLS_CHUNK;
     float *sh = malloc(sizeof(float) * shared);
     if (!sh) return 1;
     float *qkv = sh, *proj = qkv + (size_t)M * qkv_w, *gu = proj + (size_t)M * dim, *part = gu + (size_t)M * 2 * hidden,

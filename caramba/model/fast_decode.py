@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from caramba import kernels
 from caramba.cache.layer import KVCache, LayerKVCache
@@ -74,9 +75,10 @@ class _Plan:
 
     usable = True
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, modules: list) -> None:
         cfg = model.config
-        self.modules = _module_list(model)
+        self.registrations = _registrations
+        self.hooks = _hook_dicts(modules)
         slots, keep = [], []
         qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
         for layer in model.layers:
@@ -111,32 +113,36 @@ def _module_list(model) -> list:
                                                  layer.attn.wqkv, layer.attn.wo, layer.mlp.w13, layer.mlp.w2)]
 
 
-def _hooked(modules: list) -> bool:
-    """Whether a forward hook would see what the C step does not run (contrastive search reads the
-    final norm's output through one)."""
-    from torch.nn.modules import module as torch_module
+# Every submodule, parameter or buffer registered anywhere in the process (module swaps such as
+# quantize_model's included) counts here, so a cached plan knows in O(1) that it may be stale.
+_registrations = 0
 
-    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks) or any(
-        m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+def _count_registration(*_args) -> None:
+    global _registrations
+    _registrations += 1
+
+
+torch_module.register_module_module_registration_hook(_count_registration)
+torch_module.register_module_parameter_registration_hook(_count_registration)
+torch_module.register_module_buffer_registration_hook(_count_registration)
 
 
 def _plan(model) -> _Plan | None:
-    """The cached plan, rebuilt when a module was swapped or a weight moved (.to(), quantize_model);
-    None when the weights have no kernel or a module is hooked."""
-    modules = _module_list(model)
-    if _hooked(modules):
-        return None
-    plan = getattr(model, "_fast_plan", None)
-    if plan is not None and (any(a is not b for a, b in zip(plan.modules, modules))
-                             or plan.usable and (plan.pointers[0] != plan.keep[0].data_ptr()
-                                                 or plan.pointers[-1] != plan.keep[-1].data_ptr())):
-        plan = None
-    if plan is None:
+    """The cached plan, rebuilt after any registration (a swapped module) or when the weights moved
+    (.to()); None when the weights have no kernel or a forward hook is set on a module the step
+    stands in for (contrastive search reads the final norm's output through one)."""
+    plan = model.__dict__.get("_fast_plan")
+    if plan is None or plan.registrations != _registrations or (
+            plan.usable and (plan.pointers[0] != plan.keep[0].data_ptr() or plan.pointers[-1] != plan.keep[-1].data_ptr())):
+        modules = _module_list(model)
         try:
-            plan = _Plan(model)
+            plan = _Plan(model, modules)
         except _NoKernel:      # remembered as such until a module changes
             plan = _Unusable(modules)
         model._fast_plan = plan
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks or any(plan.hooks):
+        return None
     return plan if plan.usable else None
 
 
@@ -146,7 +152,13 @@ class _Unusable:
     usable = False
 
     def __init__(self, modules: list) -> None:
-        self.modules = modules
+        self.registrations = _registrations
+        self.hooks = _hook_dicts(modules)
+
+
+def _hook_dicts(modules: list) -> list:
+    """The (live) forward-hook dicts of the modules: non-empty once a hook is registered."""
+    return [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
 
 
 def model_applies(model) -> bool:
@@ -172,12 +184,15 @@ def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causa
         return False
     if type(cache) is not KVCache or torch.is_grad_enabled() and model.norm.weight.requires_grad:
         return False
-    for layer in cache.layers:
-        if type(layer) is not LayerKVCache or layer.rotation is not None or layer.v_rotation is not None \
-                or type(layer.k_stream) is not FloatStream \
-                or type(layer.v_stream) is not FloatStream or layer.k_stream.data.dtype != torch.float32 \
-                or layer.v_stream.data.dtype != torch.float32:
-            return False
+    ok = cache.__dict__.get("_fast_decode_ok")
+    if ok is None:   # a cache's layer types, kinds and rotations are fixed when it is built
+        ok = cache._fast_decode_ok = all(
+            type(layer) is LayerKVCache and layer.rotation is None and layer.v_rotation is None
+            and type(layer.k_stream) is FloatStream and type(layer.v_stream) is FloatStream
+            and layer.k_stream.data.dtype == torch.float32 and layer.v_stream.data.dtype == torch.float32
+            for layer in cache.layers)
+    if not ok:
+        return False
     if not model_applies(model) or library() is None:
         return False
     return _plan(model) is not None
