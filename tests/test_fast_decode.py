@@ -46,13 +46,13 @@ def to_q4_1(model, act: str) -> None:
                 setattr(parent, name, QuantLinear("q4_1", p["qs"], p["d"], p["m"], getattr(child, "bias", None), act=act))
 
 
-def run_both(model, ids, steps, **forward_kw):
+def run_both(model, ids, steps, kind="fp32", **forward_kw):
     """(torch path, C path): logits of a prefill and `steps` teacher-forced decode steps, and the caches."""
     out = []
     for fast in (False, True):
         model.fast_decode = fast
         with torch.inference_mode():
-            cache = model.new_cache(ids.shape[0], 40)
+            cache = model.new_cache(ids.shape[0], 40, kind)
             model.fast_decode = False                          # the same prefill for both
             logits = [model(ids, cache=cache, **forward_kw.get("prefill", {}))[:, -1:]]
             model.fast_decode = fast
@@ -147,13 +147,49 @@ def test_positions_past_the_rotary_table_grow_it(taken):
     assert_same(ref, got, model.config)
 
 
-@pytest.mark.parametrize("case", ["fp16 cache", "q8_0 cache", "rotate_keys", "rotate_values", "prefill", "grad", "switched off",
+@pytest.mark.parametrize("qblock", [32, 8])
+@pytest.mark.parametrize("policy", ["q8_0", "k=q8_0", "v=q8_0"])
+def test_q8_0_caches_equal_the_torch_path(policy, qblock, taken):
+    """The step reads and writes q8_0 codes itself. Its new tokens' codes are caramba.cache.quant's
+    bit for bit (checked where both paths computed the same K and V: layer 0 of an fp32-cache
+    step), and the two paths agree to one storage step (a K or V value a rounding apart can sit on
+    either side of a code boundary)."""
+    from caramba.cache import CachePolicy
+    from caramba.cache.quant import quantize
+
+    model = make_model(seed=10)
+    policy = CachePolicy.build("fp32" if "=" in policy else policy, policy if "=" in policy else None, qblock=qblock)
+    ids = torch.tensor([[5, 9, 1, 44, 3], [7, 7, 2, 90, 61]])
+    ref, got = run_both(model, ids, [7, 8, 9], kind=policy)
+    assert len(taken) == 3
+    (ref_logits, ref_cache), (got_logits, got_cache) = ref, got
+    torch.testing.assert_close(got_logits, ref_logits, **tol.cache_paths(ref_logits, model.config, "q8_0"))
+    # the quantizer, bit for bit: one step on an fp32 cache and on this policy's, from one prefill
+    with torch.inference_mode():
+        caches = []
+        for kind in ("fp32", policy):
+            cache = model.new_cache(2, 40, kind)
+            model.fast_decode = False
+            model(ids, cache=cache)
+            model.fast_decode = True
+            model(torch.tensor([[11], [12]]), cache=cache)
+            caches.append(cache)
+    f32, q8 = caches[0].layers[0], caches[1].layers[0]
+    for keys, (fs, qs) in ((True, (f32.k_stream, q8.k_stream)), (False, (f32.v_stream, q8.v_stream))):
+        if not qs.quantized:
+            continue
+        codes, scales = quantize(fs.data[:, :, 5:6], qs.spec, qs.block)        # the new token, slot 5
+        got_codes = qs.codes[..., 5:6].transpose(-1, -2) if keys else qs.codes[:, :, 5:6]
+        assert torch.equal(got_codes, codes) and torch.equal(qs.scales[..., 5:6].transpose(-1, -2), scales)
+
+
+@pytest.mark.parametrize("case", ["fp16 cache", "q4_0 cache", "q8_0 window", "rotate_keys", "rotate_values", "prefill", "grad", "switched off",
                                   "bf16 model", "gelu model", "hooked"])
 def test_everything_else_takes_the_torch_path(case, taken):
     model = make_model(seed=7, **({"mlp": "gelu", "norm": "layer", "positions": "learned"} if case == "gelu model" else {}))
     if case == "bf16 model":
         model = model.to(torch.bfloat16)
-    kind = {"fp16 cache": "fp16", "q8_0 cache": "q8_0"}.get(case, "fp32")
+    kind = {"fp16 cache": "fp16", "q4_0 cache": "q4_0"}.get(case, "fp32")
     with torch.inference_mode(case != "grad"):
         if case == "grad":
             model.requires_grad_(True)
@@ -162,9 +198,10 @@ def test_everything_else_takes_the_torch_path(case, taken):
         if case == "hooked":                                   # contrastive search reads the norm's output
             model.norm.register_forward_hook(lambda *_: None)
         cache = model.new_cache(1, 16, kind)
-        if case in ("rotate_keys", "rotate_values"):
+        if case in ("rotate_keys", "rotate_values", "q8_0 window"):
             from caramba.cache import CachePolicy
-            cache = model.new_cache(1, 16, CachePolicy.build("fp32", **{case: True}))
+            cache = model.new_cache(1, 16, CachePolicy.build("q8_0", residual_len=4) if case == "q8_0 window"
+                                    else CachePolicy.build("fp32", **{case: True}))
         model(torch.tensor([[1, 2, 3]]), cache=cache)
         model(torch.tensor([[4, 5]]) if case == "prefill" else torch.tensor([[4]]), cache=cache)
     assert taken == []
@@ -214,6 +251,8 @@ def test_portable_build_equals_the_native_one(monkeypatch, tmp_path, taken):
     assert len(taken) == 4
     assert_same(ref, portable, model.config)
     assert_same(native, portable, model.config)
+    taken.clear()
+    test_q8_0_caches_equal_the_torch_path("q8_0", 32, taken)      # the portable fp16 conversion too
 
 
 def test_thread_choice_moves_to_one_thread_when_that_is_faster_and_backs_off_when_not(monkeypatch):

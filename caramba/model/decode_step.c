@@ -229,9 +229,69 @@ static inline void rope_head(const float *v, float *out, const float *cos, const
     for (int i = h; i < D; i++) out[i] = v[i] * cos[i] + v[i - h] * ssin[i];
 }
 
+/* ---- q8_0 KV caches (caramba.cache: KVCacheKind.Q8_0, no residual window) ----
+   Code c of a block stands for (c + 1/2) s, c in [-128, 127], s = fp16(absmax (1 + 2^-10) / 127.5)
+   rounded to nearest, c = floor(x / s) clamped: the same arithmetic as caramba.cache.quant, so
+   the codes this step writes are the torch path's, bit for bit (tests compare them). Keys are
+   stored keys-major (codes [rows, heads, D, S]), values position-major ([rows, heads, S, D]);
+   scales [rows, heads, D / qblock, S] fp16 either way. */
+enum { KV_F32 = 0, KV_Q8_0 = 1 };
+
+static inline uint16_t fp32_to_fp16(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else   /* round to nearest even, as the conversion instruction does */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000;
+    x &= 0x7fffffff;
+    if (x >= 0x7f800000) return (uint16_t)(sign | (x > 0x7f800000 ? 0x7e00 : 0x7c00));   /* nan, inf */
+    if (x >= 0x477ff000) return (uint16_t)(sign | 0x7c00);                                /* rounds to inf */
+    uint32_t out, rest, half;
+    if (x < 0x38800000) {                      /* below 2^-14: a subnormal half (or zero) */
+        const int shift = 126 - (int)(x >> 23);
+        if (shift > 24) return (uint16_t)sign;
+        const uint32_t m = (x & 0x7fffff) | 0x800000;
+        out = m >> shift;
+        rest = m & ((1u << shift) - 1);
+        half = 1u << (shift - 1);
+    } else {
+        out = (x >> 13) - (112u << 10);
+        rest = x & 0x1fff;
+        half = 0x1000;
+    }
+    if (rest > half || (rest == half && (out & 1))) out++;
+    return (uint16_t)(sign | out);
+#endif
+}
+
+static void quantize_q8_0(const float *x, int D, int qblock, int8_t *codes, uint16_t *scales) {
+    const float k = (float)((1.0 + 1.0 / 1024) / 127.5);
+    for (int j = 0; j < D / qblock; j++) {
+        const float *xb = x + j * qblock;
+        float amax = 0.0f;
+        for (int i = 0; i < qblock; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        scales[j] = fp32_to_fp16(amax * k);
+        float safe = fp16_to_fp32(scales[j]);
+        if (safe == 0.0f) safe = 1e-30f;
+        for (int i = 0; i < qblock; i++) {
+            float c = floorf(xb[i] / safe);
+            codes[j * qblock + i] = (int8_t)(c < -128.0f ? -128.0f : (c > 127.0f ? 127.0f : c));
+        }
+    }
+}
+
+static void dequantize_q8_0(const int8_t *codes, const uint16_t *scales, int D, int qblock, float *x) {
+    for (int i = 0; i < D; i++) x[i] = ((float)codes[i] + 0.5f) * fp16_to_fp32(scales[i / qblock]);
+}
+
 /* Returns 0; 1 when scratch could not be allocated, 2 for a head_dim over 512 (nothing written then). */
 int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const float *final_norm,
-                float *const *kv,         /* [n_layers, 2]: each layer's K and V cache, [M, n_kv, max_seq, D] fp32 */
+                void *const *kv,          /* [n_layers, 2]: each layer's K and V storage: fp32 [M, n_kv, max_seq, D],
+                                             or q8_0 codes (keys [M, n_kv, D, max_seq], values [M, n_kv, max_seq, D]) */
+                uint16_t *const *kv_scales, /* [n_layers, 2]: q8_0 block scales [M, n_kv, D / qblock, max_seq], or NULL */
+                const int *kv_kinds,      /* [n_layers, 2]: KV_F32 or KV_Q8_0 */
+                int qblock,
                 const float *x_in,        /* [M, dim] embedded tokens */
                 float *logits,            /* [M, vocab] */
                 int M, int dim, int n_heads, int n_kv, int D, int hidden, int max_seq, int slot,
@@ -242,7 +302,7 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
     const int qkv_w = (n_heads + 2 * n_kv) * D, q_w = n_heads * D, rep = n_heads / n_kv, L = slot + 1;
     const int kmax = dim > hidden ? dim : hidden;
     const float scale = 1.0f / sqrtf((float)D);
-    if (D > 512) return 2;
+    if (D > 512 || rep > 64 || qblock < 1 || D % qblock) return 2;
     const Lin wh = lin_at(head);
     /* shared: projection outputs, attention partials [threads, M, heads, D + 2], column partials */
     const size_t part_w = (size_t)D + 2;
@@ -261,8 +321,9 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
            scores of this thread's slots, q8 activations */
         const int my_slots = (L + nt - 1) / nt;
         const size_t priv = (size_t)M * (dim + kmax + q_w + n_kv * D + q_w + hidden) + (size_t)n_heads * my_slots +
-                            2 * (size_t)M * (kmax / QK);
-        float *pv = malloc(sizeof(float) * priv + (size_t)M * kmax);
+                            2 * (size_t)M * (kmax / QK) + 2 * (size_t)M * n_kv * D + 2 * (size_t)rep * my_slots;
+        const size_t kvq = 2 * (size_t)M * n_kv * D + 2 * sizeof(uint16_t) * (size_t)M * n_kv * (D / qblock);
+        float *pv = malloc(sizeof(float) * priv + (size_t)M * kmax + kvq);
         int ok = pv != NULL;
 #pragma omp atomic
         failed += !ok;
@@ -271,36 +332,92 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
             float *x = pv, *h = x + (size_t)M * dim, *q = h + (size_t)M * kmax, *k = q + (size_t)M * q_w,
                   *att = k + (size_t)M * n_kv * D, *act = att + (size_t)M * q_w, *sc = act + (size_t)M * hidden,
                   *xd = sc + (size_t)n_heads * my_slots, *xs = xd + (size_t)M * (kmax / QK);
-            Act a = {(int8_t *)(xs + (size_t)M * (kmax / QK)), xd, xs};
+            float *kn = xs + (size_t)M * (kmax / QK), *vn = kn + (size_t)M * n_kv * D,   /* new K, V as cached */
+                  *qsc = vn + (size_t)M * n_kv * D, *qtmp = qsc + (size_t)rep * my_slots;   /* q8_0 key scores */
+            Act a = {(int8_t *)(qtmp + (size_t)rep * my_slots), xd, xs};
+            int8_t *kqc = a.xq + (size_t)M * kmax, *vqc = kqc + (size_t)M * n_kv * D;      /* new K, V codes */
+            uint16_t *kqs = (uint16_t *)(vqc + (size_t)M * n_kv * D), *vqs = kqs + (size_t)M * n_kv * (D / qblock);
             const int s0 = tid * my_slots < L ? tid * my_slots : L, s1 = s0 + my_slots < L ? s0 + my_slots : L;
             memcpy(x, x_in, sizeof(float) * (size_t)M * dim);
             for (int l = 0; l < n_layers; l++) {
                 const int64_t *p = plan + (long)l * L_SLOTS;
                 const Lin wqkv = lin_at(p + L_QKV), wo = lin_at(p + L_O), w13 = lin_at(p + L_13), w2 = lin_at(p + L_2);
-                float *kc = kv[2 * l], *vc = kv[2 * l + 1];
+                const int k_q8 = kv_kinds[2 * l] == KV_Q8_0, v_q8 = kv_kinds[2 * l + 1] == KV_Q8_0, nbq = D / qblock;
+                const long S = max_seq;
                 rms_norm(x, (const float *)p[L_ATTN_NORM], h, M, dim, eps);
                 linear(&wqkv, h, M, qkv, &a, cols);
+                /* q and k roped; the new k and v as the cache will hold them (quantized and read back
+                   for q8_0, as the torch path's new token reads its own K and V from the cache) */
                 for (int r = 0; r < M; r++) {
                     const float *row = qkv + (long)r * qkv_w;
                     const float *c = cos + positions[r] * D, *s = ssin + positions[r] * D;
                     for (int hh = 0; hh < n_heads; hh++) rope_head(row + hh * D, q + (long)r * q_w + hh * D, c, s, D);
-                    for (int g = 0; g < n_kv; g++) rope_head(row + q_w + g * D, k + ((long)r * n_kv + g) * D, c, s, D);
+                    for (int g = 0; g < n_kv; g++) {
+                        const long rg = (long)r * n_kv + g;
+                        rope_head(row + q_w + g * D, k + rg * D, c, s, D);
+                        if (k_q8) {
+                            quantize_q8_0(k + rg * D, D, qblock, kqc + rg * D, kqs + rg * nbq);
+                            dequantize_q8_0(kqc + rg * D, kqs + rg * nbq, D, qblock, kn + rg * D);
+                        } else
+                            memcpy(kn + rg * D, k + rg * D, sizeof(float) * D);
+                        if (v_q8) {
+                            quantize_q8_0(row + q_w + (n_kv + g) * D, D, qblock, vqc + rg * D, vqs + rg * nbq);
+                            dequantize_q8_0(vqc + rg * D, vqs + rg * nbq, D, qblock, vn + rg * D);
+                        } else
+                            memcpy(vn + rg * D, row + q_w + (n_kv + g) * D, sizeof(float) * D);
+                    }
                 }
                 /* this thread's slots: scores, their max, then exp and sum and p V, per head */
+                const int s1old = s1 < slot ? s1 : slot;     /* [s0, s1old): slots read from the cache */
                 for (int r = 0; r < M; r++) {
-                    const float *qr = q + (long)r * q_w, *vnew = qkv + (long)r * qkv_w + q_w + n_kv * D;
+                    const float *qr = q + (long)r * q_w;
                     const uint8_t *mr = mask ? mask + (long)r * L : NULL;
                     for (int g = 0; g < n_kv; g++) {
-                        const float *kg = kc + ((long)r * n_kv + g) * max_seq * D, *vg = vc + ((long)r * n_kv + g) * max_seq * D;
-                        const float *knew = k + ((long)r * n_kv + g) * D;
+                        const long rg = (long)r * n_kv + g;
+                        const float *knew = kn + rg * D, *vnew = vn + rg * D;
+                        if (k_q8 && s1old > s0) {
+                            /* every head of the group at once, block by block, slots in the inner loop
+                               (keys-major codes: a block element's slots are contiguous) */
+                            const int8_t *kcode = (const int8_t *)kv[2 * l] + rg * D * S;
+                            const uint16_t *ksc = kv_scales[2 * l] + rg * nbq * S;
+                            const int n = s1old - s0;
+                            memset(qsc, 0, sizeof(float) * (size_t)rep * n);
+                            for (int jb = 0; jb < nbq; jb++) {
+                                memset(qtmp, 0, sizeof(float) * (size_t)rep * n);
+                                float qsum[64];
+                                for (int j = 0; j < rep; j++) {
+                                    qsum[j] = 0.0f;
+                                    for (int e = jb * qblock; e < (jb + 1) * qblock; e++) qsum[j] += qr[(g * rep + j) * D + e];
+                                }
+                                for (int e = jb * qblock; e < (jb + 1) * qblock; e++) {
+                                    const int8_t *ce = kcode + (long)e * S + s0;
+                                    for (int j = 0; j < rep; j++) {
+                                        const float qe = qr[(g * rep + j) * D + e];
+                                        float *t = qtmp + (long)j * n;
+                                        for (int i = 0; i < n; i++) t[i] += qe * (float)ce[i];
+                                    }
+                                }
+                                const uint16_t *sj = ksc + (long)jb * S + s0;
+                                for (int j = 0; j < rep; j++)
+                                    for (int i = 0; i < n; i++)
+                                        qsc[(long)j * n + i] += fp16_to_fp32(sj[i]) * (qtmp[(long)j * n + i] + 0.5f * qsum[j]);
+                            }
+                        }
+                        const float *kg = (const float *)kv[2 * l] + rg * S * D;
+                        const int8_t *vcode = (const int8_t *)kv[2 * l + 1] + rg * S * D;
+                        const float *vg = (const float *)kv[2 * l + 1] + rg * S * D;
+                        const uint16_t *vsc = v_q8 ? kv_scales[2 * l + 1] + rg * nbq * S : NULL;
                         for (int j = 0; j < rep; j++) {
                             const int hh = g * rep + j;
                             float *out = part + (((size_t)tid * M + r) * n_heads + hh) * part_w;
                             float mx = -INFINITY, sum = 0.0f;
                             for (int sl = s0; sl < s1; sl++) {
                                 float v = -INFINITY;
-                                if (!mr || mr[sl])
-                                    v = dot_f32(sl == slot ? knew : kg + (long)sl * D, qr + hh * D, D) * scale;
+                                if (!mr || mr[sl]) {
+                                    if (sl == slot) v = dot_f32(knew, qr + hh * D, D) * scale;
+                                    else if (k_q8) v = qsc[(long)j * (s1old - s0) + (sl - s0)] * scale;
+                                    else v = dot_f32(kg + (long)sl * D, qr + hh * D, D) * scale;
+                                }
                                 sc[sl - s0] = v;
                                 mx = v > mx ? v : mx;
                             }
@@ -309,9 +426,17 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                                 for (int sl = s0; sl < s1; sl++) {
                                     if (sc[sl - s0] == -INFINITY) continue;
                                     const float e = expf(sc[sl - s0] - mx);
-                                    const float *vrow = sl == slot ? vnew + g * D : vg + (long)sl * D;
                                     sum += e;
-                                    for (int i = 0; i < D; i++) out[i] += e * vrow[i];
+                                    if (v_q8 && sl != slot) {
+                                        const int8_t *cr = vcode + (long)sl * D;
+                                        for (int jb = 0; jb < nbq; jb++) {
+                                            const float w = e * fp16_to_fp32(vsc[(long)jb * S + sl]);
+                                            for (int i = jb * qblock; i < (jb + 1) * qblock; i++) out[i] += w * ((float)cr[i] + 0.5f);
+                                        }
+                                    } else {
+                                        const float *vrow = sl == slot ? vnew : vg + (long)sl * D;
+                                        for (int i = 0; i < D; i++) out[i] += e * vrow[i];
+                                    }
                                 }
                             out[D] = mx;
                             out[D + 1] = sum;
@@ -324,9 +449,18 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                 if (s0 < L && s1 == L)
                     for (int r = 0; r < M; r++)
                         for (int g = 0; g < n_kv; g++) {
-                            const long at = (((long)r * n_kv + g) * max_seq + slot) * D;
-                            memcpy(kc + at, k + ((long)r * n_kv + g) * D, sizeof(float) * D);
-                            memcpy(vc + at, qkv + (long)r * qkv_w + q_w + (n_kv + g) * D, sizeof(float) * D);
+                            const long rg = (long)r * n_kv + g;
+                            if (k_q8) {
+                                int8_t *kcode = (int8_t *)kv[2 * l] + rg * D * S;
+                                for (int e = 0; e < D; e++) kcode[(long)e * S + slot] = kqc[rg * D + e];
+                                for (int jb = 0; jb < nbq; jb++) kv_scales[2 * l][(rg * nbq + jb) * S + slot] = kqs[rg * nbq + jb];
+                            } else
+                                memcpy((float *)kv[2 * l] + (rg * S + slot) * D, k + rg * D, sizeof(float) * D);
+                            if (v_q8) {
+                                memcpy((int8_t *)kv[2 * l + 1] + (rg * S + slot) * D, vqc + rg * D, (size_t)D);
+                                for (int jb = 0; jb < nbq; jb++) kv_scales[2 * l + 1][(rg * nbq + jb) * S + slot] = vqs[rg * nbq + jb];
+                            } else
+                                memcpy((float *)kv[2 * l + 1] + (rg * S + slot) * D, vn + rg * D, sizeof(float) * D);
                         }
                 /* combine the partials (every thread, into its own att) */
                 for (int r = 0; r < M; r++)

@@ -25,14 +25,17 @@ from torch.nn.modules import module as torch_module
 
 from caramba import kernels
 from caramba.cache.layer import KVCache, LayerKVCache
-from caramba.cache.streams import FloatStream
+from caramba.cache.kinds import KVCacheKind
+from caramba.cache.streams import FloatStream, QuantStream
 from caramba.model import quant
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 MAX_ROWS = 16        # beyond this the torch path's GEMMs win
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {"decode_step": ([_I] + [_P] * 6 + [_I] * 8 + [_P] * 4 + [_F, _I], _I)}
+_SIGNATURES = {"decode_step": ([_I] + [_P] * 6 + [_I] + [_P] * 2 + [_I] * 8 + [_P] * 4 + [_F, _I], _I)}
 library = kernels.Library(SOURCE, _SIGNATURES, "decode steps run through torch's ops")
+
+KV_F32, KV_Q8_0 = 0, 1   # decode_step.c's cache stream kinds
 
 # decode_step.c's projection formats
 F32_ROWS, F32_COLS, Q8_0_Q8, Q8_0_F32, Q4_1_F32, Q4_1_Q8 = range(6)
@@ -167,11 +170,42 @@ def model_applies(model) -> bool:
 
     cfg = model.config
     if (cfg.norm, cfg.mlp, cfg.positions, cfg.attention) != ("rms", "swiglu", "rope", "standard") \
-            or model.dtype != torch.float32 or model.device.type != "cpu" or cfg.head_dim > 512:
+            or model.dtype != torch.float32 or model.device.type != "cpu" or cfg.head_dim > 512 \
+            or cfg.n_heads // cfg.n_kv_heads > 64:
         return False
     layer = model.layers[0]
     return type(layer.attn) is Attention and type(layer.mlp) is MLP and type(layer.attn_norm) is RMSNorm \
         and type(model.norm) is RMSNorm
+
+
+def _stream_kind(stream, keys: bool) -> int | None:
+    """decode_step.c's storage kind of a cache stream: fp32 values, q8_0 codes without a
+    full-precision window (keys stored keys-major), or None (the torch path)."""
+    if type(stream) is FloatStream and stream.data.dtype == torch.float32:
+        return KV_F32
+    if type(stream) is QuantStream and stream.kind is KVCacheKind.Q8_0 and not stream.R \
+            and stream.keys_major == keys and stream.codes.is_contiguous() and stream.scales.is_contiguous():
+        return KV_Q8_0
+    return None
+
+
+def _cache_layout(cache) -> tuple[list[int], int] | None:
+    """(per layer and stream: KV_F32 / KV_Q8_0, the q8_0 block) when the step can read and write
+    every layer of `cache`, else None."""
+    kinds, blocks = [], set()
+    for layer in cache.layers:
+        if type(layer) is not LayerKVCache or layer.rotation is not None or layer.v_rotation is not None:
+            return None
+        for stream, keys in ((layer.k_stream, True), (layer.v_stream, False)):
+            kind = _stream_kind(stream, keys)
+            if kind is None:
+                return None
+            kinds.append(kind)
+            if kind == KV_Q8_0:
+                blocks.add(stream.block)
+    if len(blocks) > 1:
+        return None
+    return kinds, blocks.pop() if blocks else 1      # 1: no q8_0 stream (any block divides head_dim)
 
 
 def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causal: bool) -> bool:
@@ -186,11 +220,7 @@ def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causa
         return False
     ok = cache.__dict__.get("_fast_decode_ok")
     if ok is None:   # a cache's layer types, kinds and rotations are fixed when it is built
-        ok = cache._fast_decode_ok = all(
-            type(layer) is LayerKVCache and layer.rotation is None and layer.v_rotation is None
-            and type(layer.k_stream) is FloatStream and type(layer.v_stream) is FloatStream
-            and layer.k_stream.data.dtype == torch.float32 and layer.v_stream.data.dtype == torch.float32
-            for layer in cache.layers)
+        ok = cache._fast_decode_ok = _cache_layout(cache) is not None
     if not ok:
         return False
     if not model_applies(model) or library() is None:
@@ -265,19 +295,28 @@ def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVC
     plan = model._fast_plan          # as applies() just checked it
     if mask is not None:
         mask = mask.contiguous()
-    kv = (ctypes.c_void_p * (2 * cfg.n_layers))(
-        *[s.data.data_ptr() for layer in cache.layers for s in (layer.k_stream, layer.v_stream)])
+    kinds, qblock = cache.__dict__.get("_fast_decode_layout") or _cache_layout(cache)
+    cache._fast_decode_layout = (kinds, qblock)
+    streams = [s for layer in cache.layers for s in (layer.k_stream, layer.v_stream)]
+    kv = (ctypes.c_void_p * len(streams))(*[s.data.data_ptr() if k == KV_F32 else s.codes.data_ptr()
+                                            for s, k in zip(streams, kinds)])
+    scales = (ctypes.c_void_p * len(streams))(*[None if k == KV_F32 else s.scales.data_ptr()
+                                                for s, k in zip(streams, kinds)])
+    kv_kinds = (ctypes.c_int * len(streams))(*kinds)
     choice = model.__dict__.setdefault("decode_threads", ThreadChoice())
     threads = choice.next()
     t0 = time.perf_counter()
     failed = library().decode_step(
-        cfg.n_layers, plan.layers.data_ptr(), plan.head.data_ptr(), model.norm.weight.data_ptr(), kv, x.data_ptr(),
+        cfg.n_layers, plan.layers.data_ptr(), plan.head.data_ptr(), model.norm.weight.data_ptr(), kv, scales, kv_kinds,
+        qblock, x.data_ptr(),
         logits.data_ptr(), B, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size,
         cache.max_seq_len, slot, positions.data_ptr(), None if mask is None else mask.data_ptr(),
         table.cos.data_ptr(), table.sin.data_ptr(), cfg.norm_eps, threads)
     choice.took(threads, time.perf_counter() - t0)
-    if failed:
+    if failed == 1:
         raise MemoryError("the fused decode step could not allocate its scratch")
+    if failed:
+        raise ValueError(f"decode_step.c refused the shapes (code {failed}); fast_decode.applies should have")
     for layer in cache.layers:
         layer.length = slot + 1
     return logits
