@@ -6,10 +6,12 @@ greedy decode steps. Kinds alternate within every repeat, after a warm-up; media
 Also prints, per kind, the bytes the cache allocated next to the analytic bytes/token formula.
 
     .venv/bin/python benchmarks/cache_kinds.py [--context 2048] [--steps 32] [--repeats 5]
-        [--kinds fp32,q8_0,q4_0,nf4] [--chunk 512] [--json out.json]
+        [--kinds fp32,q8_0,q4_0,nf4] [--chunk 512] [--torch-path] [--json out.json]
 
-Quantized kinds decode through the C kernels (caramba.cache.kernel) when they build; run with
-CARAMBA_KERNELS=0 to time the eager path instead. The header line says which ran.
+fp32 and q8_0 caches (no window) decode through the one-call C step (caramba.model.fast_decode);
+the other kinds through the torch path, reading codes with the C kernels (caramba.cache.kernel)
+when they build. --torch-path sends every kind through the torch path (like for like with the
+kinds the C step does not take); CARAMBA_KERNELS=0 times the eager path. The header says which ran.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import caramba.cache.attend as attend  # noqa: E402
 from caramba.cache import kernel  # noqa: E402
 from caramba.cache import CachePolicy  # noqa: E402
 from caramba.infer.evaluate import corpus_ids  # noqa: E402
+from caramba.model import fast_decode  # noqa: E402
 from caramba.model.zoo import load_model  # noqa: E402
 
 
@@ -51,12 +54,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kinds", default="fp32,q8_0,q4_0,nf4", help="comma-separated kinds (or policies as k=..;v=..)")
     ap.add_argument("--chunk", type=int, default=attend.READ_CHUNK, help="tokens per dequantized chunk (eager path)")
+    ap.add_argument("--torch-path", action="store_true",
+                    help="every kind through the torch path (model.fast_decode = False): the C decode step "
+                         "(caramba.model.fast_decode) takes fp32 and q8_0 caches only")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     attend.READ_CHUNK = args.chunk
 
     loaded = load_model(args.model, "float32", "cpu", progress=False)
     model = loaded.model
+    model.fast_decode = not args.torch_path
     ids = corpus_ids(loaded.tokenizer)
     if len(ids) < args.context + 1:
         ids = (ids * (args.context // len(ids) + 2))
@@ -80,6 +87,7 @@ def main() -> None:
     cfg = model.config
     print(f"SmolLM2 decode at context {args.context}, {args.steps} steps x {args.repeats} repeats, "
           f"torch {torch.__version__}, threads {torch.get_num_threads()}, kernels {kernel.status()}, chunk {args.chunk}, "
+          f"decode step {'torch path' if args.torch_path else 'C (fp32 and q8_0 caches): ' + fast_decode.status()}, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'kind':<16}{'tok/s':>8}{'vs fp32':>9}{'bytes/token':>13}{'analytic':>10}{'allocated MiB':>15}")
     rows = []
