@@ -604,8 +604,11 @@ def tokens(B, T, seed=0):
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_truncate_rolls_back_on_every_kind(model, kind):
+    assert_truncate_rolls_back(model, CachePolicy.build(kind, qblock=8), kind)
+
+
+def assert_truncate_rolls_back(model, policy, kind):
     prefix, rejected, accepted = tokens(2, 6, seed=1), tokens(2, 4, seed=2), tokens(2, 5, seed=3)
-    policy = CachePolicy.build(kind, qblock=8)
     clean = model.new_cache(2, 20, policy)
     model(prefix, cache=clean)
     expected = torch.cat([model(accepted[:, t : t + 1], cache=clean) for t in range(5)], dim=1)
@@ -618,6 +621,7 @@ def test_truncate_rolls_back_on_every_kind(model, kind):
     cache.truncate(6)   # a verify-sized forward reads the same cache contents as 5 single steps
     # ... up to one storage step where its differently ordered K/V land across a rounding boundary
     torch.testing.assert_close(model(accepted, cache=cache), expected, **tol.cache_paths(expected, model.config, kind))
+    return cache
 
 
 @pytest.mark.parametrize("kind,tol", [("q8_0", 0.02), ("q4_0", 0.5), ("nf4", 0.5)])
@@ -649,19 +653,7 @@ def test_value_rotation_policy(model):
 
 @pytest.mark.parametrize("kind", ["q4_0", "q4_0l", "q8_0"])
 def test_truncate_rolls_back_with_rotated_keys_and_values(model, kind):
-    prefix, rejected, accepted = tokens(2, 6, seed=1), tokens(2, 4, seed=2), tokens(2, 5, seed=3)
-    policy = CachePolicy.build(kind, qblock=8, rotate_keys=True, rotate_values=True)
-    clean = model.new_cache(2, 20, policy)
-    model(prefix, cache=clean)
-    expected = torch.cat([model(accepted[:, t : t + 1], cache=clean) for t in range(5)], dim=1)
-    cache = model.new_cache(2, 20, policy)
-    model(prefix, cache=cache)
-    model(rejected, cache=cache)
-    cache.truncate(6)
-    got = torch.cat([model(accepted[:, t : t + 1], cache=cache) for t in range(5)], dim=1)
-    torch.testing.assert_close(got, expected, **tol.forward(expected, model.config))
-    cache.truncate(6)
-    torch.testing.assert_close(model(accepted, cache=cache), expected, **tol.cache_paths(expected, model.config, kind))
+    cache = assert_truncate_rolls_back(model, CachePolicy.build(kind, qblock=8, rotate_keys=True, rotate_values=True), kind)
     cache.reorder(torch.tensor([1]))   # beam search / finished rows: the rotated streams gather too
     assert cache.batch_size == 1 and cache.layers[1].v_stream.codes.shape[0] == 1
 
