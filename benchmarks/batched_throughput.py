@@ -3,7 +3,8 @@
 The same 16 prompts of mixed lengths (8..64 tokens) run through `generate_batched` with each
 batch size; EOS is ignored so every prompt makes exactly --new-tokens tokens. Configurations
 alternate in one process after a warm-up; medians of end-to-end tokens/s (prefill included)
-are reported, with torch's thread count and the load average.
+are reported, with torch's thread count and the load average. Then the decode step alone at
+batch 1, 2, 4 and 8 (40-token prompts, 12 steps, medians of --repeats): `step_ms_median`.
 
     .venv/bin/python benchmarks/batched_throughput.py [--new-tokens 32] [--repeats 3] [--json out.json]
 """
@@ -15,6 +16,7 @@ import json
 import os
 import platform
 import statistics
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -29,6 +31,23 @@ TEXT = (
     "Rhine valley. Within fifty years, presses were at work in more than two hundred cities across Europe, and the "
     "price of books fell so far that ordinary merchants could own them."
 )
+
+
+@torch.inference_mode()
+def step_ms(model, batch: int, prompt_len: int = 40, steps: int = 12) -> float:
+    """ms per decode step of `batch` rows (one new token each) after a prompt_len-token prefill:
+    the step alone, without generation's bookkeeping or prefill."""
+    ids = torch.randint(0, 1000, (batch, prompt_len), generator=torch.Generator().manual_seed(batch))
+    cache = model.new_cache(batch, prompt_len + steps + 4)
+    model(ids, cache=cache)
+    tok = ids[:, -1:]
+    for _ in range(3):
+        model(tok, cache=cache)
+    cache.truncate(prompt_len)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        model(tok, cache=cache)
+    return (time.perf_counter() - t0) / steps * 1e3
 
 
 def main() -> None:
@@ -58,12 +77,15 @@ def main() -> None:
                 chosen = {"batch_size": res.batch_size, **res.sizing}
     assert outputs["1"] == outputs["8"] == outputs["auto"], "batching changed a greedy output"
     med = {s: statistics.median(r) for s, r in rates.items()}
+    steps = {b: statistics.median(step_ms(loaded.model, b) for _ in range(args.repeats)) for b in (1, 2, 4, 8)}
     report = {
         "model": "smollm2-135m fp32", "prompts": args.prompts, "prompt_lens": sorted(lengths),
         "new_tokens": args.new_tokens, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
         "loadavg_after": os.getloadavg(), "cpu": platform.processor() or platform.machine(),
         "tok_s_median": med, "tok_s_all": rates, "speedup_8_vs_1": med["8"] / med["1"],
         "speedup_auto_vs_1": med["auto"] / med["1"], "auto": chosen,
+        "step_ms_median": steps, "step_tok_s": {b: b * 1e3 / ms for b, ms in steps.items()},
+        "step_speedup_8_vs_1": (8 / steps[8]) / (1 / steps[1]),
     }
     print(json.dumps(report, indent=2))
     if args.json:
