@@ -145,6 +145,10 @@ def main() -> None:
         ratio = f"{c / lc:.2f}x" if lc else "-"
         tp = f" {statistics.median(rows[f]['torch path']):.1f} |" if args.torch_path else ""
         print(f"| {f} | {CARAMBA_WEIGHTS[f]} | {c:.1f} | {f'{lc:.1f}' if lc else '-'} | {ratio} |{tp}")
+        choice = getattr(models[f].model, "decode_threads", None)   # the C step's adaptive thread count
+        if choice is not None and choice.current not in (None, args.threads):
+            print(f"  note: caramba's {f} step settled on {choice.current} thread(s) (fast_decode.ThreadChoice: "
+                  "two measured slower on this machine just then)")
         table.append({"format": f, "caramba_weights": CARAMBA_WEIGHTS[f], "caramba_tok_s": c, "llamacpp_tok_s": lc,
                       "caramba_runs": rows[f]["caramba"], "llamacpp_runs": rows[f]["llama.cpp"],
                       "torch_path_runs": rows[f]["torch path"]})
