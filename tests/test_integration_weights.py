@@ -9,15 +9,9 @@ import torch
 
 from caramba.infer import GenerateConfig, Generator
 from conftest import SMOLLM2
+from test_integration_smollm2 import PROMPTS
 
 pytestmark = SMOLLM2
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Once upon a time, in a small village by the sea,",
-    "<|im_start|>user\nWhat is photosynthesis?<|im_end|>\n<|im_start|>assistant\n",
-]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@
 
    Per layer, for M token rows (one new token each):
      h = rms_norm(x); q|k|v = h W_qkv^T (+b); rope(q, k) at each row's position;
-     K, V cache rows [r, g, slot] = k, v; a = softmax(q K^T / sqrt(D)) V over slots [0, slot];
+     K, V cache rows [r, g, slot] = k, v (fp32, or q8_0 codes); a = softmax(q K^T / sqrt(D)) V over slots [0, slot];
      x += a W_o^T (+b); h = rms_norm(x); x += (silu(g) * u) W_2^T where g|u = h W_13^T.
    Then logits = rms_norm(x) W_head^T. An optional mask over the slots (padding, a sliding
    window) leaves slots out of the softmax. The arithmetic follows the torch path (fp32, RoPE in
@@ -285,7 +285,8 @@ static void dequantize_q8_0(const int8_t *codes, const uint16_t *scales, int D, 
     for (int i = 0; i < D; i++) x[i] = ((float)codes[i] + 0.5f) * fp16_to_fp32(scales[i / qblock]);
 }
 
-/* Returns 0; 1 when scratch could not be allocated, 2 for a head_dim over 512 (nothing written then). */
+/* Returns 0; 1 when scratch could not be allocated; 2 for shapes it does not take (head_dim over 512,
+   over 64 query heads per KV head, a qblock that does not divide head_dim). Nothing is written then. */
 int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const float *final_norm,
                 void *const *kv,          /* [n_layers, 2]: each layer's K and V storage: fp32 [M, n_kv, max_seq, D],
                                              or q8_0 codes (keys [M, n_kv, D, max_seq], values [M, n_kv, max_seq, D]) */

@@ -7,8 +7,8 @@ weights in the layouts the model holds (fp32 nn.Linear / InputMajorLinear, or Qu
 blocks) and writing K and V into the cache as the torch path does.
 
 It applies to one new token per row (padding and sliding windows come as the cache's mask) on
-an fp32 model with RMSNorm, RoPE and SwiGLU, an fp32 KVCache of plain layers, and projections of
-those kinds; everything else takes the torch path, which stays the reference (tests compare the
+an fp32 model with RMSNorm, RoPE and SwiGLU, a KVCache of plain layers whose streams are fp32 or
+q8_0 (no window), and projections of those kinds; everything else takes the torch path, which stays the reference (tests compare the
 two). `model.fast_decode = False` or CARAMBA_KERNELS=0 turns it off. The thread count adapts
 to a busy machine (ThreadChoice; `model.decode_threads = ThreadChoice(fixed=n)` pins it).
 """
@@ -189,9 +189,16 @@ def _stream_kind(stream, keys: bool) -> int | None:
     return None
 
 
-def _cache_layout(cache) -> tuple[list[int], int] | None:
-    """(per layer and stream: KV_F32 / KV_Q8_0, the q8_0 block) when the step can read and write
-    every layer of `cache`, else None."""
+def _cache_layout(cache) -> tuple[ctypes.Array, int] | None:
+    """(per layer and stream: KV_F32 / KV_Q8_0 as decode_step.c takes them, the q8_0 block) when
+    the step can read and write every layer of `cache`, else None. Decided once per cache: its
+    layer types, kinds and rotations are fixed when it is built."""
+    if "_fast_decode_layout" not in cache.__dict__:
+        cache._fast_decode_layout = _scan_layout(cache)
+    return cache._fast_decode_layout
+
+
+def _scan_layout(cache) -> tuple[ctypes.Array, int] | None:
     kinds, blocks = [], set()
     for layer in cache.layers:
         if type(layer) is not LayerKVCache or layer.rotation is not None or layer.v_rotation is not None:
@@ -205,7 +212,7 @@ def _cache_layout(cache) -> tuple[list[int], int] | None:
                 blocks.add(stream.block)
     if len(blocks) > 1:
         return None
-    return kinds, blocks.pop() if blocks else 1      # 1: no q8_0 stream (any block divides head_dim)
+    return (ctypes.c_int * len(kinds))(*kinds), blocks.pop() if blocks else 1   # 1: any block divides head_dim
 
 
 def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causal: bool) -> bool:
@@ -218,10 +225,7 @@ def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causa
         return False
     if type(cache) is not KVCache or torch.is_grad_enabled() and model.norm.weight.requires_grad:
         return False
-    ok = cache.__dict__.get("_fast_decode_ok")
-    if ok is None:   # a cache's layer types, kinds and rotations are fixed when it is built
-        ok = cache._fast_decode_ok = _cache_layout(cache) is not None
-    if not ok:
+    if _cache_layout(cache) is None:
         return False
     if not model_applies(model) or library() is None:
         return False
@@ -295,19 +299,17 @@ def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVC
     plan = model._fast_plan          # as applies() just checked it
     if mask is not None:
         mask = mask.contiguous()
-    kinds, qblock = cache.__dict__.get("_fast_decode_layout") or _cache_layout(cache)
-    cache._fast_decode_layout = (kinds, qblock)
+    kinds, qblock = cache._fast_decode_layout        # as applies() just found it
     streams = [s for layer in cache.layers for s in (layer.k_stream, layer.v_stream)]
     kv = (ctypes.c_void_p * len(streams))(*[s.data.data_ptr() if k == KV_F32 else s.codes.data_ptr()
                                             for s, k in zip(streams, kinds)])
     scales = (ctypes.c_void_p * len(streams))(*[None if k == KV_F32 else s.scales.data_ptr()
                                                 for s, k in zip(streams, kinds)])
-    kv_kinds = (ctypes.c_int * len(streams))(*kinds)
     choice = model.__dict__.setdefault("decode_threads", ThreadChoice())
     threads = choice.next()
     t0 = time.perf_counter()
     failed = library().decode_step(
-        cfg.n_layers, plan.layers.data_ptr(), plan.head.data_ptr(), model.norm.weight.data_ptr(), kv, scales, kv_kinds,
+        cfg.n_layers, plan.layers.data_ptr(), plan.head.data_ptr(), model.norm.weight.data_ptr(), kv, scales, kinds,
         qblock, x.data_ptr(),
         logits.data_ptr(), B, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size,
         cache.max_seq_len, slot, positions.data_ptr(), None if mask is None else mask.data_ptr(),
