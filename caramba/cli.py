@@ -64,7 +64,7 @@ def _load(manifest: Path, overrides: list[str]):
 ModelOption = Annotated[str, typer.Option(help="smollm2-135m, a .gguf file or an HF directory.")]
 DtypeOption = Annotated[str, typer.Option(help="float32, bfloat16 or float16.")]
 DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, mps or auto.")]
-WeightsOption = Annotated[str, typer.Option(help="fp32, q8_0 (llama.cpp's 8-bit blocks) or native (a GGUF's own blocks).")]
+WeightsOption = Annotated[str, typer.Option(help="fp32, q8_0 or q4_0 (llama.cpp's 8- and 4-bit blocks) or native (a GGUF's own blocks).")]
 
 @app.command()
 def run(
@@ -179,7 +179,7 @@ def validate(
                   + escape(", ".join(f"{r.target}/{r.run.id}" for r in runs)))
 
 
-def _generate(prompt: str, model: str, dtype: str, device: str, seed: Optional[int], chat: bool, system: Optional[str],
+def _generate(prompt: str, model: str, dtype: str, device: str, weights: str, seed: Optional[int], chat: bool, system: Optional[str],
               as_json: bool, speculative: Optional[str], draft: Optional[str], overrides: Optional[list[str]],
               **options) -> None:
     """Generate a continuation of PROMPT, streaming it to the terminal (greedy unless --temperature).
@@ -191,7 +191,7 @@ def _generate(prompt: str, model: str, dtype: str, device: str, seed: Optional[i
     with _errors_as_exit_codes():
         from caramba.cli_generate import generate
 
-        generate(prompt, model, dtype, device, seed, chat, system, as_json, speculative, draft, overrides or [],
+        generate(prompt, model, dtype, device, weights, seed, chat, system, as_json, speculative, draft, overrides or [],
                  options, out, err)
 
 
@@ -208,6 +208,7 @@ def _register_generate() -> None:
         inspect.Parameter("model", kw, annotation=str, default=opt("smollm2-135m", help="smollm2-135m, a .gguf file or an HF directory.")),
         inspect.Parameter("dtype", kw, annotation=str, default=opt("float32", help="float32, bfloat16 or float16.")),
         inspect.Parameter("device", kw, annotation=str, default=opt("cpu", help="cpu, cuda, mps or auto.")),
+        inspect.Parameter("weights", kw, annotation=str, default=opt("fp32", help=WeightsOption.__metadata__[0].help)),
         inspect.Parameter("seed", kw, annotation=Optional[int], default=opt(None, help="Sampling seed.")),
         inspect.Parameter("chat", kw, annotation=bool, default=opt(False, "--chat", help="Wrap the prompt in the model's chat template.")),
         inspect.Parameter("system", kw, annotation=Optional[str], default=opt(None, help="System message (with --chat).")),

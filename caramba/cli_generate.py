@@ -76,7 +76,7 @@ class _Transient:
         pass
 
 
-def generate(prompt: str, model: str, dtype: str, device: str, seed: int | None, chat: bool, system: str | None,
+def generate(prompt: str, model: str, dtype: str, device: str, weights: str, seed: int | None, chat: bool, system: str | None,
              as_json: bool, speculative: str | None, draft: str | None, overrides: list[str],
              options: dict[str, Any], out: Console, err: Console) -> None:
     """Build the one-run manifest, validate it, run it and print the result."""
@@ -111,7 +111,7 @@ def generate(prompt: str, model: str, dtype: str, device: str, seed: int | None,
     run = {"id": "generate", "mode": mode, "seed": seed, mode: section}
     if draft is not None:
         run["draft"] = {"source": draft}
-    data = {"version": 1, "name": "generate", "defaults": {"model": {"source": model, "dtype": dtype, "device": device}},
+    data = {"version": 1, "name": "generate", "defaults": {"model": {"source": model, "dtype": dtype, "device": device, "weights": weights}},
             "targets": [{"type": "experiment", "name": "cli", "runs": [run]}]}
     apply_overrides(data, [_run_path(o, mode) for o in overrides])
     try:
@@ -130,11 +130,12 @@ def generate(prompt: str, model: str, dtype: str, device: str, seed: int | None,
         from caramba.infer.plan import window_warning
 
         err.print(f"[yellow]warning: {escape(window_warning(window))}[/yellow]")
-    loaded = load_model(resolved.model.source, resolved.model.dtype, resolved.model.device, progress=not as_json)
+    loaded = load_model(resolved.model.source, resolved.model.dtype, resolved.model.device, progress=not as_json,
+                        weights=resolved.model.weights)
     extra = {}
     if resolved.draft is not None:
         d = resolved.draft
-        extra["draft"] = load_model(d.source, d.dtype, d.device, progress=not as_json)
+        extra["draft"] = load_model(d.source, d.dtype, d.device, progress=not as_json, weights=d.weights)
     try:
         result = MODE_RUNNERS[mode](loaded, resolved.run.settings, resolved.run.seed, _Transient(), console, **extra)
     except ValueError as e:   # e.g. the prompt does not fit max_seq_len
@@ -143,7 +144,7 @@ def generate(prompt: str, model: str, dtype: str, device: str, seed: int | None,
     if as_json:
         m = resolved.model
         print(json_text({**row, "model": {"source": m.source, "path": str(loaded.path), "sha256": loaded.content_hash,
-                                           "dtype": m.dtype},
+                                           "dtype": m.dtype, "weights": m.weights},
                           "cache_kind": summary.get("cache_kind"), "cache_policy": summary.get("cache_policy"),
                           "cache_auto": summary.get("cache_auto"),
                           **({"speculative": speculative} if speculative else {})}))
@@ -183,7 +184,10 @@ def _run_path(override: str, mode: str) -> str:
 def _describe(problem: dict) -> str:
     loc = [str(p) for p in problem["loc"]]
     name = loc[-1] if loc else ""
-    where = flag(name) if name in GENERATE_OPTIONS or name in DRAFT_OPTIONS else ".".join(loc[4:]) or "generate"
+    if loc[:2] == ["defaults", "model"] and len(loc) == 3:        # --model, --dtype, --device, --weights
+        where = "--model" if name == "source" else flag(name)
+    else:
+        where = flag(name) if name in GENERATE_OPTIONS or name in DRAFT_OPTIONS else ".".join(loc[4:]) or "generate"
     return f"{where}: {problem['msg'].removeprefix('Value error, ')}"
 
 

@@ -100,16 +100,16 @@ def test_quantized_weights_with_fp32_activations_equal_the_torch_path(fmt, act, 
     assert_same(ref, got, model.config)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
 def test_quantized_weights_with_q8_activations_follow_the_torch_path(fmt, taken):
     """With q8 activations a sum-order difference can move an activation across a rounding
     boundary of its q8 grid, which shifts it by one step (1/127 of its block's largest value):
     the two paths agree to that, not to fp32 rounding."""
     model = make_model(seed=4)
-    if fmt == "q8_0":
-        quant.quantize_model(model, act="q8")
-    else:
+    if fmt == "q4_1":
         to_q4_1(model, "q8")
+    else:
+        quant.quantize_model(model, fmt, act="q8")
     ids = torch.tensor([[5, 9, 1, 44, 3]])
     (ref, _), (got, _) = run_both(model, ids, [7, 8])
     assert len(taken) == 2

@@ -17,7 +17,8 @@ from caramba.infer.evaluate import evaluate_cache
 from caramba.infer.speculative import SpeculativeConfig, SpeculativeGenerator
 from caramba.model import quant, zoo
 from caramba.model.state_dict import fuse_hf_state_dict
-from caramba.model.quant import QuantLinear, dequantize_q4_1, dequantize_q8_0, gguf_blocks, quantize_q8_0
+from caramba.model.quant import (QuantLinear, dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, gguf_blocks,
+                                 quantize_blocks, quantize_q8_0)
 import tolerance as tol
 from conftest import hf_model, make_model
 from test_loaders import read_gguf, write_gguf
@@ -54,15 +55,67 @@ def test_q8_0_round_trip_is_within_half_a_step_and_matches_gguf():
     assert (ours["qs"] != q).float().mean() < 1e-3
 
 
-@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q4_1])
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q4_0, QT.Q4_1])
 def test_gguf_blocks_dequantize_exactly_as_gguf(qt):
     w = randn(10, 64, seed=2).numpy()
     raw = gguf.quants.quantize(w, qt)
     parts = gguf_blocks(raw, qt.name, (10, 64))
-    ours = dequantize_q8_0(parts["qs"], parts["d"]) if qt == QT.Q8_0 else \
-        dequantize_q4_1(parts["qs"], parts["d"], parts["m"])
+    ours = {QT.Q8_0: lambda: dequantize_q8_0(parts["qs"], parts["d"]),
+            QT.Q4_0: lambda: dequantize_q4_0(parts["qs"], parts["d"]),
+            QT.Q4_1: lambda: dequantize_q4_1(parts["qs"], parts["d"], parts["m"])}[qt]()
     ref = torch.from_numpy(gguf.quants.dequantize(raw, qt).astype(np.float32))
     torch.testing.assert_close(ours, ref, **tol.elementwise(ref, 2))   # d * q + m: two roundings
+
+
+def block_sse(w: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+    """Squared error per 32-block."""
+    return ((back.double() - w.double()) ** 2).reshape(w.shape[0], -1, 32).sum(-1)
+
+
+@pytest.mark.parametrize("fmt,qt", [("q8_0", QT.Q8_0), ("q4_0", QT.Q4_0)])
+def test_searched_scales_never_lose_to_llama_cpps_rule(fmt, qt):
+    """Each block's error is at most what llama.cpp's quantizer (one of the candidates, before the
+    least-squares refit) leaves, up to the fp16 rounding of the scale; in total clearly less."""
+    w = torch.cat([randn(16, 128, seed=8), randn(8, 128, seed=9) ** 3])     # Gaussian and heavy-tailed
+    lin = QuantLinear.from_float(w, fmt=fmt)
+    ours = block_sse(w, lin.dequantized())
+    parts = gguf_blocks(gguf.quants.quantize(w.numpy(), qt), qt.name, tuple(w.shape))
+    theirs = block_sse(w, dequantize_q8_0(parts["qs"], parts["d"]) if fmt == "q8_0" else
+                       dequantize_q4_0(parts["qs"], parts["d"]))
+    # a scale moved by one fp16 ulp (2^-11 relative) moves every value of the block by as much
+    slack = (2 * 2.0 ** -11 * lin.dequantized().abs().double()).reshape(24, -1, 32).pow(2).sum(-1) \
+        + 2 * (2.0 ** -11) * theirs
+    assert (ours <= theirs + slack).all()
+    assert ours.sum() < 0.97 * theirs.sum()
+
+
+def test_searched_scales_land_on_a_coarser_grid():
+    """Values that were quantized before (16 levels per block, Q4_1's) requantize to q8_0 with far
+    less error than llama.cpp's amax / 127 gives them: a coarser step can hit them."""
+    raw = gguf.quants.quantize(randn(32, 256, seed=10).numpy(), QT.Q4_1)
+    p = gguf_blocks(raw, "Q4_1", (32, 256))
+    w = dequantize_q4_1(p["qs"], p["d"], p["m"])
+    q, d = quantize_blocks(w, -127, 127)
+    amax_q, amax_d = quantize_q8_0(w)
+    assert block_sse(w, dequantize_q8_0(q, d)).sum() < 0.5 * block_sse(w, dequantize_q8_0(amax_q, amax_d)).sum()
+
+
+@pytest.mark.parametrize("qmin,qmax", [(-127, 127), (-8, 7)])
+def test_scale_search_kernel_equals_the_torch_search(monkeypatch, qmin, qmax):
+    """C and torch pick among the same candidates; float sums in another order may tip a near tie,
+    so the two agree on (almost) every block and to rounding on the error of every one."""
+    needs_kernels()
+    w = torch.cat([randn(12, 96, seed=13), torch.zeros(1, 96), randn(3, 96, seed=14) * 1e-3])
+    q, d = quantize_blocks(w, qmin, qmax)
+    monkeypatch.setattr(quant, "library", lambda: None)
+    eq, ed = quantize_blocks(w, qmin, qmax)
+    assert q.min() >= qmin and q.max() <= qmax and q.dtype == eq.dtype == torch.int8
+    assert (q != eq).reshape(-1, 32).any(-1).float().mean() <= 0.1
+    ours, eager = block_sse(w, dequantize_q8_0(q, d)), block_sse(w, dequantize_q8_0(eq, ed))
+    # a candidate's score is sum(x x) minus its error, in fp32: ties within rounding of sum(x x)
+    norms = (w.double() ** 2).reshape(16, -1, 32).sum(-1)
+    assert ((ours - eager).abs() <= 64 * torch.finfo(torch.float32).eps * norms).all()
+    assert (q[12] == 0).all() and (d[12] == 0).all()         # an all-zero row stays zero
 
 
 # --- kernels ---------------------------------------------------------------------------------------
@@ -70,8 +123,8 @@ def test_gguf_blocks_dequantize_exactly_as_gguf(qt):
 def layer(fmt: str, act: str, N: int, K: int, seed: int = 0, bias: bool = False) -> QuantLinear:
     w = randn(N, K, seed=seed).numpy()
     b = randn(N, seed=seed + 9) if bias else None
-    if fmt == "q8_0":
-        return QuantLinear.from_float(torch.from_numpy(w), b, act=act)
+    if fmt in ("q8_0", "q4_0"):
+        return QuantLinear.from_float(torch.from_numpy(w), b, act=act, fmt=fmt)
     p = gguf_blocks(gguf.quants.quantize(w, QT.Q4_1), "Q4_1", (N, K))
     return QuantLinear("q4_1", p["qs"], p["d"], p["m"], bias=b, act=act)
 
@@ -93,7 +146,7 @@ def activation_error_bound(lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 SHAPES = [(1, 7, 32), (3, 33, 96), (11, 5, 64), (16, 40, 160)]
 
 
-@pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "q8"), ("q4_1", "q8")])
+@pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")])
 @pytest.mark.parametrize("M,N,K", SHAPES)
 def test_kernel_equals_dequantize_then_matmul(fmt, act, M, N, K):
     needs_kernels()
@@ -149,7 +202,11 @@ def test_rejects_what_has_no_kernel():
     with pytest.raises(ValueError, match="divisible by 32"):
         QuantLinear.from_float(randn(4, 48))
     with pytest.raises(ValueError, match="no kernel for weights q4_0 with f32"):
-        QuantLinear("q4_0", torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1), torch.zeros(4, 1))
+        QuantLinear("q4_0", torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1), act="f32")
+    with pytest.raises(ValueError, match="no kernel for weights q5_0"):
+        QuantLinear("q5_0", torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1))
+    with pytest.raises(ValueError, match="q4_1 need block minimums"):
+        QuantLinear("q4_1", torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1))
 
 
 def test_quantized_head_reads_its_embedding_rows():
@@ -246,11 +303,13 @@ def test_every_weight_kind_through_beam_speculative_and_eval(models, weights):
     assert r.n_scored == 30 and np.isfinite(r.nll)
 
 
-def test_q8_0_stays_close_to_fp32(models):
+def test_q8_0_stays_close_to_fp32_and_q4_0_keeps_an_8_bit_head(models):
     ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     (ref,) = evaluate_cache(models["fp32"], ids, ["fp32"], "fp32", prompt_len=10)
     (q8,) = evaluate_cache(models["q8_0"], ids, ["fp32"], "fp32", prompt_len=10)
     assert abs(q8.nll - ref.nll) < 0.02 * ref.nll
+    q4 = models["q4_0"]
+    assert q4.layers[0].attn.wqkv.fmt == q4.layers[-1].mlp.w2.fmt == "q4_0" and q4.head.fmt == "q8_0"
 
 
 def test_native_needs_a_gguf_and_unknown_kinds_are_named(tmp_path):
@@ -259,7 +318,7 @@ def test_native_needs_a_gguf_and_unknown_kinds_are_named(tmp_path):
     d = write_tiny_model(tmp_path / "m")
     with pytest.raises(UserError, match="weights 'native' keeps a GGUF"):
         zoo.load_model(str(d), progress=False, weights="native")
-    with pytest.raises(UserError, match="weights 'q4' is not supported; use one of fp32, q8_0, native"):
+    with pytest.raises(UserError, match="weights 'q4' is not supported; use one of fp32, q8_0, q4_0, native"):
         zoo.load_model(str(d), progress=False, weights="q4")
 
 
@@ -274,7 +333,7 @@ def test_portable_kernels_equal_the_native_ones(monkeypatch, tmp_path):
     lib, status = kernels.load(quant.SOURCE, quant._SIGNATURES, "test", flags=flags)
     assert status == "c"
     monkeypatch.setattr(quant, "library", lambda: lib)
-    for fmt, act in [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "q8"), ("q4_1", "q8")]:
+    for fmt, act in [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")]:
         lin = layer(fmt, act, 9, 64, seed=11)
         x = randn(3, 64, seed=12)
         ref = reference(lin, x)
@@ -308,6 +367,13 @@ def test_cli_and_manifest_take_weights(tmp_path):
     assert json.loads(r.stdout)["model"]["weights"] == "q8_0"
     bad = invoke("eval", "--text", text, "--model", d, "--weights", "native")
     assert bad.exit_code == 2 and "keeps a GGUF" in bad.output
+    # generate: the flag and `--set model.weights=...` both reach the loaded model
+    for args in (["--weights", "q4_0"], ["--set", "model.weights=q4_0"]):
+        r = invoke("generate", "hello", "--model", d, "--max-new-tokens", "3", "--json", *args)
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["model"]["weights"] == "q4_0"
+    bad = invoke("generate", "hello", "--model", d, "--weights", "q4")
+    assert bad.exit_code == 2 and "--weights: Input should be" in bad.output and "Traceback" not in bad.output
     assert ModelSpec(weights="q8_0").weights == "q8_0" and ModelSpec().weights == "fp32"
     with pytest.raises(ValidationError, match="weights"):
         ModelSpec(weights="q4")

@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model,
 
 from caramba.autotune.select import AutotuneSettings
 from caramba.infer.config import DraftConfig, GenerateConfig, SpeculativeConfig
+from caramba.model import quant
 from caramba.options import options_of
 
 Mode = Literal["generate", "decode-bench", "speculative", "cache-autotune"]
@@ -59,9 +60,9 @@ class ModelSpec(_Model):
     source: str = "smollm2-135m"  # the embedded default, a .gguf file or an HF directory
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["cpu", "cuda", "mps", "auto"] = "cpu"
-    # fp32: the checkpoint's values; q8_0: llama.cpp's 8-bit blocks (any source); native: a GGUF's
-    # own Q4_1/Q8_0 blocks (same values as fp32). See caramba.model.quant.
-    weights: Literal["fp32", "q8_0", "native"] = "fp32"
+    # fp32: the checkpoint's values; q8_0 / q4_0: llama.cpp's 8- / 4-bit blocks (any source); native:
+    # a GGUF's own Q4_1/Q8_0 blocks (same values as fp32). See caramba.model.quant.
+    weights: Literal[quant.WEIGHT_KINDS] = "fp32"
 
 
 def option_fields(config: type, *, keys: bool = False, defaults: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -34,7 +34,7 @@
 
 #include <omp.h>
 
-enum { F32_ROWS = 0, F32_COLS = 1, Q8_0_Q8 = 2, Q8_0_F32 = 3, Q4_1_F32 = 4, Q4_1_Q8 = 5 };
+enum { F32_ROWS = 0, F32_COLS = 1, Q8_0_Q8 = 2, Q8_0_F32 = 3, Q4_1_F32 = 4, Q4_1_Q8 = 5, Q4_0_Q8 = 6 };
 
 /* A projection as the plan lays it out: 7 int64 slots. */
 typedef struct {
@@ -177,9 +177,9 @@ static void cols_f32_batch(const float *w, const float *x, int M, int N, int K, 
    [threads, M, COLS_CHUNK] partial sums for input-major weights. */
 static void linear(const Lin *L, const float *x, int M, float *y, Act *a, float *cols) {
     const int N = (int)L->N, K = (int)L->K, nb = K / QK;
-    if (L->fmt == Q8_0_Q8 || L->fmt == Q4_1_Q8) {
+    if (L->fmt == Q8_0_Q8 || L->fmt == Q4_1_Q8 || L->fmt == Q4_0_Q8) {
         quantize_rows_q8(x, M, K, a->xq, a->xd);
-        if (L->fmt == Q4_1_Q8)   /* d_x * sum(a_i) per block: the weight minimum multiplies it */
+        if (L->fmt != Q8_0_Q8)   /* d_x * sum(a_i) per block: the weight minimum multiplies it */
             for (int r = 0; r < M; r++)
                 for (int b = 0; b < nb; b++) {
                     int32_t s = 0;
@@ -213,8 +213,8 @@ static void linear(const Lin *L, const float *x, int M, float *y, Act *a, float 
                 v = dot_q4_1_f32((const uint8_t *)L->w + (long)n * (K / 2), L->d + (long)n * nb, L->m + (long)n * nb,
                                  x + (long)r * K, a->xs + r * nb, nb);
                 break;
-            default:
-                v = dot_q4_1_q8((const uint8_t *)L->w + (long)n * (K / 2), L->d + (long)n * nb, L->m + (long)n * nb,
+            default:    /* Q4_1_Q8, and Q4_0_Q8 without minimums */
+                v = dot_q4_1_q8((const uint8_t *)L->w + (long)n * (K / 2), L->d + (long)n * nb, L->m ? L->m + (long)n * nb : NULL,
                                 a->xq + (long)r * K, a->xd + r * nb, a->xs + r * nb, nb);
             }
             y[(long)r * N + n] = v + b;

@@ -38,9 +38,9 @@ library = kernels.Library(SOURCE, _SIGNATURES, "decode steps run through torch's
 KV_F32, KV_Q8_0 = 0, 1   # decode_step.c's cache stream kinds
 
 # decode_step.c's projection formats
-F32_ROWS, F32_COLS, Q8_0_Q8, Q8_0_F32, Q4_1_F32, Q4_1_Q8 = range(6)
+F32_ROWS, F32_COLS, Q8_0_Q8, Q8_0_F32, Q4_1_F32, Q4_1_Q8, Q4_0_Q8 = range(7)
 _QUANT_FORMATS = {("q8_0", "q8"): Q8_0_Q8, ("q8_0", "f32"): Q8_0_F32, ("q4_1", "f32"): Q4_1_F32,
-                  ("q4_1", "q8"): Q4_1_Q8}
+                  ("q4_1", "q8"): Q4_1_Q8, ("q4_0", "q8"): Q4_0_Q8}
 
 
 def status() -> str:

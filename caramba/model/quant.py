@@ -1,13 +1,17 @@
-"""Block-quantized weights (llama.cpp's q8_0 and q4_1) and the linear layer that reads them.
+"""Block-quantized weights (llama.cpp's q8_0, q4_0 and q4_1) and the linear layer that reads them.
 
 `weights` on load_model, the CLI (--weights) and manifests (model.weights) picks the format:
   fp32    the checkpoint's values in the model's dtype (the default);
   q8_0    every projection and the head quantized to llama.cpp's q8_0 (32-element blocks, one fp16
           scale), from any source; a decode step multiplies them with activations quantized to
           q8_0 on the fly, as llama.cpp does (quant_gemv.c, gemv_q8_0_q8);
+  q4_0    the same with llama.cpp's q4_0 blocks (32 4-bit codes, one fp16 scale: 4.5 bits);
   native  a GGUF's own blocks kept as they are (the embedded SmolLM2: Q4_1 projections, a Q8_0
           embedding/head), multiplied with fp32 activations so that the weight values are exactly
           the ones the fp32 path dequantizes: only the summation order differs.
+q8_0 and q4_0 keep llama.cpp's block formats but not its rounding rule: each block's scale is the
+best of a search (quantize_blocks), which on a checkpoint that was quantized before (SmolLM2's
+Q4_1) removes most of the requantization error (docs/decode-speed.md).
 
 QuantLinear calls the C kernels for batch-1 decode and other small row counts (<= KERNEL_ROWS) on
 the CPU; prefill, larger batches, other devices and a missing kernel library take the eager path
@@ -26,7 +30,8 @@ from torch import nn
 
 from caramba import kernels
 
-WEIGHT_KINDS = ("fp32", "q8_0", "native")
+WEIGHT_KINDS = ("fp32", "q8_0", "q4_0", "native")
+QUANTIZED = {"q8_0": (-127, 127), "q4_0": (-8, 7)}   # the formats quantize_model makes: their code ranges
 QK = 32               # elements per block (both formats)
 KERNEL_ROWS = 16      # rows of activations up to which the GEMV kernels beat dequantize + matmul
 
@@ -37,6 +42,7 @@ _SIGNATURES = {
     "gemv_q8_0_f32": ([_P] * 4 + [_I] * 4, _I),
     "gemv_q4_1_f32": ([_P] * 5 + [_I] * 4, _I),
     "gemv_q4_1_q8": ([_P] * 5 + [_I] * 4, _I),
+    "quantize_blocks_best": ([_P, ctypes.c_long, _I, _I, _P, _I, _P, _P, _I], None),
 }
 # library(): the loaded GEMV kernels, or None (CARAMBA_KERNELS=0, no compiler, failed build: one warning).
 library = kernels.Library(SOURCE, _SIGNATURES, "quantized weights multiply")
@@ -54,6 +60,56 @@ def check_kind(weights: str) -> str:
 
 
 # --- the formats ----------------------------------------------------------------------------------
+
+# Candidate scales of the search (quant_gemv.c, quantize_blocks_best): f times the scale that
+# maps a block's largest element onto the end code. f = 1 is llama.cpp's choice; larger f trade
+# clipping nothing for a coarser step that may land on the values better.
+SCALE_FACTORS = torch.linspace(0.5, 1.5, 321)
+
+
+def quantize_blocks(w: torch.Tensor, qmin: int, qmax: int,
+                    factors: torch.Tensor = SCALE_FACTORS) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (signed codes int8 [N, K] in [qmin, qmax], scales fp16 [N, K/32]): each
+    32-block with the least-squares scale of the best candidate codes (quant_gemv.c explains)."""
+    N, K = w.shape
+    if K % QK:
+        raise ValueError(f"quantized weights need in_features divisible by {QK}, got {K}")
+    x = w.detach().float().contiguous()
+    f = factors.float().contiguous()
+    lib = library()
+    if lib is None:
+        codes, d = _quantize_blocks_eager(x.reshape(-1, QK), qmin, qmax, f)
+    else:
+        codes = torch.empty(N, K, dtype=torch.int8)
+        d = torch.empty(N * K // QK)
+        lib.quantize_blocks_best(x.data_ptr(), N * K // QK, qmin, qmax, f.data_ptr(), len(f), codes.data_ptr(),
+                                 d.data_ptr(), torch.get_num_threads())
+    return codes.reshape(N, K), d.reshape(N, K // QK).to(torch.float16)
+
+
+def _quantize_blocks_eager(x: torch.Tensor, qmin: int, qmax: int, f: torch.Tensor,
+                           chunk: int = 1 << 14) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_blocks_best in torch (no kernel library), chunk blocks at a time: x [nblocks, 32]."""
+    codes, scales = [], []
+    refs = (qmax,) if qmin == -qmax else (qmax, qmin)
+    for xb in x.split(chunk):
+        M = xb.gather(1, xb.abs().argmax(1, keepdim=True))                    # [n, 1] signed
+        best = torch.full_like(M, -1.0)
+        best_inv = torch.zeros_like(M)
+        for qref in refs:
+            for fi in f.tolist():
+                inv = torch.where(M != 0, qref / (fi * M), torch.zeros_like(M))
+                c = torch.round(xb * inv).clamp_(qmin, qmax)
+                xc, cc = (xb * c).sum(1, keepdim=True), (c * c).sum(1, keepdim=True)
+                score = torch.where(cc > 0, xc * xc / cc.clamp_min(1), torch.zeros_like(xc))
+                better = score > best
+                best, best_inv = torch.where(better, score, best), torch.where(better, inv, best_inv)
+        c = torch.round(xb * best_inv).clamp_(qmin, qmax)
+        cc = (c * c).sum(1, keepdim=True)
+        scales.append(torch.where(cc > 0, (xb * c).sum(1, keepdim=True) / cc.clamp_min(1), torch.zeros_like(cc)))
+        codes.append(c.to(torch.int8))
+    return torch.cat(codes), torch.cat(scales)
+
 
 def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (codes int8 [N, K], scales fp16 [N, K/32]), as llama.cpp's quantize_row_q8_0:
@@ -73,13 +129,27 @@ def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return (q.reshape(N, K // QK, QK).float() * d.float().unsqueeze(-1)).reshape(N, K)
 
 
+def unpack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [N, K/2] -> [N, K/32, 32] in 0..15 (per block: low nibbles are elements 0..15,
+    high nibbles 16..31, ggml's layout)."""
+    b = q.reshape(q.shape[0], -1, QK // 2)
+    return torch.cat([b & 15, b >> 4], dim=-1)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """unpack_nibbles' inverse: [N, K] in 0..15 -> uint8 [N, K/2]."""
+    b = codes.to(torch.uint8).reshape(codes.shape[0], -1, QK)
+    return (b[..., :QK // 2] | (b[..., QK // 2:] << 4)).reshape(codes.shape[0], -1).contiguous()
+
+
 def dequantize_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """codes uint8 [N, K/2] (per block: low nibbles are elements 0..15, high nibbles 16..31)."""
     N = q.shape[0]
-    nb = d.shape[1]
-    b = q.reshape(N, nb, QK // 2)
-    codes = torch.cat([b & 15, b >> 4], dim=-1).float()          # [N, nb, 32]
-    return (codes * d.float().unsqueeze(-1) + m.float().unsqueeze(-1)).reshape(N, nb * QK)
+    return (unpack_nibbles(q).float() * d.float().unsqueeze(-1) + m.float().unsqueeze(-1)).reshape(N, -1)
+
+
+def dequantize_q4_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    N = q.shape[0]
+    return ((unpack_nibbles(q).float() - 8) * d.float().unsqueeze(-1)).reshape(N, -1)
 
 
 def gguf_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -91,12 +161,15 @@ def gguf_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> dic
         d = raw[:, :, 0:2].copy().view(np.float16).reshape(N, nb)
         q = raw[:, :, 2:].copy().view(np.int8).reshape(N, K)
         return {"qs": torch.from_numpy(q), "d": torch.from_numpy(d)}
+    if type_name == "Q4_0":     # block: d fp16, 16 bytes of nibbles
+        d = raw[:, :, 0:2].copy().view(np.float16).reshape(N, nb)
+        return {"qs": torch.from_numpy(raw[:, :, 2:].copy().reshape(N, K // 2)), "d": torch.from_numpy(d)}
     if type_name == "Q4_1":     # block: d fp16, m fp16, 16 bytes of nibbles
         d = raw[:, :, 0:2].copy().view(np.float16).reshape(N, nb)
         m = raw[:, :, 2:4].copy().view(np.float16).reshape(N, nb)
         q = raw[:, :, 4:].copy().reshape(N, K // 2)
         return {"qs": torch.from_numpy(q), "d": torch.from_numpy(d), "m": torch.from_numpy(m)}
-    raise ValueError(f"GGUF type {type_name} has no kernel here (have Q8_0, Q4_1)")
+    raise ValueError(f"GGUF type {type_name} has no kernel here (have Q8_0, Q4_0, Q4_1)")
 
 
 # --- the layer ------------------------------------------------------------------------------------
@@ -104,20 +177,23 @@ def gguf_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> dic
 class QuantLinear(nn.Module):
     """y = x @ W^T (+ bias) with W [out, in] held as quantized blocks.
 
-    fmt 'q8_0' (codes int8 [N, K], d fp16) or 'q4_1' (codes uint8 [N, K/2], d and m fp16);
-    act 'q8' quantizes activations to q8_0 blocks for the kernel (int8 dot products, llama.cpp's
-    way: faster, but adds the activations' rounding); 'f32' multiplies them as they are.
+    fmt 'q8_0' (codes int8 [N, K], d fp16), 'q4_0' (codes uint8 [N, K/2], d fp16) or 'q4_1'
+    (codes uint8 [N, K/2], d and m fp16); act 'q8' quantizes activations to q8_0 blocks for the
+    kernel (int8 dot products, llama.cpp's way: faster, but adds the activations' rounding); 'f32'
+    multiplies them as they are (q8_0 and q4_1 only).
     `embedding(tokens)` reads rows of W, for a head tied to the embeddings.
     """
 
     def __init__(self, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, act: str = "f32") -> None:
         super().__init__()
-        if fmt not in ("q8_0", "q4_1") or act not in ("q8", "f32"):
+        if fmt not in ("q8_0", "q4_0", "q4_1") or act not in ("q8", "f32") or (fmt, act) == ("q4_0", "f32"):
             raise ValueError(f"no kernel for weights {fmt} with {act} activations")
+        if (m is None) != (fmt != "q4_1"):
+            raise ValueError(f"weights {fmt} {'need' if fmt == 'q4_1' else 'have no'} block minimums")
         self.fmt, self.act = fmt, act
         self.out_features = qs.shape[0]
-        self.in_features = qs.shape[1] * (2 if fmt == "q4_1" else 1)
+        self.in_features = qs.shape[1] * (1 if fmt == "q8_0" else 2)
         if self.in_features % QK:
             raise ValueError(f"quantized weights need in_features divisible by {QK}, got {self.in_features}")
         self.register_buffer("qs", qs.contiguous())
@@ -126,10 +202,13 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str = "q8") -> QuantLinear:
-        """q8_0 blocks of a float weight [out, in]."""
-        q, d = quantize_q8_0(weight)
-        return cls("q8_0", q, d, bias=bias, act=act)
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str = "q8",
+                   fmt: str = "q8_0") -> QuantLinear:
+        """q8_0 or q4_0 blocks of a float weight [out, in], their scales searched (quantize_blocks)."""
+        q, d = quantize_blocks(weight, *QUANTIZED[fmt])
+        if fmt == "q4_0":
+            q = pack_nibbles(q.to(torch.int16) + 8)
+        return cls(fmt, q, d, bias=bias, act=act)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, fmt={self.fmt}, act={self.act}"
@@ -141,17 +220,17 @@ class QuantLinear(nn.Module):
         return self.dequantized().t()
 
     def dequantized(self) -> torch.Tensor:
+        return self._dequantize(self.qs, self.d, self.m)
+
+    def _dequantize(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
         if self.fmt == "q8_0":
-            return dequantize_q8_0(self.qs, self.d)
-        return dequantize_q4_1(self.qs, self.d, self.m)
+            return dequantize_q8_0(qs, d)
+        return dequantize_q4_0(qs, d) if self.fmt == "q4_0" else dequantize_q4_1(qs, d, m)
 
     def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
         """Rows `tokens` of W, dequantized: [*tokens.shape, in_features]."""
         flat = tokens.reshape(-1)
-        if self.fmt == "q8_0":
-            rows = dequantize_q8_0(self.qs[flat], self.d[flat])
-        else:
-            rows = dequantize_q4_1(self.qs[flat], self.d[flat], self.m[flat])
+        rows = self._dequantize(self.qs[flat], self.d[flat], None if self.m is None else self.m[flat])
         return rows.view(*tokens.shape, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -176,8 +255,8 @@ class QuantLinear(nn.Module):
             fn = lib.gemv_q8_0_q8 if self.act == "q8" else lib.gemv_q8_0_f32
             failed = fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), out.data_ptr(), M, N, K, threads)
         else:
-            fn = lib.gemv_q4_1_q8 if self.act == "q8" else lib.gemv_q4_1_f32
-            failed = fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), out.data_ptr(),
+            fn = lib.gemv_q4_1_q8 if self.act == "q8" else lib.gemv_q4_1_f32     # q4_0: no minimums
+            failed = fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr(), out.data_ptr(),
                         M, N, K, threads)
         if failed:
             raise MemoryError("quantized GEMV could not allocate its activation buffer")
@@ -197,15 +276,19 @@ def _float_weight(module: nn.Module) -> torch.Tensor | None:
     return None
 
 
-def quantize_model(model: nn.Module, act: str = "q8") -> int:
+def quantize_model(model: nn.Module, fmt: str = "q8_0", act: str = "q8") -> int:
     """Replace every projection of `model` (nn.Linear and InputMajorLinear: q|k|v, o, the MLP's, the
-    head) whose input width divides into 32-blocks by a q8_0 QuantLinear. Returns how many."""
+    head) whose input width divides into 32-blocks by a `fmt` (q8_0 or q4_0) QuantLinear; the head
+    stays q8_0 under q4_0, as llama.cpp keeps its output matrix at higher precision (a 4-bit head
+    costs most of a small model's quality). Returns how many."""
+    head = getattr(model, "head", None)
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             w = _float_weight(child)
             if w is not None and w.shape[1] % QK == 0:
-                setattr(parent, name, QuantLinear.from_float(w, getattr(child, "bias", None), act=act))
+                kind = "q8_0" if child is head else fmt
+                setattr(parent, name, QuantLinear.from_float(w, getattr(child, "bias", None), act=act, fmt=kind))
                 count += 1
     return count
 

@@ -7,6 +7,7 @@
 
    Layouts (row n of an [N, K] weight, K a multiple of 32, blocks along K):
      q8_0: qs int8 [N, K], d fp16 [N, K/32];            w = d * q
+     q4_0: qs uint8 [N, K/2], d fp16 [N, K/32];         w = d * (q - 8), nibbles as q4_1's (18 bytes)
      q4_1: qs uint8 [N, K/2], d, m fp16 [N, K/32];      w = d * q + m, q in 0..15, byte j of a block
            holds element j in its low nibble and element j + 16 in its high one (ggml's layout).
 
@@ -251,7 +252,7 @@ int gemv_q4_1_f32(const float *x, const uint8_t *qs, const uint16_t *d, const ui
 
 /* q4_1 weights x q8 activations (llama.cpp's q4_1 x q8_1): per block
    d_w d_x sum(q_i a_i) + m_w d_x sum(a_i), with unsigned 4-bit q and signed 8-bit a;
-   xs holds d_x sum(a_i) per activation block. */
+   xs holds d_x sum(a_i) per activation block. q4_0 is the same sum with m_w = -8 d_w (wm NULL). */
 static inline float dot_q4_1_q8(const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, const int8_t *xq,
                                 const float *xd, const float *xs, int nb) {
     float macc = 0.0f;
@@ -265,9 +266,10 @@ static inline float dot_q4_1_q8(const uint8_t *wq, const uint16_t *wd, const uin
         const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
         const __m256i dot16 = _mm256_maddubs_epi16(w, a);     /* w unsigned, a signed */
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot16, _mm256_set1_epi16(1)));
-        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b]) * xd[b]), dot, acc1);
-        else acc0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(wd[b]) * xd[b]), dot, acc0);
-        macc += fp16_to_fp32(wm[b]) * xs[b];
+        const float dw = fp16_to_fp32(wd[b]);
+        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[b]), dot, acc1);
+        else acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[b]), dot, acc0);
+        macc += (wm ? fp16_to_fp32(wm[b]) : -8.0f * dw) * xs[b];
     }
     return hsum8(_mm256_add_ps(acc0, acc1)) + macc;
 #else
@@ -277,13 +279,15 @@ static inline float dot_q4_1_q8(const uint8_t *wq, const uint16_t *wd, const uin
         const int8_t *a = xq + b * QK;
         int32_t s = 0;
         for (int j = 0; j < QK / 2; j++) s += (qb[j] & 15) * a[j] + (qb[j] >> 4) * a[j + QK / 2];
-        acc += fp16_to_fp32(wd[b]) * xd[b] * (float)s;
-        macc += fp16_to_fp32(wm[b]) * xs[b];
+        const float dw = fp16_to_fp32(wd[b]);
+        acc += dw * xd[b] * (float)s;
+        macc += (wm ? fp16_to_fp32(wm[b]) : -8.0f * dw) * xs[b];
     }
     return acc + macc;
 #endif
 }
 
+/* mins NULL: q4_0 weights (w = d (q - 8)). */
 int gemv_q4_1_q8(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins, float *out,
                  int M, int N, int K, int nthreads) {
     const int nb = K / QK;
@@ -300,10 +304,79 @@ int gemv_q4_1_q8(const float *x, const uint8_t *qs, const uint16_t *d, const uin
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int n = 0; n < N; n++)
         for (int m = 0; m < M; m++)
-            out[(long)m * N + n] = dot_q4_1_q8(qs + (long)n * (K / 2), d + (long)n * nb, mins + (long)n * nb,
+            out[(long)m * N + n] = dot_q4_1_q8(qs + (long)n * (K / 2), d + (long)n * nb, mins ? mins + (long)n * nb : NULL,
                                                xq + (long)m * K, xd + m * nb, xs + m * nb, nb);
     free(xq);
     free(xd);
     free(xs);
     return 0;
+}
+
+/* --- choosing the codes ------------------------------------------------------------------------
+
+   llama.cpp quantizes a block with the scale that maps its largest element onto the largest code
+   (q8_0: amax / 127). That is rarely the scale with the least error, and far from it when the
+   weights were quantized before (a Q4_1 checkpoint holds 16 levels per block, which a slightly
+   coarser q8_0 step can land on almost exactly): on SmolLM2 the search below cuts the weights'
+   squared error to ~0.3x and the q8_0 model's perplexity cost from +1.1 % to ~+0.3 %.
+
+   For every block of 32: the element of largest magnitude M; each candidate scale
+   s = f M / qref for f in `f` and qref in {qmin, qmax} (both ends of an asymmetric range such as
+   q4_0's -8..7); codes c = clamp(round(x / s), qmin, qmax); the least-squares scale for those
+   codes d = sum(x c) / sum(c c), whose squared error is sum(x x) - sum(x c)^2 / sum(c c). The
+   candidate with the least error wins. codes [nblocks * 32] int8, d [nblocks] fp32 (the caller
+   stores it as fp16). */
+
+static inline void block_codes(const float *x, float inv, float qmin, float qmax, float *c, float *xc, float *cc) {
+#if HAVE_AVX2
+    const __m256 vi = _mm256_set1_ps(inv), lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax);
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+    for (int j = 0; j < QK; j += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + j);
+        __m256 q = _mm256_round_ps(_mm256_mul_ps(xv, vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+        if (c) _mm256_storeu_ps(c + j, q);
+        a = _mm256_fmadd_ps(xv, q, a);
+        b = _mm256_fmadd_ps(q, q, b);
+    }
+    *xc = hsum8(a);
+    *cc = hsum8(b);
+#else
+    float a = 0.0f, b = 0.0f;
+    for (int j = 0; j < QK; j++) {
+        const float q = fminf(fmaxf(rintf(x[j] * inv), qmin), qmax);
+        if (c) c[j] = q;
+        a += x[j] * q;
+        b += q * q;
+    }
+    *xc = a;
+    *cc = b;
+#endif
+}
+
+void quantize_blocks_best(const float *w, long nblocks, int qmin, int qmax, const float *f, int nf, int8_t *codes,
+                          float *d, int nthreads) {
+    const int nref = qmin == -qmax ? 1 : 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (long b = 0; b < nblocks; b++) {
+        const float *x = w + b * QK;
+        float M = 0.0f;
+        for (int j = 0; j < QK; j++) if (fabsf(x[j]) > fabsf(M)) M = x[j];
+        float best = -1.0f, best_inv = 0.0f;
+        for (int r = 0; r < nref && M != 0.0f; r++) {
+            const float qref = r ? (float)qmin : (float)qmax;
+            for (int i = 0; i < nf; i++) {
+                const float inv = qref / (f[i] * M);
+                float xc, cc;
+                block_codes(x, inv, (float)qmin, (float)qmax, NULL, &xc, &cc);
+                const float score = cc > 0.0f ? xc * xc / cc : 0.0f;    /* sum(x x) - error */
+                if (score > best) { best = score; best_inv = inv; }
+            }
+        }
+        float c[QK], xc = 0.0f, cc = 0.0f;
+        if (M != 0.0f) block_codes(x, best_inv, (float)qmin, (float)qmax, c, &xc, &cc);
+        else memset(c, 0, sizeof c);
+        d[b] = cc > 0.0f ? xc / cc : 0.0f;
+        for (int j = 0; j < QK; j++) codes[b * QK + j] = (int8_t)c[j];
+    }
 }
