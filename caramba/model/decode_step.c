@@ -7,7 +7,8 @@
 
    Per layer, for M token rows (one new token each):
      h = rms_norm(x); q|k|v = h W_qkv^T (+b); rope(q, k) at each row's position;
-     K, V cache rows [r, g, slot] = k, v (fp32, or q8_0 codes); a = softmax(q K^T / sqrt(D)) V over slots [0, slot];
+     K, V cache rows [r, g, slot] = k, v (as the cache stores them: kv_stream.c); a = softmax(q K^T / sqrt(D)) V
+     over slots [0, slot];
      x += a W_o^T (+b); h = rms_norm(x); x += (silu(g) * u) W_2^T where g|u = h W_13^T.
    Then logits = rms_norm(x) W_head^T. An optional mask over the slots (padding, a sliding
    window) leaves slots out of the softmax. The arithmetic follows the torch path (fp32, RoPE in
@@ -25,6 +26,15 @@
    softmax statistics (max, sum) and the unnormalized p V of its own slots; the partials are then
    combined exactly (flash-decoding). The new token's own K and V are read from the projection's
    output, not the cache, so no thread waits for the cache write.
+
+   Caches (kv_stream.c): each stream is read from its codes below r0 and in full precision above
+   (fp32 values, or the ring of a residual window / incomplete per-channel group), keys-major
+   codes block by block with the slots in the inner loop, values slot by slot. Rotated streams
+   (rotate_keys / rotate_values) hold k R and v R: q is rotated by the key matrix before q.k and
+   the attention output multiplied by the value matrix, as caramba.cache.layer does. The new
+   token's codes are written after the attention (nobody reads them before the next step), except
+   a per-channel key group the token completes: it is quantized into the cache first (one more
+   barrier, every G steps), since the torch path reads that group from its codes at once.
 
    Projections come in the layouts the model holds (no copies): fp32 [N, K] (nn.Linear), fp32
    [K, N] (InputMajorLinear) and the block formats of quant_gemv.c. */

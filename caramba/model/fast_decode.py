@@ -7,10 +7,16 @@ weights in the layouts the model holds (fp32 nn.Linear / InputMajorLinear, or Qu
 blocks) and writing K and V into the cache as the torch path does.
 
 It applies to one new token per row (padding and sliding windows come as the cache's mask) on
-an fp32 model with RMSNorm, RoPE and SwiGLU, a KVCache of plain layers whose streams are fp32 or
-q8_0 (no window), and projections of those kinds; everything else takes the torch path, which stays the reference (tests compare the
-two). `model.fast_decode = False` or CARAMBA_KERNELS=0 turns it off. The thread count adapts
-to a busy machine (ThreadChoice; `model.decode_threads = ThreadChoice(fixed=n)` pins it).
+an fp32 model with RMSNorm, RoPE and SwiGLU, projections of the kinds above, and a KVCache of
+plain layers whose streams are fp32, per-token q8_0 / q4_0 / q4_0l / q4_1 / q2_1 (with or without
+a residual window) or per-channel q4_1c / q2_1c keys, stored rotated or not (rotate_keys,
+rotate_values). The step writes the new token's codes with caramba.cache.quant's arithmetic, bit
+for bit, completes per-channel groups, and keeps the streams' rings and their bookkeeping as the
+torch path does (kv_stream.c). Everything else takes the torch path, which stays the reference
+(tests compare the two): nf4, per-channel values, ring-buffer caches, fp16/bf16 caches, and a
+step that must first refill a per-channel group a rollback went into. `model.fast_decode = False`
+or CARAMBA_KERNELS=0 turns it off. The thread count adapts to a busy machine (ThreadChoice;
+`model.decode_threads = ThreadChoice(fixed=n)` pins it).
 """
 
 from __future__ import annotations
