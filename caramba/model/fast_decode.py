@@ -228,10 +228,12 @@ def _cache_layout(cache) -> _Layout | None:
 
 
 def _scan_layout(cache) -> _Layout | None:
+    if any(type(layer) is not LayerKVCache for layer in cache.layers):
+        return None
     streams = []
     H, D = cache.layers[0].n_kv_heads, cache.layers[0].k_stream.head_dim
     for layer in cache.layers:
-        if type(layer) is not LayerKVCache or layer.n_kv_heads != H:
+        if layer.n_kv_heads != H:
             return None
         for stream, keys, rotation in ((layer.k_stream, True, layer.rotation), (layer.v_stream, False, layer.v_rotation)):
             kind = _stream_kind(stream, keys, D)
