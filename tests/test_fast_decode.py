@@ -309,9 +309,7 @@ def test_a_rollback_into_a_quantized_group_refills_through_the_torch_path(taken)
     assert_same_cache_kind(*out, model.config, policy)
 
 
-KV_KINDS = {"q8_0": fast_decode.KV_Q8_0, "q4_0": fast_decode.KV_Q4_0, "q4_0l": fast_decode.KV_Q4_0L,
-            "q4_1": fast_decode.KV_Q4_1, "q2_1": fast_decode.KV_Q2_1, "q4_1c": fast_decode.KV_Q4_1C,
-            "q2_1c": fast_decode.KV_Q2_1C}
+KV_KINDS = {kind.value: kid for kind, kid in {**fast_decode.TOKEN_KINDS, **fast_decode.CHANNEL_KINDS}.items()}
 
 
 def quantizer_inputs(spec) -> torch.Tensor:
