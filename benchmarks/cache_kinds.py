@@ -6,12 +6,13 @@ greedy decode steps. Kinds alternate within every repeat, after a warm-up; media
 Also prints, per kind, the bytes the cache allocated next to the analytic bytes/token formula.
 
     .venv/bin/python benchmarks/cache_kinds.py [--context 2048] [--steps 32] [--repeats 5]
-        [--kinds fp32,q8_0,q4_0,nf4] [--chunk 512] [--torch-path] [--json out.json]
+        [--kinds fp32,q8_0,q4_0,nf4] [--qblock 32] [--chunk 512] [--torch-path] [--json out.json]
 
-fp32 and q8_0 caches (no window) decode through the one-call C step (caramba.model.fast_decode);
-the other kinds through the torch path, reading codes with the C kernels (caramba.cache.kernel)
-when they build. --torch-path sends every kind through the torch path (like for like with the
-kinds the C step does not take); CARAMBA_KERNELS=0 times the eager path. The header says which ran.
+Every kind but nf4 (and per-channel values) decodes through the one-call C step
+(caramba.model.fast_decode); the others through the torch path, reading codes with the C kernels
+(caramba.cache.kernel) when they build. --torch-path sends every kind through the torch path
+(like for like with the kinds the C step does not take); CARAMBA_KERNELS=0 times the eager path.
+The `step` column says which path each kind took.
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kinds", default="fp32,q8_0,q4_0,nf4", help="comma-separated kinds (or policies as k=..;v=..)")
+    ap.add_argument("--qblock", type=int, default=32, help="quantization block (per-channel kinds: tokens per group)")
     ap.add_argument("--chunk", type=int, default=attend.READ_CHUNK, help="tokens per dequantized chunk (eager path)")
     ap.add_argument("--torch-path", action="store_true",
                     help="every kind through the torch path (model.fast_decode = False): the C decode step "
-                         "(caramba.model.fast_decode) takes fp32 and q8_0 caches only")
+                         "(caramba.model.fast_decode) takes every kind but nf4 and per-channel values")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     attend.READ_CHUNK = args.chunk
@@ -72,7 +74,8 @@ def main() -> None:
     kinds = args.kinds.split(",")
     caches = {}
     for kind in kinds:
-        policy = CachePolicy.build(policy=kind.replace(";", ",")) if "=" in kind else CachePolicy.build(kind)
+        policy = CachePolicy.build(policy=kind.replace(";", ","), qblock=args.qblock) if "=" in kind \
+            else CachePolicy.build(kind, qblock=args.qblock)
         cache = model.new_cache(1, args.context + args.steps, policy)
         with torch.inference_mode():
             model(context, cache=cache, last_only=True)
@@ -87,9 +90,9 @@ def main() -> None:
     cfg = model.config
     print(f"SmolLM2 decode at context {args.context}, {args.steps} steps x {args.repeats} repeats, "
           f"torch {torch.__version__}, threads {torch.get_num_threads()}, kernels {kernel.status()}, chunk {args.chunk}, "
-          f"decode step {'torch path' if args.torch_path else 'C (fp32 and q8_0 caches): ' + fast_decode.status()}, "
+          f"decode step {'torch path' if args.torch_path else 'C where the step column says: ' + fast_decode.status()}, "
           f"load average {os.getloadavg()[0]:.2f}")
-    print(f"{'kind':<16}{'tok/s':>8}{'vs fp32':>9}{'bytes/token':>13}{'analytic':>10}{'allocated MiB':>15}")
+    print(f"{'kind':<16}{'step':>6}{'tok/s':>8}{'vs fp32':>9}{'bytes/token':>13}{'analytic':>10}{'allocated MiB':>15}")
     rows = []
     base = statistics.median(times[kinds[0]])
     for kind in kinds:
@@ -99,14 +102,16 @@ def main() -> None:
         analytic = sum(layer.k_cfg.bytes_per_token(cfg.n_kv_heads, cfg.head_dim)
                        + layer.v_cfg.bytes_per_token(cfg.n_kv_heads, cfg.head_dim) for layer in cache.layers)
         allocated_per_token = cache.nbytes / cache.max_seq_len
-        rows.append({"kind": kind, "tok_s": rate, "samples": times[kind], "vs_first": rate / base,
+        step = "torch" if args.torch_path or fast_decode._cache_layout(cache) is None else "C"
+        rows.append({"kind": kind, "step": step, "tok_s": rate, "samples": times[kind], "vs_first": rate / base,
                      "bytes_per_token": cache.bytes_per_token(), "analytic_bytes_per_token": analytic,
                      "allocated_bytes": cache.nbytes, "allocated_per_token": allocated_per_token})
-        print(f"{kind:<16}{rate:>8.2f}{rate / base:>9.3f}{cache.bytes_per_token():>13}{analytic:>10}"
+        print(f"{kind:<16}{step:>6}{rate:>8.2f}{rate / base:>9.3f}{cache.bytes_per_token():>13}{analytic:>10}"
               f"{cache.nbytes / 2**20:>15.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"context": args.context, "steps": args.steps, "repeats": args.repeats, "chunk": args.chunk,
+                       "qblock": args.qblock,
                        "threads": torch.get_num_threads(), "torch": torch.__version__, "kernels": kernel.status(),
                        "cpu": platform.processor() or platform.machine(), "loadavg": os.getloadavg(), "rows": rows},
                       f, indent=2)

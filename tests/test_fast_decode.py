@@ -117,7 +117,12 @@ def test_quantized_weights_with_q8_activations_follow_the_torch_path(fmt, taken)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-def test_padding_and_windows_come_as_a_mask(taken):
+@pytest.mark.parametrize("name", [None, "q4_0l rotated", "k=q4_1c,v=q4_1 qblock=4", "k=q2_1c,v=q2_1 qblock=4 residual_len=3"])
+def test_padding_and_windows_come_as_a_mask(name, taken):
+    """Also for quantized caches: the 6-token prompt and 3 steps complete a per-channel group of 4."""
+    from caramba.cache import CachePolicy
+
+    policy = CachePolicy.build(**POLICIES[name]) if name else CachePolicy.build("fp32")
     model = make_model(seed=5)
     ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(6))
     slot_mask = torch.ones(2, 40, dtype=torch.bool)
@@ -126,7 +131,7 @@ def test_padding_and_windows_come_as_a_mask(taken):
     out = []
     for fast in (False, True):
         with torch.inference_mode():
-            cache = model.new_cache(2, 40)
+            cache = model.new_cache(2, 40, policy)
             model.fast_decode = False
             logits = [model(ids, positions, cache, slot_mask)[:, -1:]]
             model.fast_decode = fast
@@ -135,7 +140,10 @@ def test_padding_and_windows_come_as_a_mask(taken):
                 logits.append(model(torch.full((2, 1), t), pos, cache, slot_mask, window=4))   # a window too
         out.append((torch.cat(logits, 1), cache))
     assert len(taken) == 3
-    assert_same(*out, model.config)
+    if name:
+        assert_same_cache_kind(*out, model.config, policy)
+    else:
+        assert_same(*out, model.config)
 
 
 def test_positions_past_the_rotary_table_grow_it(taken):
@@ -183,13 +191,191 @@ def test_q8_0_caches_equal_the_torch_path(policy, qblock, taken):
         assert torch.equal(got_codes, codes) and torch.equal(qs.scales[..., 5:6].transpose(-1, -2), scales)
 
 
-@pytest.mark.parametrize("case", ["fp16 cache", "q4_0 cache", "q8_0 window", "rotate_keys", "rotate_values", "prefill", "grad", "switched off",
-                                  "bf16 model", "gelu model", "hooked"])
+# Caches the step reads and writes itself beyond fp32 and q8_0: CachePolicy.build keywords. The
+# 5-token prompt plus STEPS completes per-channel key groups of 4 (several times) and of 16.
+POLICIES = {
+    "q4_0": dict(kind="q4_0"),
+    "q4_0l qblock=4": dict(kind="q4_0l", qblock=4),
+    "k=q4_0": dict(kind="fp32", policy="k=q4_0"),
+    "q4_1 qblock=8": dict(kind="q4_1", qblock=8),
+    "k=q4_1c,v=q4_1 qblock=16": dict(kind="q4_1", policy="k=q4_1c", qblock=16),   # the best 4-bit policy shipped
+    "k=q4_1c,v=q4_1 qblock=4": dict(kind="q4_1", policy="k=q4_1c", qblock=4),
+    "k=q2_1c,v=q2_1 qblock=4 residual_len=3": dict(kind="q2_1", policy="k=q2_1c", qblock=4, residual_len=3),
+    "q2_1 qblock=8 residual_len=2": dict(kind="q2_1", qblock=8, residual_len=2),
+    "q8_0 residual_len=4": dict(kind="q8_0", residual_len=4),
+    "fp32 rotated": dict(kind="fp32", rotate_keys=True, rotate_values=True),
+    "q4_0l rotated": dict(kind="q4_0l", rotate_keys=True, rotate_values=True),           # llama.cpp's q4_0 cache
+    "k=q4_1c,v=q4_1 qblock=4 rotated": dict(kind="q4_1", policy="k=q4_1c", qblock=4, rotate_keys=True,
+                                            rotate_values=True),
+}
+STEPS = list(range(7, 21))
+
+
+def assert_same_cache_kind(ref, got, config, policy):
+    """The two paths of a quantized cache agree to one storage step (tol.cache_paths): a K or V value
+    a rounding apart, or a rotation summed in another order, can sit on either side of a code
+    boundary. Every stream reads back the same, and the rings' bookkeeping moved alike."""
+    (ref_logits, ref_cache), (got_logits, got_cache) = ref, got
+    coarsest = max((c.kind.value for c in (policy.k, policy.v)), key=tol.STORAGE_STEP.get)
+    torch.testing.assert_close(got_logits, ref_logits, **tol.cache_paths(ref_logits, config, coarsest))
+    assert got_cache.length == ref_cache.length
+    for a, b in zip(got_cache.layers, ref_cache.layers):
+        for s_got, s_ref in ((a.k_stream, b.k_stream), (a.v_stream, b.v_stream)):
+            want = s_ref.read(b.length, torch.float32)
+            torch.testing.assert_close(s_got.read(a.length, torch.float32), want,
+                                       **tol.cache_paths(want, config, s_ref.cfg.kind.value))
+            assert getattr(s_got, "fp_lo", None) == getattr(s_ref, "fp_lo", None)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("name", POLICIES)
+def test_4_and_2_bit_windowed_and_rotated_caches_equal_the_torch_path(name, batch, taken):
+    from caramba.cache import CachePolicy
+
+    policy = CachePolicy.build(**POLICIES[name])
+    model = make_model(seed=11)
+    ids = torch.randint(0, 97, (batch, 5), generator=torch.Generator().manual_seed(12))
+    ref, got = run_both(model, ids, STEPS, kind=policy)
+    assert len(taken) == len(STEPS)
+    assert_same_cache_kind(ref, got, model.config, policy)
+
+
+@pytest.mark.parametrize("name", [n for n in POLICIES if "rotated" not in n])
+def test_the_step_writes_the_codes_of_caramba_quantizers(name):
+    """Bit for bit where both paths quantize the same K and V: layer 0 (its K and V do not depend
+    on the cache) of steps on an fp32 cache and on this policy's, from one prefill. Per-channel
+    keys: every group, including those the step completed; rings: exact copies."""
+    from caramba.cache import CachePolicy
+    from caramba.cache.quant import quantize, quantize_channels
+
+    policy = CachePolicy.build(**POLICIES[name])
+    model = make_model(seed=13)
+    ids = torch.tensor([[5, 9, 1, 44, 3], [7, 7, 2, 90, 61]])
+    caches = []
+    with torch.inference_mode():
+        for kind in ("fp32", policy):
+            cache = model.new_cache(2, 40, kind)
+            model.fast_decode = False
+            model(ids, cache=cache)
+            model.fast_decode = True
+            for t in STEPS:
+                model(torch.tensor([[t], [t + 30]]), cache=cache)
+            caches.append(cache)
+    f32, qc = caches[0].layers[0], caches[1].layers[0]
+    n = qc.length
+    checked = 0
+    for keys, fs, qs in ((True, f32.k_stream, qc.k_stream), (False, f32.v_stream, qc.v_stream)):
+        if not qs.quantized:
+            continue
+        x = fs.data[:, :, :n]
+        if qs.spec.per_channel:
+            m = n // qs.G * qs.G
+            codes, params = quantize_channels(x[:, :, :m], qs.spec, qs.G)
+            got_params = qs.scales[..., : m // qs.G]
+        else:
+            m = n
+            codes, params = quantize(x, qs.spec, qs.block)
+            got_params = qs.scales[..., :n]
+        got_codes = qs.codes[..., :m].transpose(-1, -2) if keys else qs.codes[:, :, :m]
+        assert torch.equal(got_codes, codes) and torch.equal(got_params.transpose(-1, -2), params)
+        if qs.ring is not None:
+            r0 = qs.fp_start(n)
+            assert r0 < n and torch.equal(qs.residual(r0, n, torch.float32), x[:, :, r0:])
+        checked += 1
+    assert checked
+
+
+def test_a_rollback_into_a_quantized_group_refills_through_the_torch_path(taken):
+    """A step whose write must first refill a per-channel group from its codes (the ring no longer
+    holds it) goes to the torch path; the steps after it take the C step again."""
+    from caramba.cache import CachePolicy
+
+    policy = CachePolicy.build("q4_1", "k=q4_1c", qblock=4)
+    model = make_model(seed=14)
+    ids = torch.tensor([[5, 9, 1, 44, 3]])
+    out = []
+    for fast in (False, True):
+        with torch.inference_mode():
+            cache = model.new_cache(1, 40, policy)
+            model.fast_decode = False
+            model(ids, cache=cache)
+            model.fast_decode = fast
+            logits = [model(torch.tensor([[t]]), cache=cache) for t in range(7, 19)]   # slots 5..16
+            cache.truncate(10)             # into group [8, 12), whose head the ring (8 slots) no longer holds
+            assert cache.layers[0].k_stream.refills(10)
+            logits += [model(torch.tensor([[t]]), cache=cache) for t in range(30, 34)]
+        out.append((torch.cat(logits, 1), cache))
+    assert len(taken) == 12 + 3
+    assert_same_cache_kind(*out, model.config, policy)
+
+
+KV_KINDS = {kind.value: kid for kind, kid in {**fast_decode.TOKEN_KINDS, **fast_decode.CHANNEL_KINDS}.items()}
+
+
+def quantizer_inputs(spec) -> torch.Tensor:
+    """[200, 32]: random values over many magnitudes; rows whose block scale comes out as exactly 1/8
+    and whose other elements are multiples of 1/16, so that x / scale (+ the kind's shift) lands
+    exactly on code boundaries; ties of magnitude, zeros, signed zeros, fp16 subnormal scales,
+    values near the fp16 range."""
+    g = torch.Generator().manual_seed(15)
+    span = 0.125 * spec.half_range / (1 + 2**-10)    # the block range whose scale rounds to 1/8
+    edges = torch.randint(-64, 65, (64, 32), generator=g) * 0.0625
+    if spec.zero_point:                              # minimum -1 (exact in fp16), maximum -1 + span
+        edges = edges.clamp(-1.0, -1.0 + span)
+        edges[:, 0], edges[:, 1] = -1.0, -1.0 + span
+    else:                                            # the peak (mid-tread: negative, so the scale is +1/8)
+        edges = edges.clamp(-span, span)
+        edges[:, 0] = -span if spec.mid_tread else span
+    rows = [torch.randn(64, 32, generator=g) * 10.0 ** torch.randint(-6, 5, (64, 1), generator=g),
+            torch.randint(-16, 17, (32, 32), generator=g) * 0.125,
+            torch.randint(-3, 4, (32, 32), generator=g) * 2.0 ** -20,
+            torch.tensor([[0.5, -0.5] * 16, [-0.5, 0.5] * 16, [0.0] * 32, [-0.0, 0.0] * 16, [3e4, -2e4] * 16,
+                          [1e-8, -1e-8] * 16, [2.0] * 32, [-7.0] * 32]),
+            edges]
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("kind", KV_KINDS)
+def test_the_steps_quantizers_are_caramba_quantizers_bit_for_bit(kind, lib=None):
+    """decode_step.c's quantizers (quantize_kv: what the step writes) against caramba.cache.quant."""
+    from caramba.cache.kinds import spec_of
+    from caramba.cache.quant import quantize, quantize_channels, unpack_codes
+
+    lib = lib or fast_decode.library()
+    spec = spec_of(kind)
+    x = quantizer_inputs(spec)
+    for block in (32, 8, 2):
+        if spec.per_channel:     # a row is one channel's group of `block` tokens
+            xr = x[:, :block].contiguous()
+            codes, params = quantize_channels(xr.T, spec, block)                 # [block, 8 rows / 2], [1, 2 rows]
+            want_codes, want_params = codes.T, params.reshape(2, -1).T           # [rows, block] packed, [rows, 2]
+            D, qb = block, block
+        else:
+            xr, D, qb = x, 32, block
+            want_codes, want_params = quantize(xr, spec, qb)
+        u = torch.empty(xr.shape[0], D, dtype=torch.uint8)
+        p = torch.empty(xr.shape[0], D // qb * spec.params, dtype=torch.float16)
+        lib.quantize_kv(KV_KINDS[kind], xr.data_ptr(), xr.shape[0], D, qb, u.data_ptr(), p.data_ptr())
+        if spec.per_channel:
+            want_codes = unpack_codes(want_codes.T.contiguous(), spec.bits).T      # unpacked along the channels
+        elif spec.packed:
+            want_codes = unpack_codes(want_codes, spec.bits)
+        got = u.view(torch.int8) if spec.dtype == torch.int8 else u
+        assert torch.equal(got, want_codes), (kind, block)
+        assert torch.equal(p.view(torch.int16), want_params.contiguous().view(torch.int16)), (kind, block)
+
+
+@pytest.mark.parametrize("case", ["fp16 cache", "nf4 cache", "per-channel values", "ring cache", "prefill", "grad",
+                                  "switched off", "bf16 model", "gelu model", "hooked"])
 def test_everything_else_takes_the_torch_path(case, taken):
+    from caramba.cache import CachePolicy
+    from caramba.cache.ring import RingKVCache
+
     model = make_model(seed=7, **({"mlp": "gelu", "norm": "layer", "positions": "learned"} if case == "gelu model" else {}))
     if case == "bf16 model":
         model = model.to(torch.bfloat16)
-    kind = {"fp16 cache": "fp16", "q4_0 cache": "q4_0"}.get(case, "fp32")
+    kind = {"fp16 cache": "fp16", "nf4 cache": "nf4",
+            "per-channel values": CachePolicy.build("fp32", "v=q4_1c", qblock=4)}.get(case, "fp32")
     with torch.inference_mode(case != "grad"):
         if case == "grad":
             model.requires_grad_(True)
@@ -198,10 +384,8 @@ def test_everything_else_takes_the_torch_path(case, taken):
         if case == "hooked":                                   # contrastive search reads the norm's output
             model.norm.register_forward_hook(lambda *_: None)
         cache = model.new_cache(1, 16, kind)
-        if case in ("rotate_keys", "rotate_values", "q8_0 window"):
-            from caramba.cache import CachePolicy
-            cache = model.new_cache(1, 16, CachePolicy.build("q8_0", residual_len=4) if case == "q8_0 window"
-                                    else CachePolicy.build("fp32", **{case: True}))
+        if case == "ring cache":                               # its storage order is not slot order
+            cache = RingKVCache.build(model, 1, window=8, max_write=4, spec="q4_0")
         model(torch.tensor([[1, 2, 3]]), cache=cache)
         model(torch.tensor([[4, 5]]) if case == "prefill" else torch.tensor([[4]]), cache=cache)
     assert taken == []
@@ -253,6 +437,13 @@ def test_portable_build_equals_the_native_one(monkeypatch, tmp_path, taken):
     assert_same(native, portable, model.config)
     taken.clear()
     test_q8_0_caches_equal_the_torch_path("q8_0", 32, taken)      # the portable fp16 conversion too
+    for kind in KV_KINDS:                                          # and the quantizers of every kind
+        test_the_steps_quantizers_are_caramba_quantizers_bit_for_bit(kind, lib)
+    for name in ("q4_0l rotated", "k=q4_1c,v=q4_1 qblock=4", "k=q2_1c,v=q2_1 qblock=4 residual_len=3"):
+        taken.clear()
+        test_4_and_2_bit_windowed_and_rotated_caches_equal_the_torch_path(name, 2, taken)
+        if "rotated" not in name:
+            test_the_step_writes_the_codes_of_caramba_quantizers(name)
 
 
 def test_thread_choice_moves_to_one_thread_when_that_is_faster_and_backs_off_when_not(monkeypatch):

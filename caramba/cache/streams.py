@@ -70,8 +70,13 @@ class QuantStream:
             n = min(x.shape[2], self.R)
             slots = torch.arange(end - n, end, device=x.device) % self.R
             self.ring[:, :, slots] = x[:, :, -n:].to(self.ring.dtype)
-            # Writing [start, end) re-validates it and overwrites the ring slots of positions < end - R.
-            self.fp_lo = max(min(self.fp_lo, start), end - self.R)
+            self.note_written(start, end)
+
+    def note_written(self, start: int, end: int) -> None:
+        """The ring's bookkeeping after [start, end) was written (here, or by the C decode step,
+        caramba.model.fast_decode): it re-validates those positions and overwrote the ring slots of
+        positions < end - R."""
+        self.fp_lo = max(min(self.fp_lo, start), end - self.R)
 
     def fp_start(self, end: int) -> int:
         """Positions [fp_start, end) are read from the full-precision ring, the rest from codes."""
@@ -149,7 +154,7 @@ class ChannelQuantStream(QuantStream):
         G, T = self.G, x.shape[2]
         end = start + T
         g0 = start // G * G                      # first position of the group being completed
-        if g0 < start and self.fp_lo > g0:       # rolled back into a quantized group: refill its head
+        if self.refills(start):                  # rolled back into a quantized group: refill its head
             self._ring_write(g0, self.dequant(g0, start, self.ring.dtype))
             self.fp_lo = g0
         q_end = min(end // G * G, self.scales.shape[-1] * G)   # groups that are complete (and have room)
@@ -165,6 +170,15 @@ class ChannelQuantStream(QuantStream):
             else:
                 self.codes[:, :, g0:q_end] = codes
             self.scales[..., g0 // G : q_end // G] = params.transpose(-1, -2)
+        self.note_written(start, end)
+
+    def refills(self, start: int) -> bool:
+        """Whether a write at `start` must first refill the ring from codes: a rollback went into a
+        group that was already quantized (the C decode step leaves such a write to this class)."""
+        g0 = start // self.G * self.G
+        return g0 < start and self.fp_lo > g0
+
+    def note_written(self, start: int, end: int) -> None:
         self.fp_lo = max(min(self.fp_lo, start), end - self.size)
 
     def fp_start(self, end: int) -> int:

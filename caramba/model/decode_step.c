@@ -7,7 +7,8 @@
 
    Per layer, for M token rows (one new token each):
      h = rms_norm(x); q|k|v = h W_qkv^T (+b); rope(q, k) at each row's position;
-     K, V cache rows [r, g, slot] = k, v (fp32, or q8_0 codes); a = softmax(q K^T / sqrt(D)) V over slots [0, slot];
+     K, V cache rows [r, g, slot] = k, v (as the cache stores them: kv_stream.c); a = softmax(q K^T / sqrt(D)) V
+     over slots [0, slot];
      x += a W_o^T (+b); h = rms_norm(x); x += (silu(g) * u) W_2^T where g|u = h W_13^T.
    Then logits = rms_norm(x) W_head^T. An optional mask over the slots (padding, a sliding
    window) leaves slots out of the softmax. The arithmetic follows the torch path (fp32, RoPE in
@@ -25,6 +26,15 @@
    softmax statistics (max, sum) and the unnormalized p V of its own slots; the partials are then
    combined exactly (flash-decoding). The new token's own K and V are read from the projection's
    output, not the cache, so no thread waits for the cache write.
+
+   Caches (kv_stream.c): each stream is read from its codes below r0 and in full precision above
+   (fp32 values, or the ring of a residual window / incomplete per-channel group), keys-major
+   codes block by block with the slots in the inner loop, values slot by slot. Rotated streams
+   (rotate_keys / rotate_values) hold k R and v R: q is rotated by the key matrix before q.k and
+   the attention output multiplied by the value matrix, as caramba.cache.layer does. The new
+   token's codes are written after the attention (nobody reads them before the next step), except
+   a per-channel key group the token completes: it is quantized into the cache first (one more
+   barrier, every G steps), since the torch path reads that group from its codes at once.
 
    Projections come in the layouts the model holds (no copies): fp32 [N, K] (nn.Linear), fp32
    [K, N] (InputMajorLinear) and the block formats of quant_gemv.c. */
@@ -229,70 +239,13 @@ static inline void rope_head(const float *v, float *out, const float *cos, const
     for (int i = h; i < D; i++) out[i] = v[i] * cos[i] + v[i - h] * ssin[i];
 }
 
-/* ---- q8_0 KV caches (caramba.cache: KVCacheKind.Q8_0, no residual window) ----
-   Code c of a block stands for (c + 1/2) s, c in [-128, 127], s = fp16(absmax (1 + 2^-10) / 127.5)
-   rounded to nearest, c = floor(x / s) clamped: the same arithmetic as caramba.cache.quant, so
-   the codes this step writes are the torch path's, bit for bit (tests compare them). Keys are
-   stored keys-major (codes [rows, heads, D, S]), values position-major ([rows, heads, S, D]);
-   scales [rows, heads, D / qblock, S] fp16 either way. */
-enum { KV_F32 = 0, KV_Q8_0 = 1 };
+#include "kv_stream.c"
 
-static inline uint16_t fp32_to_fp16(float f) {
-#if defined(__F16C__)
-    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
-#else   /* round to nearest even, as the conversion instruction does */
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    const uint32_t sign = (x >> 16) & 0x8000;
-    x &= 0x7fffffff;
-    if (x >= 0x7f800000) return (uint16_t)(sign | (x > 0x7f800000 ? 0x7e00 : 0x7c00));   /* nan, inf */
-    if (x >= 0x477ff000) return (uint16_t)(sign | 0x7c00);                                /* rounds to inf */
-    uint32_t out, rest, half;
-    if (x < 0x38800000) {                      /* below 2^-14: a subnormal half (or zero) */
-        const int shift = 126 - (int)(x >> 23);
-        if (shift > 24) return (uint16_t)sign;
-        const uint32_t m = (x & 0x7fffff) | 0x800000;
-        out = m >> shift;
-        rest = m & ((1u << shift) - 1);
-        half = 1u << (shift - 1);
-    } else {
-        out = (x >> 13) - (112u << 10);
-        rest = x & 0x1fff;
-        half = 0x1000;
-    }
-    if (rest > half || (rest == half && (out & 1))) out++;
-    return (uint16_t)(sign | out);
-#endif
-}
-
-static void quantize_q8_0(const float *x, int D, int qblock, int8_t *codes, uint16_t *scales) {
-    const float k = (float)((1.0 + 1.0 / 1024) / 127.5);
-    for (int j = 0; j < D / qblock; j++) {
-        const float *xb = x + j * qblock;
-        float amax = 0.0f;
-        for (int i = 0; i < qblock; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        scales[j] = fp32_to_fp16(amax * k);
-        float safe = fp16_to_fp32(scales[j]);
-        if (safe == 0.0f) safe = 1e-30f;
-        for (int i = 0; i < qblock; i++) {
-            float c = floorf(xb[i] / safe);
-            codes[j * qblock + i] = (int8_t)(c < -128.0f ? -128.0f : (c > 127.0f ? 127.0f : c));
-        }
-    }
-}
-
-static void dequantize_q8_0(const int8_t *codes, const uint16_t *scales, int D, int qblock, float *x) {
-    for (int i = 0; i < D; i++) x[i] = ((float)codes[i] + 0.5f) * fp16_to_fp32(scales[i / qblock]);
-}
-
-/* Returns 0; 1 when scratch could not be allocated; 2 for shapes it does not take (head_dim over 512,
-   over 64 query heads per KV head, a qblock that does not divide head_dim). Nothing is written then. */
+/* Returns 0; 1 when scratch could not be allocated; 2 for shapes or streams it does not take (head_dim
+   over 512, over 64 query heads per KV head, a stream kv_stream.c's stream_ok refuses). Nothing is
+   written then. */
 int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const float *final_norm,
-                void *const *kv,          /* [n_layers, 2]: each layer's K and V storage: fp32 [M, n_kv, max_seq, D],
-                                             or q8_0 codes (keys [M, n_kv, D, max_seq], values [M, n_kv, max_seq, D]) */
-                uint16_t *const *kv_scales, /* [n_layers, 2]: q8_0 block scales [M, n_kv, D / qblock, max_seq], or NULL */
-                const int *kv_kinds,      /* [n_layers, 2]: KV_F32 or KV_Q8_0 */
-                int qblock,
+                const int64_t *streams,   /* [n_layers, 2, ST_SLOTS]: each layer's K and V stream (kv_stream.c) */
                 const float *x_in,        /* [M, dim] embedded tokens */
                 float *logits,            /* [M, vocab] */
                 int M, int dim, int n_heads, int n_kv, int D, int hidden, int max_seq, int slot,
@@ -303,7 +256,13 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
     const int qkv_w = (n_heads + 2 * n_kv) * D, q_w = n_heads * D, rep = n_heads / n_kv, L = slot + 1;
     const int kmax = dim > hidden ? dim : hidden;
     const float scale = 1.0f / sqrtf((float)D);
-    if (D > 512 || rep > 64 || qblock < 1 || D % qblock) return 2;
+    if (D > 512 || rep > 64) return 2;
+    int gmax = 1;   /* the largest per-channel group: complete_group's scratch */
+    for (int i = 0; i < 2 * n_layers; i++) {
+        const Stream st = stream_at(streams + (long)i * ST_SLOTS);
+        if (!stream_ok(&st, D, i % 2 == 0)) return 2;
+        if (kv_per_channel(st.kind) && st.block > gmax) gmax = st.block;
+    }
     const Lin wh = lin_at(head);
     /* shared: projection outputs, attention partials [threads, M, heads, D + 2], column partials */
     const size_t part_w = (size_t)D + 2;
@@ -318,129 +277,160 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        /* private: residual stream, normed input, roped q and k, attention output, MLP gate,
-           scores of this thread's slots, q8 activations */
         const int my_slots = (L + nt - 1) / nt;
-        const size_t priv = (size_t)M * (dim + kmax + q_w + n_kv * D + q_w + hidden) + (size_t)n_heads * my_slots +
-                            2 * (size_t)M * (kmax / QK) + 2 * (size_t)M * n_kv * D + 2 * (size_t)rep * my_slots;
-        const size_t kvq = 2 * (size_t)M * n_kv * D + 2 * sizeof(uint16_t) * (size_t)M * n_kv * (D / qblock);
-        float *pv = malloc(sizeof(float) * priv + (size_t)M * kmax + kvq);
+        const size_t kv_n = (size_t)M * n_kv * D;
+        /* private floats: residual stream, normed input, roped q, the new k and v as stored, attention
+           output, MLP gate, q8 activation scales and sums, the new k and v as read, scores and their
+           scratch, a decoded value row, its block parameters and minimum sums, a group being quantized,
+           a rotation's output; then the new k and v codes (uint16 parameters, bytes) */
+        const size_t nf = (size_t)M * (dim + kmax + 2 * q_w + hidden) + 4 * kv_n + 2 * (size_t)M * (kmax / QK) +
+                          2 * (size_t)rep * my_slots + 2 * (size_t)my_slots + 3 * (size_t)D + (size_t)rep * D +
+                          (size_t)D * gmax;
+        const size_t nh = 2 * kv_n, nbytes = (size_t)M * kmax + 2 * kv_n + (size_t)D * gmax;
+        float *pv = malloc(sizeof(float) * nf + sizeof(uint16_t) * nh + nbytes);
         int ok = pv != NULL;
 #pragma omp atomic
         failed += !ok;
 #pragma omp barrier
         if (!failed) {
             float *x = pv, *h = x + (size_t)M * dim, *q = h + (size_t)M * kmax, *k = q + (size_t)M * q_w,
-                  *att = k + (size_t)M * n_kv * D, *act = att + (size_t)M * q_w, *sc = act + (size_t)M * hidden,
-                  *xd = sc + (size_t)n_heads * my_slots, *xs = xd + (size_t)M * (kmax / QK);
-            float *kn = xs + (size_t)M * (kmax / QK), *vn = kn + (size_t)M * n_kv * D,   /* new K, V as cached */
-                  *qsc = vn + (size_t)M * n_kv * D, *qtmp = qsc + (size_t)rep * my_slots;   /* q8_0 key scores */
-            Act a = {(int8_t *)(qtmp + (size_t)rep * my_slots), xd, xs};
-            int8_t *kqc = a.xq + (size_t)M * kmax, *vqc = kqc + (size_t)M * n_kv * D;      /* new K, V codes */
-            uint16_t *kqs = (uint16_t *)(vqc + (size_t)M * n_kv * D), *vqs = kqs + (size_t)M * n_kv * (D / qblock);
-            const int s0 = tid * my_slots < L ? tid * my_slots : L, s1 = s0 + my_slots < L ? s0 + my_slots : L;
+                  *vv = k + kv_n, *att = vv + kv_n, *act = att + (size_t)M * q_w, *xd = act + (size_t)M * hidden,
+                  *xs = xd + (size_t)M * (kmax / QK), *kn = xs + (size_t)M * (kmax / QK), *vn = kn + kv_n,
+                  *sc = vn + kv_n, *t = sc + (size_t)rep * my_slots, *sf = t + (size_t)rep * my_slots,
+                  *bf = sf + my_slots, *vrow = bf + my_slots, *pp = vrow + D, *tmp = pp + D, *bsum = tmp + D,
+                  *xg = bsum + (size_t)rep * D;
+            uint16_t *kpar = (uint16_t *)(xg + (size_t)D * gmax), *vpar = kpar + kv_n;
+            uint8_t *ku = (uint8_t *)(vpar + kv_n), *vu = ku + kv_n, *ug = vu + kv_n;
+            Act a = {(int8_t *)(ug + (size_t)D * gmax), xd, xs};
+            const int s0 = tid * my_slots < L ? tid * my_slots : L, s1 = s0 + my_slots < L ? s0 + my_slots : L, n = s1 - s0;
             memcpy(x, x_in, sizeof(float) * (size_t)M * dim);
             for (int l = 0; l < n_layers; l++) {
                 const int64_t *p = plan + (long)l * L_SLOTS;
                 const Lin wqkv = lin_at(p + L_QKV), wo = lin_at(p + L_O), w13 = lin_at(p + L_13), w2 = lin_at(p + L_2);
-                const int k_q8 = kv_kinds[2 * l] == KV_Q8_0, v_q8 = kv_kinds[2 * l + 1] == KV_Q8_0, nbq = D / qblock;
+                const Stream ks = stream_at(streams + 2L * l * ST_SLOTS), vs = stream_at(streams + (2L * l + 1) * ST_SLOTS);
                 const long S = max_seq;
+                /* read from codes: keys [0, kce), values [0, vce); the rest from the ring, the new token
+                   from kn / vn, except a new key a completed per-channel group holds (kce > slot) */
+                const int kchan = kv_per_channel(ks.kind);
+                const int kce = ks.kind == KV_F32 ? 0 : kchan ? ks.r0 : (ks.r0 < slot ? ks.r0 : slot);
+                const int vce = vs.kind == KV_F32 ? 0 : (vs.r0 < slot ? vs.r0 : slot);
+                const int kgroup = kchan && L % ks.block == 0 && L / ks.block <= S / ks.block;
                 rms_norm(x, (const float *)p[L_ATTN_NORM], h, M, dim, eps);
                 linear(&wqkv, h, M, qkv, &a, cols);
-                /* q and k roped; the new k and v as the cache will hold them (quantized and read back
-                   for q8_0, as the torch path's new token reads its own K and V from the cache) */
+                /* q and k roped, then rotated as the cache stores keys; v rotated as it stores values; the
+                   new k and v's codes, and the new k and v as the torch path reads them back (its codes
+                   read back where it reads the new token from codes, a per-token kind without a window) */
                 for (int r = 0; r < M; r++) {
                     const float *row = qkv + (long)r * qkv_w;
                     const float *c = cos + positions[r] * D, *s = ssin + positions[r] * D;
-                    for (int hh = 0; hh < n_heads; hh++) rope_head(row + hh * D, q + (long)r * q_w + hh * D, c, s, D);
+                    for (int hh = 0; hh < n_heads; hh++) {
+                        float *qh = q + (long)r * q_w + hh * D;
+                        rope_head(row + hh * D, qh, c, s, D);
+                        if (ks.rot) {
+                            rotate(qh, ks.rot, D, tmp);
+                            memcpy(qh, tmp, sizeof(float) * D);
+                        }
+                    }
                     for (int g = 0; g < n_kv; g++) {
                         const long rg = (long)r * n_kv + g;
-                        rope_head(row + q_w + g * D, k + rg * D, c, s, D);
-                        if (k_q8) {
-                            quantize_q8_0(k + rg * D, D, qblock, kqc + rg * D, kqs + rg * nbq);
-                            dequantize_q8_0(kqc + rg * D, kqs + rg * nbq, D, qblock, kn + rg * D);
-                        } else
-                            memcpy(kn + rg * D, k + rg * D, sizeof(float) * D);
-                        if (v_q8) {
-                            quantize_q8_0(row + q_w + (n_kv + g) * D, D, qblock, vqc + rg * D, vqs + rg * nbq);
-                            dequantize_q8_0(vqc + rg * D, vqs + rg * nbq, D, qblock, vn + rg * D);
-                        } else
-                            memcpy(vn + rg * D, row + q_w + (n_kv + g) * D, sizeof(float) * D);
+                        float *kr = k + rg * D, *vr = vv + rg * D;
+                        rope_head(row + q_w + g * D, kr, c, s, D);
+                        if (ks.rot) {
+                            rotate(kr, ks.rot, D, tmp);
+                            memcpy(kr, tmp, sizeof(float) * D);
+                        }
+                        if (vs.rot) rotate(row + q_w + (n_kv + g) * D, vs.rot, D, vr);
+                        else memcpy(vr, row + q_w + (n_kv + g) * D, sizeof(float) * D);
+                        const Stream *st2[2] = {&ks, &vs};
+                        float *src[2] = {kr, vr}, *read[2] = {kn + rg * D, vn + rg * D};
+                        uint8_t *u[2] = {ku + rg * D, vu + rg * D};
+                        uint16_t *par[2] = {kpar + rg * D, vpar + rg * D};
+                        for (int i = 0; i < 2; i++) {
+                            const Stream *st = st2[i];
+                            if (st->kind != KV_F32 && !kv_per_channel(st->kind)) {
+                                quantize_vector(st->kind, src[i], D, st->block, u[i], par[i]);
+                                if (slot < st->r0) {
+                                    dequantize_vector(st->kind, u[i], par[i], D, st->block, read[i]);
+                                    continue;
+                                }
+                            }
+                            memcpy(read[i], src[i], sizeof(float) * D);
+                        }
                     }
                 }
-                /* this thread's slots: scores, their max, then exp and sum and p V, per head */
-                const int s1old = s1 < slot ? s1 : slot;     /* [s0, s1old): slots read from the cache */
+                /* a per-channel key group completed by the new token: quantized into the cache before
+                   anyone reads it (the loop's implicit barrier) */
+                if (kgroup) {
+#pragma omp for schedule(static)
+                    for (int rg = 0; rg < M * n_kv; rg++) complete_group(&ks, rg, S, D, slot, k + (long)rg * D, xg, ug);
+                }
+                /* this thread's slots: every head of a KV group's scores, their max, then exp and sum and p V */
+                const int vbits = kv_bits(vs.kind), vfw = D * vbits / 8, vzp = kv_zero_point(vs.kind);
+                const int vqb = vs.block, vnb = vs.kind == KV_F32 ? 0 : D / vqb, vnp = (vzp ? 2 : 1) * vnb;
                 for (int r = 0; r < M; r++) {
-                    const float *qr = q + (long)r * q_w;
                     const uint8_t *mr = mask ? mask + (long)r * L : NULL;
                     for (int g = 0; g < n_kv; g++) {
                         const long rg = (long)r * n_kv + g;
-                        const float *knew = kn + rg * D, *vnew = vn + rg * D;
-                        if (k_q8 && s1old > s0) {
-                            /* every head of the group at once, block by block, slots in the inner loop
-                               (keys-major codes: a block element's slots are contiguous) */
-                            const int8_t *kcode = (const int8_t *)kv[2 * l] + rg * D * S;
-                            const uint16_t *ksc = kv_scales[2 * l] + rg * nbq * S;
-                            const int n = s1old - s0;
-                            memset(qsc, 0, sizeof(float) * (size_t)rep * n);
-                            for (int jb = 0; jb < nbq; jb++) {
-                                memset(qtmp, 0, sizeof(float) * (size_t)rep * n);
-                                float qsum[64];
-                                for (int j = 0; j < rep; j++) {
-                                    qsum[j] = 0.0f;
-                                    for (int e = jb * qblock; e < (jb + 1) * qblock; e++) qsum[j] += qr[(g * rep + j) * D + e];
-                                }
-                                for (int e = jb * qblock; e < (jb + 1) * qblock; e++) {
-                                    const int8_t *ce = kcode + (long)e * S + s0;
-                                    for (int j = 0; j < rep; j++) {
-                                        const float qe = qr[(g * rep + j) * D + e];
-                                        float *t = qtmp + (long)j * n;
-                                        for (int i = 0; i < n; i++) t[i] += qe * (float)ce[i];
+                        const float *qg = q + (long)r * q_w + (long)g * rep * D;   /* the group's rep heads */
+                        float mx[64], sum[64];
+                        /* scores sc[j, p - s0] */
+                        const int c1 = s1 < kce ? s1 : kce;
+                        if (c1 > s0) {
+                            if (kchan) key_scores_channels(&ks, rg, S, D, qg, rep, s0, c1 - s0, sc, n);
+                            else key_scores_tokens(&ks, rg, S, D, qg, rep, s0, c1 - s0, sc, n, t, sf, bf);
+                        }
+                        for (int sl = c1 > s0 ? c1 : s0; sl < s1; sl++) {
+                            const float *kk = sl == slot ? kn + rg * D : ring_row(&ks, rg, sl, D);
+                            for (int j = 0; j < rep; j++) sc[(long)j * n + sl - s0] = dot_f32(kk, qg + (long)j * D, D);
+                        }
+                        for (int j = 0; j < rep; j++) {
+                            float m = -INFINITY, *sj = sc + (long)j * n;
+                            for (int i = 0; i < n; i++) {
+                                const float v = mr && !mr[s0 + i] ? -INFINITY : sj[i] * scale;
+                                sj[i] = v;
+                                m = v > m ? v : m;
+                            }
+                            mx[j] = m;
+                            sum[j] = 0.0f;
+                            memset(part + (((size_t)tid * M + r) * n_heads + g * rep + j) * part_w, 0, sizeof(float) * D);
+                        }
+                        if (vzp) memset(bsum, 0, sizeof(float) * (size_t)rep * vnb);
+                        for (int sl = s0; sl < s1; sl++) {
+                            const int i = sl - s0;
+                            int any = 0;
+                            for (int j = 0; j < rep; j++) any |= sc[(long)j * n + i] != -INFINITY;
+                            if (!any) continue;
+                            const float *vrow_p;
+                            const int coded = sl != slot && sl < vce;
+                            if (sl == slot) vrow_p = vn + rg * D;
+                            else if (coded) {
+                                decode_row(vs.kind, (const uint8_t *)vs.codes + (rg * S + sl) * vfw, D, vrow);
+                                const uint16_t *ps = vs.params + rg * vnp * S + sl;
+                                for (int b = 0; b < vnp; b++) pp[b] = fp16_to_fp32(ps[(long)b * S]);
+                                vrow_p = vrow;
+                            } else vrow_p = ring_row(&vs, rg, sl, D);
+                            for (int j = 0; j < rep; j++) {
+                                const float v = sc[(long)j * n + i];
+                                if (v == -INFINITY) continue;
+                                const float e = expf(v - mx[j]);
+                                sum[j] += e;
+                                float *restrict o = part + (((size_t)tid * M + r) * n_heads + g * rep + j) * part_w;
+                                if (coded) {
+                                    for (int b = 0; b < vnb; b++) {
+                                        const float w = e * pp[b];
+                                        for (int c = b * vqb; c < (b + 1) * vqb; c++) o[c] += w * vrow_p[c];
+                                        if (vzp) bsum[(long)j * vnb + b] += e * pp[vnb + b];
                                     }
-                                }
-                                const uint16_t *sj = ksc + (long)jb * S + s0;
-                                for (int j = 0; j < rep; j++)
-                                    for (int i = 0; i < n; i++)
-                                        qsc[(long)j * n + i] += fp16_to_fp32(sj[i]) * (qtmp[(long)j * n + i] + 0.5f * qsum[j]);
+                                } else
+                                    for (int c = 0; c < D; c++) o[c] += e * vrow_p[c];
                             }
                         }
-                        const float *kg = (const float *)kv[2 * l] + rg * S * D;
-                        const int8_t *vcode = (const int8_t *)kv[2 * l + 1] + rg * S * D;
-                        const float *vg = (const float *)kv[2 * l + 1] + rg * S * D;
-                        const uint16_t *vsc = v_q8 ? kv_scales[2 * l + 1] + rg * nbq * S : NULL;
                         for (int j = 0; j < rep; j++) {
-                            const int hh = g * rep + j;
-                            float *out = part + (((size_t)tid * M + r) * n_heads + hh) * part_w;
-                            float mx = -INFINITY, sum = 0.0f;
-                            for (int sl = s0; sl < s1; sl++) {
-                                float v = -INFINITY;
-                                if (!mr || mr[sl]) {
-                                    if (sl == slot) v = dot_f32(knew, qr + hh * D, D) * scale;
-                                    else if (k_q8) v = qsc[(long)j * (s1old - s0) + (sl - s0)] * scale;
-                                    else v = dot_f32(kg + (long)sl * D, qr + hh * D, D) * scale;
-                                }
-                                sc[sl - s0] = v;
-                                mx = v > mx ? v : mx;
-                            }
-                            memset(out, 0, sizeof(float) * D);
-                            if (mx > -INFINITY)
-                                for (int sl = s0; sl < s1; sl++) {
-                                    if (sc[sl - s0] == -INFINITY) continue;
-                                    const float e = expf(sc[sl - s0] - mx);
-                                    sum += e;
-                                    if (v_q8 && sl != slot) {
-                                        const int8_t *cr = vcode + (long)sl * D;
-                                        for (int jb = 0; jb < nbq; jb++) {
-                                            const float w = e * fp16_to_fp32(vsc[(long)jb * S + sl]);
-                                            for (int i = jb * qblock; i < (jb + 1) * qblock; i++) out[i] += w * ((float)cr[i] + 0.5f);
-                                        }
-                                    } else {
-                                        const float *vrow = sl == slot ? vnew : vg + (long)sl * D;
-                                        for (int i = 0; i < D; i++) out[i] += e * vrow[i];
-                                    }
-                                }
-                            out[D] = mx;
-                            out[D + 1] = sum;
+                            float *o = part + (((size_t)tid * M + r) * n_heads + g * rep + j) * part_w;
+                            if (vzp)
+                                for (int c = 0; c < D; c++) o[c] += bsum[(long)j * vnb + c / vqb];
+                            o[D] = mx[j];
+                            o[D + 1] = sum[j];
                         }
                     }
                 }
@@ -448,33 +438,22 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                 /* the new token's K and V into the cache, by the thread that owns the last slot:
                    nobody reads them before the next step */
                 if (s0 < L && s1 == L)
-                    for (int r = 0; r < M; r++)
-                        for (int g = 0; g < n_kv; g++) {
-                            const long rg = (long)r * n_kv + g;
-                            if (k_q8) {
-                                int8_t *kcode = (int8_t *)kv[2 * l] + rg * D * S;
-                                for (int e = 0; e < D; e++) kcode[(long)e * S + slot] = kqc[rg * D + e];
-                                for (int jb = 0; jb < nbq; jb++) kv_scales[2 * l][(rg * nbq + jb) * S + slot] = kqs[rg * nbq + jb];
-                            } else
-                                memcpy((float *)kv[2 * l] + (rg * S + slot) * D, k + rg * D, sizeof(float) * D);
-                            if (v_q8) {
-                                memcpy((int8_t *)kv[2 * l + 1] + (rg * S + slot) * D, vqc + rg * D, (size_t)D);
-                                for (int jb = 0; jb < nbq; jb++) kv_scales[2 * l + 1][(rg * nbq + jb) * S + slot] = vqs[rg * nbq + jb];
-                            } else
-                                memcpy((float *)kv[2 * l + 1] + (rg * S + slot) * D, vn + rg * D, sizeof(float) * D);
-                        }
-                /* combine the partials (every thread, into its own att) */
+                    for (long rg = 0; rg < (long)M * n_kv; rg++) {
+                        write_new(&ks, 1, rg, S, D, slot, k + rg * D, ku + rg * D, kpar + rg * D);
+                        write_new(&vs, 0, rg, S, D, slot, vv + rg * D, vu + rg * D, vpar + rg * D);
+                    }
+                /* combine the partials (every thread, into its own att), then undo the value rotation */
                 for (int r = 0; r < M; r++)
                     for (int hh = 0; hh < n_heads; hh++) {
                         float mx = -INFINITY, sum = 0.0f;
-                        for (int t = 0; t < nt; t++) {
-                            const float m_t = part[(((size_t)t * M + r) * n_heads + hh) * part_w + D];
+                        for (int t2 = 0; t2 < nt; t2++) {
+                            const float m_t = part[(((size_t)t2 * M + r) * n_heads + hh) * part_w + D];
                             mx = m_t > mx ? m_t : mx;
                         }
                         float *o = att + (long)r * q_w + hh * D;
                         memset(o, 0, sizeof(float) * D);
-                        for (int t = 0; t < nt; t++) {
-                            const float *pt = part + (((size_t)t * M + r) * n_heads + hh) * part_w;
+                        for (int t2 = 0; t2 < nt; t2++) {
+                            const float *pt = part + (((size_t)t2 * M + r) * n_heads + hh) * part_w;
                             if (pt[D] == -INFINITY) continue;
                             const float w = expf(pt[D] - mx);
                             sum += w * pt[D + 1];
@@ -482,6 +461,10 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                         }
                         const float inv = 1.0f / sum;
                         for (int i = 0; i < D; i++) o[i] *= inv;
+                        if (vs.rot) {
+                            rotate(o, vs.rot, D, tmp);
+                            memcpy(o, tmp, sizeof(float) * D);
+                        }
                     }
                 linear(&wo, att, M, proj, &a, cols);
                 add_rms_norm(x, proj, (const float *)p[L_MLP_NORM], x, h, M, dim, eps);

@@ -7,10 +7,16 @@ weights in the layouts the model holds (fp32 nn.Linear / InputMajorLinear, or Qu
 blocks) and writing K and V into the cache as the torch path does.
 
 It applies to one new token per row (padding and sliding windows come as the cache's mask) on
-an fp32 model with RMSNorm, RoPE and SwiGLU, a KVCache of plain layers whose streams are fp32 or
-q8_0 (no window), and projections of those kinds; everything else takes the torch path, which stays the reference (tests compare the
-two). `model.fast_decode = False` or CARAMBA_KERNELS=0 turns it off. The thread count adapts
-to a busy machine (ThreadChoice; `model.decode_threads = ThreadChoice(fixed=n)` pins it).
+an fp32 model with RMSNorm, RoPE and SwiGLU, projections of the kinds above, and a KVCache of
+plain layers whose streams are fp32, per-token q8_0 / q4_0 / q4_0l / q4_1 / q2_1 (with or without
+a residual window) or per-channel q4_1c / q2_1c keys, stored rotated or not (rotate_keys,
+rotate_values). The step writes the new token's codes with caramba.cache.quant's arithmetic, bit
+for bit, completes per-channel groups, and keeps the streams' rings and their bookkeeping as the
+torch path does (kv_stream.c). Everything else takes the torch path, which stays the reference
+(tests compare the two): nf4, per-channel values, ring-buffer caches, fp16/bf16 caches, and a
+step that must first refill a per-channel group a rollback went into. `model.fast_decode = False`
+or CARAMBA_KERNELS=0 turns it off. The thread count adapts to a busy machine (ThreadChoice;
+`model.decode_threads = ThreadChoice(fixed=n)` pins it).
 """
 
 from __future__ import annotations
@@ -26,16 +32,21 @@ from torch.nn.modules import module as torch_module
 from caramba import kernels
 from caramba.cache.layer import KVCache, LayerKVCache
 from caramba.cache.kinds import KVCacheKind
-from caramba.cache.streams import FloatStream, QuantStream
+from caramba.cache.streams import ChannelQuantStream, FloatStream, QuantStream
 from caramba.model import quant
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 MAX_ROWS = 16        # beyond this the torch path's GEMMs win
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {"decode_step": ([_I] + [_P] * 6 + [_I] + [_P] * 2 + [_I] * 8 + [_P] * 4 + [_F, _I], _I)}
+_SIGNATURES = {"decode_step": ([_I] + [_P] * 6 + [_I] * 8 + [_P] * 4 + [_F, _I], _I),
+               "quantize_kv": ([_I, _P, _I, _I, _I, _P, _P], None)}
 library = kernels.Library(SOURCE, _SIGNATURES, "decode steps run through torch's ops")
 
-KV_F32, KV_Q8_0 = 0, 1   # decode_step.c's cache stream kinds
+# decode_step.c's cache stream kinds (kv_stream.c)
+KV_F32, KV_Q8_0, KV_Q4_0, KV_Q4_0L, KV_Q4_1, KV_Q2_1, KV_Q4_1C, KV_Q2_1C = range(8)
+TOKEN_KINDS = {KVCacheKind.Q8_0: KV_Q8_0, KVCacheKind.Q4_0: KV_Q4_0, KVCacheKind.Q4_0L: KV_Q4_0L,
+               KVCacheKind.Q4_1: KV_Q4_1, KVCacheKind.Q2_1: KV_Q2_1}
+CHANNEL_KINDS = {KVCacheKind.Q4_1C: KV_Q4_1C, KVCacheKind.Q2_1C: KV_Q2_1C}    # keys only
 
 # decode_step.c's projection formats
 F32_ROWS, F32_COLS, Q8_0_Q8, Q8_0_F32, Q4_1_F32, Q4_1_Q8, Q4_0_Q8 = range(7)
@@ -178,41 +189,75 @@ def model_applies(model) -> bool:
         and type(model.norm) is RMSNorm
 
 
-def _stream_kind(stream, keys: bool) -> int | None:
-    """decode_step.c's storage kind of a cache stream: fp32 values, q8_0 codes without a
-    full-precision window (keys stored keys-major), or None (the torch path)."""
-    if type(stream) is FloatStream and stream.data.dtype == torch.float32:
-        return KV_F32
-    if type(stream) is QuantStream and stream.kind is KVCacheKind.Q8_0 and not stream.R \
-            and stream.keys_major == keys and stream.codes.is_contiguous() and stream.scales.is_contiguous():
-        return KV_Q8_0
-    return None
+def _stream_kind(stream, keys: bool, head_dim: int) -> int | None:
+    """decode_step.c's kind of a cache stream (kv_stream.c), or None (the torch path): fp32 values,
+    per-token q8_0 / q4_0 / q4_0l / q4_1 / q2_1 codes (with or without a residual window), or
+    per-channel q4_1c / q2_1c keys; codes in the layout the stream's role gives them."""
+    if stream.head_dim != head_dim:
+        return None
+    if type(stream) is FloatStream:
+        return KV_F32 if _fp32(stream.data) else None
+    if type(stream) is QuantStream:
+        kind = TOKEN_KINDS.get(stream.kind)
+    elif type(stream) is ChannelQuantStream and keys:
+        kind = CHANNEL_KINDS.get(stream.kind)
+    else:
+        return None
+    if kind is None or stream.keys_major != keys or stream.codes.device.type != "cpu" \
+            or not (stream.codes.is_contiguous() and stream.scales.is_contiguous() and _fp32(stream.ring)):
+        return None
+    return kind
 
 
-def _cache_layout(cache) -> tuple[ctypes.Array, int] | None:
-    """(per layer and stream: KV_F32 / KV_Q8_0 as decode_step.c takes them, the q8_0 block) when
-    the step can read and write every layer of `cache`, else None. Decided once per cache: its
-    layer types, kinds and rotations are fixed when it is built."""
+class _Layout:
+    """What decode_step.c takes of a cache: per layer, K then V, (stream, kind, rotation or None);
+    the streams whose full-precision ring the step keeps up (`ringed`) and the per-channel ones."""
+
+    def __init__(self, streams: list[tuple], heads: int, head_dim: int) -> None:
+        self.streams, self.heads, self.head_dim = streams, heads, head_dim
+        self.ringed = [s for s, kind, _ in streams if kind != KV_F32 and s.ring is not None]
+        self.channels = [s for s, kind, _ in streams if kind in CHANNEL_KINDS.values()]
+
+
+def _cache_layout(cache) -> _Layout | None:
+    """The cache's _Layout when the step can read and write every layer of it, else None. Decided
+    once per cache: its layer types, kinds and rotations are fixed when it is built."""
     if "_fast_decode_layout" not in cache.__dict__:
         cache._fast_decode_layout = _scan_layout(cache)
     return cache._fast_decode_layout
 
 
-def _scan_layout(cache) -> tuple[ctypes.Array, int] | None:
-    kinds, blocks = [], set()
-    for layer in cache.layers:
-        if type(layer) is not LayerKVCache or layer.rotation is not None or layer.v_rotation is not None:
-            return None
-        for stream, keys in ((layer.k_stream, True), (layer.v_stream, False)):
-            kind = _stream_kind(stream, keys)
-            if kind is None:
-                return None
-            kinds.append(kind)
-            if kind == KV_Q8_0:
-                blocks.add(stream.block)
-    if len(blocks) > 1:
+def _scan_layout(cache) -> _Layout | None:
+    if any(type(layer) is not LayerKVCache for layer in cache.layers):
         return None
-    return (ctypes.c_int * len(kinds))(*kinds), blocks.pop() if blocks else 1   # 1: any block divides head_dim
+    streams = []
+    H, D = cache.layers[0].n_kv_heads, cache.layers[0].k_stream.head_dim
+    for layer in cache.layers:
+        if layer.n_kv_heads != H:
+            return None
+        for stream, keys, rotation in ((layer.k_stream, True, layer.rotation), (layer.v_stream, False, layer.v_rotation)):
+            kind = _stream_kind(stream, keys, D)
+            if kind is None or not _fp32(rotation) or rotation is not None and tuple(rotation.shape) != (D, D):
+                return None
+            streams.append((stream, kind, rotation))
+    return _Layout(streams, H, D)
+
+
+def _stream_table(layout: _Layout, slot: int) -> ctypes.Array:
+    """decode_step.c's stream slots (kv_stream.c's ST_*) for a step writing `slot`. The rings'
+    bookkeeping moves on here (note_written), since the step writes their new token."""
+    rows = []
+    for s, kind, rotation in layout.streams:
+        rot = 0 if rotation is None else rotation.data_ptr()
+        if kind == KV_F32:           # its values, read as a ring of every slot
+            rows += [KV_F32, s.data.data_ptr(), 0, 1, s.data.data_ptr(), s.data.shape[2], 0, rot]
+            continue
+        ring = s.ring
+        if ring is not None:
+            s.note_written(slot, slot + 1)
+        rows += [kind, s.codes.data_ptr(), s.scales.data_ptr(), s.block, 0 if ring is None else ring.data_ptr(),
+                 0 if ring is None else ring.shape[2], s.fp_start(slot + 1), rot]
+    return (ctypes.c_int64 * len(rows))(*rows)
 
 
 def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causal: bool) -> bool:
@@ -225,7 +270,9 @@ def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causa
         return False
     if type(cache) is not KVCache or torch.is_grad_enabled() and model.norm.weight.requires_grad:
         return False
-    if _cache_layout(cache) is None:
+    layout = _cache_layout(cache)
+    if layout is None or (layout.heads, layout.head_dim) != (model.config.n_kv_heads, model.config.head_dim) \
+            or cache.batch_size != B or any(s.refills(cache.length) for s in layout.channels):
         return False
     if not model_applies(model) or library() is None:
         return False
@@ -299,18 +346,12 @@ def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVC
     plan = model._fast_plan          # as applies() just checked it
     if mask is not None:
         mask = mask.contiguous()
-    kinds, qblock = cache._fast_decode_layout        # as applies() just found it
-    streams = [s for layer in cache.layers for s in (layer.k_stream, layer.v_stream)]
-    kv = (ctypes.c_void_p * len(streams))(*[s.data.data_ptr() if k == KV_F32 else s.codes.data_ptr()
-                                            for s, k in zip(streams, kinds)])
-    scales = (ctypes.c_void_p * len(streams))(*[None if k == KV_F32 else s.scales.data_ptr()
-                                                for s, k in zip(streams, kinds)])
+    streams = _stream_table(cache._fast_decode_layout, slot)        # as applies() just found it
     choice = model.__dict__.setdefault("decode_threads", ThreadChoice())
     threads = choice.next()
     t0 = time.perf_counter()
     failed = library().decode_step(
-        cfg.n_layers, plan.layers.data_ptr(), plan.head.data_ptr(), model.norm.weight.data_ptr(), kv, scales, kinds,
-        qblock, x.data_ptr(),
+        cfg.n_layers, plan.layers.data_ptr(), plan.head.data_ptr(), model.norm.weight.data_ptr(), streams, x.data_ptr(),
         logits.data_ptr(), B, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size,
         cache.max_seq_len, slot, positions.data_ptr(), None if mask is None else mask.data_ptr(),
         table.cos.data_ptr(), table.sin.data_ptr(), cfg.norm_eps, threads)

@@ -1,0 +1,351 @@
+/* The KV cache streams a decode step reads and writes (caramba.cache.streams), for decode_step.c.
+
+   A stream is one layer's K or V as caramba.cache stores it, passed as ST_SLOTS int64 slots:
+     KV_F32: fp32 values [M, n_kv, S, D]; the step reads them as a "ring" of S slots.
+     per-token quantized kinds (QuantStream: q8_0, q4_0, q4_0l, q4_1, q2_1): codes packed per head
+       vector, k = 8 / bits per byte: element i + f D/k sits in bit field f of byte i (8-bit codes:
+       one signed code per byte); keys-major [M, n_kv, Dc, S] for keys, [M, n_kv, S, Dc] for values;
+       fp16 block parameters [M, n_kv, nb * p, S] (the scales, then zero-point kinds' minimums);
+       with a residual window the newest R positions also in fp32, in a ring [M, n_kv, R, D] at p % R.
+     per-channel kinds (ChannelQuantStream, keys only: q4_1c, q2_1c): codes as above, but a block is
+       G tokens of one channel: parameters [M, n_kv, 2 D, S / G]; a ring [M, n_kv, 2 G + R, D] holds
+       the group not yet complete and the residual window. A group is quantized when its last
+       token arrives (complete_group, before the step's attention reads it).
+   Positions below r0 are read from codes, the rest from the ring; fast_decode computes r0 with
+   the stream's own fp_start.
+
+   Code u stands for (u + off) s (q8_0: signed c + 1/2; q4_0: u - 15/2; q4_0l: u - 8, s signed)
+   or u s + m (the zero-point kinds). The quantizers are caramba.cache.quant's arithmetic step by
+   step (the same fp32 operations in the same order, fp16 rounding to nearest even, the minimum
+   rounded down), so the codes written here are the torch path's bit for bit, with F16C or
+   without (tests compare both builds against caramba.cache.quant.quantize).
+
+   Included by decode_step.c after quant_gemv.c (fp16_to_fp32, HAVE_AVX2) and its INLINE. */
+
+enum { KV_F32 = 0, KV_Q8_0 = 1, KV_Q4_0 = 2, KV_Q4_0L = 3, KV_Q4_1 = 4, KV_Q2_1 = 5, KV_Q4_1C = 6, KV_Q2_1C = 7 };
+
+static inline int kv_bits(int kind) {
+    return kind == KV_F32 ? 32 : kind == KV_Q8_0 ? 8 : (kind == KV_Q2_1 || kind == KV_Q2_1C) ? 2 : 4;
+}
+static inline int kv_zero_point(int kind) { return kind >= KV_Q4_1; }
+static inline int kv_per_channel(int kind) { return kind >= KV_Q4_1C; }
+static inline float kv_offset(int kind) {
+    return kind == KV_Q8_0 ? 0.5f : kind == KV_Q4_0 ? -7.5f : kind == KV_Q4_0L ? -8.0f : 0.0f;
+}
+
+static inline uint16_t fp32_to_fp16(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else   /* round to nearest even, as the conversion instruction does */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000;
+    x &= 0x7fffffff;
+    if (x >= 0x7f800000) return (uint16_t)(sign | (x > 0x7f800000 ? 0x7e00 : 0x7c00));   /* nan, inf */
+    if (x >= 0x477ff000) return (uint16_t)(sign | 0x7c00);                                /* rounds to inf */
+    uint32_t out, rest, half;
+    if (x < 0x38800000) {                      /* below 2^-14: a subnormal half (or zero) */
+        const int shift = 126 - (int)(x >> 23);
+        if (shift > 24) return (uint16_t)sign;
+        const uint32_t m = (x & 0x7fffff) | 0x800000;
+        out = m >> shift;
+        rest = m & ((1u << shift) - 1);
+        half = 1u << (shift - 1);
+    } else {
+        out = (x >> 13) - (112u << 10);
+        rest = x & 0x1fff;
+        half = 0x1000;
+    }
+    if (rest > half || (rest == half && (out & 1))) out++;
+    return (uint16_t)(sign | out);
+#endif
+}
+
+/* x as fp16 rounded toward -inf (quant._round_down_fp16: nearest, then one step down if above x). */
+static inline uint16_t fp32_to_fp16_down(float x) {
+    const uint16_t h = fp32_to_fp16(x);
+    if (!(fp16_to_fp32(h) > x)) return h;
+    return (h & 0x7fff) == 0 ? 0x8001 : (h & 0x8000) ? h + 1 : h - 1;   /* nextafter(h, -inf) */
+}
+
+/* n fp16 values as floats. */
+static inline void fp16_row(const uint16_t *src, float *dst, int n) {
+    int i = 0;
+#if HAVE_AVX2 && defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; i++) dst[i] = fp16_to_fp32(src[i]);
+}
+
+/* One block of n elements -> codes u (one per byte; 8-bit codes as int8 bits) and its scale
+   (and minimum), as quant._block_codes computes them. */
+static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t *scale, uint16_t *minimum) {
+    if (kv_zero_point(kind)) {
+        const int hi = (1 << kv_bits(kind)) - 1;
+        float lo_x = x[0], hi_x = x[0];
+        for (int i = 1; i < n; i++) {
+            lo_x = x[i] < lo_x ? x[i] : lo_x;
+            hi_x = x[i] > hi_x ? x[i] : hi_x;
+        }
+        const uint16_t m = fp32_to_fp16_down(lo_x);
+        const float mf = fp16_to_fp32(m);
+        /* rounded up so that min + hi * scale >= max: no element clips */
+        *scale = fp32_to_fp16((hi_x - mf) * (float)((1.0 + 1.0 / 1024) / hi));
+        *minimum = m;
+        float safe = fp16_to_fp32(*scale);
+        if (safe == 0.0f) safe = 1e-30f;
+        for (int i = 0; i < n; i++) {
+            const float c = floorf((x[i] - mf) / safe + 0.5f);
+            u[i] = (uint8_t)(c < 0.0f ? 0.0f : (c > (float)hi ? (float)hi : c));
+        }
+        return;
+    }
+    float s, shift, lo = 0.0f, hi = 15.0f;
+    if (kind == KV_Q4_0L) {     /* mid-tread: the largest-magnitude element (the first of ties) lands on code 0 */
+        float peak = x[0];
+        for (int i = 1; i < n; i++) peak = fabsf(x[i]) > fabsf(peak) ? x[i] : peak;
+        s = peak * (float)(-(1.0 + 1.0 / 1024) / 8.0);
+        shift = 8.5f;
+    } else {                    /* mid-rise: q8_0's codes [-128, 127] or q4_0's [0, 15] */
+        float amax = 0.0f;
+        for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+        const int q8 = kind == KV_Q8_0;
+        s = amax * (float)((1.0 + 1.0 / 1024) / (q8 ? 127.5 : 7.5));
+        shift = q8 ? 0.0f : 8.0f;
+        if (q8) lo = -128.0f, hi = 127.0f;
+    }
+    *scale = fp32_to_fp16(s);
+    float safe = fp16_to_fp32(*scale);
+    if (safe == 0.0f) safe = 1e-30f;
+    for (int i = 0; i < n; i++) {
+        const float y = x[i] / safe, c = floorf(shift != 0.0f ? y + shift : y);
+        const float cl = c < lo ? lo : (c > hi ? hi : c);
+        u[i] = kind == KV_Q8_0 ? (uint8_t)(int8_t)cl : (uint8_t)cl;
+    }
+}
+
+/* A head vector of D elements in blocks of qb -> codes u [D] and parameters [D/qb * p] laid out
+   as quant.quantize's (the scales, then the minimums). */
+static void quantize_vector(int kind, const float *x, int D, int qb, uint8_t *u, uint16_t *par) {
+    const int nb = D / qb;
+    for (int j = 0; j < nb; j++) quantize_block(kind, x + j * qb, qb, u + j * qb, par + j, par + nb + j);
+}
+
+/* The quantizers for tests: rows [rows, D] -> codes [rows, D] (unpacked), parameters [rows, D/qb * p].
+   A per-channel kind quantizes each row as one block (a channel's group of D = G tokens). */
+void quantize_kv(int kind, const float *x, int rows, int D, int qb, uint8_t *u, uint16_t *par) {
+    const int np = (kv_zero_point(kind) ? 2 : 1) * (D / qb);
+    for (int r = 0; r < rows; r++) quantize_vector(kind, x + (long)r * D, D, qb, u + (long)r * D, par + (long)r * np);
+}
+
+/* Code field f of byte b: 8-bit kinds' signed code, else the f-th `bits`-wide unsigned field. */
+INLINE float code_field(const int bits, const int f, uint8_t b) {
+    if (bits == 8) return (float)(int8_t)b;
+    return (float)((b >> (bits * f)) & ((1 << bits) - 1));
+}
+
+/* Byte i of a head vector's packed codes u [D]. */
+static inline uint8_t pack_byte(int bits, const uint8_t *u, int D, int i) {
+    if (bits == 8) return u[i];
+    const int fw = D * bits / 8;
+    uint8_t b = 0;
+    for (int f = 0; f < 8 / bits; f++) b |= (uint8_t)(u[i + f * fw] << (bits * f));
+    return b;
+}
+
+/* The (bits, field) pairs a loop is specialized for: the shift and mask become constants. */
+#define FIELD_CASES(X) X(8, 0) X(4, 0) X(4, 1) X(2, 0) X(2, 1) X(2, 2) X(2, 3)
+
+typedef struct {
+    int kind;
+    void *codes;        /* KV_F32: the fp32 values; else the codes */
+    uint16_t *params;   /* fp16 block parameters, or NULL */
+    int block;          /* elements per block; per-channel kinds: tokens per group G */
+    float *ring;        /* fp32 copies [M, n_kv, ring_n, D] at slot p % ring_n (KV_F32: the values), or NULL */
+    int ring_n;
+    int r0;             /* positions < r0 are read from codes, the rest from the ring */
+    const float *rot;   /* [D, D]: the stream holds x @ rot; NULL: x */
+} Stream;
+
+enum { ST_KIND, ST_CODES, ST_PARAMS, ST_BLOCK, ST_RING, ST_RING_N, ST_R0, ST_ROT, ST_SLOTS };
+
+static inline Stream stream_at(const int64_t *p) {
+    Stream s = {(int)p[ST_KIND], (void *)p[ST_CODES], (uint16_t *)p[ST_PARAMS], (int)p[ST_BLOCK], (float *)p[ST_RING],
+                (int)p[ST_RING_N], (int)p[ST_R0], (const float *)p[ST_ROT]};
+    return s;
+}
+
+/* Whether decode_step can read and write this stream for head size D (2: refused). */
+static int stream_ok(const Stream *s, int D, int keys) {
+    if (s->kind < KV_F32 || s->kind > KV_Q2_1C) return 0;
+    if (s->kind == KV_F32) return s->ring != NULL && s->r0 == 0;
+    if (s->block < 1 || (s->ring == NULL) != (s->ring_n == 0)) return 0;
+    if (kv_per_channel(s->kind)) return keys && s->ring != NULL && D % 4 == 0;
+    return D % s->block == 0 && D % 4 == 0;
+}
+
+/* Position p's fp32 copy in the ring, head rg. */
+static inline const float *ring_row(const Stream *s, long rg, int p, int D) {
+    return s->ring + (rg * s->ring_n + p % s->ring_n) * D;
+}
+
+/* t[j, i] = q_j . the codes of field f, rows [a, b), positions [p0, p0 + n); qsum[j] = sum of those q_j elements. */
+INLINE void key_field_rows(const int bits, const int f, const uint8_t *codes, long S, int p0, int n, int fw,
+                           const float *q, int D, int rep, int a, int b, float *t, float *qsum) {
+    memset(t, 0, sizeof(float) * (size_t)rep * n);
+    for (int j = 0; j < rep; j++) qsum[j] = 0.0f;
+    for (int row = a; row < b; row++) {
+        const uint8_t *restrict c = codes + (long)row * S + p0;
+        for (int j = 0; j < rep; j++) {
+            const float qe = q[(long)j * D + row + f * fw];
+            float *restrict tj = t + (long)j * n;
+            qsum[j] += qe;
+            for (int i = 0; i < n; i++) tj[i] += qe * code_field(bits, f, c[i]);
+        }
+    }
+}
+
+/* sc[j, i] (row stride ld) = q_j . k(p0 + i) for the rep query heads q [rep, D] over positions
+   [p0, p0 + n) of a per-token stream's codes, head rg: per block, s (q . u) + (s off or m) sum(q),
+   block by block with the slots in the inner loop (keys-major: a code row's positions are
+   contiguous). Scratch: t [rep, n], sf and bf [n]. */
+static void key_scores_tokens(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
+                              float *sc, int ld, float *t, float *sf, float *bf) {
+    const int bits = kv_bits(st->kind), fw = D * bits / 8, qb = st->block, nb = D / qb, zp = kv_zero_point(st->kind);
+    const float off = kv_offset(st->kind);
+    const uint8_t *codes = (const uint8_t *)st->codes + rg * fw * S;
+    const uint16_t *par = st->params + rg * (zp ? 2 : 1) * nb * S;
+    for (int j = 0; j < rep; j++) memset(sc + (long)j * ld, 0, sizeof(float) * n);
+    for (int f = 0; f < 8 / bits; f++)
+        for (int a = 0; a < fw;) {     /* rows [a, b) of field f: one block */
+            const int blk = (a + f * fw) / qb, b = (blk + 1) * qb - f * fw < fw ? (blk + 1) * qb - f * fw : fw;
+            float qsum[64];
+            switch (bits * 4 + f) {
+#define KEY_FIELD(B, F) case B * 4 + F: key_field_rows(B, F, codes, S, p0, n, fw, q, D, rep, a, b, t, qsum); break;
+                FIELD_CASES(KEY_FIELD)
+            }
+            fp16_row(par + (long)blk * S + p0, sf, n);
+            if (zp) fp16_row(par + (long)(nb + blk) * S + p0, bf, n);
+            for (int j = 0; j < rep; j++) {
+                float *restrict sj = sc + (long)j * ld;
+                const float *restrict tj = t + (long)j * n;
+                const float qs = qsum[j], oq = off * qsum[j];
+                if (zp) for (int i = 0; i < n; i++) sj[i] += sf[i] * tj[i] + bf[i] * qs;
+                else for (int i = 0; i < n; i++) sj[i] += sf[i] * (tj[i] + oq);
+            }
+            a = b;
+        }
+}
+
+/* Field f of a per-channel group's rows: sc[j, i] += (q_j[e] s_e) u_e(a + i), cst[j] += q_j[e] m_e. */
+INLINE void channel_field_rows(const int bits, const int f, const uint8_t *codes, long S, const uint16_t *par, int NG,
+                               int g, int a, int w, int fw, const float *q, int D, int rep, float *sc, int ld,
+                               float *cst) {
+    for (int row = 0; row < fw; row++) {
+        const int e = row + f * fw;
+        const float s = fp16_to_fp32(par[(long)e * NG + g]), m = fp16_to_fp32(par[(long)(D + e) * NG + g]);
+        const uint8_t *restrict c = codes + (long)row * S + a;
+        for (int j = 0; j < rep; j++) {
+            const float qe = q[(long)j * D + e], ws = qe * s;
+            float *restrict sj = sc + (long)j * ld;
+            cst[j] += qe * m;
+            for (int i = 0; i < w; i++) sj[i] += ws * code_field(bits, f, c[i]);
+        }
+    }
+}
+
+/* key_scores_tokens for a per-channel stream: group by group, the query times the group's channel
+   scales, the minimums one constant per group (as quant_attend.c's key_item_channel). */
+static void key_scores_channels(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
+                                float *sc, int ld) {
+    const int bits = kv_bits(st->kind), fw = D * bits / 8, G = st->block, NG = (int)(S / G);
+    const uint8_t *codes = (const uint8_t *)st->codes + rg * fw * S;
+    const uint16_t *par = st->params + rg * 2 * D * NG;
+    for (int j = 0; j < rep; j++) memset(sc + (long)j * ld, 0, sizeof(float) * n);
+    for (int g = p0 / G; g * G < p0 + n; g++) {
+        const int a = g * G > p0 ? g * G : p0, b = (g + 1) * G < p0 + n ? (g + 1) * G : p0 + n;
+        float cst[64] = {0};
+        for (int f = 0; f < 8 / bits; f++)
+            switch (bits * 4 + f) {
+#define CHANNEL_FIELD(B, F) case B * 4 + F: \
+                channel_field_rows(B, F, codes, S, par, NG, g, a, b - a, fw, q, D, rep, sc + (a - p0), ld, cst); break;
+                FIELD_CASES(CHANNEL_FIELD)
+            }
+        for (int j = 0; j < rep; j++)
+            for (int i = a; i < b; i++) sc[(long)j * ld + i - p0] += cst[j];
+    }
+}
+
+INLINE void decode_field(const int bits, const int f, const uint8_t *row, int fw, float off, float *out) {
+    for (int i = 0; i < fw; i++) out[f * fw + i] = code_field(bits, f, row[i]) + off;
+}
+
+/* A per-token value row's codes as floats: u + off (symmetric kinds) or u (zero-point kinds). */
+static void decode_row(int kind, const uint8_t *row, int D, float *out) {
+    const int bits = kv_bits(kind), fw = D * bits / 8;
+    const float off = kv_zero_point(kind) ? 0.0f : kv_offset(kind);
+    for (int f = 0; f < 8 / bits; f++)
+        switch (bits * 4 + f) {
+#define DECODE_FIELD(B, F) case B * 4 + F: decode_field(B, F, row, fw, off, out); break;
+            FIELD_CASES(DECODE_FIELD)
+        }
+}
+
+/* The value a head vector's own codes u and parameters stand for (the new token read back). */
+static void dequantize_vector(int kind, const uint8_t *u, const uint16_t *par, int D, int qb, float *out) {
+    const int nb = D / qb, zp = kv_zero_point(kind), bits = kv_bits(kind);
+    const float off = kv_offset(kind);
+    for (int i = 0; i < D; i++) {
+        const float s = fp16_to_fp32(par[i / qb]), c = bits == 8 ? (float)(int8_t)u[i] : (float)u[i];
+        out[i] = zp ? c * s + fp16_to_fp32(par[nb + i / qb]) : (c + off) * s;
+    }
+}
+
+/* x [D] @ rot [D, D] (a row vector times the matrix, as torch's x @ rot). */
+static void rotate(const float *x, const float *rot, int D, float *out) {
+    for (int i = 0; i < D; i++) out[i] = 0.0f;
+    for (int k = 0; k < D; k++) {
+        const float xk = x[k];
+        const float *restrict r = rot + (long)k * D;
+        for (int i = 0; i < D; i++) out[i] += xk * r[i];
+    }
+}
+
+/* The new token's K or V x (as stored: rotated) at position `slot` of head rg: its codes u and
+   parameters par (per-token kinds, quantized beforehand) and its ring copy (KV_F32: the values). */
+static void write_new(const Stream *st, int keys, long rg, long S, int D, int slot, const float *x, const uint8_t *u,
+                      const uint16_t *par) {
+    if (st->ring) memcpy(st->ring + (rg * st->ring_n + slot % st->ring_n) * D, x, sizeof(float) * D);
+    if (st->kind == KV_F32 || kv_per_channel(st->kind)) return;
+    const int bits = kv_bits(st->kind), fw = D * bits / 8, np = (kv_zero_point(st->kind) ? 2 : 1) * (D / st->block);
+    uint8_t *codes = st->codes;
+    for (int i = 0; i < fw; i++) {
+        const uint8_t b = pack_byte(bits, u, D, i);
+        if (keys) codes[(rg * fw + i) * S + slot] = b;
+        else codes[(rg * S + slot) * fw + i] = b;
+    }
+    for (int i = 0; i < np; i++) st->params[(rg * np + i) * S + slot] = par[i];
+}
+
+/* A per-channel stream's group ending at `slot`, complete with the new token x: its positions from
+   the ring and x quantized channel by channel into the codes and the group's parameters
+   (ChannelQuantStream.write). Scratch: xg [D, G] floats, ug [D, G] bytes. */
+static void complete_group(const Stream *st, long rg, long S, int D, int slot, const float *x, float *xg, uint8_t *ug) {
+    const int G = st->block, g0 = slot + 1 - G, NG = (int)(S / G), bits = kv_bits(st->kind), fw = D * bits / 8;
+    for (int t = 0; t < G - 1; t++) {
+        const float *src = ring_row(st, rg, g0 + t, D);
+        for (int e = 0; e < D; e++) xg[(long)e * G + t] = src[e];
+    }
+    for (int e = 0; e < D; e++) xg[(long)e * G + G - 1] = x[e];
+    uint16_t *par = st->params + rg * 2 * D * NG;
+    for (int e = 0; e < D; e++)
+        quantize_block(st->kind, xg + (long)e * G, G, ug + (long)e * G, par + (long)e * NG + g0 / G,
+                       par + (long)(D + e) * NG + g0 / G);
+    uint8_t *codes = (uint8_t *)st->codes + rg * fw * S;
+    for (int i = 0; i < fw; i++)
+        for (int t = 0; t < G; t++) {
+            uint8_t b = 0;
+            for (int f = 0; f < 8 / bits; f++) b |= (uint8_t)(ug[(long)(i + f * fw) * G + t] << (bits * f));
+            codes[(long)i * S + g0 + t] = b;
+        }
+}
