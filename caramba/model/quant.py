@@ -64,7 +64,7 @@ def check_kind(weights: str) -> str:
 # Candidate scales of the search (quant_gemv.c, quantize_blocks_best): f times the scale that
 # maps a block's largest element onto the end code. f = 1 is llama.cpp's choice; larger f trade
 # clipping nothing for a coarser step that may land on the values better.
-SCALE_FACTORS = torch.linspace(0.5, 1.5, 321)
+SCALE_FACTORS = torch.linspace(0.5, 1.5, 101)
 
 
 def quantize_blocks(w: torch.Tensor, qmin: int, qmax: int,
