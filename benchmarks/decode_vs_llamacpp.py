@@ -6,14 +6,16 @@ cache) timed the same way: --tokens steps after a short prompt. Formats, as pair
 
     F32   caramba weights=fp32    llama.cpp F32 GGUF   (the embedded Q4_1 file dequantized: same values)
     Q8_0  caramba weights=q8_0    llama.cpp Q8_0 GGUF  (llama-quantize --allow-requantize from the Q4_1 file)
+    Q4_0  caramba weights=q4_0    llama.cpp Q4_0 GGUF  (the same; both keep the tied head at 8 bits)
     Q4_1  caramba weights=native  llama.cpp Q4_1 GGUF  (the file as shipped)
 
-caramba's q8_0 requantizes the same dequantized values as llama-quantize does. Runs alternate
+caramba's q8_0 and q4_0 requantize the same dequantized values as llama-quantize does (with
+searched block scales: caramba.model.quant). Runs alternate
 (caramba F32, llama.cpp F32, caramba Q8_0, ...) in every repeat, so a busy machine slows both
 sides alike; the table gives medians, with the load average before and after.
 
     .venv/bin/python benchmarks/decode_vs_llamacpp.py [--threads 2] [--tokens 64] [--repeats 5]
-        [--formats F32,Q8_0,Q4_1] [--sdist FILE] [--no-llamacpp] [--torch-path] [--json out.json]
+        [--formats F32,Q8_0,Q4_0,Q4_1] [--sdist FILE] [--no-llamacpp] [--torch-path] [--json out.json]
 
 --torch-path adds caramba with its one-call decode step off (caramba.model.fast_decode), the
 torch-op path every step took before it, in the same alternation.
@@ -45,7 +47,7 @@ from caramba.cache import kernel as cache_kernel  # noqa: E402
 from caramba.model import fast_decode, fused, quant  # noqa: E402
 from caramba.model.zoo import load_model  # noqa: E402
 
-CARAMBA_WEIGHTS = {"F32": "fp32", "Q8_0": "q8_0", "Q4_1": "native"}
+CARAMBA_WEIGHTS = {"F32": "fp32", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "native"}
 
 
 def llama_models(tools: llamacpp.Tools, formats: list[str]) -> dict[str, Path]:
@@ -93,7 +95,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per measurement (llama-bench -n)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--formats", default="F32,Q8_0,Q4_1")
+    ap.add_argument("--formats", default="F32,Q8_0,Q4_0,Q4_1")
     ap.add_argument("--sdist", default=None, help="llama_cpp_python-*.tar.gz (default: newest in /tmp/lcp)")
     ap.add_argument("--no-llamacpp", action="store_true", help="caramba only (no llama.cpp build or runs)")
     ap.add_argument("--torch-path", action="store_true",
