@@ -7,6 +7,7 @@ import torch
 
 from caramba.infer import GenerateConfig
 from caramba.infer.beam import beam_search
+import tolerance as tol
 from conftest import caramba_from_hf, hf_model, make_model
 
 N = 10
@@ -32,6 +33,12 @@ def _hf_beams(hf, ids, eos, mask=None, **kw):
         ends = [i for i, t in enumerate(s) if t in eos_list]
         seqs.append(s[: ends[0] + 1] if ends else s)
     return seqs, out.sequences_scores.tolist()
+
+
+def score_bound(scores: list[float], model) -> float:
+    """Beam scores computed two ways (HF's forwards or a padded batch against ours): each sums N
+    log-probs of a forward whose sums ran in another order."""
+    return tol.rounding(torch.float32, max(abs(s) for s in scores), tol.forward_n(model.config) * N)["atol"]
 
 
 def _eos_on_the_way(ours, ids, at: int) -> int:
@@ -60,7 +67,7 @@ def test_beam_search_equals_hf(pair, kw, seed):
     want_seqs, want_scores = _hf_beams(hf, ids, eos, **kw)
     got = beam_search(ours, ids, max_new_tokens=N, eos_token_id=eos, temperature=0, **kw)
     assert got.sequences[0] == want_seqs
-    assert got.scores[0] == pytest.approx(want_scores, abs=1e-5)
+    assert got.scores[0] == pytest.approx(want_scores, abs=score_bound(want_scores, ours))
     HIT_EOS.append(any(s[-1] == eos for s in got.sequences[0]))
 
 
@@ -71,7 +78,7 @@ def test_beam_search_two_eos_ids_keeps_more_candidates(pair):
     want_seqs, want_scores = _hf_beams(hf, ids, eos, num_beams=3, num_return_sequences=3)
     got = beam_search(ours, ids, max_new_tokens=N, eos_token_id=eos, temperature=0, num_beams=3, num_return_sequences=3)
     assert got.sequences[0] == want_seqs
-    assert got.scores[0] == pytest.approx(want_scores, abs=1e-5)
+    assert got.scores[0] == pytest.approx(want_scores, abs=score_bound(want_scores, ours))
 
 
 def test_ragged_batch_equals_prompts_alone(pair):
@@ -84,7 +91,7 @@ def test_ragged_batch_equals_prompts_alone(pair):
     for i, p in enumerate(prompts):
         alone = beam_search(ours, [p], **kw)
         assert batch.sequences[i] == alone.sequences[0]
-        assert batch.scores[i] == pytest.approx(alone.scores[0], abs=1e-5)
+        assert batch.scores[i] == pytest.approx(alone.scores[0], abs=score_bound(alone.scores[0], ours))
 
 
 @pytest.mark.parametrize("kind,extra", [("fp16", {}), ("bf16", {}), ("q8_0", {}), ("q4_0", {}), ("nf4", {}),

@@ -240,6 +240,74 @@ def test_4_and_2_bit_windowed_and_rotated_caches_equal_the_torch_path(name, batc
     assert_same_cache_kind(ref, got, model.config, policy)
 
 
+# per-token streams only: a per-channel group is completed one token at a time (those take the torch path)
+CHUNK_POLICIES = [None, "q4_0", "q4_0l rotated", "q2_1 qblock=8 residual_len=2", "q8_0 residual_len=4"]
+
+
+def run_chunks(model, ids, chunks, policy, fast, slot_mask=None, positions=None, window=None):
+    """Logits of a forward per chunk of new tokens [B, n] (the first into the empty cache; with
+    last_only every other chunk, as a prefill asks), and the cache."""
+    model.fast_decode = fast
+    out = []
+    with torch.inference_mode():
+        cache = model.new_cache(ids.shape[0], 40, policy)
+        for i, (a, b) in enumerate(chunks):
+            pos = None if positions is None else positions[:, a:b]
+            logits = model(ids[:, a:b], pos, cache, slot_mask, last_only=i % 2 == 1, window=window)
+            out.append(logits if i % 2 else logits[:, -1:])    # last_only: [B, 1, V]
+            if i % 2 == 0:
+                out.append(logits[:, :-1])
+    return torch.cat(out, 1), cache
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("name", CHUNK_POLICIES)
+def test_several_new_tokens_per_row_equal_the_torch_path(name, batch, threads, taken):
+    """A verify of k + 1 drafted tokens (or a short chunk) through the step: new token t of a row
+    sees the row's cache and its new tokens 0..t, written where the torch path writes them."""
+    from caramba.cache import CachePolicy
+
+    torch.set_num_threads(threads)
+
+    policy = CachePolicy.build(**POLICIES[name]) if name else CachePolicy.build("fp32")
+    model = make_model(seed=13)
+    ids = torch.randint(0, 97, (batch, 16), generator=torch.Generator().manual_seed(14))
+    chunks = [(0, 5), (5, 8), (8, 9), (9, 13), (13, 16)]      # 5 into the empty cache, then 3, 1, 4, 3
+    ref = run_chunks(model, ids, chunks, policy, fast=False)
+    got = run_chunks(model, ids, chunks, policy, fast=True)
+    assert len(taken) == len(chunks)
+    if name:
+        assert_same_cache_kind(ref, got, model.config, policy)
+    else:
+        assert_same(ref, got, model.config)
+
+
+def test_several_new_tokens_with_padding_and_a_window(taken):
+    model = make_model(seed=15)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(16))
+    slot_mask = torch.ones(2, 40, dtype=torch.bool)
+    slot_mask[1, :3] = False                                   # row 1 is left-padded by three slots
+    positions = torch.tensor([list(range(12)), [0, 0, 0] + list(range(9))])
+    chunks = [(0, 6), (6, 9), (9, 12)]
+    ref = run_chunks(model, ids, chunks, "fp32", False, slot_mask, positions, window=5)
+    got = run_chunks(model, ids, chunks, "fp32", True, slot_mask, positions, window=5)
+    assert len(taken) == 3
+    assert_same(ref, got, model.config)
+
+
+def test_several_new_tokens_into_per_channel_keys_take_the_torch_path(taken):
+    from caramba.cache import CachePolicy
+
+    model = make_model(seed=17)
+    policy = CachePolicy.build(**POLICIES["k=q4_1c,v=q4_1 qblock=4"])
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(18))
+    ref = run_chunks(model, ids, [(0, 5), (5, 8), (8, 9)], policy, fast=False)
+    got = run_chunks(model, ids, [(0, 5), (5, 8), (8, 9)], policy, fast=True)
+    assert len(taken) == 1                                     # the one-token step only
+    assert_same_cache_kind(ref, got, model.config, policy)
+
+
 @pytest.mark.parametrize("name", [n for n in POLICIES if "rotated" not in n])
 def test_the_step_writes_the_codes_of_caramba_quantizers(name):
     """Bit for bit where both paths quantize the same K and V: layer 0 (its K and V do not depend
@@ -365,7 +433,7 @@ def test_the_steps_quantizers_are_caramba_quantizers_bit_for_bit(kind, lib=None)
         assert torch.equal(p.view(torch.int16), want_params.contiguous().view(torch.int16)), (kind, block)
 
 
-@pytest.mark.parametrize("case", ["fp16 cache", "nf4 cache", "per-channel values", "ring cache", "prefill", "grad",
+@pytest.mark.parametrize("case", ["fp16 cache", "nf4 cache", "per-channel values", "ring cache", "long prefill", "grad",
                                   "switched off", "bf16 model", "gelu model", "hooked"])
 def test_everything_else_takes_the_torch_path(case, taken):
     from caramba.cache import CachePolicy
@@ -386,8 +454,10 @@ def test_everything_else_takes_the_torch_path(case, taken):
         cache = model.new_cache(1, 16, kind)
         if case == "ring cache":                               # its storage order is not slot order
             cache = RingKVCache.build(model, 1, window=8, max_write=4, spec="q4_0")
-        model(torch.tensor([[1, 2, 3]]), cache=cache)
-        model(torch.tensor([[4, 5]]) if case == "prefill" else torch.tensor([[4]]), cache=cache)
+        cache = model.new_cache(1, 40, kind) if case == "long prefill" else cache
+        model(torch.arange(fast_decode.MAX_ROWS + 1)[None] if case == "long prefill" else torch.tensor([[1, 2, 3]]), cache=cache)
+        if case != "long prefill":
+            model(torch.tensor([[4]]), cache=cache)
     assert taken == []
 
 

@@ -5,7 +5,9 @@
    of weight reads (docs/decode-speed.md). Here the step runs as llama.cpp's does: one parallel
    region whose threads split each projection's output rows and the attention's cache slots.
 
-   Per layer, for M token rows (one new token each):
+   Per layer, for M token rows: T new tokens for each of M / T cache rows (T = 1: a decode step;
+   T > 1: a speculative verify or a short chunk, where new token t of a cache row attends the
+   row's cached slots and its new tokens 0..t):
      h = rms_norm(x); q|k|v = h W_qkv^T (+b); rope(q, k) at each row's position;
      K, V cache rows [r, g, slot] = k, v (as the cache stores them: kv_stream.c); a = softmax(q K^T / sqrt(D)) V
      over slots [0, slot];
@@ -247,20 +249,23 @@ static inline void rope_head(const float *v, float *out, const float *cos, const
 int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const float *final_norm,
                 const int64_t *streams,   /* [n_layers, 2, ST_SLOTS]: each layer's K and V stream (kv_stream.c) */
                 const float *x_in,        /* [M, dim] embedded tokens */
-                float *logits,            /* [M, vocab] */
-                int M, int dim, int n_heads, int n_kv, int D, int hidden, int max_seq, int slot,
+                float *logits,            /* [M, vocab], or [M / T, vocab] with last_only */
+                int M, int T,             /* M token rows: T consecutive new tokens per cache row */
+                int last_only,            /* logits of each cache row's last new token only */
+                int dim, int n_heads, int n_kv, int D, int hidden, int max_seq, int slot,
                 const int64_t *positions, /* [M] rotary positions */
-                const uint8_t *mask,      /* [M, slot + 1]: nonzero where row r attends slot s; NULL: every slot */
+                const uint8_t *mask,      /* [M, slot + T]: nonzero where row r attends slot s; NULL: every
+                                             cached slot, and the row's new tokens up to its own */
                 const float *cos, const float *ssin,   /* [P, D] tables */
                 float eps, int nthreads) {
-    const int qkv_w = (n_heads + 2 * n_kv) * D, q_w = n_heads * D, rep = n_heads / n_kv, L = slot + 1;
+    const int qkv_w = (n_heads + 2 * n_kv) * D, q_w = n_heads * D, rep = n_heads / n_kv, L = slot + T;
     const int kmax = dim > hidden ? dim : hidden;
     const float scale = 1.0f / sqrtf((float)D);
-    if (D > 512 || rep > 64) return 2;
+    if (D > 512 || rep > 64 || T < 1 || M % T) return 2;
     int gmax = 1;   /* the largest per-channel group: complete_group's scratch */
     for (int i = 0; i < 2 * n_layers; i++) {
         const Stream st = stream_at(streams + (long)i * ST_SLOTS);
-        if (!stream_ok(&st, D, i % 2 == 0)) return 2;
+        if (!stream_ok(&st, D, i % 2 == 0) || T > 1 && kv_per_channel(st.kind)) return 2;   /* groups: one token a step */
         if (kv_per_channel(st.kind) && st.block > gmax) gmax = st.block;
     }
     const Lin wh = lin_at(head);
@@ -349,7 +354,7 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                             const Stream *st = st2[i];
                             if (st->kind != KV_F32 && !kv_per_channel(st->kind)) {
                                 quantize_vector(st->kind, src[i], D, st->block, u[i], par[i]);
-                                if (slot < st->r0) {
+                                if (slot + r % T < st->r0) {
                                     dequantize_vector(st->kind, u[i], par[i], D, st->block, read[i]);
                                     continue;
                                 }
@@ -369,9 +374,12 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                 const int vqb = vs.block, vnb = vs.kind == KV_F32 ? 0 : D / vqb, vnp = (vzp ? 2 : 1) * vnb;
                 for (int r = 0; r < M; r++) {
                     const uint8_t *mr = mask ? mask + (long)r * L : NULL;
+                    const int tt = r % T, first = r - tt;    /* this row's new token; its cache row's first row */
                     for (int g = 0; g < n_kv; g++) {
-                        const long rg = (long)r * n_kv + g;
+                        const long rg = (long)(r / T) * n_kv + g;                  /* the cache row's KV head */
                         const float *qg = q + (long)r * q_w + (long)g * rep * D;   /* the group's rep heads */
+                        /* new token u of the cache row (slot slot + u) as the cache will read it back */
+#define NEW(buf, u) ((buf) + ((long)(first + (u)) * n_kv + g) * D)
                         float mx[64], sum[64];
                         /* scores sc[j, p - s0] */
                         const int c1 = s1 < kce ? s1 : kce;
@@ -380,13 +388,14 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                             else key_scores_tokens(&ks, rg, S, D, qg, rep, s0, c1 - s0, sc, n, t, sf, bf);
                         }
                         for (int sl = c1 > s0 ? c1 : s0; sl < s1; sl++) {
-                            const float *kk = sl == slot ? kn + rg * D : ring_row(&ks, rg, sl, D);
+                            if (sl - slot > tt) break;                             /* a later new token */
+                            const float *kk = sl >= slot ? NEW(kn, sl - slot) : ring_row(&ks, rg, sl, D);
                             for (int j = 0; j < rep; j++) sc[(long)j * n + sl - s0] = dot_f32(kk, qg + (long)j * D, D);
                         }
                         for (int j = 0; j < rep; j++) {
                             float m = -INFINITY, *sj = sc + (long)j * n;
                             for (int i = 0; i < n; i++) {
-                                const float v = mr && !mr[s0 + i] ? -INFINITY : sj[i] * scale;
+                                const float v = (mr && !mr[s0 + i]) || s0 + i - slot > tt ? -INFINITY : sj[i] * scale;
                                 sj[i] = v;
                                 m = v > m ? v : m;
                             }
@@ -401,8 +410,8 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                             for (int j = 0; j < rep; j++) any |= sc[(long)j * n + i] != -INFINITY;
                             if (!any) continue;
                             const float *vrow_p;
-                            const int coded = sl != slot && sl < vce;
-                            if (sl == slot) vrow_p = vn + rg * D;
+                            const int coded = sl < slot && sl < vce;
+                            if (sl >= slot) vrow_p = NEW(vn, sl - slot);
                             else if (coded) {
                                 decode_row(vs.kind, (const uint8_t *)vs.codes + (rg * S + sl) * vfw, D, vrow);
                                 const uint16_t *ps = vs.params + rg * vnp * S + sl;
@@ -432,15 +441,18 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                             o[D] = mx[j];
                             o[D + 1] = sum[j];
                         }
+#undef NEW
                     }
                 }
 #pragma omp barrier
-                /* the new token's K and V into the cache, by the thread that owns the last slot:
+                /* the new tokens' K and V into the cache, by the thread that owns the last slot:
                    nobody reads them before the next step */
                 if (s0 < L && s1 == L)
                     for (long rg = 0; rg < (long)M * n_kv; rg++) {
-                        write_new(&ks, 1, rg, S, D, slot, k + rg * D, ku + rg * D, kpar + rg * D);
-                        write_new(&vs, 0, rg, S, D, slot, vv + rg * D, vu + rg * D, vpar + rg * D);
+                        const long r = rg / n_kv, cg = r / T * n_kv + rg % n_kv;
+                        const int at = slot + (int)(r % T);
+                        write_new(&ks, 1, cg, S, D, at, k + rg * D, ku + rg * D, kpar + rg * D);
+                        write_new(&vs, 0, cg, S, D, at, vv + rg * D, vu + rg * D, vpar + rg * D);
                     }
                 /* combine the partials (every thread, into its own att), then undo the value rotation */
                 for (int r = 0; r < M; r++)
@@ -475,8 +487,13 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                 /* the next layer's projections overwrite qkv and proj only after its first
                    barrier, which every thread reaches after reading these */
             }
-            rms_norm(x, final_norm, h, M, dim, eps);
-            linear(&wh, h, M, logits, &a, cols);
+            int rows = M;
+            if (last_only && T > 1) {     /* each cache row's last token (x is this thread's own) */
+                rows = M / T;
+                for (int b = 0; b < rows; b++) memmove(x + (long)b * dim, x + ((long)b * T + T - 1) * dim, sizeof(float) * dim);
+            }
+            rms_norm(x, final_norm, h, rows, dim, eps);
+            linear(&wh, h, rows, logits, &a, cols);
         }
         free(pv);
     }

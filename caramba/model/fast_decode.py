@@ -38,7 +38,7 @@ from caramba.model import quant
 SOURCE = Path(__file__).with_name("decode_step.c")
 MAX_ROWS = 16        # beyond this the torch path's GEMMs win
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {"decode_step": ([_I] + [_P] * 6 + [_I] * 8 + [_P] * 4 + [_F, _I], _I),
+_SIGNATURES = {"decode_step": ([_I] + [_P] * 6 + [_I] * 10 + [_P] * 4 + [_F, _I], _I),
                "quantize_kv": ([_I, _P, _I, _I, _I, _P, _P], None)}
 library = kernels.Library(SOURCE, _SIGNATURES, "decode steps run through torch's ops")
 
@@ -243,9 +243,9 @@ def _scan_layout(cache) -> _Layout | None:
     return _Layout(streams, H, D)
 
 
-def _stream_table(layout: _Layout, slot: int) -> ctypes.Array:
-    """decode_step.c's stream slots (kv_stream.c's ST_*) for a step writing `slot`. The rings'
-    bookkeeping moves on here (note_written), since the step writes their new token."""
+def _stream_table(layout: _Layout, slot: int, T: int = 1) -> ctypes.Array:
+    """decode_step.c's stream slots (kv_stream.c's ST_*) for a step writing slots [slot, slot + T).
+    The rings' bookkeeping moves on here (note_written), since the step writes their new tokens."""
     rows = []
     for s, kind, rotation in layout.streams:
         rot = 0 if rotation is None else rotation.data_ptr()
@@ -254,25 +254,30 @@ def _stream_table(layout: _Layout, slot: int) -> ctypes.Array:
             continue
         ring = s.ring
         if ring is not None:
-            s.note_written(slot, slot + 1)
+            s.note_written(slot, slot + T)
         rows += [kind, s.codes.data_ptr(), s.scales.data_ptr(), s.block, 0 if ring is None else ring.data_ptr(),
-                 0 if ring is None else ring.shape[2], s.fp_start(slot + 1), rot]
+                 0 if ring is None else ring.shape[2], s.fp_start(slot + T), rot]
     return (ctypes.c_int64 * len(rows))(*rows)
 
 
 def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causal: bool) -> bool:
-    """Whether this forward is a step decode_step.c can take. mask: the cache's attention mask
-    for it (KVCache.attention_mask: None, or [B, 1, 1, slots] in slot order)."""
+    """Whether this forward is a step decode_step.c can take. mask, causal: the cache's attention
+    mask for it (KVCache.attention_mask: None, or [B, 1, T, slots] in slot order). Causal without
+    a mask is a first chunk into an empty cache, which the step's own rule gives: new token t sees
+    the cached slots and new tokens 0..t."""
     B, T = tokens.shape
-    if T != 1 or B > MAX_ROWS or causal or not getattr(model, "fast_decode", True):
+    if B * T > MAX_ROWS or not getattr(model, "fast_decode", True):
         return False
-    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, 1, 1, cache.length + 1)):
+    if mask is None and causal != (T > 1):
+        return False
+    if mask is not None and (causal or mask.dtype != torch.bool or tuple(mask.shape) != (B, 1, T, cache.length + T)):
         return False
     if type(cache) is not KVCache or torch.is_grad_enabled() and model.norm.weight.requires_grad:
         return False
     layout = _cache_layout(cache)
     if layout is None or (layout.heads, layout.head_dim) != (model.config.n_kv_heads, model.config.head_dim) \
-            or cache.batch_size != B or any(s.refills(cache.length) for s in layout.channels):
+            or cache.batch_size != B or any(s.refills(cache.length) for s in layout.channels) \
+            or T > 1 and layout.channels:      # a per-channel group is completed one token at a time
         return False
     if not model_applies(model) or library() is None:
         return False
@@ -287,79 +292,81 @@ class ThreadChoice:
     scheduler slice, and a step that takes 10 ms alone took over a second on two threads
     (measured), where one thread stayed near its quiet speed. So the step times itself: every
     `interval` steps it tries the count it is not using, keeps whichever was faster (a running
-    mean of recent steps against the trial), and doubles the interval each time the trial loses,
-    up to MAX_INTERVAL, so a settled choice costs almost nothing. `fixed` pins a count."""
+    mean of recent steps of as many token rows against the trial: a verify of 9 tokens takes longer
+    than a step of one), and doubles the interval each time the trial loses, up to MAX_INTERVAL,
+    so a settled choice costs almost nothing. `fixed` pins a count."""
 
     FIRST_INTERVAL, MAX_INTERVAL = 16, 1024
 
     def __init__(self, fixed: int | None = None) -> None:
         self.fixed = fixed
         self.current: int | None = None      # the count in use; None until the first step
-        self.mean = 0.0                      # running mean of recent steps' seconds at `current`
+        self.means: dict[int, float] = {}    # rows -> running mean of recent steps' seconds at `current`
         self.interval = self.FIRST_INTERVAL
         self.countdown = self.FIRST_INTERVAL
 
-    def next(self) -> int:
-        """The thread count for this step."""
+    def next(self, rows: int = 1) -> int:
+        """The thread count for a step of `rows` token rows."""
         wanted = torch.get_num_threads() if self.fixed is None else self.fixed
         if self.fixed is not None or wanted == 1:
             return wanted
         if self.current not in (1, wanted):      # first step, or torch's count changed
-            self.current, self.mean = wanted, 0.0
+            self.current, self.means = wanted, {}
         self.countdown -= 1
-        if self.countdown <= 0 and self.mean > 0.0:
+        if self.countdown <= 0 and rows in self.means:
             return 1 if self.current != 1 else wanted        # a trial of the other count
         return self.current
 
-    def took(self, threads: int, seconds: float) -> None:
+    def took(self, threads: int, seconds: float, rows: int = 1) -> None:
         """Record a step's time at `threads`."""
         if self.current is None or self.fixed is not None:
             return
+        mean = self.means.get(rows)
         if threads == self.current:
-            self.mean = seconds if self.mean == 0.0 else 0.8 * self.mean + 0.2 * seconds
+            self.means[rows] = seconds if mean is None else 0.8 * mean + 0.2 * seconds
             return
         # a trial: switch when it beat the running mean by a clear margin, else back off
-        if seconds < 0.8 * self.mean:
-            self.current, self.mean, self.interval = threads, seconds, self.FIRST_INTERVAL
+        if seconds < 0.8 * mean:
+            self.current, self.means, self.interval = threads, {rows: seconds}, self.FIRST_INTERVAL
         else:
             self.interval = min(2 * self.interval, self.MAX_INTERVAL)
         self.countdown = self.interval
 
 
 def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVCache,
-         mask: torch.Tensor | None) -> torch.Tensor:
-    """logits [B, 1, vocab] of one new token per row, its K and V appended to the cache; mask
-    [B, 1, 1, slots] (True: attend) or None, as `applies` took it."""
+         mask: torch.Tensor | None, last_only: bool = False) -> torch.Tensor:
+    """logits [B, T, vocab] ([B, 1, vocab] with last_only) of T new tokens per row, their K and V
+    appended to the cache; mask [B, 1, T, slots] (True: attend) or None, as `applies` took it."""
     cfg = model.config
-    B = tokens.shape[0]
+    B, T = tokens.shape
     slot = cache.length
-    cache.check_room(1)
+    cache.check_room(T)
     if positions is None:
-        positions = torch.full((B, 1), slot, dtype=torch.int64)
-    positions = positions.reshape(B).to(torch.int64).contiguous()
+        positions = torch.arange(slot, slot + T).expand(B, T)
+    positions = positions.reshape(B * T).to(torch.int64).contiguous()
     table = model._rope
     if table is None or table.cos.shape[0] <= int(positions.max()) or table.cos.device != model.device:
         model.rotary(positions[:, None])          # grows the table; its rows are read in C
         table = model._rope
-    x = model.embed_tokens(tokens).reshape(B, cfg.dim).contiguous()   # read only
-    logits = torch.empty(B, 1, cfg.vocab_size)
+    x = model.embed_tokens(tokens).reshape(B * T, cfg.dim).contiguous()   # read only
+    logits = torch.empty(B, 1 if last_only else T, cfg.vocab_size)
     plan = model._fast_plan          # as applies() just checked it
     if mask is not None:
         mask = mask.contiguous()
-    streams = _stream_table(cache._fast_decode_layout, slot)        # as applies() just found it
+    streams = _stream_table(cache._fast_decode_layout, slot, T)     # as applies() just found it
     choice = model.__dict__.setdefault("decode_threads", ThreadChoice())
-    threads = choice.next()
+    threads = choice.next(B * T)
     t0 = time.perf_counter()
     failed = library().decode_step(
         cfg.n_layers, plan.layers.data_ptr(), plan.head.data_ptr(), model.norm.weight.data_ptr(), streams, x.data_ptr(),
-        logits.data_ptr(), B, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size,
-        cache.max_seq_len, slot, positions.data_ptr(), None if mask is None else mask.data_ptr(),
+        logits.data_ptr(), B * T, T, int(last_only), cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+        cfg.intermediate_size, cache.max_seq_len, slot, positions.data_ptr(), None if mask is None else mask.data_ptr(),
         table.cos.data_ptr(), table.sin.data_ptr(), cfg.norm_eps, threads)
-    choice.took(threads, time.perf_counter() - t0)
+    choice.took(threads, time.perf_counter() - t0, B * T)
     if failed == 1:
         raise MemoryError("the fused decode step could not allocate its scratch")
     if failed:
         raise ValueError(f"decode_step.c refused the shapes (code {failed}); fast_decode.applies should have")
     for layer in cache.layers:
-        layer.length = slot + 1
+        layer.length = slot + T
     return logits

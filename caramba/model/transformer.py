@@ -222,7 +222,7 @@ class Transformer(nn.Module):
             # own window; the model's trained window binds too.
             mask, causal = cache.attention_mask(B, T, slot_mask, tokens.device, window, self.config.sliding_window)
             if fast_decode.applies(self, tokens, cache, mask, causal):
-                return fast_decode.step(self, tokens, positions, cache, mask)
+                return fast_decode.step(self, tokens, positions, cache, mask, last_only)
         else:
             mask, causal = self._attention_mask(B, T, slot_mask, tokens.device,
                                                 narrowest(window, self.config.sliding_window))
