@@ -189,19 +189,56 @@ static inline const float *ring_row(const Stream *s, long rg, int p, int D) {
     return s->ring + (rg * s->ring_n + p % s->ring_n) * D;
 }
 
-/* t[j, i] = q_j . the codes of field f, rows [a, b), positions [p0, p0 + n); qsum[j] = sum of those q_j elements. */
+#if HAVE_AVX2
+/* Code field f of 8 consecutive bytes, as floats. */
+INLINE __m256 code_fields8(const int bits, const int f, const uint8_t *c) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)c);
+    if (bits == 8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    const __m256i u = _mm256_srli_epi32(_mm256_cvtepu8_epi32(b), bits * f);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(u, _mm256_set1_epi32((1 << bits) - 1)));
+}
+#endif
+
+/* t[j, i] = q_j . the codes of field f, rows [a, b), positions [p0, p0 + n); qsum[j] = sum of those
+   q_j elements. Slots in vectors of 8 with up to 4 heads' sums in registers, the block's rows in
+   the inner loop: each code is loaded and widened once for every head, and no partial sum goes
+   through memory (sums taken in row order, as a row-by-row loop would). */
 INLINE void key_field_rows(const int bits, const int f, const uint8_t *codes, long S, int p0, int n, int fw,
                            const float *q, int D, int rep, int a, int b, float *t, float *qsum) {
-    memset(t, 0, sizeof(float) * (size_t)rep * n);
-    for (int j = 0; j < rep; j++) qsum[j] = 0.0f;
-    for (int row = a; row < b; row++) {
-        const uint8_t *restrict c = codes + (long)row * S + p0;
-        for (int j = 0; j < rep; j++) {
-            const float qe = q[(long)j * D + row + f * fw];
-            float *restrict tj = t + (long)j * n;
-            qsum[j] += qe;
-            for (int i = 0; i < n; i++) tj[i] += qe * code_field(bits, f, c[i]);
+    for (int j = 0; j < rep; j++) {
+        qsum[j] = 0.0f;
+        for (int row = a; row < b; row++) qsum[j] += q[(long)j * D + row + f * fw];
+    }
+    const uint8_t *c0 = codes + (long)a * S + p0;
+    for (int j0 = 0; j0 < rep; j0 += 4) {
+        const int jn = rep - j0 < 4 ? rep - j0 : 4;
+        const float *qj = q + (long)j0 * D + f * fw;
+        int i = 0;
+#if HAVE_AVX2
+        for (; i + 16 <= n; i += 16) {     /* two vectors of slots: each row read 16 codes at a time */
+            __m256 acc[4][2];
+            for (int jj = 0; jj < 4; jj++) acc[jj][0] = acc[jj][1] = _mm256_setzero_ps();
+            for (int row = a; row < b; row++) {
+                const uint8_t *cr = c0 + (long)(row - a) * S + i;
+                const __m256 v0 = code_fields8(bits, f, cr), v1 = code_fields8(bits, f, cr + 8);
+                for (int jj = 0; jj < jn; jj++) {
+                    const __m256 qv = _mm256_set1_ps(qj[(long)jj * D + row]);
+                    acc[jj][0] = _mm256_fmadd_ps(qv, v0, acc[jj][0]);
+                    acc[jj][1] = _mm256_fmadd_ps(qv, v1, acc[jj][1]);
+                }
+            }
+            for (int jj = 0; jj < jn; jj++) {
+                _mm256_storeu_ps(t + (long)(j0 + jj) * n + i, acc[jj][0]);
+                _mm256_storeu_ps(t + (long)(j0 + jj) * n + i + 8, acc[jj][1]);
+            }
         }
+#endif
+        for (; i < n; i++)
+            for (int jj = 0; jj < jn; jj++) {
+                float acc = 0.0f;
+                for (int row = a; row < b; row++) acc += qj[(long)jj * D + row] * code_field(bits, f, c0[(long)(row - a) * S + i]);
+                t[(long)(j0 + jj) * n + i] = acc;
+            }
     }
 }
 
