@@ -293,6 +293,24 @@ INLINE void channel_field_rows(const int bits, const int f, const uint8_t *codes
 
 /* key_scores_tokens for a per-channel stream: group by group, the query times the group's channel
    scales, the minimums one constant per group (as quant_attend.c's key_item_channel). */
+#if HAVE_AVX2
+/* sc[j, i] += sum over the group's channels of q_j[e] s_e code_e(p), for 8 slots [i, i + 8) of
+   group g and up to 4 heads j0.., sums in registers over both fields' rows (the order the
+   row-by-row loop takes): each code is widened once for every head. */
+INLINE void channel_scores8(const int bits, const uint8_t *codes, long S, const uint16_t *par, int NG, int g, int i,
+                            int fw, const float *q, int D, int j0, int jn, float *sc, int ld) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int f = 0; f < 8 / bits; f++)
+        for (int row = 0; row < fw; row++) {
+            const int e = row + f * fw;
+            const float s = fp16_to_fp32(par[(long)e * NG + g]);
+            const __m256 v = code_fields8(bits, f, codes + (long)row * S + i);
+            for (int jj = 0; jj < jn; jj++) acc[jj] = _mm256_fmadd_ps(_mm256_set1_ps(q[(long)(j0 + jj) * D + e] * s), v, acc[jj]);
+        }
+    for (int jj = 0; jj < jn; jj++) _mm256_storeu_ps(sc + (long)(j0 + jj) * ld, acc[jj]);
+}
+#endif
+
 static void key_scores_channels(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
                                 float *sc, int ld) {
     const int bits = kv_bits(st->kind), fw = D * bits / 8, G = st->block, NG = (int)(S / G);
@@ -302,6 +320,18 @@ static void key_scores_channels(const Stream *st, long rg, long S, int D, const 
     for (int g = p0 / G; g * G < p0 + n; g++) {
         const int a = g * G > p0 ? g * G : p0, b = (g + 1) * G < p0 + n ? (g + 1) * G : p0 + n;
         float cst[64] = {0};
+#if HAVE_AVX2
+        if ((b - a) % 8 == 0) {      /* whole vectors of slots (a full group of 8, 16, 32 ...) */
+            for (int j = 0; j < rep; j++)
+                for (int e = 0; e < D; e++) cst[j] += q[(long)j * D + e] * fp16_to_fp32(par[(long)(D + e) * NG + g]);
+            for (int i = a; i < b; i += 8)
+                for (int j0 = 0; j0 < rep; j0 += 4) {
+                    const int jn = rep - j0 < 4 ? rep - j0 : 4;
+                    if (bits == 4) channel_scores8(4, codes, S, par, NG, g, i, fw, q, D, j0, jn, sc + (i - p0), ld);
+                    else channel_scores8(2, codes, S, par, NG, g, i, fw, q, D, j0, jn, sc + (i - p0), ld);
+                }
+        } else
+#endif
         for (int f = 0; f < 8 / bits; f++)
             switch (bits * 4 + f) {
 #define CHANNEL_FIELD(B, F) case B * 4 + F: \
