@@ -249,6 +249,40 @@ static inline void rope_head(const float *v, float *out, const float *cos, const
 
 #include "kv_stream.c"
 
+#define VCHUNK 16    /* value rows decoded per pass of every head over them */
+
+/* o [D] += sum over the chunk's slots k of e[k] v_k, v_k a decoded row of codes (coded[k]: per
+   block scale pp[k][b], a zero point's minimum in bsum) or an fp32 row; rows[k] NULL: skipped.
+   Slot by slot in order, each block's product fused as o += (e s) code: the arithmetic of a
+   slot-at-a-time loop, with o in registers 64 floats at a time where the blocks allow it. */
+static void value_chunk(float *restrict o, const float *const *rows, const int *coded, const float *ppb, int vnb,
+                        int vnp, int vqb, int vzp, const float *e, int cn, int D, float *bsum) {
+    int c = 0;
+#if HAVE_AVX2
+    if (vqb % 8 == 0 || vnb == 0)
+        for (; c + 64 <= D; c += 64) {
+            __m256 acc[8];
+            for (int v = 0; v < 8; v++) acc[v] = _mm256_loadu_ps(o + c + 8 * v);
+            for (int k = 0; k < cn; k++) {
+                if (!rows[k] || e[k] == 0.0f) continue;
+                for (int v = 0; v < 8; v++) {
+                    const float w = coded[k] ? e[k] * ppb[(long)k * vnp + (c + 8 * v) / vqb] : e[k];
+                    acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(w), _mm256_loadu_ps(rows[k] + c + 8 * v), acc[v]);
+                }
+            }
+            for (int v = 0; v < 8; v++) _mm256_storeu_ps(o + c + 8 * v, acc[v]);
+        }
+#endif
+    for (int k = 0; k < cn; k++) {
+        if (!rows[k] || e[k] == 0.0f) continue;
+        for (int cc = c; cc < D; cc++) o[cc] += (coded[k] ? e[k] * ppb[(long)k * vnp + cc / vqb] : e[k]) * rows[k][cc];
+    }
+    if (vzp)
+        for (int k = 0; k < cn; k++)
+            if (rows[k] && e[k] != 0.0f && coded[k])
+                for (int b = 0; b < vnb; b++) bsum[b] += e[k] * ppb[(long)k * vnp + vnb + b];
+}
+
 /* Returns 0; 1 when scratch could not be allocated; 2 for shapes or streams it does not take (head_dim
    over 512, over 64 query heads per KV head, a stream kv_stream.c's stream_ok refuses). Nothing is
    written then. */
@@ -292,11 +326,11 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
         const size_t kv_n = (size_t)M * n_kv * D;
         /* private floats: residual stream, normed input, roped q, the new k and v as stored, attention
            output, MLP gate, q8 activation scales and sums, the new k and v as read, scores and their
-           scratch, a decoded value row, its block parameters and minimum sums, a group being quantized,
-           a rotation's output; then the new k and v codes (uint16 parameters, bytes) */
+           scratch, a rotation's output, minimum sums, a group being quantized, a chunk of decoded value
+           rows and their block parameters; then the new k and v codes (uint16 parameters, bytes) */
         const size_t nf = (size_t)M * (dim + kmax + 2 * q_w + hidden) + 4 * kv_n + 2 * (size_t)M * (kmax / QK) +
-                          2 * (size_t)rep * my_slots + 2 * (size_t)my_slots + 3 * (size_t)D + (size_t)rep * D +
-                          (size_t)D * gmax;
+                          2 * (size_t)rep * my_slots + 2 * (size_t)my_slots + (size_t)D + (size_t)rep * D +
+                          (size_t)D * gmax + 3 * (size_t)VCHUNK * D;
         const size_t nh = 2 * kv_n, nbytes = (size_t)M * kmax + 2 * kv_n + (size_t)D * gmax;
         float *pv = malloc(sizeof(float) * nf + sizeof(uint16_t) * nh + nbytes);
         int ok = pv != NULL;
@@ -308,9 +342,11 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                   *vv = k + kv_n, *att = vv + kv_n, *act = att + (size_t)M * q_w, *xd = act + (size_t)M * hidden,
                   *xs = xd + (size_t)M * (kmax / QK), *kn = xs + (size_t)M * (kmax / QK), *vn = kn + kv_n,
                   *sc = vn + kv_n, *t = sc + (size_t)rep * my_slots, *sf = t + (size_t)rep * my_slots,
-                  *bf = sf + my_slots, *vrow = bf + my_slots, *pp = vrow + D, *tmp = pp + D, *bsum = tmp + D,
+                  *bf = sf + my_slots, *tmp = bf + my_slots, *bsum = tmp + D,
                   *xg = bsum + (size_t)rep * D;
-            uint16_t *kpar = (uint16_t *)(xg + (size_t)D * gmax), *vpar = kpar + kv_n;
+            /* decoded value rows [VCHUNK, D], their block parameters [VCHUNK, <= 2 D] */
+            float *vbuf = xg + (size_t)D * gmax, *ppb = vbuf + (size_t)VCHUNK * D;
+            uint16_t *kpar = (uint16_t *)(ppb + 2 * (size_t)VCHUNK * D), *vpar = kpar + kv_n;
             uint8_t *ku = (uint8_t *)(vpar + kv_n), *vu = ku + kv_n, *ug = vu + kv_n;
             Act a = {(int8_t *)(ug + (size_t)D * gmax), xd, xs};
             const int s0 = tid * my_slots < L ? tid * my_slots : L, s1 = s0 + my_slots < L ? s0 + my_slots : L, n = s1 - s0;
@@ -410,34 +446,43 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                             memset(part + (((size_t)tid * M + r) * n_heads + g * rep + j) * part_w, 0, sizeof(float) * D);
                         }
                         if (vzp) memset(bsum, 0, sizeof(float) * (size_t)rep * vnb);
-                        for (int sl = s0; sl < s1; sl++) {
-                            const int i = sl - s0;
-                            int any = 0;
-                            for (int j = 0; j < rep; j++) any |= sc[(long)j * n + i] != -INFINITY;
-                            if (!any) continue;
-                            const float *vrow_p;
-                            const int coded = sl < slot && sl < vce;
-                            if (sl >= slot) vrow_p = NEW(vn, sl - slot);
-                            else if (coded) {
-                                decode_row(vs.kind, (const uint8_t *)vs.codes + (rg * S + sl) * vfw, D, vrow);
-                                const uint16_t *ps = vs.params + rg * vnp * S + sl;
-                                for (int b = 0; b < vnp; b++) pp[b] = fp16_to_fp32(ps[(long)b * S]);
-                                vrow_p = vrow;
-                            } else vrow_p = ring_row(&vs, rg, sl, D);
+                        /* the softmax weights e = exp(score - max) in place (0: masked), their sums */
+                        for (int j = 0; j < rep; j++) {
+                            float *sj = sc + (long)j * n;
+                            for (int i = 0; i < n; i++) {
+                                if (sj[i] == -INFINITY) { sj[i] = 0.0f; continue; }
+                                sj[i] = expf(sj[i] - mx[j]);
+                                sum[j] += sj[i];
+                            }
+                        }
+                        /* p V, VCHUNK slots at a time: each slot's row decoded once, then every head's
+                           output held in registers across the chunk (value_chunk) */
+                        for (int c0 = s0; c0 < s1; c0 += VCHUNK) {
+                            const int cn = s1 - c0 < VCHUNK ? s1 - c0 : VCHUNK;
+                            const float *rows[VCHUNK];
+                            int coded[VCHUNK], live = 0;
+                            for (int k = 0; k < cn; k++) {
+                                const int sl = c0 + k, i = sl - s0;
+                                int any = 0;
+                                for (int j = 0; j < rep; j++) any |= sc[(long)j * n + i] != 0.0f;
+                                coded[k] = sl < slot && sl < vce;
+                                rows[k] = NULL;
+                                if (!any) continue;
+                                live = 1;
+                                if (sl >= slot) rows[k] = NEW(vn, sl - slot);
+                                else if (coded[k]) {
+                                    float *dst = vbuf + (long)k * D, *pk = ppb + (long)k * vnp;
+                                    decode_row(vs.kind, (const uint8_t *)vs.codes + (rg * S + sl) * vfw, D, dst);
+                                    const uint16_t *ps = vs.params + rg * vnp * S + sl;
+                                    for (int b = 0; b < vnp; b++) pk[b] = fp16_to_fp32(ps[(long)b * S]);
+                                    rows[k] = dst;
+                                } else rows[k] = ring_row(&vs, rg, sl, D);
+                            }
+                            if (!live) continue;
                             for (int j = 0; j < rep; j++) {
-                                const float v = sc[(long)j * n + i];
-                                if (v == -INFINITY) continue;
-                                const float e = expf(v - mx[j]);
-                                sum[j] += e;
                                 float *restrict o = part + (((size_t)tid * M + r) * n_heads + g * rep + j) * part_w;
-                                if (coded) {
-                                    for (int b = 0; b < vnb; b++) {
-                                        const float w = e * pp[b];
-                                        for (int c = b * vqb; c < (b + 1) * vqb; c++) o[c] += w * vrow_p[c];
-                                        if (vzp) bsum[(long)j * vnb + b] += e * pp[vnb + b];
-                                    }
-                                } else
-                                    for (int c = 0; c < D; c++) o[c] += e * vrow_p[c];
+                                value_chunk(o, rows, coded, ppb, vnb, vnp, vqb, vzp, sc + (long)j * n + (c0 - s0), cn, D,
+                                            bsum + (long)j * vnb);
                             }
                         }
                         for (int j = 0; j < rep; j++) {
