@@ -261,13 +261,20 @@ static void value_chunk(float *restrict o, const float *const *rows, const int *
 #if HAVE_AVX2
     if (vqb % 8 == 0 || vnb == 0)
         for (; c + 64 <= D; c += 64) {
+            int blk[8];                     /* each vector's block (a block holds whole vectors) */
+            for (int v = 0; v < 8; v++) blk[v] = vnb ? (c + 8 * v) / vqb : 0;
             __m256 acc[8];
             for (int v = 0; v < 8; v++) acc[v] = _mm256_loadu_ps(o + c + 8 * v);
             for (int k = 0; k < cn; k++) {
                 if (!rows[k] || e[k] == 0.0f) continue;
-                for (int v = 0; v < 8; v++) {
-                    const float w = coded[k] ? e[k] * ppb[(long)k * vnp + (c + 8 * v) / vqb] : e[k];
-                    acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(w), _mm256_loadu_ps(rows[k] + c + 8 * v), acc[v]);
+                const float *restrict rk = rows[k] + c;
+                if (coded[k]) {
+                    const float *pk = ppb + (long)k * vnp;
+                    for (int v = 0; v < 8; v++)
+                        acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(e[k] * pk[blk[v]]), _mm256_loadu_ps(rk + 8 * v), acc[v]);
+                } else {
+                    const __m256 w = _mm256_set1_ps(e[k]);
+                    for (int v = 0; v < 8; v++) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rk + 8 * v), acc[v]);
                 }
             }
             for (int v = 0; v < 8; v++) _mm256_storeu_ps(o + c + 8 * v, acc[v]);
