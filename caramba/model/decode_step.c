@@ -334,10 +334,11 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
         /* private floats: residual stream, normed input, roped q, the new k and v as stored, attention
            output, MLP gate, q8 activation scales and sums, the new k and v as read, scores and their
            scratch, a rotation's output, minimum sums, a group being quantized, a chunk of decoded value
-           rows and their block parameters; then the new k and v codes (uint16 parameters, bytes) */
+           rows and their block parameters, q times a key group's scales; then the new k and v codes
+           (uint16 parameters, bytes) */
         const size_t nf = (size_t)M * (dim + kmax + 2 * q_w + hidden) + 4 * kv_n + 2 * (size_t)M * (kmax / QK) +
                           2 * (size_t)rep * my_slots + 2 * (size_t)my_slots + (size_t)D + (size_t)rep * D +
-                          (size_t)D * gmax + 3 * (size_t)VCHUNK * D;
+                          (size_t)D * gmax + 3 * (size_t)VCHUNK * D + 4 * (size_t)D;
         const size_t nh = 2 * kv_n, nbytes = (size_t)M * kmax + 2 * kv_n + (size_t)D * gmax;
         float *pv = malloc(sizeof(float) * nf + sizeof(uint16_t) * nh + nbytes);
         int ok = pv != NULL;
@@ -353,7 +354,8 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                   *xg = bsum + (size_t)rep * D;
             /* decoded value rows [VCHUNK, D], their block parameters [VCHUNK, <= 2 D] */
             float *vbuf = xg + (size_t)D * gmax, *ppb = vbuf + (size_t)VCHUNK * D;
-            uint16_t *kpar = (uint16_t *)(ppb + 2 * (size_t)VCHUNK * D), *vpar = kpar + kv_n;
+            float *qs = ppb + 2 * (size_t)VCHUNK * D;     /* per-channel keys: q times a group's scales [4, D] */
+            uint16_t *kpar = (uint16_t *)(qs + 4 * (size_t)D), *vpar = kpar + kv_n;
             uint8_t *ku = (uint8_t *)(vpar + kv_n), *vu = ku + kv_n, *ug = vu + kv_n;
             Act a = {(int8_t *)(ug + (size_t)D * gmax), xd, xs};
             const int s0 = tid * my_slots < L ? tid * my_slots : L, s1 = s0 + my_slots < L ? s0 + my_slots : L, n = s1 - s0;
@@ -433,7 +435,7 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                         /* scores sc[j, p - s0] */
                         const int c1 = s1 < kce ? s1 : kce;
                         if (c1 > s0) {
-                            if (kchan) key_scores_channels(&ks, rg, S, D, qg, rep, s0, c1 - s0, sc, n);
+                            if (kchan) key_scores_channels(&ks, rg, S, D, qg, rep, s0, c1 - s0, sc, n, qs);
                             else key_scores_tokens(&ks, rg, S, D, qg, rep, s0, c1 - s0, sc, n, t, sf, bf);
                         }
                         for (int sl = c1 > s0 ? c1 : s0; sl < s1; sl++) {

@@ -294,25 +294,24 @@ INLINE void channel_field_rows(const int bits, const int f, const uint8_t *codes
 /* key_scores_tokens for a per-channel stream: group by group, the query times the group's channel
    scales, the minimums one constant per group (as quant_attend.c's key_item_channel). */
 #if HAVE_AVX2
-/* sc[j, i] += sum over the group's channels of q_j[e] s_e code_e(p), for 8 slots [i, i + 8) of
-   group g and up to 4 heads j0.., sums in registers over both fields' rows (the order the
-   row-by-row loop takes): each code is widened once for every head. */
-INLINE void channel_scores8(const int bits, const uint8_t *codes, long S, const uint16_t *par, int NG, int g, int i,
-                            int fw, const float *q, int D, int j0, int jn, float *sc, int ld) {
+/* sc[j, i] = sum over the group's channels e of qs[j][e] code_e(p) (qs: q_j[e] times channel e's
+   scale), for 8 slots from i and jn <= 4 heads, sums in registers over both fields' rows (the
+   order the row-by-row loop takes): each code is widened once for every head. */
+INLINE void channel_scores8(const int bits, const uint8_t *codes, long S, const float *qs, int i, int fw, int D,
+                            int jn, float *sc, int ld) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int f = 0; f < 8 / bits; f++)
         for (int row = 0; row < fw; row++) {
             const int e = row + f * fw;
-            const float s = fp16_to_fp32(par[(long)e * NG + g]);
             const __m256 v = code_fields8(bits, f, codes + (long)row * S + i);
-            for (int jj = 0; jj < jn; jj++) acc[jj] = _mm256_fmadd_ps(_mm256_set1_ps(q[(long)(j0 + jj) * D + e] * s), v, acc[jj]);
+            for (int jj = 0; jj < jn; jj++) acc[jj] = _mm256_fmadd_ps(_mm256_set1_ps(qs[(long)jj * D + e]), v, acc[jj]);
         }
-    for (int jj = 0; jj < jn; jj++) _mm256_storeu_ps(sc + (long)(j0 + jj) * ld, acc[jj]);
+    for (int jj = 0; jj < jn; jj++) _mm256_storeu_ps(sc + (long)jj * ld, acc[jj]);
 }
 #endif
 
 static void key_scores_channels(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
-                                float *sc, int ld) {
+                                float *sc, int ld, float *qs) {     /* qs: scratch [4, D] */
     const int bits = kv_bits(st->kind), fw = D * bits / 8, G = st->block, NG = (int)(S / G);
     const uint8_t *codes = (const uint8_t *)st->codes + rg * fw * S;
     const uint16_t *par = st->params + rg * 2 * D * NG;
@@ -324,12 +323,18 @@ static void key_scores_channels(const Stream *st, long rg, long S, int D, const 
         if ((b - a) % 8 == 0) {      /* whole vectors of slots (a full group of 8, 16, 32 ...) */
             for (int j = 0; j < rep; j++)
                 for (int e = 0; e < D; e++) cst[j] += q[(long)j * D + e] * fp16_to_fp32(par[(long)(D + e) * NG + g]);
-            for (int i = a; i < b; i += 8)
-                for (int j0 = 0; j0 < rep; j0 += 4) {
-                    const int jn = rep - j0 < 4 ? rep - j0 : 4;
-                    if (bits == 4) channel_scores8(4, codes, S, par, NG, g, i, fw, q, D, j0, jn, sc + (i - p0), ld);
-                    else channel_scores8(2, codes, S, par, NG, g, i, fw, q, D, j0, jn, sc + (i - p0), ld);
+            for (int j0 = 0; j0 < rep; j0 += 4) {
+                const int jn = rep - j0 < 4 ? rep - j0 : 4;
+                for (int e = 0; e < D; e++) {       /* the group's channel scales times q, once per group */
+                    const float se = fp16_to_fp32(par[(long)e * NG + g]);
+                    for (int jj = 0; jj < jn; jj++) qs[(long)jj * D + e] = q[(long)(j0 + jj) * D + e] * se;
                 }
+                float *out = sc + (long)j0 * ld - p0;
+                for (int i = a; i < b; i += 8) {
+                    if (bits == 4) channel_scores8(4, codes, S, qs, i, fw, D, jn, out + i, ld);
+                    else channel_scores8(2, codes, S, qs, i, fw, D, jn, out + i, ld);
+                }
+            }
         } else
 #endif
         for (int f = 0; f < 8 / bits; f++)
