@@ -9,8 +9,8 @@
    T > 1: a speculative verify or a short chunk, where new token t of a cache row attends the
    row's cached slots and its new tokens 0..t):
      h = rms_norm(x); q|k|v = h W_qkv^T (+b); rope(q, k) at each row's position;
-     K, V cache rows [r, g, slot] = k, v (as the cache stores them: kv_stream.c); a = softmax(q K^T / sqrt(D)) V
-     over slots [0, slot];
+     K, V cache rows [r, g, slot + t] = k, v (as the cache stores them: kv_stream.c);
+     a = softmax(q K^T / sqrt(D)) V over slots [0, slot + t];
      x += a W_o^T (+b); h = rms_norm(x); x += (silu(g) * u) W_2^T where g|u = h W_13^T.
    Then logits = rms_norm(x) W_head^T. An optional mask over the slots (padding, a sliding
    window) leaves slots out of the softmax. The arithmetic follows the torch path (fp32, RoPE in
@@ -26,8 +26,8 @@
 
    The attention splits the cache slots over the threads: each computes, for every head, the
    softmax statistics (max, sum) and the unnormalized p V of its own slots; the partials are then
-   combined exactly (flash-decoding). The new token's own K and V are read from the projection's
-   output, not the cache, so no thread waits for the cache write.
+   combined exactly (flash-decoding). The new tokens' own K and V are read from the projection's
+   output (as the cache will read them back), not the cache, so no thread waits for the cache write.
 
    Caches (kv_stream.c): each stream is read from its codes below r0 and in full precision above
    (fp32 values, or the ring of a residual window / incomplete per-channel group), keys-major

@@ -113,7 +113,8 @@ def _quantize_blocks_eager(x: torch.Tensor, qmin: int, qmax: int, f: torch.Tenso
 
 def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (codes int8 [N, K], scales fp16 [N, K/32]), as llama.cpp's quantize_row_q8_0:
-    d = max|x| / 127 per block, q = round(x / d)."""
+    d = max|x| / 127 per block, q = round(x / d). The reference rule the searched scales of
+    quantize_blocks (what quantize_model uses) are compared against."""
     N, K = w.shape
     if K % QK:
         raise ValueError(f"quantized weights need in_features divisible by {QK}, got {K}")
