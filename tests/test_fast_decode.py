@@ -46,13 +46,13 @@ def to_q4_1(model, act: str) -> None:
                 setattr(parent, name, QuantLinear("q4_1", p["qs"], p["d"], p["m"], getattr(child, "bias", None), act=act))
 
 
-def run_both(model, ids, steps, kind="fp32", **forward_kw):
+def run_both(model, ids, steps, kind="fp32", max_len=40, **forward_kw):
     """(torch path, C path): logits of a prefill and `steps` teacher-forced decode steps, and the caches."""
     out = []
     for fast in (False, True):
         model.fast_decode = fast
         with torch.inference_mode():
-            cache = model.new_cache(ids.shape[0], 40, kind)
+            cache = model.new_cache(ids.shape[0], max_len, kind)
             model.fast_decode = False                          # the same prefill for both
             logits = [model(ids, cache=cache, **forward_kw.get("prefill", {}))[:, -1:]]
             model.fast_decode = fast
@@ -237,6 +237,25 @@ def test_4_and_2_bit_windowed_and_rotated_caches_equal_the_torch_path(name, batc
     ids = torch.randint(0, 97, (batch, 5), generator=torch.Generator().manual_seed(12))
     ref, got = run_both(model, ids, STEPS, kind=policy)
     assert len(taken) == len(STEPS)
+    assert_same_cache_kind(ref, got, model.config, policy)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", ["q4_1 k=q4_1c qblock=8", "q2_1 k=q2_1c qblock=16"])
+def test_per_channel_keys_over_many_groups_equal_the_torch_path(name, threads, taken):
+    """Per-channel key scores take the groups' factors 8 groups at a time (kv_stream.c): 140
+    positions make full and partial sets of 8 groups, groups of one and two slot vectors, and with
+    two threads a group split between them."""
+    from caramba.cache import CachePolicy
+
+    torch.set_num_threads(threads)
+    kind, keys, qblock = name.split()
+    policy = CachePolicy.build(kind, keys, qblock=int(qblock.removeprefix("qblock=")))
+    model = make_model(seed=17)
+    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(18))
+    steps = [int(t) for t in torch.randint(0, 97, (135,), generator=torch.Generator().manual_seed(19))]
+    ref, got = run_both(model, ids, steps, kind=policy, max_len=144)
+    assert len(taken) == len(steps)
     assert_same_cache_kind(ref, got, model.config, policy)
 
 

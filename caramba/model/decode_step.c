@@ -310,10 +310,14 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
     const float scale = 1.0f / sqrtf((float)D);
     if (D > 512 || rep > 64 || T < 1 || M % T) return 2;
     int gmax = 1;   /* the largest per-channel group: complete_group's scratch */
+    size_t chan_n = 0;   /* key_scores_channels' scratch, when a stream has per-channel keys */
     for (int i = 0; i < 2 * n_layers; i++) {
         const Stream st = stream_at(streams + (long)i * ST_SLOTS);
         if (!stream_ok(&st, D, i % 2 == 0) || T > 1 && kv_per_channel(st.kind)) return 2;   /* groups: one token a step */
-        if (kv_per_channel(st.kind) && st.block > gmax) gmax = st.block;
+        if (kv_per_channel(st.kind)) {
+            gmax = st.block > gmax ? st.block : gmax;
+            chan_n = channel_scratch(rep, D);
+        }
     }
     const Lin wh = lin_at(head);
     /* shared: projection outputs, attention partials [threads, M, heads, D + 2], column partials */
@@ -334,11 +338,11 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
         /* private floats: residual stream, normed input, roped q, the new k and v as stored, attention
            output, MLP gate, q8 activation scales and sums, the new k and v as read, scores and their
            scratch, a rotation's output, minimum sums, a group being quantized, a chunk of decoded value
-           rows and their block parameters, q times a key group's scales; then the new k and v codes
+           rows and their block parameters, per-channel key groups' q-side factors; then the new k and v codes
            (uint16 parameters, bytes) */
         const size_t nf = (size_t)M * (dim + kmax + 2 * q_w + hidden) + 4 * kv_n + 2 * (size_t)M * (kmax / QK) +
                           2 * (size_t)rep * my_slots + 2 * (size_t)my_slots + (size_t)D + (size_t)rep * D +
-                          (size_t)D * gmax + 3 * (size_t)VCHUNK * D + 4 * (size_t)D;
+                          (size_t)D * gmax + 3 * (size_t)VCHUNK * D + chan_n;
         const size_t nh = 2 * kv_n, nbytes = (size_t)M * kmax + 2 * kv_n + (size_t)D * gmax;
         float *pv = malloc(sizeof(float) * nf + sizeof(uint16_t) * nh + nbytes);
         int ok = pv != NULL;
@@ -354,8 +358,8 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                   *xg = bsum + (size_t)rep * D;
             /* decoded value rows [VCHUNK, D], their block parameters [VCHUNK, <= 2 D] */
             float *vbuf = xg + (size_t)D * gmax, *ppb = vbuf + (size_t)VCHUNK * D;
-            float *qs = ppb + 2 * (size_t)VCHUNK * D;     /* per-channel keys: q times a group's scales [4, D] */
-            uint16_t *kpar = (uint16_t *)(qs + 4 * (size_t)D), *vpar = kpar + kv_n;
+            float *qs = ppb + 2 * (size_t)VCHUNK * D;     /* key_scores_channels' scratch */
+            uint16_t *kpar = (uint16_t *)(qs + chan_n), *vpar = kpar + kv_n;
             uint8_t *ku = (uint8_t *)(vpar + kv_n), *vu = ku + kv_n, *ug = vu + kv_n;
             Act a = {(int8_t *)(ug + (size_t)D * gmax), xd, xs};
             const int s0 = tid * my_slots < L ? tid * my_slots : L, s1 = s0 + my_slots < L ? s0 + my_slots : L, n = s1 - s0;

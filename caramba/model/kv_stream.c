@@ -199,6 +199,29 @@ INLINE __m256 code_fields8(const int bits, const int f, const uint8_t *c) {
 }
 #endif
 
+#if HAVE_AVX2
+/* t[jj, i..i + 16) for jn <= 4 heads (a constant in each instance, so the sums stay in registers:
+   with a run-time count the compiler kept them on the stack): rows [a, b) of field f. */
+INLINE void key_field_slots16(const int bits, const int f, const int jn, const uint8_t *c0, long S, const float *qj,
+                              int D, int a, int b, int i, float *t, int n) {
+    __m256 acc[4][2];
+    for (int jj = 0; jj < jn; jj++) acc[jj][0] = acc[jj][1] = _mm256_setzero_ps();
+    for (int row = a; row < b; row++) {
+        const uint8_t *cr = c0 + (long)(row - a) * S + i;
+        const __m256 v0 = code_fields8(bits, f, cr), v1 = code_fields8(bits, f, cr + 8);
+        for (int jj = 0; jj < jn; jj++) {
+            const __m256 qv = _mm256_broadcast_ss(qj + (long)jj * D + row);
+            acc[jj][0] = _mm256_fmadd_ps(qv, v0, acc[jj][0]);
+            acc[jj][1] = _mm256_fmadd_ps(qv, v1, acc[jj][1]);
+        }
+    }
+    for (int jj = 0; jj < jn; jj++) {
+        _mm256_storeu_ps(t + (long)jj * n + i, acc[jj][0]);
+        _mm256_storeu_ps(t + (long)jj * n + i + 8, acc[jj][1]);
+    }
+}
+#endif
+
 /* t[j, i] = q_j . the codes of field f, rows [a, b), positions [p0, p0 + n); qsum[j] = sum of those
    q_j elements. Slots in vectors of 8 with up to 4 heads' sums in registers, the block's rows in
    the inner loop: each code is loaded and widened once for every head, and no partial sum goes
@@ -213,31 +236,22 @@ INLINE void key_field_rows(const int bits, const int f, const uint8_t *codes, lo
     for (int j0 = 0; j0 < rep; j0 += 4) {
         const int jn = rep - j0 < 4 ? rep - j0 : 4;
         const float *qj = q + (long)j0 * D + f * fw;
+        float *tj = t + (long)j0 * n;
         int i = 0;
 #if HAVE_AVX2
-        for (; i + 16 <= n; i += 16) {     /* two vectors of slots: each row read 16 codes at a time */
-            __m256 acc[4][2];
-            for (int jj = 0; jj < 4; jj++) acc[jj][0] = acc[jj][1] = _mm256_setzero_ps();
-            for (int row = a; row < b; row++) {
-                const uint8_t *cr = c0 + (long)(row - a) * S + i;
-                const __m256 v0 = code_fields8(bits, f, cr), v1 = code_fields8(bits, f, cr + 8);
-                for (int jj = 0; jj < jn; jj++) {
-                    const __m256 qv = _mm256_set1_ps(qj[(long)jj * D + row]);
-                    acc[jj][0] = _mm256_fmadd_ps(qv, v0, acc[jj][0]);
-                    acc[jj][1] = _mm256_fmadd_ps(qv, v1, acc[jj][1]);
-                }
+        for (; i + 16 <= n; i += 16)      /* two vectors of slots: each row read 16 codes at a time */
+            switch (jn) {
+                case 1: key_field_slots16(bits, f, 1, c0, S, qj, D, a, b, i, tj, n); break;
+                case 2: key_field_slots16(bits, f, 2, c0, S, qj, D, a, b, i, tj, n); break;
+                case 3: key_field_slots16(bits, f, 3, c0, S, qj, D, a, b, i, tj, n); break;
+                default: key_field_slots16(bits, f, 4, c0, S, qj, D, a, b, i, tj, n); break;
             }
-            for (int jj = 0; jj < jn; jj++) {
-                _mm256_storeu_ps(t + (long)(j0 + jj) * n + i, acc[jj][0]);
-                _mm256_storeu_ps(t + (long)(j0 + jj) * n + i + 8, acc[jj][1]);
-            }
-        }
 #endif
         for (; i < n; i++)
             for (int jj = 0; jj < jn; jj++) {
                 float acc = 0.0f;
                 for (int row = a; row < b; row++) acc += qj[(long)jj * D + row] * code_field(bits, f, c0[(long)(row - a) * S + i]);
-                t[(long)(j0 + jj) * n + i] = acc;
+                tj[(long)jj * n + i] = acc;
             }
     }
 }
@@ -291,60 +305,127 @@ INLINE void channel_field_rows(const int bits, const int f, const uint8_t *codes
     }
 }
 
-/* key_scores_tokens for a per-channel stream: group by group, the query times the group's channel
-   scales, the minimums one constant per group (as quant_attend.c's key_item_channel). */
+/* key_scores_tokens for a per-channel stream: per group, q times the group's channel scales
+   (qs) against the codes, plus one constant per group and head, q . the group's minimums (as
+   quant_attend.c's key_item_channel). */
 #if HAVE_AVX2
-/* sc[j, i] = sum over the group's channels e of qs[j][e] code_e(p) (qs: q_j[e] times channel e's
-   scale), for 8 slots from i and jn <= 4 heads, sums in registers over both fields' rows (the
-   order the row-by-row loop takes): each code is widened once for every head. */
-INLINE void channel_scores8(const int bits, const uint8_t *codes, long S, const float *qs, int i, int fw, int D,
-                            int jn, float *sc, int ld) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int f = 0; f < 8 / bits; f++)
-        for (int row = 0; row < fw; row++) {
-            const int e = row + f * fw;
-            const __m256 v = code_fields8(bits, f, codes + (long)row * S + i);
-            for (int jj = 0; jj < jn; jj++) acc[jj] = _mm256_fmadd_ps(_mm256_set1_ps(qs[(long)jj * D + e]), v, acc[jj]);
+/* The q-side factors of groups [g0, g0 + ng), ng <= 8: qs8[(j D + e) 8 + gi] = q_j[e] s_e(g0 + gi)
+   and cst8[j 8 + gi] = sum_e q_j[e] m_e(g0 + gi). The parameters lie [2 D, NG], contiguous over
+   groups, so 8 groups take one vector per channel; one group at a time took D strided scalar
+   conversions and D x rep scalar products, ~30% of a 32-slot group's scoring. Scratch: sm [2 D, 8]. */
+static void channel_group_factors8(const uint16_t *par, int NG, int D, const float *q, int rep, int g0, int ng,
+                                   float *qs8, float *cst8, float *sm) {
+    for (int e = 0; e < 2 * D; e++) {   /* the scales, then the minimums, of channel e % D */
+        const uint16_t *src = par + (long)e * NG + g0;
+#if defined(__F16C__)
+        if (ng == 8) {
+            _mm256_storeu_ps(sm + (long)e * 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)));
+            continue;
         }
-    for (int jj = 0; jj < jn; jj++) _mm256_storeu_ps(sc + (long)jj * ld, acc[jj]);
+#endif
+        for (int gi = 0; gi < 8; gi++) sm[(long)e * 8 + gi] = gi < ng ? fp16_to_fp32(src[gi]) : 0.0f;
+    }
+    for (int j = 0; j < rep; j++) {
+        __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();   /* even and odd channels: two chains */
+        for (int e = 0; e < D; e += 2) {
+            const __m256 q0 = _mm256_set1_ps(q[(long)j * D + e]), q1 = _mm256_set1_ps(q[(long)j * D + e + 1]);
+            _mm256_storeu_ps(qs8 + ((long)j * D + e) * 8, _mm256_mul_ps(q0, _mm256_loadu_ps(sm + (long)e * 8)));
+            _mm256_storeu_ps(qs8 + ((long)j * D + e + 1) * 8, _mm256_mul_ps(q1, _mm256_loadu_ps(sm + (long)(e + 1) * 8)));
+            c0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(sm + (long)(D + e) * 8), c0);
+            c1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(sm + (long)(D + e + 1) * 8), c1);
+        }
+        _mm256_storeu_ps(cst8 + (long)j * 8, _mm256_add_ps(c0, c1));
+    }
+}
+
+/* sc[jj, i..i + 8 W) = cst[jj] + sum over channels e of qs[jj][e] code_e(p), for W (1 or 2)
+   vectors of slots and jn <= 4 heads, qs[jj][e] at qs[(jj D + e) 8], cst[jj] at cst[jj 8]. Each
+   code byte is loaded and widened once for all its fields, every field once for every head; the
+   sums stay in registers (bits, W and jn are constants in each instance: with a run-time head
+   count the compiler kept them on the stack, a load and a store around every multiply-add). */
+INLINE void channel_scores(const int bits, const int W, const int jn, const uint8_t *codes, long S, const float *qs,
+                           const float *cst, int i, int fw, int D, float *sc, int ld) {
+    __m256 acc[4][2];
+    for (int jj = 0; jj < jn; jj++) acc[jj][0] = acc[jj][1] = _mm256_set1_ps(cst[(long)jj * 8]);
+    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    for (int row = 0; row < fw; row++) {
+        const uint8_t *c = codes + (long)row * S + i;
+        const __m256i u0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+        const __m256i u1 = W == 2 ? _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8))) : u0;
+        for (int f = 0; f < 8 / bits; f++) {
+            const __m256 v0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(u0, bits * f), mask));
+            const __m256 v1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(u1, bits * f), mask));
+            const float *qe = qs + (long)(row + f * fw) * 8;
+            for (int jj = 0; jj < jn; jj++) {
+                const __m256 qv = _mm256_broadcast_ss(qe + (long)jj * D * 8);
+                acc[jj][0] = _mm256_fmadd_ps(qv, v0, acc[jj][0]);
+                if (W == 2) acc[jj][1] = _mm256_fmadd_ps(qv, v1, acc[jj][1]);
+            }
+        }
+    }
+    for (int jj = 0; jj < jn; jj++) {
+        _mm256_storeu_ps(sc + (long)jj * ld, acc[jj][0]);
+        if (W == 2) _mm256_storeu_ps(sc + (long)jj * ld + 8, acc[jj][1]);
+    }
+}
+
+/* channel_scores with constant bits, W and jn. */
+static void channel_scores_any(int bits, int W, int jn, const uint8_t *codes, long S, const float *qs, const float *cst,
+                               int i, int fw, int D, float *sc, int ld) {
+    switch ((bits == 4) * 8 + (W == 2) * 4 + jn - 1) {
+#define CHANNEL_SCORES(B, W_, J) \
+        case (B == 4) * 8 + (W_ == 2) * 4 + J - 1: channel_scores(B, W_, J, codes, S, qs, cst, i, fw, D, sc, ld); break;
+#define CHANNEL_SCORES_J(B, W_) CHANNEL_SCORES(B, W_, 1) CHANNEL_SCORES(B, W_, 2) CHANNEL_SCORES(B, W_, 3) CHANNEL_SCORES(B, W_, 4)
+        CHANNEL_SCORES_J(2, 1) CHANNEL_SCORES_J(2, 2) CHANNEL_SCORES_J(4, 1) CHANNEL_SCORES_J(4, 2)
+    }
 }
 #endif
 
+/* Floats of key_scores_channels' scratch. */
+static inline size_t channel_scratch(int rep, int D) { return (size_t)8 * rep * D + 16 * (size_t)D + 8 * (size_t)rep; }
+
 static void key_scores_channels(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
-                                float *sc, int ld, float *qs) {     /* qs: scratch [4, D] */
+                                float *sc, int ld, float *scratch) {
     const int bits = kv_bits(st->kind), fw = D * bits / 8, G = st->block, NG = (int)(S / G);
     const uint8_t *codes = (const uint8_t *)st->codes + rg * fw * S;
     const uint16_t *par = st->params + rg * 2 * D * NG;
-    for (int j = 0; j < rep; j++) memset(sc + (long)j * ld, 0, sizeof(float) * n);
-    for (int g = p0 / G; g * G < p0 + n; g++) {
-        const int a = g * G > p0 ? g * G : p0, b = (g + 1) * G < p0 + n ? (g + 1) * G : p0 + n;
-        float cst[64] = {0};
+    const int gend = (p0 + n + G - 1) / G;
 #if HAVE_AVX2
-        if ((b - a) % 8 == 0) {      /* whole vectors of slots (a full group of 8, 16, 32 ...) */
-            for (int j = 0; j < rep; j++)
-                for (int e = 0; e < D; e++) cst[j] += q[(long)j * D + e] * fp16_to_fp32(par[(long)(D + e) * NG + g]);
-            for (int j0 = 0; j0 < rep; j0 += 4) {
-                const int jn = rep - j0 < 4 ? rep - j0 : 4;
-                for (int e = 0; e < D; e++) {       /* the group's channel scales times q, once per group */
-                    const float se = fp16_to_fp32(par[(long)e * NG + g]);
-                    for (int jj = 0; jj < jn; jj++) qs[(long)jj * D + e] = q[(long)(j0 + jj) * D + e] * se;
-                }
-                float *out = sc + (long)j0 * ld - p0;
-                for (int i = a; i < b; i += 8) {
-                    if (bits == 4) channel_scores8(4, codes, S, qs, i, fw, D, jn, out + i, ld);
-                    else channel_scores8(2, codes, S, qs, i, fw, D, jn, out + i, ld);
-                }
-            }
-        } else
+    float *qs8 = scratch, *sm = qs8 + (size_t)8 * rep * D, *cst8 = sm + 16 * (size_t)D;
+#else
+    (void)scratch;
 #endif
-        for (int f = 0; f < 8 / bits; f++)
-            switch (bits * 4 + f) {
-#define CHANNEL_FIELD(B, F) case B * 4 + F: \
-                channel_field_rows(B, F, codes, S, par, NG, g, a, b - a, fw, q, D, rep, sc + (a - p0), ld, cst); break;
-                FIELD_CASES(CHANNEL_FIELD)
+    for (int j = 0; j < rep; j++) memset(sc + (long)j * ld, 0, sizeof(float) * n);
+    for (int g0 = p0 / G; g0 < gend; g0 += 8) {
+        const int ng = gend - g0 < 8 ? gend - g0 : 8;
+#if HAVE_AVX2
+        channel_group_factors8(par, NG, D, q, rep, g0, ng, qs8, cst8, sm);
+#endif
+        for (int g = g0; g < g0 + ng; g++) {
+            const int a = g * G > p0 ? g * G : p0, b = (g + 1) * G < p0 + n ? (g + 1) * G : p0 + n;
+#if HAVE_AVX2
+            if ((b - a) % 8 == 0) {      /* whole vectors of slots (a full group of 8, 16, 32 ...) */
+                for (int j0 = 0; j0 < rep; j0 += 4) {
+                    const int jn = rep - j0 < 4 ? rep - j0 : 4;
+                    const float *qs = qs8 + (long)j0 * D * 8 + (g - g0), *cst = cst8 + (long)j0 * 8 + (g - g0);
+                    float *out = sc + (long)j0 * ld - p0;
+                    int i = a;
+                    for (; i + 16 <= b; i += 16) channel_scores_any(bits, 2, jn, codes, S, qs, cst, i, fw, D, out + i, ld);
+                    if (i < b) channel_scores_any(bits, 1, jn, codes, S, qs, cst, i, fw, D, out + i, ld);
+                }
+                continue;
             }
-        for (int j = 0; j < rep; j++)
-            for (int i = a; i < b; i++) sc[(long)j * ld + i - p0] += cst[j];
+#endif
+            float cst[64] = {0};
+            for (int f = 0; f < 8 / bits; f++)
+                switch (bits * 4 + f) {
+#define CHANNEL_FIELD(B, F) case B * 4 + F: \
+                    channel_field_rows(B, F, codes, S, par, NG, g, a, b - a, fw, q, D, rep, sc + (a - p0), ld, cst); break;
+                    FIELD_CASES(CHANNEL_FIELD)
+                }
+            for (int j = 0; j < rep; j++)
+                for (int i = a; i < b; i++) sc[(long)j * ld + i - p0] += cst[j];
+        }
     }
 }
 
