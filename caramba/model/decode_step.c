@@ -284,10 +284,13 @@ static void value_chunk(float *restrict o, const float *const *rows, const int *
         if (!rows[k] || e[k] == 0.0f) continue;
         for (int cc = c; cc < D; cc++) o[cc] += (coded[k] ? e[k] * ppb[(long)k * vnp + cc / vqb] : e[k]) * rows[k][cc];
     }
-    if (vzp)
-        for (int k = 0; k < cn; k++)
-            if (rows[k] && e[k] != 0.0f && coded[k])
-                for (int b = 0; b < vnb; b++) bsum[b] += e[k] * ppb[(long)k * vnp + vnb + b];
+    if (vzp)    /* block b's minimums times the weights; the sum in a register, not through bsum[b] */
+        for (int b = 0; b < vnb; b++) {
+            float acc = bsum[b];
+            for (int k = 0; k < cn; k++)
+                if (rows[k] && e[k] != 0.0f && coded[k]) acc += e[k] * ppb[(long)k * vnp + vnb + b];
+            bsum[b] = acc;
+        }
 }
 
 /* Returns 0; 1 when scratch could not be allocated; 2 for shapes or streams it does not take (head_dim

@@ -430,7 +430,12 @@ static void key_scores_channels(const Stream *st, long rg, long S, int D, const 
 }
 
 INLINE void decode_field(const int bits, const int f, const uint8_t *row, int fw, float off, float *out) {
-    for (int i = 0; i < fw; i++) out[f * fw + i] = code_field(bits, f, row[i]) + off;
+    int i = 0;
+#if HAVE_AVX2   /* explicit: the compiler's own vectorization of this loop took 4 floats at a time */
+    for (; i + 8 <= fw; i += 8)
+        _mm256_storeu_ps(out + f * fw + i, _mm256_add_ps(code_fields8(bits, f, row + i), _mm256_set1_ps(off)));
+#endif
+    for (; i < fw; i++) out[f * fw + i] = code_field(bits, f, row[i]) + off;
 }
 
 /* A per-token value row's codes as floats: u + off (symmetric kinds) or u (zero-point kinds). */
