@@ -6,7 +6,7 @@ greedy decode steps. Kinds alternate within every repeat, after a warm-up; media
 Also prints, per kind, the bytes the cache allocated next to the analytic bytes/token formula.
 
     .venv/bin/python benchmarks/cache_kinds.py [--context 2048] [--steps 32] [--repeats 5]
-        [--kinds fp32,q8_0,q4_0,nf4] [--qblock 32] [--chunk 512] [--torch-path] [--json out.json]
+        [--kinds fp32,q8_0,q4_0,nf4] [--qblock 32] [--residual-len 0] [--chunk 512] [--torch-path] [--json out.json]
 
 Every kind but nf4 (and per-channel values) decodes through the one-call C step
 (caramba.model.fast_decode); the others through the torch path, reading codes with the C kernels
@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kinds", default="fp32,q8_0,q4_0,nf4", help="comma-separated kinds (or policies as k=..;v=..)")
     ap.add_argument("--qblock", type=int, default=32, help="quantization block (per-channel kinds: tokens per group)")
+    ap.add_argument("--residual-len", type=int, default=0,
+                    help="newest tokens also kept in full precision (KIVI's window; autotune's KIVI-2 uses 128)")
     ap.add_argument("--chunk", type=int, default=attend.READ_CHUNK, help="tokens per dequantized chunk (eager path)")
     ap.add_argument("--torch-path", action="store_true",
                     help="every kind through the torch path (model.fast_decode = False): the C decode step "
@@ -74,8 +76,8 @@ def main() -> None:
     kinds = args.kinds.split(",")
     caches = {}
     for kind in kinds:
-        policy = CachePolicy.build(policy=kind.replace(";", ","), qblock=args.qblock) if "=" in kind \
-            else CachePolicy.build(kind, qblock=args.qblock)
+        policy = CachePolicy.build(policy=kind.replace(";", ","), qblock=args.qblock, residual_len=args.residual_len) \
+            if "=" in kind else CachePolicy.build(kind, qblock=args.qblock, residual_len=args.residual_len)
         cache = model.new_cache(1, args.context + args.steps, policy)
         with torch.inference_mode():
             model(context, cache=cache, last_only=True)
@@ -89,7 +91,7 @@ def main() -> None:
 
     cfg = model.config
     print(f"SmolLM2 decode at context {args.context}, {args.steps} steps x {args.repeats} repeats, "
-          f"torch {torch.__version__}, threads {torch.get_num_threads()}, kernels {kernel.status()}, chunk {args.chunk}, "
+          f"qblock {args.qblock}, residual_len {args.residual_len}, torch {torch.__version__}, threads {torch.get_num_threads()}, kernels {kernel.status()}, chunk {args.chunk}, "
           f"decode step {'torch path' if args.torch_path else 'C where the step column says: ' + fast_decode.status()}, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'kind':<16}{'step':>6}{'tok/s':>8}{'vs fp32':>9}{'bytes/token':>13}{'analytic':>10}{'allocated MiB':>15}")
