@@ -472,6 +472,27 @@ def _cache_bytes_per_token(cfg, kind: str, qblock: int | None = None) -> tuple[i
     raise ValueError(f"no qblock divides the cache streams of sem_dim={cfg.sem_dim}, geo_dim={cfg.geo_dim}")
 
 
+def _cache_option(name: str):
+    """CacheConfig's definition of the option spelled `name` (caramba.options)."""
+    from caramba.infer.config import CacheConfig
+    from caramba.options import options_of
+
+    return next(o for o in options_of(CacheConfig) if o.name == name)
+
+
+def _candidate_option(name: str) -> typer.models.OptionInfo:
+    """`caramba eval`'s flag for a cache setting its candidates share, from CacheConfig's one
+    definition: its help and lower bound (the rest is checked by CacheConfig itself)."""
+    opt = _cache_option(name)
+    decls = [f"--{name.replace('_', '-')}"] if opt.type is bool else []
+    help = opt.info.help[:1].upper() + opt.info.help[1:]
+    return typer.Option(*decls, min=opt.info.ge, help=f"{help} (every candidate).")
+
+
+def _candidate_default(name: str):
+    return _cache_option(name).default()
+
+
 @app.command("eval")
 def eval_cache(
     text: Annotated[Optional[Path], typer.Option(help="Text file to score (default: caramba's bundled corpus).")] = None,
@@ -482,11 +503,12 @@ def eval_cache(
     cache_kind: Annotated[Optional[list[str]], typer.Option(help="Candidate cache kind; repeatable.")] = None,
     cache_policy: Annotated[Optional[list[str]], typer.Option(help="Candidate per-stream policy, e.g. k=q8_0,v=q4_0; repeatable.")] = None,
     baseline: Annotated[str, typer.Option(help="The reference cache kind.")] = "fp32",
-    qblock: Annotated[int, typer.Option(min=2, help="Elements per quantization block (candidates).")] = 32,
-    residual_len: Annotated[int, typer.Option(min=0, help="Newest tokens kept in full precision (candidates).")] = 0,
-    rotate_keys: Annotated[bool, typer.Option("--rotate-keys", help="Hadamard-rotate keys (candidates).")] = False,
-    rotate_values: Annotated[bool, typer.Option("--rotate-values", help="Hadamard-rotate values (candidates).")] = False,
-    cache_fp16_prefix_layers: Annotated[int, typer.Option(min=0, help="First N layers in fp16 (candidates).")] = 0,
+    qblock: Annotated[int, _candidate_option("qblock")] = _candidate_default("qblock"),
+    residual_len: Annotated[int, _candidate_option("residual_len")] = _candidate_default("residual_len"),
+    rotate_keys: Annotated[bool, _candidate_option("rotate_keys")] = _candidate_default("rotate_keys"),
+    rotate_values: Annotated[bool, _candidate_option("rotate_values")] = _candidate_default("rotate_values"),
+    cache_fp16_prefix_layers: Annotated[int, _candidate_option("cache_fp16_prefix_layers")] = \
+        _candidate_default("cache_fp16_prefix_layers"),
     protocol: Annotated[str, typer.Option(help="decode: prefill --prompt-len tokens, then score token by token "
                                                "through the cache; chunks: llama-perplexity's non-overlapping "
                                                "--ctx windows, each scored on its second half.")] = "decode",
@@ -508,8 +530,10 @@ def eval_cache(
         from rich.table import Table
 
         from caramba.cache import CachePolicy
+        from caramba.infer.config import CacheConfig
         from caramba.infer.evaluate import adds_bos, corpus_text, evaluate_cache, evaluate_chunks
         from caramba.model.zoo import load_model
+        from caramba.options import OptionError
 
         if text is not None and not text.is_file():
             raise UserError(f"--text {text}: no such file")
@@ -518,6 +542,11 @@ def eval_cache(
         if protocol == "chunks" and ctx % 2:
             raise UserError(f"--ctx {ctx}: must be even (windows are scored on their second half)")
         specs = [("kind", k) for k in cache_kind or []] + [("policy", p) for p in cache_policy or []]
+        try:   # the shared settings against their definitions (CacheConfig), named as flags
+            CacheConfig(qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys, rotate_values=rotate_values,
+                        fp16_prefix_layers=cache_fp16_prefix_layers)
+        except OptionError as e:
+            raise UserError(f"--{e.name.replace('_', '-')} {e.value!r}: {e.why}") from None
         try:
             shared = dict(qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys, rotate_values=rotate_values,
                           fp16_prefix_layers=cache_fp16_prefix_layers)

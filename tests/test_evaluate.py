@@ -97,6 +97,21 @@ def test_cli_eval_table_and_errors(tiny_dir, tmp_path):
     assert missing.exit_code == 2 and "no such file" in missing.output
 
 
+def test_cli_eval_candidate_flags_come_from_cache_config(tiny_dir):
+    """--qblock, --residual-len, ... are CacheConfig's options (one definition): their help, bounds
+    and checks, with the flag named in the error."""
+    from caramba.infer.config import CacheConfig
+    from caramba.options import options_of
+
+    odd = invoke("eval", "--model", tiny_dir, "--qblock", "3")
+    assert odd.exit_code == 2 and "--qblock 3: must be a multiple of 2" in odd.output
+    assert invoke("eval", "--model", tiny_dir, "--residual-len", "-1").exit_code == 2
+    shown = " ".join(invoke("eval", "--help").output.replace("│", " ").split())   # rich boxes wrap the text
+    for opt in options_of(CacheConfig):
+        if opt.name in ("residual_len", "rotate_keys", "cache_fp16_prefix_layers"):
+            assert opt.info.help[1:20] in shown, opt.name
+
+
 def test_cli_generate_with_a_quantized_cache_policy(tiny_dir):
     r = invoke("generate", "hello", "--model", tiny_dir, "--max-new-tokens", "5", "--cache-policy", "k=q8_0,v=nf4",
                "--qblock", "8", "--rotate-keys", "--residual-len", "2", "--json")
