@@ -111,11 +111,31 @@ static void quantize_rows_q8(const float *x, int M, int K, int8_t *q, float *d) 
     for (int m = 0; m < M; m++)
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (long)m * K + b * QK;
+            int8_t *qb = q + (long)m * K + b * QK;
+#if HAVE_AVX2   /* the same codes 8 at a time (fmaxf stayed a libm call per element: ~3% of a q4_0 step) */
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(xb + 8 * j);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[j]));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
             float amax = 0.0f;
             for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+#endif
             const float scale = amax / 127.0f, inv = scale ? 1.0f / scale : 0.0f;
             d[m * nb + b] = scale;
-            for (int i = 0; i < QK; i++) q[(long)m * K + b * QK + i] = (int8_t)lrintf(xb[i] * inv);
+#if HAVE_AVX2   /* cvtps rounds to nearest even (the default mode), as lrintf does */
+            __m256i c[4];
+            for (int j = 0; j < 4; j++) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+            /* the packs work per 128-bit lane: dwords 0..7 hold elements 0-3, 8-11, 16-19, 24-27, 4-7, ... */
+            _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+            for (int i = 0; i < QK; i++) qb[i] = (int8_t)lrintf(xb[i] * inv);
+#endif
         }
 }
 
