@@ -343,6 +343,29 @@ def test_portable_kernels_equal_the_native_ones(monkeypatch, tmp_path):
         assert ((lin(x) - ref).abs() <= bound + atol).all(), (fmt, act)
 
 
+def test_activation_codes_are_the_reference_rule_bit_for_bit(monkeypatch, tmp_path):
+    """The q8 activations (quantize_rows_q8, AVX2 and portable builds): scale amax / 127 and codes
+    x / scale rounded to nearest even, exactly, on values with ties (half-integer multiples of the
+    scale), zeros and all-zero blocks."""
+    needs_kernels()
+    from caramba import kernels
+
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(8, 256, generator=g) * torch.rand(8, 1, generator=g) * 10
+    x[0] = torch.randint(-254, 255, (256,), generator=g).float() * 0.5     # ties: 127 = amax / scale
+    x[1, :64] = 0.0
+    x[2, ::3] = 0.0
+    d = x.reshape(8, -1, 32).abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    want = torch.round(x.reshape(8, -1, 32) * inv[..., None]).to(torch.int8).reshape(8, 256)   # half to even
+    monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path))
+    portable = [f for f in kernels.FLAGS if not f.startswith("-march")]
+    for lib in (quant.library(), kernels.load(quant.SOURCE, quant._SIGNATURES, "test", flags=portable)[0]):
+        q, got_d = torch.empty(8, 256, dtype=torch.int8), torch.empty(8, 8)
+        lib.quantize_activations_q8(x.data_ptr(), 8, 256, q.data_ptr(), got_d.data_ptr())
+        assert torch.equal(got_d, d) and torch.equal(q, want)
+
+
 def test_cli_and_manifest_take_weights(tmp_path):
     import json
 

@@ -43,6 +43,7 @@ _SIGNATURES = {
     "gemv_q4_1_f32": ([_P] * 5 + [_I] * 4, _I),
     "gemv_q4_1_q8": ([_P] * 5 + [_I] * 4, _I),
     "quantize_blocks_best": ([_P, ctypes.c_long, _I, _I, _P, _I, _P, _P, _I], None),
+    "quantize_activations_q8": ([_P, _I, _I, _P, _P], None),
 }
 # library(): the loaded GEMV kernels, or None (CARAMBA_KERNELS=0, no compiler, failed build: one warning).
 library = kernels.Library(SOURCE, _SIGNATURES, "quantized weights multiply")

@@ -139,6 +139,9 @@ static void quantize_rows_q8(const float *x, int M, int K, int8_t *q, float *d) 
         }
 }
 
+/* quantize_rows_q8 for tests (the activations the integer products take). */
+void quantize_activations_q8(const float *x, int M, int K, int8_t *q, float *d) { quantize_rows_q8(x, M, K, q, d); }
+
 /* One weight row (nb q8_0 blocks) . one activation row (q8 codes xq, scales xd). A row is at
    most a few KiB, so a row re-read for the next activation row comes from L1. */
 static inline float dot_q8_0_q8(const int8_t *wq, const uint16_t *wd, const int8_t *xq, const float *xd, int nb) {
