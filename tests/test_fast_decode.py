@@ -207,6 +207,10 @@ POLICIES = {
     "q4_0l rotated": dict(kind="q4_0l", rotate_keys=True, rotate_values=True),           # llama.cpp's q4_0 cache
     "k=q4_1c,v=q4_1 qblock=4 rotated": dict(kind="q4_1", policy="k=q4_1c", qblock=4, rotate_keys=True,
                                             rotate_values=True),
+    "nf4": dict(kind="nf4"),
+    "nf4 qblock=4 residual_len=3": dict(kind="nf4", qblock=4, residual_len=3),
+    "nf4 rotated": dict(kind="nf4", rotate_keys=True, rotate_values=True),
+    "k=nf4,v=q4_0 qblock=8": dict(kind="q4_0", policy="k=nf4", qblock=8),
 }
 STEPS = list(range(7, 21))
 
@@ -260,7 +264,8 @@ def test_per_channel_keys_over_many_groups_equal_the_torch_path(name, threads, t
 
 
 # per-token streams only: a per-channel group is completed one token at a time (those take the torch path)
-CHUNK_POLICIES = [None, "q4_0", "q4_0l rotated", "q2_1 qblock=8 residual_len=2", "q8_0 residual_len=4"]
+CHUNK_POLICIES = [None, "q4_0", "q4_0l rotated", "q2_1 qblock=8 residual_len=2", "q8_0 residual_len=4",
+                  "nf4 qblock=4 residual_len=3", "nf4 rotated"]
 
 
 def run_chunks(model, ids, chunks, policy, fast, slot_mask=None, positions=None, window=None):
@@ -400,10 +405,11 @@ KV_KINDS = {kind.value: kid for kind, kid in {**fast_decode.TOKEN_KINDS, **fast_
 
 
 def quantizer_inputs(spec) -> torch.Tensor:
-    """[200, 32]: random values over many magnitudes; rows whose block scale comes out as exactly 1/8
-    and whose other elements are multiples of 1/16, so that x / scale (+ the kind's shift) lands
-    exactly on code boundaries; ties of magnitude, zeros, signed zeros, fp16 subnormal scales,
-    values near the fp16 range."""
+    """[200, 32] (a codebook kind: [264, 32]): random values over many magnitudes; rows whose block
+    scale comes out as exactly 1/8 and whose other elements are multiples of 1/16, so that x / scale
+    (+ the kind's shift) lands exactly on code boundaries (a codebook's: its midpoints, their float32
+    neighbours and its levels, times 1/8); ties of magnitude, zeros, signed zeros, fp16 subnormal
+    scales, values near the fp16 range."""
     g = torch.Generator().manual_seed(15)
     span = 0.125 * spec.half_range / (1 + 2**-10)    # the block range whose scale rounds to 1/8
     edges = torch.randint(-64, 65, (64, 32), generator=g) * 0.0625
@@ -413,6 +419,18 @@ def quantizer_inputs(spec) -> torch.Tensor:
     else:                                            # the peak (mid-tread: negative, so the scale is +1/8)
         edges = edges.clamp(-span, span)
         edges[:, 0] = -span if spec.mid_tread else span
+    if spec.levels is not None:
+        # The peak `span` gives scale 1/8, so y = x / scale is exact: x on a midpoint (times 1/8) is a tie
+        # (the lower code), its float32 neighbours either side, and the inner levels.
+        mids = spec.midpoints
+        on = torch.cat([mids, torch.nextafter(mids, torch.full_like(mids, 2.0)),
+                        torch.nextafter(mids, torch.full_like(mids, -2.0)), spec.levels[1:-1]])   # [59]
+        ties = on[torch.randint(0, on.numel(), (64, 32), generator=g)] * 0.125
+        ties[:8, 1:] = on[torch.arange(8 * 31) % on.numel()].reshape(8, 31) * 0.125   # every one, in order
+        sign = torch.where(torch.arange(64) % 2 == 0, 1.0, -1.0)
+        ties[:32, 0] = span * sign[:32]                                     # the peak, either sign: blocks of 32
+        ties[32:, 0::2] = span * sign[32:, None]                            # and in every pair: blocks of 8 and 2
+        edges = torch.cat([edges, ties])
     rows = [torch.randn(64, 32, generator=g) * 10.0 ** torch.randint(-6, 5, (64, 1), generator=g),
             torch.randint(-16, 17, (32, 32), generator=g) * 0.125,
             torch.randint(-3, 4, (32, 32), generator=g) * 2.0 ** -20,
@@ -452,7 +470,20 @@ def test_the_steps_quantizers_are_caramba_quantizers_bit_for_bit(kind, lib=None)
         assert torch.equal(p.view(torch.int16), want_params.contiguous().view(torch.int16)), (kind, block)
 
 
-@pytest.mark.parametrize("case", ["fp16 cache", "nf4 cache", "per-channel values", "ring cache", "long prefill", "grad",
+def test_the_nf4_tables_are_the_kinds_codebook_and_midpoints(lib=None):
+    """kv_stream.c hard-codes nf4's levels and midpoints: they must be KindSpec's float32 values, bit
+    for bit."""
+    from caramba.cache.kinds import KVCacheKind
+
+    lib = lib or fast_decode.library()
+    spec = KVCacheKind.NF4.spec
+    levels, mids = torch.empty(16), torch.empty(15)
+    lib.kv_nf4_tables(levels.data_ptr(), mids.data_ptr())
+    assert torch.equal(levels.view(torch.int32), spec.levels.view(torch.int32))
+    assert torch.equal(mids.view(torch.int32), spec.midpoints.view(torch.int32))
+
+
+@pytest.mark.parametrize("case", ["fp16 cache", "per-channel values", "ring cache", "long prefill", "grad",
                                   "switched off", "bf16 model", "gelu model", "hooked"])
 def test_everything_else_takes_the_torch_path(case, taken):
     from caramba.cache import CachePolicy
@@ -461,7 +492,7 @@ def test_everything_else_takes_the_torch_path(case, taken):
     model = make_model(seed=7, **({"mlp": "gelu", "norm": "layer", "positions": "learned"} if case == "gelu model" else {}))
     if case == "bf16 model":
         model = model.to(torch.bfloat16)
-    kind = {"fp16 cache": "fp16", "nf4 cache": "nf4",
+    kind = {"fp16 cache": "fp16",
             "per-channel values": CachePolicy.build("fp32", "v=q4_1c", qblock=4)}.get(case, "fp32")
     with torch.inference_mode(case != "grad"):
         if case == "grad":
@@ -528,7 +559,9 @@ def test_portable_build_equals_the_native_one(monkeypatch, tmp_path, taken):
     test_q8_0_caches_equal_the_torch_path("q8_0", 32, taken)      # the portable fp16 conversion too
     for kind in KV_KINDS:                                          # and the quantizers of every kind
         test_the_steps_quantizers_are_caramba_quantizers_bit_for_bit(kind, lib)
-    for name in ("q4_0l rotated", "k=q4_1c,v=q4_1 qblock=4", "k=q2_1c,v=q2_1 qblock=4 residual_len=3"):
+    test_the_nf4_tables_are_the_kinds_codebook_and_midpoints(lib)
+    for name in ("q4_0l rotated", "k=q4_1c,v=q4_1 qblock=4", "k=q2_1c,v=q2_1 qblock=4 residual_len=3",
+                 "nf4 qblock=4 residual_len=3"):
         taken.clear()
         test_4_and_2_bit_windowed_and_rotated_caches_equal_the_torch_path(name, 2, taken)
         if "rotated" not in name:

@@ -8,14 +8,14 @@ blocks) and writing K and V into the cache as the torch path does.
 
 It applies to one new token per row (padding and sliding windows come as the cache's mask) on
 an fp32 model with RMSNorm, RoPE and SwiGLU, projections of the kinds above, and a KVCache of
-plain layers whose streams are fp32, per-token q8_0 / q4_0 / q4_0l / q4_1 / q2_1 (with or without
-a residual window) or per-channel q4_1c / q2_1c keys, stored rotated or not (rotate_keys,
+plain layers whose streams are fp32, per-token q8_0 / q4_0 / q4_0l / nf4 / q4_1 / q2_1 (with or
+without a residual window) or per-channel q4_1c / q2_1c keys, stored rotated or not (rotate_keys,
 rotate_values). The step writes the new token's codes with caramba.cache.quant's arithmetic, bit
 for bit, completes per-channel groups, and keeps the streams' rings and their bookkeeping as the
 torch path does (kv_stream.c). Everything else takes the torch path, which stays the reference
-(tests compare the two): nf4, per-channel values, ring-buffer caches, fp16/bf16 caches, and a
-step that must first refill a per-channel group a rollback went into. `model.fast_decode = False`
-or CARAMBA_KERNELS=0 turns it off. The thread count adapts to a busy machine (ThreadChoice;
+(tests compare the two): per-channel values, ring-buffer caches, fp16/bf16 caches, and a step
+that must first refill a per-channel group a rollback went into. `model.fast_decode = False` or
+CARAMBA_KERNELS=0 turns it off. The thread count adapts to a busy machine (ThreadChoice;
 `model.decode_threads = ThreadChoice(fixed=n)` pins it).
 """
 
@@ -39,13 +39,13 @@ SOURCE = Path(__file__).with_name("decode_step.c")
 MAX_ROWS = 16        # beyond this the torch path's GEMMs win
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {"decode_step": ([_I] + [_P] * 6 + [_I] * 10 + [_P] * 4 + [_F, _I], _I),
-               "quantize_kv": ([_I, _P, _I, _I, _I, _P, _P], None)}
+               "quantize_kv": ([_I, _P, _I, _I, _I, _P, _P], None), "kv_nf4_tables": ([_P, _P], None)}
 library = kernels.Library(SOURCE, _SIGNATURES, "decode steps run through torch's ops")
 
 # decode_step.c's cache stream kinds (kv_stream.c)
-KV_F32, KV_Q8_0, KV_Q4_0, KV_Q4_0L, KV_Q4_1, KV_Q2_1, KV_Q4_1C, KV_Q2_1C = range(8)
+KV_F32, KV_Q8_0, KV_Q4_0, KV_Q4_0L, KV_NF4, KV_Q4_1, KV_Q2_1, KV_Q4_1C, KV_Q2_1C = range(9)
 TOKEN_KINDS = {KVCacheKind.Q8_0: KV_Q8_0, KVCacheKind.Q4_0: KV_Q4_0, KVCacheKind.Q4_0L: KV_Q4_0L,
-               KVCacheKind.Q4_1: KV_Q4_1, KVCacheKind.Q2_1: KV_Q2_1}
+               KVCacheKind.NF4: KV_NF4, KVCacheKind.Q4_1: KV_Q4_1, KVCacheKind.Q2_1: KV_Q2_1}
 CHANNEL_KINDS = {KVCacheKind.Q4_1C: KV_Q4_1C, KVCacheKind.Q2_1C: KV_Q2_1C}    # keys only
 
 # decode_step.c's projection formats
@@ -191,7 +191,7 @@ def model_applies(model) -> bool:
 
 def _stream_kind(stream, keys: bool, head_dim: int) -> int | None:
     """decode_step.c's kind of a cache stream (kv_stream.c), or None (the torch path): fp32 values,
-    per-token q8_0 / q4_0 / q4_0l / q4_1 / q2_1 codes (with or without a residual window), or
+    per-token q8_0 / q4_0 / q4_0l / nf4 / q4_1 / q2_1 codes (with or without a residual window), or
     per-channel q4_1c / q2_1c keys; codes in the layout the stream's role gives them."""
     if stream.head_dim != head_dim:
         return None

@@ -2,7 +2,7 @@
 
    A stream is one layer's K or V as caramba.cache stores it, passed as ST_SLOTS int64 slots:
      KV_F32: fp32 values [M, n_kv, S, D]; the step reads them as a "ring" of S slots.
-     per-token quantized kinds (QuantStream: q8_0, q4_0, q4_0l, q4_1, q2_1): codes packed per head
+     per-token quantized kinds (QuantStream: q8_0, q4_0, q4_0l, nf4, q4_1, q2_1): codes packed per head
        vector, k = 8 / bits per byte: element i + f D/k sits in bit field f of byte i (8-bit codes:
        one signed code per byte); keys-major [M, n_kv, Dc, S] for keys, [M, n_kv, S, Dc] for values;
        fp16 block parameters [M, n_kv, nb * p, S] (the scales, then zero-point kinds' minimums);
@@ -14,15 +14,40 @@
    Positions below r0 are read from codes, the rest from the ring; fast_decode computes r0 with
    the stream's own fp_start.
 
-   Code u stands for (u + off) s (q8_0: signed c + 1/2; q4_0: u - 15/2; q4_0l: u - 8, s signed)
-   or u s + m (the zero-point kinds). The quantizers are caramba.cache.quant's arithmetic step by
+   Code u stands for (u + off) s (q8_0: signed c + 1/2; q4_0: u - 15/2; q4_0l: u - 8, s signed),
+   NF4[u] s (nf4: a 16-level codebook) or u s + m (the zero-point kinds). The quantizers are caramba.cache.quant's arithmetic step by
    step (the same fp32 operations in the same order, fp16 rounding to nearest even, the minimum
    rounded down), so the codes written here are the torch path's bit for bit, with F16C or
    without (tests compare both builds against caramba.cache.quant.quantize).
 
    Included by decode_step.c after quant_gemv.c (fp16_to_fp32, HAVE_AVX2) and its INLINE. */
 
-enum { KV_F32 = 0, KV_Q8_0 = 1, KV_Q4_0 = 2, KV_Q4_0L = 3, KV_Q4_1 = 4, KV_Q2_1 = 5, KV_Q4_1C = 6, KV_Q2_1C = 7 };
+/* Symmetric kinds, then zero-point ones, then per-channel ones: kv_zero_point and kv_per_channel
+   are ranges of ids. */
+enum { KV_F32 = 0, KV_Q8_0 = 1, KV_Q4_0 = 2, KV_Q4_0L = 3, KV_NF4 = 4, KV_Q4_1 = 5, KV_Q2_1 = 6, KV_Q4_1C = 7,
+       KV_Q2_1C = 8 };
+
+/* nf4's codebook (caramba.cache.kinds.NF4_LEVELS as float32) and the midpoints between neighbouring
+   levels ((levels[1:] + levels[:-1]) / 2 in float32), exactly KindSpec's levels and midpoints (a
+   test reads them back through kv_nf4_tables). Hard-coded rather than passed with the stream, as
+   quant_attend.c's: constants the AVX2 lookup keeps in two registers, and the stream slots stay as
+   they are. */
+static const float NF4_LEVELS[16] = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f,
+    -0.18477343022823334f, -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f,
+    0.24611230194568634f, 0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f,
+};
+static const float NF4_MID[15] = {
+    -0.8480963706970215f, -0.6106328964233398f, -0.4599952697753906f, -0.33967941999435425f, -0.23460739850997925f,
+    -0.13791173696517944f, -0.045525018125772476f, 0.03979014977812767f, 0.120255246758461f, 0.2035212516784668f,
+    0.2920137643814087f, 0.3893125355243683f, 0.5016634464263916f, 0.6427869200706482f, 0.8614784479141235f,
+};
+
+/* The tables for tests: levels [16], midpoints [15]. */
+void kv_nf4_tables(float *levels, float *midpoints) {
+    memcpy(levels, NF4_LEVELS, sizeof NF4_LEVELS);
+    memcpy(midpoints, NF4_MID, sizeof NF4_MID);
+}
 
 static inline int kv_bits(int kind) {
     return kind == KV_F32 ? 32 : kind == KV_Q8_0 ? 8 : (kind == KV_Q2_1 || kind == KV_Q2_1C) ? 2 : 4;
@@ -100,6 +125,20 @@ static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t
         }
         return;
     }
+    if (kind == KV_NF4) {       /* the nearest level: torch.bucketize(y, midpoints), right=False */
+        float amax = 0.0f;
+        for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+        *scale = fp32_to_fp16(amax * (float)(1.0 + 1.0 / 1024));   /* half_range 1: the codebook's peak */
+        float safe = fp16_to_fp32(*scale);
+        if (safe == 0.0f) safe = 1e-30f;
+        for (int i = 0; i < n; i++) {
+            const float y = x[i] / safe;
+            int c = 0;   /* the midpoints strictly below y: a y exactly on one takes the lower level */
+            for (int k = 0; k < 15; k++) c += NF4_MID[k] < y;
+            u[i] = (uint8_t)c;
+        }
+        return;
+    }
     float s, shift, lo = 0.0f, hi = 15.0f;
     if (kind == KV_Q4_0L) {     /* mid-tread: the largest-magnitude element (the first of ties) lands on code 0 */
         float peak = x[0];
@@ -144,6 +183,12 @@ INLINE float code_field(const int bits, const int f, uint8_t b) {
     return (float)((b >> (bits * f)) & ((1 << bits) - 1));
 }
 
+/* What field f of byte b stands for before the scale: the code (nf == 0; the offset is added by
+   the caller) or nf4's codebook level (nf == 1). */
+INLINE float code_value(const int bits, const int f, const int nf, uint8_t b) {
+    return nf ? NF4_LEVELS[(b >> (4 * f)) & 15] : code_field(bits, f, b);
+}
+
 /* Byte i of a head vector's packed codes u [D]. */
 static inline uint8_t pack_byte(int bits, const uint8_t *u, int D, int i) {
     if (bits == 8) return u[i];
@@ -155,6 +200,7 @@ static inline uint8_t pack_byte(int bits, const uint8_t *u, int D, int i) {
 
 /* The (bits, field) pairs a loop is specialized for: the shift and mask become constants. */
 #define FIELD_CASES(X) X(8, 0) X(4, 0) X(4, 1) X(2, 0) X(2, 1) X(2, 2) X(2, 3)
+#define NF4_CASES(X) X(4, 0) X(4, 1)     /* nf4's fields: codebook levels, cases 64 + bits * 4 + f */
 
 typedef struct {
     int kind;
@@ -177,7 +223,7 @@ static inline Stream stream_at(const int64_t *p) {
 
 /* Whether decode_step can read and write this stream for head size D (2: refused). */
 static int stream_ok(const Stream *s, int D, int keys) {
-    if (s->kind < KV_F32 || s->kind > KV_Q2_1C) return 0;
+    if (s->kind < KV_F32 || s->kind > KV_Q2_1C) return 0;   /* the last id */
     if (s->kind == KV_F32) return s->ring != NULL && s->r0 == 0;
     if (s->block < 1 || (s->ring == NULL) != (s->ring_n == 0)) return 0;
     if (kv_per_channel(s->kind)) return keys && s->ring != NULL && D % 4 == 0;
@@ -197,18 +243,30 @@ INLINE __m256 code_fields8(const int bits, const int f, const uint8_t *c) {
     const __m256i u = _mm256_srli_epi32(_mm256_cvtepu8_epi32(b), bits * f);
     return _mm256_cvtepi32_ps(_mm256_and_si256(u, _mm256_set1_epi32((1 << bits) - 1)));
 }
+
+/* code_value of 8 consecutive bytes: the codes (nf == 0) or nf4 levels. A 16-entry lookup is two
+   8-lane permutes (which read an index's low 3 bits) and a blend on its bit 3, moved to the sign
+   bit; field 0's higher bits fall out of both, so it needs no mask. */
+INLINE __m256 code_values8(const int bits, const int f, const int nf, const uint8_t *c) {
+    if (!nf) return code_fields8(bits, f, c);
+    __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+    if (f) u = _mm256_srli_epi32(u, 4);
+    const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(NF4_LEVELS), u);
+    const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(NF4_LEVELS + 8), u);
+    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(u, 28)));
+}
 #endif
 
 #if HAVE_AVX2
 /* t[jj, i..i + 16) for jn <= 4 heads (a constant in each instance, so the sums stay in registers:
    with a run-time count the compiler kept them on the stack): rows [a, b) of field f. */
-INLINE void key_field_slots16(const int bits, const int f, const int jn, const uint8_t *c0, long S, const float *qj,
-                              int D, int a, int b, int i, float *t, int n) {
+INLINE void key_field_slots16(const int bits, const int f, const int nf, const int jn, const uint8_t *c0, long S,
+                              const float *qj, int D, int a, int b, int i, float *t, int n) {
     __m256 acc[4][2];
     for (int jj = 0; jj < jn; jj++) acc[jj][0] = acc[jj][1] = _mm256_setzero_ps();
     for (int row = a; row < b; row++) {
         const uint8_t *cr = c0 + (long)(row - a) * S + i;
-        const __m256 v0 = code_fields8(bits, f, cr), v1 = code_fields8(bits, f, cr + 8);
+        const __m256 v0 = code_values8(bits, f, nf, cr), v1 = code_values8(bits, f, nf, cr + 8);
         for (int jj = 0; jj < jn; jj++) {
             const __m256 qv = _mm256_broadcast_ss(qj + (long)jj * D + row);
             acc[jj][0] = _mm256_fmadd_ps(qv, v0, acc[jj][0]);
@@ -226,8 +284,8 @@ INLINE void key_field_slots16(const int bits, const int f, const int jn, const u
    q_j elements. Slots in vectors of 8 with up to 4 heads' sums in registers, the block's rows in
    the inner loop: each code is loaded and widened once for every head, and no partial sum goes
    through memory (sums taken in row order, as a row-by-row loop would). */
-INLINE void key_field_rows(const int bits, const int f, const uint8_t *codes, long S, int p0, int n, int fw,
-                           const float *q, int D, int rep, int a, int b, float *t, float *qsum) {
+INLINE void key_field_rows(const int bits, const int f, const int nf, const uint8_t *codes, long S, int p0, int n,
+                           int fw, const float *q, int D, int rep, int a, int b, float *t, float *qsum) {
     for (int j = 0; j < rep; j++) {
         qsum[j] = 0.0f;
         for (int row = a; row < b; row++) qsum[j] += q[(long)j * D + row + f * fw];
@@ -241,28 +299,31 @@ INLINE void key_field_rows(const int bits, const int f, const uint8_t *codes, lo
 #if HAVE_AVX2
         for (; i + 16 <= n; i += 16)      /* two vectors of slots: each row read 16 codes at a time */
             switch (jn) {
-                case 1: key_field_slots16(bits, f, 1, c0, S, qj, D, a, b, i, tj, n); break;
-                case 2: key_field_slots16(bits, f, 2, c0, S, qj, D, a, b, i, tj, n); break;
-                case 3: key_field_slots16(bits, f, 3, c0, S, qj, D, a, b, i, tj, n); break;
-                default: key_field_slots16(bits, f, 4, c0, S, qj, D, a, b, i, tj, n); break;
+                case 1: key_field_slots16(bits, f, nf, 1, c0, S, qj, D, a, b, i, tj, n); break;
+                case 2: key_field_slots16(bits, f, nf, 2, c0, S, qj, D, a, b, i, tj, n); break;
+                case 3: key_field_slots16(bits, f, nf, 3, c0, S, qj, D, a, b, i, tj, n); break;
+                default: key_field_slots16(bits, f, nf, 4, c0, S, qj, D, a, b, i, tj, n); break;
             }
 #endif
         for (; i < n; i++)
             for (int jj = 0; jj < jn; jj++) {
                 float acc = 0.0f;
-                for (int row = a; row < b; row++) acc += qj[(long)jj * D + row] * code_field(bits, f, c0[(long)(row - a) * S + i]);
+                for (int row = a; row < b; row++)
+                    acc += qj[(long)jj * D + row] * code_value(bits, f, nf, c0[(long)(row - a) * S + i]);
                 tj[(long)jj * n + i] = acc;
             }
     }
 }
 
 /* sc[j, i] (row stride ld) = q_j . k(p0 + i) for the rep query heads q [rep, D] over positions
-   [p0, p0 + n) of a per-token stream's codes, head rg: per block, s (q . u) + (s off or m) sum(q),
+   [p0, p0 + n) of a per-token stream's codes, head rg: per block, s (q . u) + (s off or m) sum(q)
+   (nf4: s (q . NF4[u])),
    block by block with the slots in the inner loop (keys-major: a code row's positions are
    contiguous). Scratch: t [rep, n], sf and bf [n]. */
 static void key_scores_tokens(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
                               float *sc, int ld, float *t, float *sf, float *bf) {
     const int bits = kv_bits(st->kind), fw = D * bits / 8, qb = st->block, nb = D / qb, zp = kv_zero_point(st->kind);
+    const int nf = st->kind == KV_NF4;
     const float off = kv_offset(st->kind);
     const uint8_t *codes = (const uint8_t *)st->codes + rg * fw * S;
     const uint16_t *par = st->params + rg * (zp ? 2 : 1) * nb * S;
@@ -271,9 +332,11 @@ static void key_scores_tokens(const Stream *st, long rg, long S, int D, const fl
         for (int a = 0; a < fw;) {     /* rows [a, b) of field f: one block */
             const int blk = (a + f * fw) / qb, b = (blk + 1) * qb - f * fw < fw ? (blk + 1) * qb - f * fw : fw;
             float qsum[64];
-            switch (bits * 4 + f) {
-#define KEY_FIELD(B, F) case B * 4 + F: key_field_rows(B, F, codes, S, p0, n, fw, q, D, rep, a, b, t, qsum); break;
+            switch (nf * 64 + bits * 4 + f) {
+#define KEY_FIELD(B, F) case B * 4 + F: key_field_rows(B, F, 0, codes, S, p0, n, fw, q, D, rep, a, b, t, qsum); break;
                 FIELD_CASES(KEY_FIELD)
+#define KEY_FIELD_NF4(B, F) case 64 + B * 4 + F: key_field_rows(B, F, 1, codes, S, p0, n, fw, q, D, rep, a, b, t, qsum); break;
+                NF4_CASES(KEY_FIELD_NF4)
             }
             fp16_row(par + (long)blk * S + p0, sf, n);
             if (zp) fp16_row(par + (long)(nb + blk) * S + p0, bf, n);
@@ -429,23 +492,27 @@ static void key_scores_channels(const Stream *st, long rg, long S, int D, const 
     }
 }
 
-INLINE void decode_field(const int bits, const int f, const uint8_t *row, int fw, float off, float *out) {
+INLINE void decode_field(const int bits, const int f, const int nf, const uint8_t *row, int fw, float off, float *out) {
     int i = 0;
 #if HAVE_AVX2   /* explicit: the compiler's own vectorization of this loop took 4 floats at a time */
     for (; i + 8 <= fw; i += 8)
-        _mm256_storeu_ps(out + f * fw + i, _mm256_add_ps(code_fields8(bits, f, row + i), _mm256_set1_ps(off)));
+        _mm256_storeu_ps(out + f * fw + i, nf ? code_values8(bits, f, 1, row + i)
+                                              : _mm256_add_ps(code_fields8(bits, f, row + i), _mm256_set1_ps(off)));
 #endif
-    for (; i < fw; i++) out[f * fw + i] = code_field(bits, f, row[i]) + off;
+    for (; i < fw; i++) out[f * fw + i] = nf ? code_value(bits, f, 1, row[i]) : code_field(bits, f, row[i]) + off;
 }
 
-/* A per-token value row's codes as floats: u + off (symmetric kinds) or u (zero-point kinds). */
+/* A per-token value row's codes as floats: u + off (symmetric kinds), NF4[u] (nf4) or u (zero-point
+   kinds). */
 static void decode_row(int kind, const uint8_t *row, int D, float *out) {
-    const int bits = kv_bits(kind), fw = D * bits / 8;
+    const int bits = kv_bits(kind), fw = D * bits / 8, nf = kind == KV_NF4;
     const float off = kv_zero_point(kind) ? 0.0f : kv_offset(kind);
     for (int f = 0; f < 8 / bits; f++)
-        switch (bits * 4 + f) {
-#define DECODE_FIELD(B, F) case B * 4 + F: decode_field(B, F, row, fw, off, out); break;
+        switch (nf * 64 + bits * 4 + f) {
+#define DECODE_FIELD(B, F) case B * 4 + F: decode_field(B, F, 0, row, fw, off, out); break;
             FIELD_CASES(DECODE_FIELD)
+#define DECODE_FIELD_NF4(B, F) case 64 + B * 4 + F: decode_field(B, F, 1, row, fw, 0.0f, out); break;
+            NF4_CASES(DECODE_FIELD_NF4)
         }
 }
 
@@ -455,7 +522,7 @@ static void dequantize_vector(int kind, const uint8_t *u, const uint16_t *par, i
     const float off = kv_offset(kind);
     for (int i = 0; i < D; i++) {
         const float s = fp16_to_fp32(par[i / qb]), c = bits == 8 ? (float)(int8_t)u[i] : (float)u[i];
-        out[i] = zp ? c * s + fp16_to_fp32(par[nb + i / qb]) : (c + off) * s;
+        out[i] = zp ? c * s + fp16_to_fp32(par[nb + i / qb]) : kind == KV_NF4 ? NF4_LEVELS[u[i]] * s : (c + off) * s;
     }
 }
 
