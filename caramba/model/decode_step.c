@@ -316,7 +316,7 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
     size_t chan_n = 0;   /* key_scores_channels' scratch, when a stream has per-channel keys */
     for (int i = 0; i < 2 * n_layers; i++) {
         const Stream st = stream_at(streams + (long)i * ST_SLOTS);
-        if (!stream_ok(&st, D, i % 2 == 0) || T > 1 && kv_per_channel(st.kind)) return 2;   /* groups: one token a step */
+        if (!stream_ok(&st, D, i % 2 == 0) || (T > 1 && kv_per_channel(st.kind))) return 2;   /* groups: one token a step */
         if (kv_per_channel(st.kind)) {
             gmax = st.block > gmax ? st.block : gmax;
             chan_n = channel_scratch(rep, D);
