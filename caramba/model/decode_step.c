@@ -284,13 +284,17 @@ static void value_chunk(float *restrict o, const float *const *rows, const int *
         if (!rows[k] || e[k] == 0.0f) continue;
         for (int cc = c; cc < D; cc++) o[cc] += (coded[k] ? e[k] * ppb[(long)k * vnp + cc / vqb] : e[k]) * rows[k][cc];
     }
-    if (vzp)    /* block b's minimums times the weights; the sum in a register, not through bsum[b] */
+    if (vzp) {  /* block b's minimums times the weights: the coded rows listed once, then each sum in a
+                   register (perf: the three tests per slot and block were ~15% of a KIVI step) */
+        int act[VCHUNK], na = 0;
+        for (int k = 0; k < cn; k++)
+            if (rows[k] && e[k] != 0.0f && coded[k]) act[na++] = k;
         for (int b = 0; b < vnb; b++) {
             float acc = bsum[b];
-            for (int k = 0; k < cn; k++)
-                if (rows[k] && e[k] != 0.0f && coded[k]) acc += e[k] * ppb[(long)k * vnp + vnb + b];
+            for (int i = 0; i < na; i++) acc += e[act[i]] * ppb[(long)act[i] * vnp + vnb + b];
             bsum[b] = acc;
         }
+    }
 }
 
 /* Returns 0; 1 when scratch could not be allocated; 2 for shapes or streams it does not take (head_dim
