@@ -32,7 +32,10 @@ Without `kernel=` the kind decodes through the eager path (caramba.cache.attend)
 path also give it `kernel=N` and handle KIND id N in caramba/cache/quant_attend.c's
 `code_vector` and `code_offset`. Zero-point kinds (4- or 2-bit, per token, or per channel for
 keys in groups of a multiple of 16 tokens) take the C loops key_scores_zp / value_mix_zp
-without a kernel id.
+without a kernel id. The one-call CPU decode step (caramba.model.fast_decode) reads and writes
+caches itself: a kind it should take needs an id in caramba/model/kv_stream.c (its quantizer,
+bit for bit, and its code values) and in fast_decode's TOKEN_KINDS / CHANNEL_KINDS; without one
+the step falls back to the torch path.
 """
 
 from __future__ import annotations
