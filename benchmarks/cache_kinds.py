@@ -8,7 +8,7 @@ Also prints, per kind, the bytes the cache allocated next to the analytic bytes/
     .venv/bin/python benchmarks/cache_kinds.py [--context 2048] [--steps 32] [--repeats 5]
         [--kinds fp32,q8_0,q4_0,nf4] [--qblock 32] [--residual-len 0] [--chunk 512] [--torch-path] [--json out.json]
 
-Every kind but nf4 (and per-channel values) decodes through the one-call C step
+Every kind (per-channel values excepted) decodes through the one-call C step
 (caramba.model.fast_decode); the others through the torch path, reading codes with the C kernels
 (caramba.cache.kernel) when they build. --torch-path sends every kind through the torch path
 (like for like with the kinds the C step does not take); CARAMBA_KERNELS=0 times the eager path.
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=attend.READ_CHUNK, help="tokens per dequantized chunk (eager path)")
     ap.add_argument("--torch-path", action="store_true",
                     help="every kind through the torch path (model.fast_decode = False): the C decode step "
-                         "(caramba.model.fast_decode) takes every kind but nf4 and per-channel values")
+                         "(caramba.model.fast_decode) takes every kind but per-channel values")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     attend.READ_CHUNK = args.chunk

@@ -454,6 +454,7 @@ static void key_scores_channels(const Stream *st, long rg, long S, int D, const 
     const uint16_t *par = st->params + rg * 2 * D * NG;
     const int gend = (p0 + n + G - 1) / G;
 #if HAVE_AVX2
+    const int vec = G % 8 == 0;   /* groups of whole slot vectors: else every group takes the scalar loop */
     float *qs8 = scratch, *sm = qs8 + (size_t)8 * rep * D, *cst8 = sm + 16 * (size_t)D;
 #else
     (void)scratch;
@@ -462,12 +463,12 @@ static void key_scores_channels(const Stream *st, long rg, long S, int D, const 
     for (int g0 = p0 / G; g0 < gend; g0 += 8) {
         const int ng = gend - g0 < 8 ? gend - g0 : 8;
 #if HAVE_AVX2
-        channel_group_factors8(par, NG, D, q, rep, g0, ng, qs8, cst8, sm);
+        if (vec) channel_group_factors8(par, NG, D, q, rep, g0, ng, qs8, cst8, sm);
 #endif
         for (int g = g0; g < g0 + ng; g++) {
             const int a = g * G > p0 ? g * G : p0, b = (g + 1) * G < p0 + n ? (g + 1) * G : p0 + n;
 #if HAVE_AVX2
-            if ((b - a) % 8 == 0) {      /* whole vectors of slots (a full group of 8, 16, 32 ...) */
+            if (vec && (b - a) % 8 == 0) {      /* whole vectors of slots (a full group of 8, 16, 32 ...) */
                 for (int j0 = 0; j0 < rep; j0 += 4) {
                     const int jn = rep - j0 < 4 ? rep - j0 : 4;
                     const float *qs = qs8 + (long)j0 * D * 8 + (g - g0), *cst = cst8 + (long)j0 * 8 + (g - g0);
