@@ -1,4 +1,4 @@
-"""generate_batched throughput on SmolLM2-135M, fp32, greedy: batch 8 (and "auto") vs batch 1.
+"""generate_batched throughput on SmolLM2-135M, greedy: batch 8 (and "auto") vs batch 1.
 
 The same 16 prompts of mixed lengths (8..64 tokens) run through `generate_batched` with each
 batch size; EOS is ignored so every prompt makes exactly --new-tokens tokens. Configurations
@@ -6,7 +6,8 @@ alternate in one process after a warm-up; medians of end-to-end tokens/s (prefil
 are reported, with torch's thread count and the load average. Then the decode step alone at
 batch 1, 2, 4 and 8 (40-token prompts, 12 steps, medians of --repeats): `step_ms_median`.
 
-    .venv/bin/python benchmarks/batched_throughput.py [--new-tokens 32] [--repeats 3] [--json out.json]
+    .venv/bin/python benchmarks/batched_throughput.py [--weights fp32|q8_0|q4_0|native] [--new-tokens 32]
+        [--repeats 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from caramba.infer import GenerateConfig, generate_batched  # noqa: E402
+from caramba.model.quant import WEIGHT_KINDS  # noqa: E402
 from caramba.model.zoo import load_model  # noqa: E402
 
 TEXT = (
@@ -55,10 +57,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--weights", default="fp32", choices=WEIGHT_KINDS, help="weight format (default fp32)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    loaded = load_model("smollm2-135m", "float32", "cpu", progress=False)
+    loaded = load_model("smollm2-135m", "float32", "cpu", progress=False, weights=args.weights)
     words = loaded.tokenizer.encode(TEXT)
     lengths = [8 + (i * 37) % 57 for i in range(args.prompts)]            # 8..64 tokens, mixed
     prompts = [words[i % 7 : i % 7 + n] for i, n in enumerate(lengths)]
@@ -79,7 +82,7 @@ def main() -> None:
     med = {s: statistics.median(r) for s, r in rates.items()}
     steps = {b: statistics.median(step_ms(loaded.model, b) for _ in range(args.repeats)) for b in (1, 2, 4, 8)}
     report = {
-        "model": "smollm2-135m fp32", "prompts": args.prompts, "prompt_lens": sorted(lengths),
+        "model": "smollm2-135m", "weights": args.weights, "prompts": args.prompts, "prompt_lens": sorted(lengths),
         "new_tokens": args.new_tokens, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
         "loadavg_after": os.getloadavg(), "cpu": platform.processor() or platform.machine(),
         "tok_s_median": med, "tok_s_all": rates, "speedup_8_vs_1": med["8"] / med["1"],

@@ -142,8 +142,9 @@ def activation_error_bound(lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return half_step.double() @ lin.dequantized().abs().double().t()
 
 
-# M: one row, a few, past the kernel's 8-row pass; N odd; K one block and several.
-SHAPES = [(1, 7, 32), (3, 33, 96), (11, 5, 64), (16, 40, 160)]
+# M: one row, and tiles of 4 rows with remainders 3, 2 and none; N odd; K one block, several,
+# and 33 (a 32-block factor chunk and one more, an odd count).
+SHAPES = [(1, 7, 32), (3, 33, 96), (11, 5, 64), (6, 9, 1056), (16, 40, 160)]
 
 
 @pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")])
@@ -164,6 +165,20 @@ def test_kernel_equals_dequantize_then_matmul(fmt, act, M, N, K):
         assert (got - ref).abs().max() > 0          # the activations really were quantized
     else:
         torch.testing.assert_close(got, ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")])
+def test_a_rows_product_does_not_depend_on_the_batch_around_it(fmt, act):
+    """Rows go through register tiles of up to 4, and a row's arithmetic is the same in every
+    tile position and size: batching, a speculative verify or padding never changes a row."""
+    needs_kernels()
+    lin = layer(fmt, act, 13, 1056, seed=4)
+    x = randn(7, 1056, seed=5)
+    with torch.inference_mode():
+        whole = lin(x)
+        for r in range(7):
+            assert torch.equal(whole[r], lin(x[r : r + 1])[0]), r
+            assert torch.equal(whole[r], lin(x[max(0, r - 2) : r + 1])[-1]), r
 
 
 def test_eager_fallback_and_large_batches_match_the_kernel(monkeypatch):

@@ -38,11 +38,47 @@ void add_rms_norm(const float *x, const float *h, const float *w, float *s, floa
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* e^x for 8 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial (relative
+   error ~1e-7, about 1 ulp), times 2^n built in the exponent bits; x is clamped to [-87.3, 88.3]
+   so 2^n stays a normal float, and above 88.3 the result is +inf as expf's is (silu(g) of a gate
+   below -88.3 is then -0 where the exact value is under 1e-36). libm's expf, one call per
+   element, took ~9% of a batch-8 step and ~5% of a batch-1 one. */
+static inline __m256 exp8(__m256 x0) {
+    const __m256 x = _mm256_min_ps(_mm256_max_ps(x0, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);          /* ln2 in two parts */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(INFINITY),
+                            _mm256_cmp_ps(x0, _mm256_set1_ps(88.3f), _CMP_GT_OQ));
+}
+#endif
+
 /* SwiGLU's gate: y = silu(g) * u for gu = [g | u] rows of width 2 * hidden. */
 void silu_mul(const float *gu, float *y, long rows, int hidden) {
     for (long r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * hidden, *u = g + hidden;
         float *yr = y + r * hidden;
-        for (int i = 0; i < hidden; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= hidden; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                                   _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < hidden; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }

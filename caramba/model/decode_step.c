@@ -46,7 +46,7 @@
 
 #include <omp.h>
 
-enum { F32_ROWS = 0, F32_COLS = 1, Q8_0_Q8 = 2, Q8_0_F32 = 3, Q4_1_F32 = 4, Q4_1_Q8 = 5, Q4_0_Q8 = 6 };
+enum { F32_ROWS = 0, F32_COLS = 1 };   /* and quant_gemv.c's block formats, 2..6 */
 
 /* A projection as the plan lays it out: 7 int64 slots. */
 typedef struct {
@@ -78,7 +78,6 @@ typedef struct {
    they go through register tiles: each weight element loaded once feeds up to TR rows' sums held
    in registers (8 accumulators: 2 weight rows x 4 token rows, or 16 columns x 4 token rows). */
 #define TR 4
-#define INLINE static inline __attribute__((always_inline))
 
 #if HAVE_AVX2
 /* y[r, n0 .. n0 + 1] for token rows [r0, r0 + RR) of [N, K] weights: rows n0 and n1 (n1 == n0
@@ -194,50 +193,24 @@ static void cols_f32_batch(const float *w, const float *x, int M, int N, int K, 
    values), y shared. Called by every thread of the region; ends with a barrier. cols: shared
    [threads, M, COLS_CHUNK] partial sums for input-major weights. */
 static void linear(const Lin *L, const float *x, int M, float *y, Act *a, float *cols) {
-    const int N = (int)L->N, K = (int)L->K, nb = K / QK;
-    if (L->fmt == Q8_0_Q8 || L->fmt == Q4_1_Q8 || L->fmt == Q4_0_Q8) {
-        quantize_rows_q8(x, M, K, a->xq, a->xd);
-        if (L->fmt != Q8_0_Q8)   /* d_x * sum(a_i) per block: the weight minimum multiplies it */
-            for (int r = 0; r < M; r++)
-                for (int b = 0; b < nb; b++) {
-                    int32_t s = 0;
-                    for (int i = 0; i < QK; i++) s += a->xq[(long)r * K + b * QK + i];
-                    a->xs[r * nb + b] = a->xd[r * nb + b] * (float)s;
-                }
-    } else if (L->fmt == Q4_1_F32)
-        block_sums(x, M, K, a->xs);
+    const int N = (int)L->N, K = (int)L->K;
     if (L->fmt == F32_COLS) {
-        const float *w = (const float *)L->w;
-        cols_f32_batch(w, x, M, N, K, y, L->bias, cols);
+        cols_f32_batch((const float *)L->w, x, M, N, K, y, L->bias, cols);
         return;
     }
     if (L->fmt == F32_ROWS && M > 1) {
         rows_f32_batch((const float *)L->w, x, M, N, K, y, L->bias);
         return;
     }
+    if (L->fmt == F32_ROWS) {
 #pragma omp for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const float b = L->bias ? L->bias[n] : 0.0f;
-        for (int r = 0; r < M; r++) {
-            float v;
-            switch (L->fmt) {
-            case F32_ROWS: v = dot_f32((const float *)L->w + (long)n * K, x + (long)r * K, K); break;
-            case Q8_0_Q8:
-                v = dot_q8_0_q8((const int8_t *)L->w + (long)n * K, L->d + (long)n * nb, a->xq + (long)r * K,
-                                a->xd + r * nb, nb);
-                break;
-            case Q8_0_F32: v = dot_q8_0_f32((const int8_t *)L->w + (long)n * K, L->d + (long)n * nb, x + (long)r * K, nb); break;
-            case Q4_1_F32:
-                v = dot_q4_1_f32((const uint8_t *)L->w + (long)n * (K / 2), L->d + (long)n * nb, L->m + (long)n * nb,
-                                 x + (long)r * K, a->xs + r * nb, nb);
-                break;
-            default:    /* Q4_1_Q8, and Q4_0_Q8 without minimums */
-                v = dot_q4_1_q8((const uint8_t *)L->w + (long)n * (K / 2), L->d + (long)n * nb, L->m ? L->m + (long)n * nb : NULL,
-                                a->xq + (long)r * K, a->xd + r * nb, a->xs + r * nb, nb);
-            }
-            y[(long)r * N + n] = v + b;
-        }
+        for (int n = 0; n < N; n++) y[n] = dot_f32((const float *)L->w + (long)n * K, x, K) + (L->bias ? L->bias[n] : 0.0f);
+        return;
     }
+    prepare_activations((int)L->fmt, x, M, K, a->xq, a->xd, a->xs);
+#pragma omp for schedule(static)
+    for (int n = 0; n < N; n++)
+        quant_row((int)L->fmt, L->w, L->d, L->m, n, N, K, x, a->xq, a->xd, a->xs, M, y, L->bias ? L->bias[n] : 0.0f);
 }
 
 /* x*cos + roll(x, D/2)*ssin for one head (ssin: sin with its first half negated, RotaryTable's). */

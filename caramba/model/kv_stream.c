@@ -20,7 +20,7 @@
    rounded down), so the codes written here are the torch path's bit for bit, with F16C or
    without (tests compare both builds against caramba.cache.quant.quantize).
 
-   Included by decode_step.c after quant_gemv.c (fp16_to_fp32, HAVE_AVX2) and its INLINE. */
+   Included by decode_step.c after quant_gemv.c (fp16_to_fp32, HAVE_AVX2, INLINE). */
 
 /* Symmetric kinds, then zero-point ones, then per-channel ones: kv_zero_point and kv_per_channel
    are ranges of ids. */

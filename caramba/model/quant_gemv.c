@@ -64,45 +64,6 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-
-/* 32 int8 x 32 int8 -> 8 int32 lanes as floats (llama.cpp's mul_sum_i8_pairs_float). */
-static inline __m256 dot_i8(__m256i a, __m256i b) {
-    const __m256i ax = _mm256_sign_epi8(a, a);
-    const __m256i sy = _mm256_sign_epi8(b, a);
-    const __m256i dot16 = _mm256_maddubs_epi16(ax, sy);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(dot16, _mm256_set1_epi16(1)));
-}
-#endif
-
-#if HAVE_AVX2
-#define FACTOR_CHUNK 32   /* blocks whose factors block_factors converts at a time */
-
-/* f[b] = d[b] (times y[b] when y) for b < n <= FACTOR_CHUNK; returns the sum over b of m[b] z[b]
-   (m NULL: of -8 d[b] z[b]; z NULL: 0), the minimums' share of a zero-point row's product. The
-   fp16 values convert 8 at a time: one scalar conversion per block (an insert and a convert, both
-   on the shuffle port) took ~20% of a q4_1 row's fp32 product. */
-static inline float block_factors(const uint16_t *d, const float *y, const uint16_t *m, const float *z, int n,
-                                  float *f) {
-    __m256 macc = _mm256_setzero_ps();
-    float mt = 0.0f;
-    int b = 0;
-#if defined(__F16C__)
-    for (; b + 8 <= n; b += 8) {
-        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
-        _mm256_storeu_ps(f + b, y ? _mm256_mul_ps(dv, _mm256_loadu_ps(y + b)) : dv);
-        if (z) {
-            const __m256 mv = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b))) : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
-            macc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(z + b), macc);
-        }
-    }
-#endif
-    for (; b < n; b++) {
-        const float dw = fp16_to_fp32(d[b]);
-        f[b] = y ? dw * y[b] : dw;
-        if (z) mt += (m ? fp16_to_fp32(m[b]) : -8.0f * dw) * z[b];
-    }
-    return hsum8(macc) + mt;
-}
 #endif
 
 /* x [M, K] -> int8 codes [M, K] and float scales [M, K/32] (round to nearest, like llama.cpp). */
@@ -142,59 +103,6 @@ static void quantize_rows_q8(const float *x, int M, int K, int8_t *q, float *d) 
 /* quantize_rows_q8 for tests (the activations the integer products take). */
 void quantize_activations_q8(const float *x, int M, int K, int8_t *q, float *d) { quantize_rows_q8(x, M, K, q, d); }
 
-/* One weight row (nb q8_0 blocks) . one activation row (q8 codes xq, scales xd). A row is at
-   most a few KiB, so a row re-read for the next activation row comes from L1. */
-static inline float dot_q8_0_q8(const int8_t *wq, const uint16_t *wd, const int8_t *xq, const float *xd, int nb) {
-#if HAVE_AVX2
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();   /* two chains hide FMA latency */
-    float f[FACTOR_CHUNK];
-    for (int c = 0; c < nb; c += FACTOR_CHUNK) {
-        const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
-        block_factors(wd + c, xd + c, NULL, NULL, n, f);
-        const int8_t *wc = wq + (long)c * QK, *xc = xq + (long)c * QK;
-        int b = 0;
-        for (; b + 1 < n; b += 2) {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wc + b * QK));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wc + (b + 1) * QK));
-            const __m256i a0 = _mm256_loadu_si256((const __m256i *)(xc + b * QK));
-            const __m256i a1 = _mm256_loadu_si256((const __m256i *)(xc + (b + 1) * QK));
-            acc0 = _mm256_fmadd_ps(_mm256_broadcast_ss(f + b), dot_i8(w0, a0), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_broadcast_ss(f + b + 1), dot_i8(w1, a1), acc1);
-        }
-        if (b < n) {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wc + b * QK));
-            const __m256i a0 = _mm256_loadu_si256((const __m256i *)(xc + b * QK));
-            acc0 = _mm256_fmadd_ps(_mm256_broadcast_ss(f + b), dot_i8(w0, a0), acc0);
-        }
-    }
-    return hsum8(_mm256_add_ps(acc0, acc1));
-#else
-    float acc = 0.0f;
-    for (int b = 0; b < nb; b++) {
-        int32_t s = 0;
-        for (int i = 0; i < QK; i++) s += (int32_t)wq[b * QK + i] * xq[b * QK + i];
-        acc += fp16_to_fp32(wd[b]) * xd[b] * (float)s;
-    }
-    return acc;
-#endif
-}
-
-int gemv_q8_0_q8(const float *x, const int8_t *qs, const uint16_t *d, float *out, int M, int N, int K,
-                 int nthreads) {
-    const int nb = K / QK;
-    int8_t *xq = malloc((size_t)M * K);
-    float *xd = malloc(sizeof(float) * (size_t)M * nb);
-    if (!xq || !xd) { free(xq); free(xd); return 1; }   /* the caller raises MemoryError */
-    quantize_rows_q8(x, M, K, xq, xd);
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int n = 0; n < N; n++)
-        for (int m = 0; m < M; m++)
-            out[(long)m * N + n] = dot_q8_0_q8(qs + (long)n * K, d + (long)n * nb, xq + (long)m * K, xd + m * nb, nb);
-    free(xq);
-    free(xd);
-    return 0;
-}
-
 /* One fp32 weight row . one fp32 activation row (the decode step's fp32 projections). */
 static inline float dot_f32(const float *w, const float *x, int K) {
 #if HAVE_AVX2
@@ -217,173 +125,335 @@ static inline float dot_f32(const float *w, const float *x, int K) {
 #endif
 }
 
-/* One q8_0 weight row . fp32 activations: the exact weight values times x. */
-static inline float dot_q8_0_f32(const int8_t *wq, const uint16_t *wd, const float *xr, int nb) {
+/* --- products: one weight row times up to QTR activation rows --------------------------------
+
+   A decode step has one activation row per projection; a batch, a speculative verify or a short
+   chunk has several. Every weight block is then unpacked once (its signs taken, its nibbles
+   spread, its codes widened to floats, its fp16 factors converted) and multiplied into QTR
+   activation rows held in registers: before, each row repeated the unpacking, and a batch-8
+   q8_0 step cost 4.3x a batch-1 step. A row's arithmetic is the same whichever tile it lands
+   in (RR = 1 is the decode step's), so a row's product never depends on the batch around it. */
+
+#define QTR 4   /* activation rows per tile */
+#define INLINE static inline __attribute__((always_inline))
+
+/* The block formats of the projections (decode_step.c adds its fp32 layouts to the same enum). */
+enum { Q8_0_Q8 = 2, Q8_0_F32 = 3, Q4_1_F32 = 4, Q4_1_Q8 = 5, Q4_0_Q8 = 6 };
+
 #if HAVE_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    float f[FACTOR_CHUNK];
+#define FACTOR_CHUNK 32   /* blocks whose factors block_factors converts at a time */
+
+/* For RR activation rows r (row r's y and z at y + r ys, z + r zs) and n <= FACTOR_CHUNK blocks:
+   f[r][b] = d[b] y_r[b] (y NULL: f[0][b] = d[b] alone, shared by the rows); mt[r] = the sum over
+   b of m[b] z_r[b] (m NULL: of -8 d[b] z_r[b]; z NULL: 0), the minimums' share of a zero-point
+   row's product. The fp16 values convert 8 at a time, once for all rows: one scalar conversion
+   per block (an insert and a convert, both on the shuffle port) took ~20% of a q4_1 row's fp32
+   product. */
+INLINE void block_factors(const int RR, const uint16_t *d, const float *y, long ys, const uint16_t *m,
+                               const float *z, long zs, int n, float f[][FACTOR_CHUNK], float *mt) {
+    __m256 macc[QTR];
+    float ms[QTR];
+    for (int r = 0; r < RR; r++) { macc[r] = _mm256_setzero_ps(); ms[r] = 0.0f; }
+    int b = 0;
+#if defined(__F16C__)
+    for (; b + 8 <= n; b += 8) {
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
+        const __m256 mv = !z ? dv : m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b)))
+                                      : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+        if (!y) _mm256_storeu_ps(f[0] + b, dv);
+        for (int r = 0; r < RR; r++) {
+            if (y) _mm256_storeu_ps(f[r] + b, _mm256_mul_ps(dv, _mm256_loadu_ps(y + r * ys + b)));
+            if (z) macc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(z + r * zs + b), macc[r]);
+        }
+    }
+#endif
+    for (; b < n; b++) {
+        const float dw = fp16_to_fp32(d[b]), mw = m ? fp16_to_fp32(m[b]) : -8.0f * dw;
+        if (!y) f[0][b] = dw;
+        for (int r = 0; r < RR; r++) {
+            if (y) f[r][b] = dw * y[r * ys + b];
+            if (z) ms[r] += mw * z[r * zs + b];
+        }
+    }
+    for (int r = 0; r < RR; r++) mt[r] = hsum8(macc[r]) + ms[r];
+}
+
+/* One q8_0 block (codes w) times RR rows' blocks (codes a + r K), added to acc[r] with factor
+   f[r][b]. */
+INLINE void q8_0_q8_block(const int RR, const int8_t *w8, const int8_t *a8, int K, float f[][FACTOR_CHUNK], int b,
+                          __m256 *acc) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)w8), aw = _mm256_sign_epi8(w, w);
+    for (int r = 0; r < RR; r++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(a8 + (long)r * K));
+        const __m256i dot16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(a, w));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot16, _mm256_set1_epi16(1)));
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(f[r] + b), dot, acc[r]);
+    }
+}
+
+/* q8_0 weights (nb blocks: codes wq, scales wd) . RR rows of q8 activations (codes xq + r K,
+   scales xd + r nb): per block d_w d_x sum(w_i a_i) in int8 x int8 -> int32 (llama.cpp's
+   q8_0 x q8_0: maddubs takes |w| and a with w's sign; |w| is taken once per block). */
+INLINE void tile_q8_0_q8(const int RR, const int8_t *wq, const uint16_t *wd, const int8_t *xq,
+                         const float *xd, int K, int nb, float *out) {
+    __m256 acc0[QTR], acc1[QTR];   /* two chains per row hide FMA latency */
+    float f[QTR][FACTOR_CHUNK], unused[QTR];
+    for (int r = 0; r < RR; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
     for (int c = 0; c < nb; c += FACTOR_CHUNK) {
         const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
-        block_factors(wd + c, NULL, NULL, NULL, n, f);
+        block_factors(RR, wd + c, xd + c, nb, NULL, NULL, 0, n, f, unused);
+        int b = 0;   /* even blocks into acc0, odd into acc1, without a test per block */
+        for (; b + 1 < n; b += 2) {
+            q8_0_q8_block(RR, wq + (long)(c + b) * QK, xq + (long)(c + b) * QK, K, f, b, acc0);
+            q8_0_q8_block(RR, wq + (long)(c + b + 1) * QK, xq + (long)(c + b + 1) * QK, K, f, b + 1, acc1);
+        }
+        if (b < n) q8_0_q8_block(RR, wq + (long)(c + b) * QK, xq + (long)(c + b) * QK, K, f, b, acc0);
+    }
+    for (int r = 0; r < RR; r++) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+/* One q4 block (16 bytes of nibble pairs) times RR rows' q8 blocks, added to acc[r]. */
+INLINE void q4_q8_block(const int RR, const uint8_t *w4, const int8_t *a8, int K, float f[][FACTOR_CHUNK], int b,
+                        __m256 *acc) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)w4);
+    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(15));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
+    const __m256i w = _mm256_set_m128i(hi, lo);       /* elements 0..15 | 16..31 */
+    for (int r = 0; r < RR; r++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(a8 + (long)r * K));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(f[r] + b), dot, acc[r]);
+    }
+}
+
+/* q4_1 weights (codes wq: byte j of a block holds element j low, j + 16 high; scales wd,
+   minimums wm; wm NULL: q4_0, w = d (q - 8)) . RR rows of q8 activations (llama.cpp's
+   q4_1 x q8_1): d_w d_x sum(q_i a_i) + m_w d_x sum(a_i) per block, xs holding d_x sum(a_i).
+   The unsigned nibbles go straight into maddubs, spread once per block. */
+INLINE void tile_q4_1_q8(const int RR, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
+                         const int8_t *xq, const float *xd, const float *xs, int K, int nb, float *out) {
+    __m256 acc0[QTR], acc1[QTR];
+    float f[QTR][FACTOR_CHUNK], macc[QTR], mt[QTR];
+    for (int r = 0; r < RR; r++) { acc0[r] = acc1[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
+    for (int c = 0; c < nb; c += FACTOR_CHUNK) {
+        const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
+        block_factors(RR, wd + c, xd + c, nb, wm ? wm + c : NULL, xs + c, nb, n, f, mt);
+        for (int r = 0; r < RR; r++) macc[r] += mt[r];
+        int b = 0;
+        for (; b + 1 < n; b += 2) {
+            q4_q8_block(RR, wq + (long)(c + b) * QK / 2, xq + (long)(c + b) * QK, K, f, b, acc0);
+            q4_q8_block(RR, wq + (long)(c + b + 1) * QK / 2, xq + (long)(c + b + 1) * QK, K, f, b + 1, acc1);
+        }
+        if (b < n) q4_q8_block(RR, wq + (long)(c + b) * QK / 2, xq + (long)(c + b) * QK, K, f, b, acc0);
+    }
+    for (int r = 0; r < RR; r++) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + macc[r];
+}
+
+/* q8_0 weights . RR rows of fp32 activations (x + r K): the exact weight values times x; each
+   block's codes are widened to floats once. */
+INLINE void tile_q8_0_f32(const int RR, const int8_t *wq, const uint16_t *wd, const float *x, int K, int nb,
+                          float *out) {
+    __m256 acc[QTR];
+    float f[1][FACTOR_CHUNK], unused[1];
+    for (int r = 0; r < RR; r++) acc[r] = _mm256_setzero_ps();
+    for (int c = 0; c < nb; c += FACTOR_CHUNK) {
+        const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
+        block_factors(1, wd + c, NULL, 0, NULL, NULL, 0, n, f, unused);
         for (int b = 0; b < n; b++) {
             const int8_t *wb = wq + (long)(c + b) * QK;
-            const float *xb = xr + (long)(c + b) * QK;
-            __m256 s = _mm256_setzero_ps();
-            for (int j = 0; j < QK; j += 8) {
-                const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wb + j))));
-                s = _mm256_fmadd_ps(w, _mm256_loadu_ps(xb + j), s);
+            __m256 w[4];
+            for (int j = 0; j < 4; j++) w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 8 * j))));
+            for (int r = 0; r < RR; r++) {
+                const float *xb = x + (long)r * K + (long)(c + b) * QK;
+                __m256 s = _mm256_setzero_ps();
+                for (int j = 0; j < 4; j++) s = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), s);
+                acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(f[0] + b), s, acc[r]);
             }
-            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(f + b), s, acc);
         }
     }
-    return hsum8(acc);
-#else
-    float acc = 0.0f;
-    for (int b = 0; b < nb; b++) {
-        float s = 0.0f;
-        for (int i = 0; i < QK; i++) s += (float)wq[b * QK + i] * xr[b * QK + i];
-        acc += fp16_to_fp32(wd[b]) * s;
-    }
-    return acc;
-#endif
+    for (int r = 0; r < RR; r++) out[r] = hsum8(acc[r]);
 }
 
-/* One q4_1 weight row . fp32 activations; xs: the activations' sum over each block (the minimum
-   m multiplies it). */
-static inline float dot_q4_1_f32(const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, const float *xr,
-                                 const float *xs, int nb) {
-#if HAVE_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    float macc = 0.0f, f[FACTOR_CHUNK];
+/* q4_1 weights . RR rows of fp32 activations; xs: each row's sum over each block (the minimum
+   multiplies it). Each byte is widened once for both its nibbles, once for all rows. */
+INLINE void tile_q4_1_f32(const int RR, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
+                          const float *x, const float *xs, int K, int nb, float *out) {
+    __m256 acc[QTR];
+    float f[1][FACTOR_CHUNK], macc[QTR], mt[QTR];
     const __m256i low4 = _mm256_set1_epi32(15);
+    for (int r = 0; r < RR; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
     for (int c = 0; c < nb; c += FACTOR_CHUNK) {
         const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
-        macc += block_factors(wd + c, NULL, wm + c, xs + c, n, f);
+        block_factors(RR, wd + c, NULL, 0, wm + c, xs + c, nb, n, f, mt);
+        for (int r = 0; r < RR; r++) macc[r] += mt[r];
         for (int b = 0; b < n; b++) {
-            /* byte j holds elements j (low nibble) and j + 16 (high): each byte widened once */
             const __m128i bytes = _mm_loadu_si128((const __m128i *)(wq + (long)(c + b) * QK / 2));
             const __m256i w0 = _mm256_cvtepu8_epi32(bytes), w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-            const float *xb = xr + (long)(c + b) * QK;
-            __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w0, low4)), _mm256_loadu_ps(xb));
-            s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w1, low4)), _mm256_loadu_ps(xb + 8), s);
-            s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4)), _mm256_loadu_ps(xb + 16), s);
-            s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4)), _mm256_loadu_ps(xb + 24), s);
-            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(f + b), s, acc);
+            const __m256 e0 = _mm256_cvtepi32_ps(_mm256_and_si256(w0, low4)), e8 = _mm256_cvtepi32_ps(_mm256_and_si256(w1, low4));
+            const __m256 e16 = _mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4)), e24 = _mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4));
+            for (int r = 0; r < RR; r++) {
+                const float *xb = x + (long)r * K + (long)(c + b) * QK;
+                __m256 s = _mm256_mul_ps(e0, _mm256_loadu_ps(xb));
+                s = _mm256_fmadd_ps(e8, _mm256_loadu_ps(xb + 8), s);
+                s = _mm256_fmadd_ps(e16, _mm256_loadu_ps(xb + 16), s);
+                s = _mm256_fmadd_ps(e24, _mm256_loadu_ps(xb + 24), s);
+                acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(f[0] + b), s, acc[r]);
+            }
         }
     }
-    return hsum8(acc) + macc;
-#else
-    float acc = 0.0f;
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *qb = wq + b * QK / 2;
-        const float *xb = xr + b * QK;
-        float s = 0.0f;
-        for (int j = 0; j < QK / 2; j++) s += (float)(qb[j] & 15) * xb[j] + (float)(qb[j] >> 4) * xb[j + QK / 2];
-        acc += fp16_to_fp32(wd[b]) * s + fp16_to_fp32(wm[b]) * xs[b];
-    }
-    return acc;
-#endif
+    for (int r = 0; r < RR; r++) out[r] = hsum8(acc[r]) + macc[r];
 }
 
-/* x [M, K] -> the sum of each 32-block [M, K/32]. */
-static void block_sums(const float *x, int M, int K, float *xs) {
-    const int nb = K / QK;
-    for (int m = 0; m < M; m++)
+#else   /* portable: the same sums, one element at a time */
+
+INLINE void tile_q8_0_q8(const int RR, const int8_t *wq, const uint16_t *wd, const int8_t *xq,
+                         const float *xd, int K, int nb, float *out) {
+    for (int r = 0; r < RR; r++) {
+        float acc = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            int32_t s = 0;
+            for (int i = 0; i < QK; i++) s += (int32_t)wq[b * QK + i] * xq[(long)r * K + b * QK + i];
+            acc += fp16_to_fp32(wd[b]) * xd[r * nb + b] * (float)s;
+        }
+        out[r] = acc;
+    }
+}
+
+INLINE void tile_q4_1_q8(const int RR, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
+                         const int8_t *xq, const float *xd, const float *xs, int K, int nb, float *out) {
+    for (int r = 0; r < RR; r++) {
+        float acc = 0.0f, macc = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *qb = wq + b * QK / 2;
+            const int8_t *a = xq + (long)r * K + b * QK;
+            int32_t s = 0;
+            for (int j = 0; j < QK / 2; j++) s += (qb[j] & 15) * a[j] + (qb[j] >> 4) * a[j + QK / 2];
+            const float dw = fp16_to_fp32(wd[b]);
+            acc += dw * xd[r * nb + b] * (float)s;
+            macc += (wm ? fp16_to_fp32(wm[b]) : -8.0f * dw) * xs[r * nb + b];
+        }
+        out[r] = acc + macc;
+    }
+}
+
+INLINE void tile_q8_0_f32(const int RR, const int8_t *wq, const uint16_t *wd, const float *x, int K, int nb,
+                          float *out) {
+    for (int r = 0; r < RR; r++) {
+        float acc = 0.0f;
         for (int b = 0; b < nb; b++) {
             float s = 0.0f;
-            for (int i = 0; i < QK; i++) s += x[(long)m * K + b * QK + i];
-            xs[m * nb + b] = s;
+            for (int i = 0; i < QK; i++) s += (float)wq[b * QK + i] * x[(long)r * K + b * QK + i];
+            acc += fp16_to_fp32(wd[b]) * s;
         }
+        out[r] = acc;
+    }
 }
 
-int gemv_q8_0_f32(const float *x, const int8_t *qs, const uint16_t *d, float *out, int M, int N, int K,
-                   int nthreads) {
+INLINE void tile_q4_1_f32(const int RR, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
+                          const float *x, const float *xs, int K, int nb, float *out) {
+    for (int r = 0; r < RR; r++) {
+        float acc = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *qb = wq + b * QK / 2;
+            const float *xb = x + (long)r * K + b * QK;
+            float s = 0.0f;
+            for (int j = 0; j < QK / 2; j++) s += (float)(qb[j] & 15) * xb[j] + (float)(qb[j] >> 4) * xb[j + QK / 2];
+            acc += fp16_to_fp32(wd[b]) * s + fp16_to_fp32(wm[b]) * xs[r * nb + b];
+        }
+        out[r] = acc;
+    }
+}
+#endif
+
+/* The activations a block format's product takes, for M rows of x [M, K]: q8 codes xq [M, K],
+   their scales xd and (zero-point weights) d_x sum(a_i) in xs [M, K/32]; for q4_1 x fp32, the
+   block sums of x in xs. */
+static void prepare_activations(int fmt, const float *x, int M, int K, int8_t *xq, float *xd, float *xs) {
     const int nb = K / QK;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int n = 0; n < N; n++)
+    if (fmt == Q4_1_F32) {
         for (int m = 0; m < M; m++)
-            out[(long)m * N + n] = dot_q8_0_f32(qs + (long)n * K, d + (long)n * nb, x + (long)m * K, nb);
-    return 0;
+            for (int b = 0; b < nb; b++) {
+                float s = 0.0f;
+                for (int i = 0; i < QK; i++) s += x[(long)m * K + b * QK + i];
+                xs[m * nb + b] = s;
+            }
+        return;
+    }
+    if (fmt == Q8_0_F32) return;
+    quantize_rows_q8(x, M, K, xq, xd);
+    if (fmt != Q8_0_Q8)
+        for (int m = 0; m < M; m++)
+            for (int b = 0; b < nb; b++) {
+                int32_t s = 0;
+                for (int i = 0; i < QK; i++) s += xq[(long)m * K + b * QK + i];
+                xs[m * nb + b] = xd[m * nb + b] * (float)s;
+            }
 }
 
-int gemv_q4_1_f32(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins, float *out,
-                   int M, int N, int K, int nthreads) {
+/* y[r * N + n] = x_r . weight row n (+ bias) for the M rows, QTR rows per pass over the weight
+   row (w: the codes of an [N, K] weight, d/m: its fp16 scales/minimums; xq, xd, xs from
+   prepare_activations). */
+static inline void quant_row(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int n, int N, int K,
+                             const float *x, const int8_t *xq, const float *xd, const float *xs, int M, float *y,
+                             float bias) {
     const int nb = K / QK;
-    float *xs = malloc(sizeof(float) * (size_t)M * nb);
-    if (!xs) return 1;
-    block_sums(x, M, K, xs);
+    const int8_t *w8 = (const int8_t *)w + (long)n * K;
+    const uint8_t *w4 = (const uint8_t *)w + (long)n * (K / 2);
+    const uint16_t *dn = d + (long)n * nb, *mn = m ? m + (long)n * nb : NULL;
+    for (int r0 = 0; r0 < M; r0 += QTR) {
+        const int rr = M - r0 < QTR ? M - r0 : QTR;
+        float o[QTR];
+#define QUANT_TILE(RR)                                                                                   \
+        switch (fmt) {                                                                                   \
+        case Q8_0_Q8: tile_q8_0_q8(RR, w8, dn, xq + (long)r0 * K, xd + r0 * nb, K, nb, o); break;         \
+        case Q8_0_F32: tile_q8_0_f32(RR, w8, dn, x + (long)r0 * K, K, nb, o); break;                      \
+        case Q4_1_F32: tile_q4_1_f32(RR, w4, dn, mn, x + (long)r0 * K, xs + r0 * nb, K, nb, o); break;     \
+        default: tile_q4_1_q8(RR, w4, dn, mn, xq + (long)r0 * K, xd + r0 * nb, xs + r0 * nb, K, nb, o);  \
+        }
+        switch (rr) {
+        case 1: QUANT_TILE(1) break;
+        case 2: QUANT_TILE(2) break;
+        case 3: QUANT_TILE(3) break;
+        default: QUANT_TILE(4)
+        }
+#undef QUANT_TILE
+        for (int r = 0; r < rr; r++) y[(long)(r0 + r) * N + n] = o[r] + bias;
+    }
+}
+
+/* x [M, K] fp32 times an [N, K] block-format weight -> out [M, N]; parallel over weight rows. */
+static int gemv_blocks(int fmt, const float *x, const void *qs, const uint16_t *d, const uint16_t *mins, float *out,
+                       int M, int N, int K, int nthreads) {
+    const int nb = K / QK;
+    int8_t *xq = malloc((size_t)M * K);
+    float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
+    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return 1; }   /* the caller raises MemoryError */
+    prepare_activations(fmt, x, M, K, xq, xd, xs);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int n = 0; n < N; n++)
-        for (int m = 0; m < M; m++)
-            out[(long)m * N + n] = dot_q4_1_f32(qs + (long)n * (K / 2), d + (long)n * nb, mins + (long)n * nb,
-                                                x + (long)m * K, xs + m * nb, nb);
+    for (int n = 0; n < N; n++) quant_row(fmt, qs, d, mins, n, N, K, x, xq, xd, xs, M, out, 0.0f);
+    free(xq);
+    free(xd);
     free(xs);
     return 0;
 }
 
-/* q4_1 weights x q8 activations (llama.cpp's q4_1 x q8_1): per block
-   d_w d_x sum(q_i a_i) + m_w d_x sum(a_i), with unsigned 4-bit q and signed 8-bit a;
-   xs holds d_x sum(a_i) per activation block. q4_0 is the same sum with m_w = -8 d_w (wm NULL). */
-static inline float dot_q4_1_q8(const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, const int8_t *xq,
-                                const float *xd, const float *xs, int nb) {
-    float macc = 0.0f;
-#if HAVE_AVX2
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float f[FACTOR_CHUNK];
-    for (int c = 0; c < nb; c += FACTOR_CHUNK) {
-        const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
-        macc += block_factors(wd + c, xd + c, wm ? wm + c : NULL, xs + c, n, f);
-        for (int b = 0; b < n; b++) {
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(wq + (long)(c + b) * QK / 2));
-            const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(15));
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
-            const __m256i w = _mm256_set_m128i(hi, lo);       /* elements 0..15 | 16..31 */
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + (long)(c + b) * QK));
-            const __m256i dot16 = _mm256_maddubs_epi16(w, a);     /* w unsigned, a signed */
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot16, _mm256_set1_epi16(1)));
-            if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_broadcast_ss(f + b), dot, acc1);
-            else acc0 = _mm256_fmadd_ps(_mm256_broadcast_ss(f + b), dot, acc0);
-        }
-    }
-    return hsum8(_mm256_add_ps(acc0, acc1)) + macc;
-#else
-    float acc = 0.0f;
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *qb = wq + b * QK / 2;
-        const int8_t *a = xq + b * QK;
-        int32_t s = 0;
-        for (int j = 0; j < QK / 2; j++) s += (qb[j] & 15) * a[j] + (qb[j] >> 4) * a[j + QK / 2];
-        const float dw = fp16_to_fp32(wd[b]);
-        acc += dw * xd[b] * (float)s;
-        macc += (wm ? fp16_to_fp32(wm[b]) : -8.0f * dw) * xs[b];
-    }
-    return acc + macc;
-#endif
+int gemv_q8_0_q8(const float *x, const int8_t *qs, const uint16_t *d, float *out, int M, int N, int K, int nthreads) {
+    return gemv_blocks(Q8_0_Q8, x, qs, d, NULL, out, M, N, K, nthreads);
+}
+
+int gemv_q8_0_f32(const float *x, const int8_t *qs, const uint16_t *d, float *out, int M, int N, int K, int nthreads) {
+    return gemv_blocks(Q8_0_F32, x, qs, d, NULL, out, M, N, K, nthreads);
+}
+
+int gemv_q4_1_f32(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins, float *out,
+                  int M, int N, int K, int nthreads) {
+    return gemv_blocks(Q4_1_F32, x, qs, d, mins, out, M, N, K, nthreads);
 }
 
 /* mins NULL: q4_0 weights (w = d (q - 8)). */
 int gemv_q4_1_q8(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins, float *out,
                  int M, int N, int K, int nthreads) {
-    const int nb = K / QK;
-    int8_t *xq = malloc((size_t)M * K);
-    float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
-    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return 1; }
-    quantize_rows_q8(x, M, K, xq, xd);
-    for (int m = 0; m < M; m++)
-        for (int b = 0; b < nb; b++) {
-            int32_t s = 0;
-            for (int i = 0; i < QK; i++) s += xq[(long)m * K + b * QK + i];
-            xs[m * nb + b] = xd[m * nb + b] * (float)s;
-        }
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int n = 0; n < N; n++)
-        for (int m = 0; m < M; m++)
-            out[(long)m * N + n] = dot_q4_1_q8(qs + (long)n * (K / 2), d + (long)n * nb, mins ? mins + (long)n * nb : NULL,
-                                               xq + (long)m * K, xd + m * nb, xs + m * nb, nb);
-    free(xq);
-    free(xd);
-    free(xs);
-    return 0;
+    return gemv_blocks(mins ? Q4_1_Q8 : Q4_0_Q8, x, qs, d, mins, out, M, N, K, nthreads);
 }
 
 /* --- choosing the codes ------------------------------------------------------------------------
