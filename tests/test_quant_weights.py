@@ -181,18 +181,43 @@ def test_a_rows_product_does_not_depend_on_the_batch_around_it(fmt, act):
             assert torch.equal(whole[r], lin(x[max(0, r - 2) : r + 1])[-1]), r
 
 
-def test_eager_fallback_and_large_batches_match_the_kernel(monkeypatch):
+@pytest.mark.parametrize("fmt,act", [("q4_1", "f32"), ("q8_0", "f32"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")])
+def test_eager_fallback_and_large_batches_match_the_kernel(monkeypatch, fmt, act):
+    """The eager path (no kernel library; more rows than KERNEL_ROWS, as in a prefill or a batch of
+    17) multiplies the values the kernel does, q8-rounded activations included: only the fp32
+    summation order differs. Before, it took fp32 activations, and a q8_0 model's greedy output
+    changed with the batch size (benchmarks/batched_throughput.py --weights q8_0 caught it)."""
     needs_kernels()
-    lin = layer("q4_1", "f32", 48, 64, seed=4, bias=True)
-    x = randn(2, 3, 64, seed=5)
+    lin = layer(fmt, act, 48, 64, seed=4, bias=True)
+    x = randn(quant.KERNEL_ROWS + 1, 64, seed=5)
+    # fp32 sums in another order on values up to sum |w||x|, plus the eager path's roundings of
+    # the dequantized activation and weight values (each within an eps of the kernel's products)
+    atol = 2 * tol.reduction(x, 64)["atol"] / float(x.abs().max()) * float((lin.dequantized().abs() @ x.abs().t()).max())
     with torch.inference_mode():
-        kernel_out = lin(x)
+        rows = torch.cat([lin(x[r : r + 1]) for r in range(len(x))])   # the kernel, one row at a time
+        torch.testing.assert_close(lin(x), rows, atol=atol, rtol=0)    # 17 rows: the eager path
+        small = x[:6].view(2, 3, 64)
+        kernel_out = lin(small)
         monkeypatch.setattr(quant, "library", lambda: None)
-        eager_out = lin(x)
+        eager_out = lin(small)
     assert kernel_out.shape == eager_out.shape == (2, 3, 48)
-    torch.testing.assert_close(kernel_out, eager_out, **tol.reduction(eager_out, 64 * 4))
-    big = randn(quant.KERNEL_ROWS + 1, 64, seed=6)             # prefill-sized: dequantize + matmul
-    torch.testing.assert_close(lin(big), reference(lin, big), **tol.reduction(big, 64 * 4))
+    torch.testing.assert_close(kernel_out, eager_out, atol=atol, rtol=0)
+    if act == "q8":    # and the rounding is really there: fp32 activations miss by far more
+        exact = reference(lin, x[:6])
+        assert (eager_out.view(6, 48) - exact).abs().max() > 4 * atol
+
+
+def test_round_activations_q8_is_the_kernels_rule():
+    """round_activations_q8 gives back exactly the codes times the scales quantize_rows_q8 makes."""
+    needs_kernels()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 128, generator=g) * torch.rand(5, 1, generator=g) * 10
+    x[0] = torch.randint(-254, 255, (128,), generator=g).float() * 0.5     # ties
+    x[1, :32] = 0.0                                                        # an all-zero block
+    q, d = torch.empty(5, 128, dtype=torch.int8), torch.empty(5, 4)
+    quant.library().quantize_activations_q8(x.data_ptr(), 5, 128, q.data_ptr(), d.data_ptr())
+    want = (q.float().view(5, 4, 32) * d[..., None]).view(5, 128)
+    assert torch.equal(quant.round_activations_q8(x), want)
 
 
 def test_switched_off_by_environment(monkeypatch):
@@ -201,8 +226,9 @@ def test_switched_off_by_environment(monkeypatch):
     try:
         assert quant.library() is None and quant.status() == "off (CARAMBA_KERNELS=0)"
         lin = layer("q8_0", "q8", 8, 32)
-        x = randn(1, 32)
-        torch.testing.assert_close(lin(x), reference(lin, x), **tol.reduction(x, 32 * 4))
+        x = randn(1, 32)     # without kernels: the same q8-rounded activations, dequantized weights
+        want = reference(lin, quant.round_activations_q8(x))
+        torch.testing.assert_close(lin(x), want, **tol.reduction(x, 32 * 4))
     finally:
         quant.library.cache_clear()
 

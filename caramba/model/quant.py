@@ -15,7 +15,9 @@ Q4_1) removes most of the requantization error (docs/decode-speed.md).
 
 QuantLinear calls the C kernels for batch-1 decode and other small row counts (<= KERNEL_ROWS) on
 the CPU; prefill, larger batches, other devices and a missing kernel library take the eager path
-(dequantize, then matmul), which computes with fp32 activations.
+(dequantize, then matmul). Both multiply the same values: for q8_0 and q4_0 the eager path rounds
+the activations to q8_0 as the kernels do (round_activations_q8), so a batch, a long prompt or a
+machine without a compiler changes only the fp32 summation order, never the arithmetic.
 """
 
 from __future__ import annotations
@@ -119,11 +121,26 @@ def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = w.shape
     if K % QK:
         raise ValueError(f"quantized weights need in_features divisible by {QK}, got {K}")
-    blocks = w.detach().float().reshape(N, K // QK, QK)
-    d = blocks.abs().amax(-1) / 127
+    codes, d = _q8_codes(w.detach().float().reshape(N, K // QK, QK))
+    q = codes.clamp_(-127, 127).to(torch.int8)
+    return q.reshape(N, K).contiguous(), d.squeeze(-1).to(torch.float16).contiguous()
+
+
+def round_activations_q8(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] fp32 rounded to q8_0 blocks and back: the values the integer kernels multiply
+    (quantize_rows_q8 in quant_gemv.c, the same codes and fp32 scales). The eager path of an
+    act='q8' layer multiplies these, so a prompt's prefill, a batch of 17 rows and a machine
+    without the kernels compute with the activations a decode step uses."""
+    codes, d = _q8_codes(x.reshape(*x.shape[:-1], -1, QK))
+    return (codes * d).reshape(x.shape)
+
+
+def _q8_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [..., QK] fp32 -> (codes as floats, scale [..., 1]): d = max|x| / 127, codes x / d
+    rounded to nearest even (fp32 arithmetic throughout, as the C rule)."""
+    d = blocks.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    q = torch.round(blocks * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return q.reshape(N, K).contiguous(), d.to(torch.float16).contiguous()
+    return torch.round(blocks * inv), d
 
 
 def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -180,9 +197,9 @@ class QuantLinear(nn.Module):
     """y = x @ W^T (+ bias) with W [out, in] held as quantized blocks.
 
     fmt 'q8_0' (codes int8 [N, K], d fp16), 'q4_0' (codes uint8 [N, K/2], d fp16) or 'q4_1'
-    (codes uint8 [N, K/2], d and m fp16); act 'q8' quantizes activations to q8_0 blocks for the
-    kernel (int8 dot products, llama.cpp's way: faster, but adds the activations' rounding); 'f32'
-    multiplies them as they are (q8_0 and q4_1 only).
+    (codes uint8 [N, K/2], d and m fp16); act 'q8' rounds activations to q8_0 blocks on every path
+    (the kernel's int8 dot products, llama.cpp's way: faster, but adds the activations' rounding);
+    'f32' multiplies them as they are (q8_0 and q4_1 only).
     `embedding(tokens)` reads rows of W, for a head tied to the embeddings.
     """
 
@@ -245,7 +262,10 @@ class QuantLinear(nn.Module):
             if lib is not None:
                 return self._kernel(lib, x, M)
         shape = x.shape
-        y = F.linear(x.reshape(-1, self.in_features).to(torch.float32), self.dequantized().to(x.device), self.bias)
+        x = x.reshape(-1, self.in_features).to(torch.float32)
+        if self.act == "q8":
+            x = round_activations_q8(x)
+        y = F.linear(x, self.dequantized().to(x.device), self.bias)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
     def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, M: int) -> torch.Tensor:
