@@ -24,9 +24,15 @@
    activations) every thread does itself on private copies: ~1 us of arithmetic, where a
    barrier and a hand-off cost more.
 
-   The attention splits the cache slots over the threads: each computes, for every head, the
-   softmax statistics (max, sum) and the unnormalized p V of its own slots; the partials are then
-   combined exactly (flash-decoding). The new tokens' own K and V are read from the projection's
+   The attention cuts the cache slots into parts of ATT_PART slots, and each thread takes a run of
+   whole parts: for every head it scores its slots in one pass, then gives each part's softmax
+   statistics (max, sum) and unnormalized p V; the partials are combined exactly (flash-decoding),
+   part by part in order. The parts, not the threads, fix the arithmetic. The step may run on one
+   thread or two from one step to the next (fast_decode.ThreadChoice), and with activations rounded
+   to q8 a summation-order difference can cross a rounding boundary and move a logit by ~1 (0.74
+   measured on SmolLM2 q8_0 when the partials followed the threads). So with block-quantized
+   weights (their products split output rows, never a sum) a step's bits do not depend on the
+   thread count; fp32 input-major products still split k over the threads (~4e-5 in a logit). The new tokens' own K and V are read from the projection's
    output (as the cache will read them back), not the cache, so no thread waits for the cache write.
 
    Caches (kv_stream.c): each stream is read from its codes below r0 and in full precision above
@@ -60,6 +66,7 @@ typedef struct {
 /* Per layer: attn_norm, mlp_norm, wqkv, wo, w13, w2 (int64 slots). */
 enum { L_ATTN_NORM = 0, L_MLP_NORM = 1, L_QKV = 2, L_O = 9, L_13 = 16, L_2 = 23, L_SLOTS = 30 };
 
+#define ATT_PART 64         /* cache slots per attention part (a split that does not follow the threads) */
 #define COLS_CHUNK 4096     /* input-major products: partial sums [rows, 4096] per thread, L1/L2-resident */
 
 static inline Lin lin_at(const int64_t *p) {
@@ -300,20 +307,23 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
         }
     }
     const Lin wh = lin_at(head);
-    /* shared: projection outputs, attention partials [threads, M, heads, D + 2], column partials */
+    /* shared: projection outputs, attention partials [parts, M, heads, D + 2], column partials */
     const size_t part_w = (size_t)D + 2;
-    const size_t shared = (size_t)M * (qkv_w + dim + 2 * hidden) + (size_t)nthreads * M * n_heads * part_w +
+    const int nparts = (L + ATT_PART - 1) / ATT_PART;
+    const size_t shared = (size_t)M * (qkv_w + dim + 2 * hidden) + (size_t)nparts * M * n_heads * part_w +
                           (size_t)nthreads * M * COLS_CHUNK;
     float *sh = malloc(sizeof(float) * shared);
     if (!sh) return 1;
     float *qkv = sh, *proj = qkv + (size_t)M * qkv_w, *gu = proj + (size_t)M * dim, *part = gu + (size_t)M * 2 * hidden,
-          *cols = part + (size_t)nthreads * M * n_heads * part_w;
+          *cols = part + (size_t)nparts * M * n_heads * part_w;
     int failed = 0;
 
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int my_slots = (L + nt - 1) / nt;
+        const int p0 = (int)((long)tid * nparts / nt), p1 = (int)((long)(tid + 1) * nparts / nt);   /* my parts */
+        const int s0 = p0 * ATT_PART < L ? p0 * ATT_PART : L, s1 = p1 * ATT_PART < L ? p1 * ATT_PART : L;
+        const int n = s1 - s0, my_slots = n;
         const size_t kv_n = (size_t)M * n_kv * D;
         /* private floats: residual stream, normed input, roped q, the new k and v as stored, attention
            output, MLP gate, q8 activation scales and sums, the new k and v as read, scores and their
@@ -342,7 +352,6 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
             uint16_t *kpar = (uint16_t *)(qs + chan_n), *vpar = kpar + kv_n;
             uint8_t *ku = (uint8_t *)(vpar + kv_n), *vu = ku + kv_n, *ug = vu + kv_n;
             Act a = {(int8_t *)(ug + (size_t)D * gmax), xd, xs};
-            const int s0 = tid * my_slots < L ? tid * my_slots : L, s1 = s0 + my_slots < L ? s0 + my_slots : L, n = s1 - s0;
             memcpy(x, x_in, sizeof(float) * (size_t)M * dim);
             for (int l = 0; l < n_layers; l++) {
                 const int64_t *p = plan + (long)l * L_SLOTS;
@@ -404,7 +413,7 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
 #pragma omp for schedule(static)
                     for (int rg = 0; rg < M * n_kv; rg++) complete_group(&ks, rg, S, D, slot, k + (long)rg * D, xg, ug);
                 }
-                /* this thread's slots: every head of a KV group's scores, their max, then exp and sum and p V */
+                /* this thread's parts: every head of a KV group's scores; per part their max, exp and sum, p V */
                 const int vbits = kv_bits(vs.kind), vfw = D * vbits / 8, vzp = kv_zero_point(vs.kind);
                 const int vqb = vs.block, vnb = vs.kind == KV_F32 ? 0 : D / vqb, vnp = (vzp ? 2 : 1) * vnb;
                 for (int r = 0; r < M; r++) {
@@ -428,70 +437,74 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                             for (int j = 0; j < rep; j++) sc[(long)j * n + sl - s0] = dot_f32(kk, qg + (long)j * D, D);
                         }
                         for (int j = 0; j < rep; j++) {
-                            float m = -INFINITY, *sj = sc + (long)j * n;
-                            for (int i = 0; i < n; i++) {
-                                const float v = (mr && !mr[s0 + i]) || s0 + i - slot > tt ? -INFINITY : sj[i] * scale;
-                                sj[i] = v;
-                                m = v > m ? v : m;
-                            }
-                            mx[j] = m;
-                            sum[j] = 0.0f;
-                            memset(part + (((size_t)tid * M + r) * n_heads + g * rep + j) * part_w, 0, sizeof(float) * D);
-                        }
-                        if (vzp) memset(bsum, 0, sizeof(float) * (size_t)rep * vnb);
-                        /* the softmax weights e = exp(score - max) in place (0: masked), their sums */
-                        for (int j = 0; j < rep; j++) {
                             float *sj = sc + (long)j * n;
-                            for (int i = 0; i < n; i++) {
-                                if (sj[i] == -INFINITY) { sj[i] = 0.0f; continue; }
-                                sj[i] = expf(sj[i] - mx[j]);
-                                sum[j] += sj[i];
-                            }
+                            for (int i = 0; i < n; i++)
+                                sj[i] = (mr && !mr[s0 + i]) || s0 + i - slot > tt ? -INFINITY : sj[i] * scale;
                         }
-                        /* p V, VCHUNK slots at a time: each slot's row decoded once, then every head's
-                           output held in registers across the chunk (value_chunk) */
-                        for (int c0 = s0; c0 < s1; c0 += VCHUNK) {
-                            const int cn = s1 - c0 < VCHUNK ? s1 - c0 : VCHUNK;
-                            const float *rows[VCHUNK];
-                            int coded[VCHUNK], live = 0;
-                            for (int k = 0; k < cn; k++) {
-                                const int sl = c0 + k, i = sl - s0;
-                                int any = 0;
-                                for (int j = 0; j < rep; j++) any |= sc[(long)j * n + i] != 0.0f;
-                                coded[k] = sl < slot && sl < vce;
-                                rows[k] = NULL;
-                                if (!any) continue;
-                                live = 1;
-                                if (sl >= slot) rows[k] = NEW(vn, sl - slot);
-                                else if (coded[k]) {
-                                    float *dst = vbuf + (long)k * D, *pk = ppb + (long)k * vnp;
-                                    decode_row(vs.kind, (const uint8_t *)vs.codes + (rg * S + sl) * vfw, D, dst);
-                                    const uint16_t *ps = vs.params + rg * vnp * S + sl;
-                                    for (int b = 0; b < vnp; b++) pk[b] = fp16_to_fp32(ps[(long)b * S]);
-                                    rows[k] = dst;
-                                } else rows[k] = ring_row(&vs, rg, sl, D);
-                            }
-                            if (!live) continue;
+                        for (int pi = p0; pi < p1; pi++) {
+                            const int a0 = pi * ATT_PART - s0, a1 = a0 + ATT_PART < n ? a0 + ATT_PART : n;   /* in sc */
                             for (int j = 0; j < rep; j++) {
-                                float *restrict o = part + (((size_t)tid * M + r) * n_heads + g * rep + j) * part_w;
-                                value_chunk(o, rows, coded, ppb, vnb, vnp, vqb, vzp, sc + (long)j * n + (c0 - s0), cn, D,
-                                            bsum + (long)j * vnb);
+                                float m = -INFINITY;
+                                for (int i = a0; i < a1; i++) m = sc[(long)j * n + i] > m ? sc[(long)j * n + i] : m;
+                                mx[j] = m;
+                                sum[j] = 0.0f;
+                                memset(part + (((size_t)pi * M + r) * n_heads + g * rep + j) * part_w, 0, sizeof(float) * D);
                             }
-                        }
-                        for (int j = 0; j < rep; j++) {
-                            float *o = part + (((size_t)tid * M + r) * n_heads + g * rep + j) * part_w;
-                            if (vzp)
-                                for (int c = 0; c < D; c++) o[c] += bsum[(long)j * vnb + c / vqb];
-                            o[D] = mx[j];
-                            o[D + 1] = sum[j];
+                            if (vzp) memset(bsum, 0, sizeof(float) * (size_t)rep * vnb);
+                            /* the softmax weights e = exp(score - max) in place (0: masked), their sums */
+                            for (int j = 0; j < rep; j++) {
+                                float *sj = sc + (long)j * n;
+                                for (int i = a0; i < a1; i++) {
+                                    if (sj[i] == -INFINITY) { sj[i] = 0.0f; continue; }
+                                    sj[i] = expf(sj[i] - mx[j]);
+                                    sum[j] += sj[i];
+                                }
+                            }
+                            /* p V, VCHUNK slots at a time: each slot's row decoded once, then every head's
+                               output held in registers across the chunk (value_chunk) */
+                            for (int c0 = s0 + a0; c0 < s0 + a1; c0 += VCHUNK) {
+                                const int cn = s0 + a1 - c0 < VCHUNK ? s0 + a1 - c0 : VCHUNK;
+                                const float *rows[VCHUNK];
+                                int coded[VCHUNK], live = 0;
+                                for (int k = 0; k < cn; k++) {
+                                    const int sl = c0 + k, i = sl - s0;
+                                    int any = 0;
+                                    for (int j = 0; j < rep; j++) any |= sc[(long)j * n + i] != 0.0f;
+                                    coded[k] = sl < slot && sl < vce;
+                                    rows[k] = NULL;
+                                    if (!any) continue;
+                                    live = 1;
+                                    if (sl >= slot) rows[k] = NEW(vn, sl - slot);
+                                    else if (coded[k]) {
+                                        float *dst = vbuf + (long)k * D, *pk = ppb + (long)k * vnp;
+                                        decode_row(vs.kind, (const uint8_t *)vs.codes + (rg * S + sl) * vfw, D, dst);
+                                        const uint16_t *ps = vs.params + rg * vnp * S + sl;
+                                        for (int b = 0; b < vnp; b++) pk[b] = fp16_to_fp32(ps[(long)b * S]);
+                                        rows[k] = dst;
+                                    } else rows[k] = ring_row(&vs, rg, sl, D);
+                                }
+                                if (!live) continue;
+                                for (int j = 0; j < rep; j++) {
+                                    float *restrict o = part + (((size_t)pi * M + r) * n_heads + g * rep + j) * part_w;
+                                    value_chunk(o, rows, coded, ppb, vnb, vnp, vqb, vzp, sc + (long)j * n + (c0 - s0), cn, D,
+                                                bsum + (long)j * vnb);
+                                }
+                            }
+                            for (int j = 0; j < rep; j++) {
+                                float *o = part + (((size_t)pi * M + r) * n_heads + g * rep + j) * part_w;
+                                if (vzp)
+                                    for (int c = 0; c < D; c++) o[c] += bsum[(long)j * vnb + c / vqb];
+                                o[D] = mx[j];
+                                o[D + 1] = sum[j];
+                            }
                         }
 #undef NEW
                     }
                 }
 #pragma omp barrier
-                /* the new tokens' K and V into the cache, by the thread that owns the last slot:
+                /* the new tokens' K and V into the cache, by the thread that owns the last part:
                    nobody reads them before the next step */
-                if (s0 < L && s1 == L)
+                if (p0 < p1 && p1 == nparts)
                     for (long rg = 0; rg < (long)M * n_kv; rg++) {
                         const long r = rg / n_kv, cg = r / T * n_kv + rg % n_kv;
                         const int at = slot + (int)(r % T);
@@ -502,13 +515,13 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                 for (int r = 0; r < M; r++)
                     for (int hh = 0; hh < n_heads; hh++) {
                         float mx = -INFINITY, sum = 0.0f;
-                        for (int t2 = 0; t2 < nt; t2++) {
+                        for (int t2 = 0; t2 < nparts; t2++) {
                             const float m_t = part[(((size_t)t2 * M + r) * n_heads + hh) * part_w + D];
                             mx = m_t > mx ? m_t : mx;
                         }
                         float *o = att + (long)r * q_w + hh * D;
                         memset(o, 0, sizeof(float) * D);
-                        for (int t2 = 0; t2 < nt; t2++) {
+                        for (int t2 = 0; t2 < nparts; t2++) {
                             const float *pt = part + (((size_t)t2 * M + r) * n_heads + hh) * part_w;
                             if (pt[D] == -INFINITY) continue;
                             const float w = expf(pt[D] - mx);
