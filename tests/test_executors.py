@@ -135,7 +135,10 @@ def start(manifest: Path, runs: Path, *args: str) -> subprocess.Popen:
 def test_a_killed_worker_fails_only_its_run_and_a_rerun_redoes_exactly_it(tmp_path, monkeypatch, tiny_model):  # noqa: F811
     monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
     # 'slow' decodes long enough to be caught mid-run; the other runs are quick.
-    prompts = ", ".join(f'"slow prompt {i}"' for i in range(40))
+    # Long enough (minutes) that the Ctrl-C lands mid-run even when the poll below is starved of
+    # CPU: with 40 prompts the run took 3.6 s on a loaded CI machine, the signal arrived as it
+    # finished, and the sweep exited 0. Interrupted, it costs nothing.
+    prompts = ", ".join(f'"slow prompt {i}"' for i in range(2000))
     slow_run = (f"- id: slow\n  mode: generate\n  generate: {{prompts: [{prompts}], max_new_tokens: 200, "
                 "temperature: 0.0, stream: false}\n")
     manifest = sweep_manifest(tmp_path, tiny_model, first=slow_run)   # first: it starts at once
@@ -201,7 +204,10 @@ def test_status_and_report_read_the_sweep(tmp_path, monkeypatch, tiny_model):  #
 
 
 def test_ctrl_c_cancels_the_sweep_and_keeps_no_done(tmp_path, tiny_model):  # noqa: F811
-    prompts = ", ".join(f'"slow prompt {i}"' for i in range(40))
+    # Long enough (minutes) that the Ctrl-C lands mid-run even when the poll below is starved of
+    # CPU: with 40 prompts the run took 3.6 s on a loaded CI machine, the signal arrived as it
+    # finished, and the sweep exited 0. Interrupted, it costs nothing.
+    prompts = ", ".join(f'"slow prompt {i}"' for i in range(2000))
     slow_run = (f"- id: slow\n  mode: generate\n  generate: {{prompts: [{prompts}], max_new_tokens: 200, "
                 "temperature: 0.0, stream: false}\n")
     manifest = sweep_manifest(tmp_path, tiny_model, first=slow_run)
