@@ -135,10 +135,7 @@ def start(manifest: Path, runs: Path, *args: str) -> subprocess.Popen:
 def test_a_killed_worker_fails_only_its_run_and_a_rerun_redoes_exactly_it(tmp_path, monkeypatch, tiny_model):  # noqa: F811
     monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
     # 'slow' decodes long enough to be caught mid-run; the other runs are quick.
-    # Long enough (minutes) that the Ctrl-C lands mid-run even when the poll below is starved of
-    # CPU: with 40 prompts the run took 3.6 s on a loaded CI machine, the signal arrived as it
-    # finished, and the sweep exited 0. Interrupted, it costs nothing.
-    prompts = ", ".join(f'"slow prompt {i}"' for i in range(2000))
+    prompts = ", ".join(f'"slow prompt {i}"' for i in range(40))
     slow_run = (f"- id: slow\n  mode: generate\n  generate: {{prompts: [{prompts}], max_new_tokens: 200, "
                 "temperature: 0.0, stream: false}\n")
     manifest = sweep_manifest(tmp_path, tiny_model, first=slow_run)   # first: it starts at once
@@ -204,17 +201,23 @@ def test_status_and_report_read_the_sweep(tmp_path, monkeypatch, tiny_model):  #
 
 
 def test_ctrl_c_cancels_the_sweep_and_keeps_no_done(tmp_path, tiny_model):  # noqa: F811
-    # Long enough (minutes) that the Ctrl-C lands mid-run even when the poll below is starved of
-    # CPU: with 40 prompts the run took 3.6 s on a loaded CI machine, the signal arrived as it
-    # finished, and the sweep exited 0. Interrupted, it costs nothing.
-    prompts = ", ".join(f'"slow prompt {i}"' for i in range(2000))
+    prompts = ", ".join(f'"slow prompt {i}"' for i in range(40))
     slow_run = (f"- id: slow\n  mode: generate\n  generate: {{prompts: [{prompts}], max_new_tokens: 200, "
                 "temperature: 0.0, stream: false}\n")
     manifest = sweep_manifest(tmp_path, tiny_model, first=slow_run)
     runs = tmp_path / "runs"
     env = {**os.environ, "CARAMBA_RUNS_DIR": str(runs), "PYTHONPATH": str(ROOT), "COLUMNS": "300"}
-    proc = subprocess.Popen([sys.executable, "-m", "caramba.cli", "run", str(manifest), "--jobs", "2"], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # The sweep must start with SIGINT at its default, as a terminal's foreground job does. A shell
+    # that runs the suite in the background (`make test &`, no job control) ignores SIGINT, children
+    # inherit that, and Python then never raises KeyboardInterrupt: the sweep ran to the end and
+    # exited 0. A handler installed here is reset to the default by exec in the child.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "caramba.cli", "run", str(manifest), "--jobs", "2"], env=env,
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     slow = RunDir("sw", "t", "slow", root=runs)
     deadline = time.monotonic() + 120
     while not (lock_held(slow.lock_path) and slow.staging.exists()):
