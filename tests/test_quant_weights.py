@@ -207,6 +207,17 @@ def test_eager_fallback_and_large_batches_match_the_kernel(monkeypatch, fmt, act
         assert (eager_out.view(6, 48) - exact).abs().max() > 4 * atol
 
 
+def test_the_eager_path_returns_the_inputs_dtype():
+    """A bf16 model's activations skip the kernels (fp32 only) and come back bf16."""
+    lin = layer("q8_0", "q8", 8, 64)
+    x = randn(2, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), reference(lin, quant.round_activations_q8(x.float())),
+                               **tol.rounding(torch.bfloat16, reference(lin, x.float())))
+
+
 def test_round_activations_q8_is_the_kernels_rule():
     """round_activations_q8 gives back exactly the codes times the scales quantize_rows_q8 makes."""
     needs_kernels()

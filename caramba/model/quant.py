@@ -262,10 +262,10 @@ class QuantLinear(nn.Module):
             if lib is not None:
                 return self._kernel(lib, x, M)
         shape = x.shape
-        x = x.reshape(-1, self.in_features).to(torch.float32)
+        rows = x.reshape(-1, self.in_features).to(torch.float32)
         if self.act == "q8":
-            x = round_activations_q8(x)
-        y = F.linear(x, self.dequantized().to(x.device), self.bias)
+            rows = round_activations_q8(rows)
+        y = F.linear(rows, self.dequantized().to(x.device), self.bias)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
     def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, M: int) -> torch.Tensor:
