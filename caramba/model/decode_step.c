@@ -32,8 +32,9 @@
    to q8 a summation-order difference can cross a rounding boundary and move a logit by ~1 (0.74
    measured on SmolLM2 q8_0 when the partials followed the threads). So with block-quantized
    weights (their products split output rows, never a sum) a step's bits do not depend on the
-   thread count; fp32 input-major products still split k over the threads (~4e-5 in a logit). The new tokens' own K and V are read from the projection's
-   output (as the cache will read them back), not the cache, so no thread waits for the cache write.
+   thread count; fp32 input-major products still split k over the threads (~4e-5 in a logit).
+   The new tokens' own K and V are read from the projection's output (as the cache will read them
+   back), not the cache, so no thread waits for the cache write.
 
    Caches (kv_stream.c): each stream is read from its codes below r0 and in full precision above
    (fp32 values, or the ring of a residual window / incomplete per-channel group), keys-major
@@ -323,7 +324,7 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         const int p0 = (int)((long)tid * nparts / nt), p1 = (int)((long)(tid + 1) * nparts / nt);   /* my parts */
         const int s0 = p0 * ATT_PART < L ? p0 * ATT_PART : L, s1 = p1 * ATT_PART < L ? p1 * ATT_PART : L;
-        const int n = s1 - s0, my_slots = n;
+        const int n = s1 - s0;   /* my slots */
         const size_t kv_n = (size_t)M * n_kv * D;
         /* private floats: residual stream, normed input, roped q, the new k and v as stored, attention
            output, MLP gate, q8 activation scales and sums, the new k and v as read, scores and their
@@ -331,7 +332,7 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
            rows and their block parameters, per-channel key groups' q-side factors; then the new k and v codes
            (uint16 parameters, bytes) */
         const size_t nf = (size_t)M * (dim + kmax + 2 * q_w + hidden) + 4 * kv_n + 2 * (size_t)M * (kmax / QK) +
-                          2 * (size_t)rep * my_slots + 2 * (size_t)my_slots + (size_t)D + (size_t)rep * D +
+                          2 * (size_t)rep * n + 2 * (size_t)n + (size_t)D + (size_t)rep * D +
                           (size_t)D * gmax + 3 * (size_t)VCHUNK * D + chan_n;
         const size_t nh = 2 * kv_n, nbytes = (size_t)M * kmax + 2 * kv_n + (size_t)D * gmax;
         float *pv = malloc(sizeof(float) * nf + sizeof(uint16_t) * nh + nbytes);
@@ -343,8 +344,8 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
             float *x = pv, *h = x + (size_t)M * dim, *q = h + (size_t)M * kmax, *k = q + (size_t)M * q_w,
                   *vv = k + kv_n, *att = vv + kv_n, *act = att + (size_t)M * q_w, *xd = act + (size_t)M * hidden,
                   *xs = xd + (size_t)M * (kmax / QK), *kn = xs + (size_t)M * (kmax / QK), *vn = kn + kv_n,
-                  *sc = vn + kv_n, *t = sc + (size_t)rep * my_slots, *sf = t + (size_t)rep * my_slots,
-                  *bf = sf + my_slots, *tmp = bf + my_slots, *bsum = tmp + D,
+                  *sc = vn + kv_n, *t = sc + (size_t)rep * n, *sf = t + (size_t)rep * n,
+                  *bf = sf + n, *tmp = bf + n, *bsum = tmp + D,
                   *xg = bsum + (size_t)rep * D;
             /* decoded value rows [VCHUNK, D], their block parameters [VCHUNK, <= 2 D] */
             float *vbuf = xg + (size_t)D * gmax, *ppb = vbuf + (size_t)VCHUNK * D;
@@ -443,12 +444,14 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                         }
                         for (int pi = p0; pi < p1; pi++) {
                             const int a0 = pi * ATT_PART - s0, a1 = a0 + ATT_PART < n ? a0 + ATT_PART : n;   /* in sc */
+                            /* this part's partials of the group's heads: head j at pg + j part_w */
+                            float *pg = part + (((size_t)pi * M + r) * n_heads + g * rep) * part_w;
                             for (int j = 0; j < rep; j++) {
                                 float m = -INFINITY;
                                 for (int i = a0; i < a1; i++) m = sc[(long)j * n + i] > m ? sc[(long)j * n + i] : m;
                                 mx[j] = m;
                                 sum[j] = 0.0f;
-                                memset(part + (((size_t)pi * M + r) * n_heads + g * rep + j) * part_w, 0, sizeof(float) * D);
+                                memset(pg + j * part_w, 0, sizeof(float) * D);
                             }
                             if (vzp) memset(bsum, 0, sizeof(float) * (size_t)rep * vnb);
                             /* the softmax weights e = exp(score - max) in place (0: masked), their sums */
@@ -485,13 +488,13 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                                 }
                                 if (!live) continue;
                                 for (int j = 0; j < rep; j++) {
-                                    float *restrict o = part + (((size_t)pi * M + r) * n_heads + g * rep + j) * part_w;
+                                    float *restrict o = pg + j * part_w;
                                     value_chunk(o, rows, coded, ppb, vnb, vnp, vqb, vzp, sc + (long)j * n + (c0 - s0), cn, D,
                                                 bsum + (long)j * vnb);
                                 }
                             }
                             for (int j = 0; j < rep; j++) {
-                                float *o = part + (((size_t)pi * M + r) * n_heads + g * rep + j) * part_w;
+                                float *o = pg + j * part_w;
                                 if (vzp)
                                     for (int c = 0; c < D; c++) o[c] += bsum[(long)j * vnb + c / vqb];
                                 o[D] = mx[j];
@@ -515,14 +518,14 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                 for (int r = 0; r < M; r++)
                     for (int hh = 0; hh < n_heads; hh++) {
                         float mx = -INFINITY, sum = 0.0f;
-                        for (int t2 = 0; t2 < nparts; t2++) {
-                            const float m_t = part[(((size_t)t2 * M + r) * n_heads + hh) * part_w + D];
+                        for (int pi = 0; pi < nparts; pi++) {
+                            const float m_t = part[(((size_t)pi * M + r) * n_heads + hh) * part_w + D];
                             mx = m_t > mx ? m_t : mx;
                         }
                         float *o = att + (long)r * q_w + hh * D;
                         memset(o, 0, sizeof(float) * D);
-                        for (int t2 = 0; t2 < nparts; t2++) {
-                            const float *pt = part + (((size_t)t2 * M + r) * n_heads + hh) * part_w;
+                        for (int pi = 0; pi < nparts; pi++) {
+                            const float *pt = part + (((size_t)pi * M + r) * n_heads + hh) * part_w;
                             if (pt[D] == -INFINITY) continue;
                             const float w = expf(pt[D] - mx);
                             sum += w * pt[D + 1];
