@@ -6,7 +6,7 @@ alternate in one process after a warm-up; medians of end-to-end tokens/s (prefil
 are reported, with torch's thread count and the load average. Then the decode step alone at
 batch 1, 2, 4 and 8 (40-token prompts, 12 steps, medians of --repeats): `step_ms_median`.
 
-    .venv/bin/python benchmarks/batched_throughput.py [--weights fp32|q8_0|q4_0|native] [--new-tokens 32]
+    .venv/bin/python benchmarks/batched_throughput.py [--weights fp32|q8_0|q4_0|native|native_i16] [--new-tokens 32]
         [--repeats 3] [--json out.json]
 """
 
@@ -81,7 +81,8 @@ def main() -> None:
     # With fp32 activations (fp32, native) a batch changes only fp32 summation orders, and greedy
     # outputs must agree. q8_0 and q4_0 round activations to q8 on every path, which turns those
     # order differences (a padded batch's prefill takes other GEMM blocking) into whole q8 steps
-    # now and then, so there the agreement is reported, as llama.cpp's batches would need too.
+    # now and then, so there the agreement is reported, as llama.cpp's batches would need too
+    # (native_i16 likewise, with steps 256 times finer).
     agree = {s: sum(a == b for a, b in zip(outputs["1"], outputs[s])) for s in ("8", "auto")}
     if args.weights in ("fp32", "native"):
         assert all(n == len(prompts) for n in agree.values()), f"batching changed a greedy output: {agree}"

@@ -8,6 +8,7 @@ cache) timed the same way: --tokens steps after a short prompt. Formats, as pair
     Q8_0  caramba weights=q8_0    llama.cpp Q8_0 GGUF  (llama-quantize --allow-requantize from the Q4_1 file)
     Q4_0  caramba weights=q4_0    llama.cpp Q4_0 GGUF  (the same; both keep the tied head at 8 bits)
     Q4_1  caramba weights=native  llama.cpp Q4_1 GGUF  (the file as shipped)
+    Q4_1  caramba weights=native_i16  (the same blocks, activations rounded to int16: not exact)
 
 caramba's q8_0 and q4_0 requantize the same dequantized values as llama-quantize does (with
 searched block scales: caramba.model.quant). Runs alternate
@@ -47,7 +48,8 @@ from caramba.cache import kernel as cache_kernel  # noqa: E402
 from caramba.model import fast_decode, fused, quant  # noqa: E402
 from caramba.model.zoo import load_model  # noqa: E402
 
-CARAMBA_WEIGHTS = {"F32": "fp32", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "native"}
+# llama.cpp format -> the caramba weight kinds timed against it
+CARAMBA_WEIGHTS = {"F32": ["fp32"], "Q8_0": ["q8_0"], "Q4_0": ["q4_0"], "Q4_1": ["native", "native_i16"]}
 
 
 def llama_models(tools: llamacpp.Tools, formats: list[str]) -> dict[str, Path]:
@@ -110,25 +112,28 @@ def main() -> None:
 
     tools = None if args.no_llamacpp else llamacpp.build(["llama-bench", "llama-quantize"], args.sdist)
     ggufs = {} if tools is None else llama_models(tools, formats)
-    models = {f: load_model("smollm2-135m", progress=False, weights=CARAMBA_WEIGHTS[f]) for f in formats}
+    kinds = [w for f in formats for w in CARAMBA_WEIGHTS[f]]
+    models = {w: load_model("smollm2-135m", progress=False, weights=w) for w in kinds}
     tokenizer = next(iter(models.values())).tokenizer
     prompt = torch.tensor([tokenizer.encode("The history of the lighthouse begins with")])
 
     load_before = os.getloadavg()
-    rows = {f: {"caramba": [], "llama.cpp": [], "torch path": []} for f in formats}
+    rows = {w: {"caramba": [], "torch path": []} for w in kinds}
+    llama_runs = {f: [] for f in formats}
     commands = {}
-    for f in formats:   # warm-up: kernel builds, first-touch of the weights, llama.cpp's model load
-        caramba_decode(models[f].model, prompt, 4)
+    for w in kinds:   # warm-up: kernel builds, first-touch of the weights
+        caramba_decode(models[w].model, prompt, 4)
     for _ in range(args.repeats):
         for f in formats:
-            rows[f]["caramba"].append(caramba_decode(models[f].model, prompt, args.tokens))
-            if args.torch_path:
-                models[f].model.fast_decode = False
-                rows[f]["torch path"].append(caramba_decode(models[f].model, prompt, args.tokens))
-                models[f].model.fast_decode = True
+            for w in CARAMBA_WEIGHTS[f]:
+                rows[w]["caramba"].append(caramba_decode(models[w].model, prompt, args.tokens))
+                if args.torch_path:
+                    models[w].model.fast_decode = False
+                    rows[w]["torch path"].append(caramba_decode(models[w].model, prompt, args.tokens))
+                    models[w].model.fast_decode = True
             if tools is not None:
                 ts, commands[f] = llama_bench(tools, ggufs[f], args.tokens, args.threads)
-                rows[f]["llama.cpp"].append(ts)
+                llama_runs[f].append(ts)
     load_after = os.getloadavg()
 
     print(f"SmolLM2-135M batch-1 decode, {args.tokens} tokens x {args.repeats} alternating repeats, "
@@ -142,18 +147,19 @@ def main() -> None:
     print("|---|---|---|---|---|" + ("---|" if args.torch_path else ""))
     table = []
     for f in formats:
-        c = statistics.median(rows[f]["caramba"])
-        lc = statistics.median(rows[f]["llama.cpp"]) if rows[f]["llama.cpp"] else None
-        ratio = f"{c / lc:.2f}x" if lc else "-"
-        tp = f" {statistics.median(rows[f]['torch path']):.1f} |" if args.torch_path else ""
-        print(f"| {f} | {CARAMBA_WEIGHTS[f]} | {c:.1f} | {f'{lc:.1f}' if lc else '-'} | {ratio} |{tp}")
-        choice = getattr(models[f].model, "decode_threads", None)   # the C step's adaptive thread count
-        if choice is not None and choice.current not in (None, args.threads):
-            print(f"  note: caramba's {f} step settled on {choice.current} thread(s) (fast_decode.ThreadChoice: "
-                  "two measured slower on this machine just then)")
-        table.append({"format": f, "caramba_weights": CARAMBA_WEIGHTS[f], "caramba_tok_s": c, "llamacpp_tok_s": lc,
-                      "caramba_runs": rows[f]["caramba"], "llamacpp_runs": rows[f]["llama.cpp"],
-                      "torch_path_runs": rows[f]["torch path"]})
+        lc = statistics.median(llama_runs[f]) if llama_runs[f] else None
+        for w in CARAMBA_WEIGHTS[f]:
+            c = statistics.median(rows[w]["caramba"])
+            ratio = f"{c / lc:.2f}x" if lc else "-"
+            tp = f" {statistics.median(rows[w]['torch path']):.1f} |" if args.torch_path else ""
+            print(f"| {f} | {w} | {c:.1f} | {f'{lc:.1f}' if lc else '-'} | {ratio} |{tp}")
+            choice = getattr(models[w].model, "decode_threads", None)   # the C step's adaptive thread count
+            if choice is not None and choice.current not in (None, args.threads):
+                print(f"  note: caramba's {w} step settled on {choice.current} thread(s) (fast_decode.ThreadChoice: "
+                      "two measured slower on this machine just then)")
+            table.append({"format": f, "caramba_weights": w, "caramba_tok_s": c, "llamacpp_tok_s": lc,
+                          "caramba_runs": rows[w]["caramba"], "llamacpp_runs": llama_runs[f],
+                          "torch_path_runs": rows[w]["torch path"]})
     if args.json:
         Path(args.json).write_text(json.dumps({
             "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "torch": torch.__version__,

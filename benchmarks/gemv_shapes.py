@@ -1,5 +1,5 @@
 """One GEMV per SmolLM2-135M projection shape, x [1, K]: torch fp32 against the quantized-weight
-kernels of caramba.model.quant (q8_0 and q4_1, with q8 or fp32 activations).
+kernels of caramba.model.quant (q8_0 and q4_1, with q8, int16 or fp32 activations).
 
     .venv/bin/python benchmarks/gemv_shapes.py [--threads 1] [--repeats 3]
 
@@ -49,6 +49,8 @@ def main() -> None:
                 "q8_0*f32": QuantLinear.from_float(w, act="f32"),
                 "q4_1*f32": QuantLinear("q4_1", p["qs"], p["d"], p["m"], act="f32"),
                 "q4_1*q8": QuantLinear("q4_1", p["qs"], p["d"], p["m"], act="q8"),
+                "q8_0*i16": QuantLinear.from_float(w, act="i16"),
+                "q4_1*i16": QuantLinear("q4_1", p["qs"], p["d"], p["m"], act="i16"),
             }
             n = 20 if name == "head" else 200
             times = {k: [] for k in variants}

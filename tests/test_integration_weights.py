@@ -1,6 +1,7 @@
 """Quantized weights on the real SmolLM2-135M-Instruct GGUF: `native` keeps the file's Q4_1/Q8_0
 blocks, whose values are exactly what the fp32 path dequantizes, so greedy output must equal
-fp32's; q8_0 requantizes them and must stay close."""
+fp32's; `native_i16` rounds the activations to int16 and must stay within that rounding; q8_0
+requantizes the weights and must stay close."""
 
 from __future__ import annotations
 
@@ -14,14 +15,23 @@ from test_integration_smollm2 import PROMPTS
 pytestmark = SMOLLM2
 
 
-@pytest.fixture(scope="module")
-def native(smollm2):
+def load(weights: str):
     from caramba.model import quant
     from caramba.model.zoo import load_model
 
     if quant.library() is None:
         pytest.skip(f"weight kernels {quant.status()}")
-    return load_model("smollm2-135m", "float32", "cpu", progress=False, weights="native").model
+    return load_model("smollm2-135m", "float32", "cpu", progress=False, weights=weights).model
+
+
+@pytest.fixture(scope="module")
+def native(smollm2):
+    return load("native")
+
+
+@pytest.fixture(scope="module")
+def native_i16(smollm2):
+    return load("native_i16")
 
 
 def greedy(model, tok, n=32):
@@ -35,17 +45,34 @@ def test_native_blocks_give_the_fp32_greedy_output(smollm2, native):
     assert greedy(native, smollm2.tokenizer) == greedy(smollm2.model, smollm2.tokenizer)
 
 
-def test_native_logits_match_fp32(smollm2, native):
-    ids = torch.tensor([smollm2.tokenizer.encode(PROMPTS[2])])
+def step_logits(model, ref_model, tok):
+    """(model, ref_model) logits of one decode step after a prompt's prefill."""
+    ids = torch.tensor([tok.encode(PROMPTS[2])])
     with torch.inference_mode():
-        ref_cache, nat_cache = smollm2.model.new_cache(1, 64), native.new_cache(1, 64)
-        smollm2.model(ids, cache=ref_cache)
-        native(ids, cache=nat_cache)
+        ref_cache, cache = ref_model.new_cache(1, 64), model.new_cache(1, 64)
+        ref_model(ids, cache=ref_cache)
+        model(ids, cache=cache)
         step = torch.tensor([[42]])
-        ref, got = smollm2.model(step, cache=ref_cache), native(step, cache=nat_cache)   # the kernels' path
+        return model(step, cache=cache), ref_model(step, cache=ref_cache)   # the kernels' path
+
+
+def test_native_logits_match_fp32(smollm2, native):
+    got, ref = step_logits(native, smollm2.model, smollm2.tokenizer)
     # Same values, other summation order: fp32 rounding through 30 layers (tolerance.forward).
     import tolerance as tol
     torch.testing.assert_close(got, ref, **tol.forward(ref, smollm2.model.config))
+
+
+def test_native_i16_stays_within_its_activations_rounding(smollm2, native_i16):
+    """int16 activations move the logits (seen: ~4e-3 of ~25), within the rounding's bound; greedy
+    output leaves fp32's only at near ties (docs/decode-speed.md), none in these prompts."""
+    import tolerance as tol
+
+    assert native_i16.head.act == native_i16.layers[0].attn.wqkv.act == "i16"
+    got, ref = step_logits(native_i16, smollm2.model, smollm2.tokenizer)
+    torch.testing.assert_close(got, ref, **tol.rounded_activations(ref, smollm2.model.config, 32767))
+    assert (got - ref).abs().max() > tol.forward(ref, smollm2.model.config)["atol"] / 100   # really rounded
+    assert greedy(native_i16, smollm2.tokenizer) == greedy(smollm2.model, smollm2.tokenizer)
 
 
 def test_the_one_call_decode_step_gives_the_torch_paths_greedy_output(smollm2):

@@ -135,10 +135,12 @@ def reference(lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def activation_error_bound(lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """|W| @ (half a q8_0 step of x per element): what rounding the activations to q8_0 can move
-    each output by (each x_k moves by at most d_x / 2, d_x = its block's max|x| / 127)."""
+    """|W| @ (half a code step of x per element): what rounding the activations to lin.act's
+    blocks can move each output by (each x_k moves by at most d_x / 2, d_x = its block's
+    max|x| / levels: 127 for q8, 32767 for i16)."""
     xb = x.reshape(x.shape[0], -1, 32)
-    half_step = (xb.abs().amax(-1, keepdim=True) / 127 / 2).expand_as(xb).reshape(x.shape)
+    levels = quant.ACTIVATION_LEVELS[lin.act]
+    half_step = (xb.abs().amax(-1, keepdim=True) / levels / 2).expand_as(xb).reshape(x.shape)
     return half_step.double() @ lin.dequantized().abs().double().t()
 
 
@@ -147,7 +149,7 @@ def activation_error_bound(lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 SHAPES = [(1, 7, 32), (3, 33, 96), (11, 5, 64), (6, 9, 1056), (16, 40, 160)]
 
 
-@pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")])
+@pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "i16"), ("q4_1", "i16"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")])
 @pytest.mark.parametrize("M,N,K", SHAPES)
 def test_kernel_equals_dequantize_then_matmul(fmt, act, M, N, K):
     needs_kernels()
@@ -159,7 +161,7 @@ def test_kernel_equals_dequantize_then_matmul(fmt, act, M, N, K):
     # fp32 sums in another order (K terms) on values up to sum|w||x|
     atol = tol.reduction(ref, K)["atol"] + 16 * torch.finfo(torch.float32).eps * float(
         (lin.dequantized().abs() @ x.abs().t()).max())
-    if act == "q8":
+    if act != "f32":
         bound = activation_error_bound(lin, x).float()
         assert ((got - ref).abs() <= bound + atol).all(), float(((got - ref).abs() - bound).max())
         assert (got - ref).abs().max() > 0          # the activations really were quantized
@@ -167,7 +169,7 @@ def test_kernel_equals_dequantize_then_matmul(fmt, act, M, N, K):
         torch.testing.assert_close(got, ref, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")])
+@pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "i16"), ("q4_1", "i16"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")])
 def test_a_rows_product_does_not_depend_on_the_batch_around_it(fmt, act):
     """Rows go through register tiles of up to 4, and a row's arithmetic is the same in every
     tile position and size: batching, a speculative verify or padding never changes a row."""
@@ -181,7 +183,7 @@ def test_a_rows_product_does_not_depend_on_the_batch_around_it(fmt, act):
             assert torch.equal(whole[r], lin(x[max(0, r - 2) : r + 1])[-1]), r
 
 
-@pytest.mark.parametrize("fmt,act", [("q4_1", "f32"), ("q8_0", "f32"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")])
+@pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "i16"), ("q4_1", "i16"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")])
 def test_eager_fallback_and_large_batches_match_the_kernel(monkeypatch, fmt, act):
     """The eager path (no kernel library; more rows than KERNEL_ROWS, as in a prefill or a batch of
     17) multiplies the values the kernel does, q8-rounded activations included: only the fp32
@@ -205,6 +207,13 @@ def test_eager_fallback_and_large_batches_match_the_kernel(monkeypatch, fmt, act
     if act == "q8":    # and the rounding is really there: fp32 activations miss by far more
         exact = reference(lin, x[:6])
         assert (eager_out.view(6, 48) - exact).abs().max() > 4 * atol
+    if act != "f32":   # i16's rounding is too fine to see this way (near fp32's summation noise)
+        seen = []
+        real = quant.round_activations
+        monkeypatch.setattr(quant, "round_activations", lambda v, a: seen.append(a) or real(v, a))
+        with torch.inference_mode():
+            lin(small)
+        assert seen == [act]
 
 
 def test_the_eager_path_returns_the_inputs_dtype():
@@ -214,21 +223,26 @@ def test_the_eager_path_returns_the_inputs_dtype():
     with torch.inference_mode():
         y = lin(x)
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), reference(lin, quant.round_activations_q8(x.float())),
+    torch.testing.assert_close(y.float(), reference(lin, quant.round_activations(x.float(), "q8")),
                                **tol.rounding(torch.bfloat16, reference(lin, x.float())))
 
 
-def test_round_activations_q8_is_the_kernels_rule():
-    """round_activations_q8 gives back exactly the codes times the scales quantize_rows_q8 makes."""
+@pytest.mark.parametrize("act,dtype", [("q8", torch.int8), ("i16", torch.int16)])
+def test_round_activations_is_the_kernels_rule(act, dtype):
+    """round_activations gives back exactly the codes times the scales quantize_rows_q8 /
+    quantize_rows_i16 make."""
     needs_kernels()
+    levels = quant.ACTIVATION_LEVELS[act]
     g = torch.Generator().manual_seed(7)
     x = torch.randn(5, 128, generator=g) * torch.rand(5, 1, generator=g) * 10
-    x[0] = torch.randint(-254, 255, (128,), generator=g).float() * 0.5     # ties
+    x[0] = torch.randint(-2 * levels, 2 * levels + 1, (128,), generator=g).float() * 0.5   # ties ...
+    x[0, ::32] = levels                                                    # ... at scale 1
     x[1, :32] = 0.0                                                        # an all-zero block
-    q, d = torch.empty(5, 128, dtype=torch.int8), torch.empty(5, 4)
-    quant.library().quantize_activations_q8(x.data_ptr(), 5, 128, q.data_ptr(), d.data_ptr())
+    q, d = torch.empty(5, 128, dtype=dtype), torch.empty(5, 4)
+    getattr(quant.library(), f"quantize_activations_{act}")(x.data_ptr(), 5, 128, q.data_ptr(), d.data_ptr())
     want = (q.float().view(5, 4, 32) * d[..., None]).view(5, 128)
-    assert torch.equal(quant.round_activations_q8(x), want)
+    assert torch.equal(quant.round_activations(x, act), want)
+    assert (want[0] != x[0]).any()                                         # the ties were rounded
 
 
 def test_switched_off_by_environment(monkeypatch):
@@ -238,7 +252,7 @@ def test_switched_off_by_environment(monkeypatch):
         assert quant.library() is None and quant.status() == "off (CARAMBA_KERNELS=0)"
         lin = layer("q8_0", "q8", 8, 32)
         x = randn(1, 32)     # without kernels: the same q8-rounded activations, dequantized weights
-        want = reference(lin, quant.round_activations_q8(x))
+        want = reference(lin, quant.round_activations(x, "q8"))
         torch.testing.assert_close(lin(x), want, **tol.reduction(x, 32 * 4))
     finally:
         quant.library.cache_clear()
@@ -255,6 +269,8 @@ def test_rejects_what_has_no_kernel():
         QuantLinear.from_float(randn(4, 48))
     with pytest.raises(ValueError, match="no kernel for weights q4_0 with f32"):
         QuantLinear("q4_0", torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1), act="f32")
+    with pytest.raises(ValueError, match="no kernel for weights q4_0 with i16"):
+        QuantLinear("q4_0", torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1), act="i16")
     with pytest.raises(ValueError, match="no kernel for weights q5_0"):
         QuantLinear("q5_0", torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1))
     with pytest.raises(ValueError, match="q4_1 need block minimums"):
@@ -301,11 +317,13 @@ def models(tiny_gguf):
     return out
 
 
-def test_native_keeps_the_files_blocks(models):
-    native = models["native"]
+@pytest.mark.parametrize("weights,act", [("native", "f32"), ("native_i16", "i16")])
+def test_native_keeps_the_files_blocks(models, weights, act):
+    native = models[weights]
     for block in native.layers:
         assert block.attn.wqkv.fmt == block.attn.wo.fmt == block.mlp.w13.fmt == block.mlp.w2.fmt == "q4_1"
-    assert native.head.fmt == "q8_0" and native.head.act == "f32"
+        assert block.attn.wqkv.act == block.mlp.w2.act == act
+    assert native.head.fmt == "q8_0" and native.head.act == act
     # the same weight values as the fp32 load (which dequantized the same file)
     fp32 = models["fp32"]
     for a, b in [(native.layers[0].attn.wqkv.dequantized(), fp32.layers[0].attn.wqkv.weight),
@@ -370,7 +388,9 @@ def test_native_needs_a_gguf_and_unknown_kinds_are_named(tmp_path):
     d = write_tiny_model(tmp_path / "m")
     with pytest.raises(UserError, match="weights 'native' keeps a GGUF"):
         zoo.load_model(str(d), progress=False, weights="native")
-    with pytest.raises(UserError, match="weights 'q4' is not supported; use one of fp32, q8_0, q4_0, native"):
+    with pytest.raises(UserError, match="weights 'native_i16' keeps a GGUF"):
+        zoo.load_model(str(d), progress=False, weights="native_i16")
+    with pytest.raises(UserError, match="weights 'q4' is not supported; use one of fp32, q8_0, q4_0, native, native_i16"):
         zoo.load_model(str(d), progress=False, weights="q4")
 
 
@@ -385,13 +405,13 @@ def test_portable_kernels_equal_the_native_ones(monkeypatch, tmp_path):
     lib, status = kernels.load(quant.SOURCE, quant._SIGNATURES, "test", flags=flags)
     assert status == "c"
     monkeypatch.setattr(quant, "library", lambda: lib)
-    for fmt, act in [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")]:
+    for fmt, act in [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "i16"), ("q4_1", "i16"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")]:
         lin = layer(fmt, act, 9, 64, seed=11)
         x = randn(3, 64, seed=12)
         ref = reference(lin, x)
         atol = tol.reduction(ref, 64)["atol"] + 16 * torch.finfo(torch.float32).eps * float(
             (lin.dequantized().abs() @ x.abs().t()).max())
-        bound = activation_error_bound(lin, x).float() if act == "q8" else 0
+        bound = activation_error_bound(lin, x).float() if act != "f32" else 0
         assert ((lin(x) - ref).abs() <= bound + atol).all(), (fmt, act)
 
 

@@ -45,6 +45,14 @@ def forward(expected: torch.Tensor, config, dtype: torch.dtype = torch.float32) 
     return rounding(dtype, expected, forward_n(config))
 
 
+def rounded_activations(expected: torch.Tensor, config, levels: int) -> dict[str, float]:
+    """A forward whose projections take their inputs rounded to blocks of `levels` codes a side
+    (step max|block| / levels: QuantLinear's act 'i16' or 'q8') against an fp32 forward: every
+    input of a reduction carries one rounding like an fp32 one's, with eps 1/levels."""
+    eps = torch.finfo(torch.float32).eps + 1 / levels
+    return {"atol": SLACK * eps * math.sqrt(forward_n(config)) * float(expected.detach().abs().max()), "rtol": 0.0}
+
+
 # One step of each cache kind's storage grid, relative to the value (float formats: eps) or to
 # its block's largest |value| (quantized: the code spacing; nf4: its codebook's widest gap).
 STORAGE_STEP = {"fp32": 0.0, "fp16": torch.finfo(torch.float16).eps, "bf16": torch.finfo(torch.bfloat16).eps,

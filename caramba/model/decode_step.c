@@ -53,7 +53,7 @@
 
 #include <omp.h>
 
-enum { F32_ROWS = 0, F32_COLS = 1 };   /* and quant_gemv.c's block formats, 2..6 */
+enum { F32_ROWS = 0, F32_COLS = 1 };   /* and quant_gemv.c's block formats, 2..8 */
 
 /* A projection as the plan lays it out: 7 int64 slots. */
 typedef struct {
@@ -76,9 +76,9 @@ static inline Lin lin_at(const int64_t *p) {
     return L;
 }
 
-/* A thread's own activations in the q8 formats the integer dot products take. */
+/* A thread's own activations in the formats the integer dot products take. */
 typedef struct {
-    int8_t *xq;
+    int8_t *xq;          /* q8 codes, or int16 codes (2 bytes each) */
     float *xd, *xs;
 } Act;
 
@@ -329,12 +329,12 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
         /* private floats: residual stream, normed input, roped q, the new k and v as stored, attention
            output, MLP gate, q8 activation scales and sums, the new k and v as read, scores and their
            scratch, a rotation's output, minimum sums, a group being quantized, a chunk of decoded value
-           rows and their block parameters, per-channel key groups' q-side factors; then the new k and v codes
-           (uint16 parameters, bytes) */
+           rows and their block parameters, per-channel key groups' q-side factors; then the new k and v codes'
+           uint16 parameters, the activation codes (int8 or int16) and the new k and v codes (bytes) */
         const size_t nf = (size_t)M * (dim + kmax + 2 * q_w + hidden) + 4 * kv_n + 2 * (size_t)M * (kmax / QK) +
                           2 * (size_t)rep * n + 2 * (size_t)n + (size_t)D + (size_t)rep * D +
                           (size_t)D * gmax + 3 * (size_t)VCHUNK * D + chan_n;
-        const size_t nh = 2 * kv_n, nbytes = (size_t)M * kmax + 2 * kv_n + (size_t)D * gmax;
+        const size_t nh = 2 * kv_n, nbytes = 2 * (size_t)M * kmax + 2 * kv_n + (size_t)D * gmax;
         float *pv = malloc(sizeof(float) * nf + sizeof(uint16_t) * nh + nbytes);
         int ok = pv != NULL;
 #pragma omp atomic
@@ -351,8 +351,9 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
             float *vbuf = xg + (size_t)D * gmax, *ppb = vbuf + (size_t)VCHUNK * D;
             float *qs = ppb + 2 * (size_t)VCHUNK * D;     /* key_scores_channels' scratch */
             uint16_t *kpar = (uint16_t *)(qs + chan_n), *vpar = kpar + kv_n;
-            uint8_t *ku = (uint8_t *)(vpar + kv_n), *vu = ku + kv_n, *ug = vu + kv_n;
-            Act a = {(int8_t *)(ug + (size_t)D * gmax), xd, xs};
+            int8_t *codes = (int8_t *)(vpar + kv_n);   /* q8 or int16 activation codes: 2-byte aligned */
+            uint8_t *ku = (uint8_t *)(codes + 2 * (size_t)M * kmax), *vu = ku + kv_n, *ug = vu + kv_n;
+            Act a = {codes, xd, xs};
             memcpy(x, x_in, sizeof(float) * (size_t)M * dim);
             for (int l = 0; l < n_layers; l++) {
                 const int64_t *p = plan + (long)l * L_SLOTS;

@@ -49,9 +49,10 @@ TOKEN_KINDS = {KVCacheKind.Q8_0: KV_Q8_0, KVCacheKind.Q4_0: KV_Q4_0, KVCacheKind
 CHANNEL_KINDS = {KVCacheKind.Q4_1C: KV_Q4_1C, KVCacheKind.Q2_1C: KV_Q2_1C}    # keys only
 
 # decode_step.c's projection formats
-F32_ROWS, F32_COLS, Q8_0_Q8, Q8_0_F32, Q4_1_F32, Q4_1_Q8, Q4_0_Q8 = range(7)
+F32_ROWS, F32_COLS, Q8_0_Q8, Q8_0_F32, Q4_1_F32, Q4_1_Q8, Q4_0_Q8, Q8_0_I16, Q4_1_I16 = range(9)
 _QUANT_FORMATS = {("q8_0", "q8"): Q8_0_Q8, ("q8_0", "f32"): Q8_0_F32, ("q4_1", "f32"): Q4_1_F32,
-                  ("q4_1", "q8"): Q4_1_Q8, ("q4_0", "q8"): Q4_0_Q8}
+                  ("q4_1", "q8"): Q4_1_Q8, ("q4_0", "q8"): Q4_0_Q8, ("q8_0", "i16"): Q8_0_I16,
+                  ("q4_1", "i16"): Q4_1_I16}
 
 
 def status() -> str:

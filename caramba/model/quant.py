@@ -8,16 +8,21 @@
   q4_0    the same with llama.cpp's q4_0 blocks (32 4-bit codes, one fp16 scale: 4.5 bits);
   native  a GGUF's own blocks kept as they are (the embedded SmolLM2: Q4_1 projections, a Q8_0
           embedding/head), multiplied with fp32 activations so that the weight values are exactly
-          the ones the fp32 path dequantizes: only the summation order differs.
+          the ones the fp32 path dequantizes: only the summation order differs;
+  native_i16  the same blocks times activations rounded to int16 per 32-block (error at most
+          1/65534 of the block's largest value, 256x finer than q8's): integer multiply-adds
+          instead of an int-to-float conversion per weight, ~1.35x native's decode speed; logits
+          move by ~1e-3, so greedy output leaves fp32's at near ties (docs/decode-speed.md).
 q8_0 and q4_0 keep llama.cpp's block formats but not its rounding rule: each block's scale is the
 best of a search (quantize_blocks), which on a checkpoint that was quantized before (SmolLM2's
 Q4_1) removes most of the requantization error (docs/decode-speed.md).
 
 QuantLinear calls the C kernels for batch-1 decode and other small row counts (<= KERNEL_ROWS) on
 the CPU; prefill, larger batches, other devices and a missing kernel library take the eager path
-(dequantize, then matmul). Both multiply the same values: for q8_0 and q4_0 the eager path rounds
-the activations to q8_0 as the kernels do (round_activations_q8), so a batch, a long prompt or a
-machine without a compiler changes only the fp32 summation order, never the arithmetic.
+(dequantize, then matmul). Both multiply the same values: where the kernels round activations
+(q8 for q8_0 and q4_0, int16 for native_i16) the eager path rounds them by the same rule
+(round_activations), so a batch, a long prompt or a machine without a compiler changes only the
+fp32 summation order, never the arithmetic.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from torch import nn
 
 from caramba import kernels
 
-WEIGHT_KINDS = ("fp32", "q8_0", "q4_0", "native")
+WEIGHT_KINDS = ("fp32", "q8_0", "q4_0", "native", "native_i16")
+NATIVE_ACT = {"native": "f32", "native_i16": "i16"}   # the native kinds' activations
 QUANTIZED = {"q8_0": (-127, 127), "q4_0": (-8, 7)}   # the formats quantize_model makes: their code ranges
 QK = 32               # elements per block (both formats)
 KERNEL_ROWS = 16      # rows of activations up to which the GEMV kernels beat dequantize + matmul
@@ -44,8 +50,11 @@ _SIGNATURES = {
     "gemv_q8_0_f32": ([_P] * 4 + [_I] * 4, _I),
     "gemv_q4_1_f32": ([_P] * 5 + [_I] * 4, _I),
     "gemv_q4_1_q8": ([_P] * 5 + [_I] * 4, _I),
+    "gemv_q8_0_i16": ([_P] * 4 + [_I] * 4, _I),
+    "gemv_q4_1_i16": ([_P] * 5 + [_I] * 4, _I),
     "quantize_blocks_best": ([_P, ctypes.c_long, _I, _I, _P, _I, _P, _P, _I], None),
     "quantize_activations_q8": ([_P, _I, _I, _P, _P], None),
+    "quantize_activations_i16": ([_P, _I, _I, _P, _P], None),
 }
 # library(): the loaded GEMV kernels, or None (CARAMBA_KERNELS=0, no compiler, failed build: one warning).
 library = kernels.Library(SOURCE, _SIGNATURES, "quantized weights multiply")
@@ -121,24 +130,28 @@ def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = w.shape
     if K % QK:
         raise ValueError(f"quantized weights need in_features divisible by {QK}, got {K}")
-    codes, d = _q8_codes(w.detach().float().reshape(N, K // QK, QK))
+    codes, d = _block_codes(w.detach().float().reshape(N, K // QK, QK))
     q = codes.clamp_(-127, 127).to(torch.int8)
     return q.reshape(N, K).contiguous(), d.squeeze(-1).to(torch.float16).contiguous()
 
 
-def round_activations_q8(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] fp32 rounded to q8_0 blocks and back: the values the integer kernels multiply
-    (quantize_rows_q8 in quant_gemv.c, the same codes and fp32 scales). The eager path of an
-    act='q8' layer multiplies these, so a prompt's prefill, a batch of 17 rows and a machine
-    without the kernels compute with the activations a decode step uses."""
-    codes, d = _q8_codes(x.reshape(*x.shape[:-1], -1, QK))
+ACTIVATION_LEVELS = {"q8": 127, "i16": 32767}   # the kernels' activation codes: levels a side
+
+
+def round_activations(x: torch.Tensor, act: str) -> torch.Tensor:
+    """x [..., K] fp32 rounded to `act` blocks (32 codes, scale max|x| / levels) and back: the
+    values the integer kernels multiply (quantize_rows_q8 / quantize_rows_i16 in quant_gemv.c,
+    the same codes and fp32 scales). The eager path of an act='q8' or 'i16' layer multiplies
+    these, so a prompt's prefill, a batch of 17 rows and a machine without the kernels compute
+    with the activations a decode step uses."""
+    codes, d = _block_codes(x.reshape(*x.shape[:-1], -1, QK), ACTIVATION_LEVELS[act])
     return (codes * d).reshape(x.shape)
 
 
-def _q8_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks [..., QK] fp32 -> (codes as floats, scale [..., 1]): d = max|x| / 127, codes x / d
+def _block_codes(blocks: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [..., QK] fp32 -> (codes as floats, scale [..., 1]): d = max|x| / levels, codes x / d
     rounded to nearest even (fp32 arithmetic throughout, as the C rule)."""
-    d = blocks.abs().amax(-1, keepdim=True) / 127
+    d = blocks.abs().amax(-1, keepdim=True) / levels
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     return torch.round(blocks * inv), d
 
@@ -199,14 +212,15 @@ class QuantLinear(nn.Module):
     fmt 'q8_0' (codes int8 [N, K], d fp16), 'q4_0' (codes uint8 [N, K/2], d fp16) or 'q4_1'
     (codes uint8 [N, K/2], d and m fp16); act 'q8' rounds activations to q8_0 blocks on every path
     (the kernel's int8 dot products, llama.cpp's way: faster, but adds the activations' rounding);
-    'f32' multiplies them as they are (q8_0 and q4_1 only).
+    'i16' rounds them to int16 blocks (int16 dot products: ~256x less rounding than q8, q8_0 and
+    q4_1 only); 'f32' multiplies them as they are (q8_0 and q4_1 only).
     `embedding(tokens)` reads rows of W, for a head tied to the embeddings.
     """
 
     def __init__(self, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, act: str = "f32") -> None:
         super().__init__()
-        if fmt not in ("q8_0", "q4_0", "q4_1") or act not in ("q8", "f32") or (fmt, act) == ("q4_0", "f32"):
+        if fmt not in ("q8_0", "q4_0", "q4_1") or act not in ("q8", "i16", "f32") or (fmt == "q4_0" and act != "q8"):
             raise ValueError(f"no kernel for weights {fmt} with {act} activations")
         if (m is None) != (fmt != "q4_1"):
             raise ValueError(f"weights {fmt} {'need' if fmt == 'q4_1' else 'have no'} block minimums")
@@ -263,8 +277,8 @@ class QuantLinear(nn.Module):
                 return self._kernel(lib, x, M)
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(torch.float32)
-        if self.act == "q8":
-            rows = round_activations_q8(rows)
+        if self.act in ACTIVATION_LEVELS:
+            rows = round_activations(rows, self.act)
         y = F.linear(rows, self.dequantized().to(x.device), self.bias)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
@@ -274,10 +288,10 @@ class QuantLinear(nn.Module):
         # Below ~64k weights a thread hand-off costs more than it saves.
         threads = torch.get_num_threads() if N * K >= 1 << 16 else 1
         if self.fmt == "q8_0":
-            fn = lib.gemv_q8_0_q8 if self.act == "q8" else lib.gemv_q8_0_f32
+            fn = {"q8": lib.gemv_q8_0_q8, "i16": lib.gemv_q8_0_i16, "f32": lib.gemv_q8_0_f32}[self.act]
             failed = fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), out.data_ptr(), M, N, K, threads)
         else:
-            fn = lib.gemv_q4_1_q8 if self.act == "q8" else lib.gemv_q4_1_f32     # q4_0: no minimums
+            fn = {"q8": lib.gemv_q4_1_q8, "i16": lib.gemv_q4_1_i16, "f32": lib.gemv_q4_1_f32}[self.act]   # q4_0: no minimums
             failed = fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr(), out.data_ptr(),
                         M, N, K, threads)
         if failed:
@@ -315,11 +329,12 @@ def quantize_model(model: nn.Module, fmt: str = "q8_0", act: str = "q8") -> int:
     return count
 
 
-def native_from_gguf(model: nn.Module, reader, cfg) -> int:
+def native_from_gguf(model: nn.Module, reader, cfg, act: str = "f32") -> int:
     """Swap in a GGUF's own Q4_1/Q8_0 blocks for the projections and the head of a Llama/Qwen2
     `model` loaded from that file (rows unpermuted and fused exactly as the fp32 loader does).
     A projection whose parts have another type (F32, F16, K-quants) keeps its fp32 weights, whose
-    values are the file's too. Returns how many were swapped."""
+    values are the file's too. `act`: the activations' precision ('f32' or 'i16', QuantLinear).
+    Returns how many were swapped."""
     from caramba.model import gguf_loader
 
     tensors = {t.name: t for t in reader.tensors}
@@ -342,7 +357,7 @@ def native_from_gguf(model: nn.Module, reader, cfg) -> int:
             return None
         fmt = got[0][0].lower()
         cat = {k: torch.cat([g[1][k] for g in got]) for k in got[0][1]}
-        return QuantLinear(fmt, cat["qs"], cat["d"], cat.get("m"), bias=bias, act="f32")
+        return QuantLinear(fmt, cat["qs"], cat["d"], cat.get("m"), bias=bias, act=act)
 
     swaps = 0
 

@@ -11,12 +11,15 @@
      q4_1: qs uint8 [N, K/2], d, m fp16 [N, K/32];      w = d * q + m, q in 0..15, byte j of a block
            holds element j in its low nibble and element j + 16 in its high one (ggml's layout).
 
-   Two activation modes:
-     gemv_q8_0_q8: the activations are quantized to q8_0 on the fly (per 32-block, scale amax/127)
-       and the dot product runs in int8 x int8 -> int32, as llama.cpp's q8_0 x q8_0 does: fastest,
-       and adds the activation rounding error (relative ~1/254 per block) to the weight's.
+   Three activation modes:
+     gemv_q8_0_q8 / gemv_q4_1_q8: the activations are quantized to q8_0 on the fly (per 32-block,
+       scale amax/127) and the dot product runs in int8 x int8 -> int32, as llama.cpp's q8_0 x q8_0
+       does: fastest, and adds the activation rounding error (relative ~1/254 per block).
+     gemv_q8_0_i16 / gemv_q4_1_i16: int16 codes (scale amax/32767) in int16 x int16 -> int32
+       multiply-adds: about the q8 kernels' speed at 1/258 of their rounding error.
      gemv_q8_0_f32 / gemv_q4_1_f32: fp32 activations times the exact weight values: the product
-       differs from dequantize-then-matmul only by fp32 summation order.
+       differs from dequantize-then-matmul only by fp32 summation order; an int-to-float
+       conversion per weight makes it the slowest (the instruction count, not the bytes, bounds it).
 
    x is [M, K] fp32 (M small: a decode step or a few rows), out is [M, N] fp32. Every weight row
    is read once for all M rows. Parallel over output rows with OpenMP (the process shares
@@ -103,6 +106,47 @@ static void quantize_rows_q8(const float *x, int M, int K, int8_t *q, float *d) 
 /* quantize_rows_q8 for tests (the activations the integer products take). */
 void quantize_activations_q8(const float *x, int M, int K, int8_t *q, float *d) { quantize_rows_q8(x, M, K, q, d); }
 
+/* x [M, K] -> int16 codes [M, K] and float scales [M, K/32]: the same rule as quantize_rows_q8
+   with 32767 levels a side. The codes' rounding error, at most amax / 65534 per element, is 258
+   times smaller than q8's and of the order of fp16's; with them a block-quantized weight's product
+   runs in integer multiply-adds (madd_epi16) instead of an int-to-float conversion per weight. */
+static void quantize_rows_i16(const float *x, int M, int K, int16_t *q, float *d) {
+    const int nb = K / QK;
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (long)m * K + b * QK;
+            int16_t *qb = q + (long)m * K + b * QK;
+#if HAVE_AVX2
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(xb + 8 * j);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[j]));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
+            float amax = 0.0f;
+            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+#endif
+            const float scale = amax / 32767.0f, inv = scale ? 1.0f / scale : 0.0f;
+            d[m * nb + b] = scale;
+#if HAVE_AVX2
+            for (int j = 0; j < 4; j += 2) {
+                const __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+                const __m256i c1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], _mm256_set1_ps(inv)));
+                /* packs works per 128-bit lane: quadwords 0..3 hold elements 0-3, 8-11, 4-7, 12-15 */
+                _mm256_storeu_si256((__m256i *)(qb + 8 * j), _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xD8));
+            }
+#else
+            for (int i = 0; i < QK; i++) qb[i] = (int16_t)lrintf(xb[i] * inv);
+#endif
+        }
+}
+
+/* quantize_rows_i16 for tests. */
+void quantize_activations_i16(const float *x, int M, int K, int16_t *q, float *d) { quantize_rows_i16(x, M, K, q, d); }
+
 /* One fp32 weight row . one fp32 activation row (the decode step's fp32 projections). */
 static inline float dot_f32(const float *w, const float *x, int K) {
 #if HAVE_AVX2
@@ -138,7 +182,7 @@ static inline float dot_f32(const float *w, const float *x, int K) {
 #define INLINE static inline __attribute__((always_inline))
 
 /* The block formats of the projections (decode_step.c adds its fp32 layouts to the same enum). */
-enum { Q8_0_Q8 = 2, Q8_0_F32 = 3, Q4_1_F32 = 4, Q4_1_Q8 = 5, Q4_0_Q8 = 6 };
+enum { Q8_0_Q8 = 2, Q8_0_F32 = 3, Q4_1_F32 = 4, Q4_1_Q8 = 5, Q4_0_Q8 = 6, Q8_0_I16 = 7, Q4_1_I16 = 8 };
 
 #if HAVE_AVX2
 #define FACTOR_CHUNK 32   /* blocks whose factors block_factors converts at a time */
@@ -304,6 +348,59 @@ INLINE void tile_q4_1_f32(const int RR, const uint8_t *wq, const uint16_t *wd, c
     for (int r = 0; r < RR; r++) out[r] = hsum8(acc[r]) + macc[r];
 }
 
+/* q8_0 or q4_1 weights (w4 NULL: q8_0 codes w8; else q4_1 codes w4 and minimums wm) . RR rows of
+   int16 activations (codes xq + r K, scales xd, fp32 block sums xs for the minimums): per block
+   d_w d_x sum(w_i a_i) + m_w sum(x_i). The codes' products add up in int32 exactly: at most
+   4 x 127 x 32767 < 2^24 per lane, so their conversion to float is exact too. Two accumulator
+   chains per row hide the FMA latency. */
+/* One q8_0 block (w4 NULL: codes w8) or q4_1 block (nibbles w4) times RR rows' int16 blocks
+   (a + r K), added to acc[r] with factor f[r][b]. */
+INLINE void i16_block(const int RR, const int8_t *w8, const uint8_t *w4, const int16_t *a, int K,
+                      float f[][FACTOR_CHUNK], int b, __m256 *acc) {
+    __m256i lo, hi;   /* elements 0..15 and 16..31 as int16 */
+    if (w4) {
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w4));
+        lo = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
+        hi = _mm256_srli_epi16(bytes, 4);
+    } else {
+        lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w8));
+        hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w8 + 16)));
+    }
+    for (int r = 0; r < RR; r++) {
+        const int16_t *ab = a + (long)r * K;
+        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)ab)),
+                                           _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(ab + 16))));
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(f[r] + b), _mm256_cvtepi32_ps(s), acc[r]);
+    }
+}
+
+/* q8_0 weights (w4 NULL: codes w8) or q4_1 weights (nibbles w4, minimums wm) . RR rows of int16
+   activations (codes xq + r K, scales xd, xs = d_x sum(a_i) for the minimums): per block
+   d_w d_x sum(w_i a_i) + m_w d_x sum(a_i). The codes' products add up in int32 exactly (at most
+   4 x 127 x 32767 < 2^24 a lane), so their conversion to float is exact too. */
+INLINE void tile_blocks_i16(const int RR, const int8_t *w8, const uint8_t *w4, const uint16_t *wd,
+                            const uint16_t *wm, const int16_t *xq, const float *xd, const float *xs, int K,
+                            int nb, float *out) {
+    __m256 acc0[QTR], acc1[QTR];   /* two chains per row hide FMA latency */
+    float f[QTR][FACTOR_CHUNK], macc[QTR], mt[QTR];
+    for (int r = 0; r < RR; r++) { acc0[r] = acc1[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
+    for (int c = 0; c < nb; c += FACTOR_CHUNK) {
+        const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
+        block_factors(RR, wd + c, xd + c, nb, wm ? wm + c : NULL, w4 ? xs + c : NULL, nb, n, f, mt);
+        if (w4) for (int r = 0; r < RR; r++) macc[r] += mt[r];
+#define I16_BLOCK(B, ACC) i16_block(RR, w8 + (long)(c + (B)) * QK, w4 ? w4 + (long)(c + (B)) * QK / 2 : NULL, \
+                                    xq + (long)(c + (B)) * QK, K, f, B, ACC)
+        int b = 0;
+        for (; b + 1 < n; b += 2) {
+            I16_BLOCK(b, acc0);
+            I16_BLOCK(b + 1, acc1);
+        }
+        if (b < n) I16_BLOCK(b, acc0);
+#undef I16_BLOCK
+    }
+    for (int r = 0; r < RR; r++) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + macc[r];
+}
+
 #else   /* portable: the same sums, one element at a time */
 
 INLINE void tile_q8_0_q8(const int RR, const int8_t *wq, const uint16_t *wd, const int8_t *xq,
@@ -363,11 +460,30 @@ INLINE void tile_q4_1_f32(const int RR, const uint8_t *wq, const uint16_t *wd, c
         out[r] = acc;
     }
 }
+INLINE void tile_blocks_i16(const int RR, const int8_t *w8, const uint8_t *w4, const uint16_t *wd,
+                            const uint16_t *wm, const int16_t *xq, const float *xd, const float *xs, int K,
+                            int nb, float *out) {
+    for (int r = 0; r < RR; r++) {
+        float acc = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            const int16_t *a = xq + (long)r * K + b * QK;
+            int32_t s = 0;
+            if (w4)
+                for (int j = 0; j < QK / 2; j++)
+                    s += (w4[b * QK / 2 + j] & 15) * a[j] + (w4[b * QK / 2 + j] >> 4) * a[j + QK / 2];
+            else
+                for (int i = 0; i < QK; i++) s += w8[b * QK + i] * a[i];
+            acc += fp16_to_fp32(wd[b]) * xd[r * nb + b] * (float)s;
+            if (w4) acc += fp16_to_fp32(wm[b]) * xs[r * nb + b];
+        }
+        out[r] = acc;
+    }
+}
 #endif
 
-/* The activations a block format's product takes, for M rows of x [M, K]: q8 codes xq [M, K],
-   their scales xd and (zero-point weights) d_x sum(a_i) in xs [M, K/32]; for q4_1 x fp32, the
-   block sums of x in xs. */
+/* The activations a block format's product takes, for M rows of x [M, K]: q8 or int16 codes
+   xq [M, K], their scales xd and (zero-point weights) d_x sum(a_i) in xs [M, K/32]; for q4_1 x
+   fp32, the block sums of x in xs. */
 static void prepare_activations(int fmt, const float *x, int M, int K, int8_t *xq, float *xd, float *xs) {
     const int nb = K / QK;
     if (fmt == Q4_1_F32) {
@@ -380,12 +496,15 @@ static void prepare_activations(int fmt, const float *x, int M, int K, int8_t *x
         return;
     }
     if (fmt == Q8_0_F32) return;
-    quantize_rows_q8(x, M, K, xq, xd);
-    if (fmt != Q8_0_Q8)
+    const int wide = fmt == Q8_0_I16 || fmt == Q4_1_I16;
+    if (wide) quantize_rows_i16(x, M, K, (int16_t *)xq, xd);
+    else quantize_rows_q8(x, M, K, xq, xd);
+    if (fmt != Q8_0_Q8 && fmt != Q8_0_I16)
         for (int m = 0; m < M; m++)
             for (int b = 0; b < nb; b++) {
                 int32_t s = 0;
-                for (int i = 0; i < QK; i++) s += xq[(long)m * K + b * QK + i];
+                for (int i = 0; i < QK; i++) s += wide ? ((const int16_t *)xq)[(long)m * K + b * QK + i]
+                                                       : xq[(long)m * K + b * QK + i];
                 xs[m * nb + b] = xd[m * nb + b] * (float)s;
             }
 }
@@ -408,6 +527,10 @@ static inline void quant_row(int fmt, const void *w, const uint16_t *d, const ui
         case Q8_0_Q8: tile_q8_0_q8(RR, w8, dn, xq + (long)r0 * K, xd + r0 * nb, K, nb, o); break;         \
         case Q8_0_F32: tile_q8_0_f32(RR, w8, dn, x + (long)r0 * K, K, nb, o); break;                      \
         case Q4_1_F32: tile_q4_1_f32(RR, w4, dn, mn, x + (long)r0 * K, xs + r0 * nb, K, nb, o); break;     \
+        case Q8_0_I16: tile_blocks_i16(RR, w8, NULL, dn, NULL, (const int16_t *)xq + (long)r0 * K,         \
+                                       xd + r0 * nb, NULL, K, nb, o); break;                              \
+        case Q4_1_I16: tile_blocks_i16(RR, NULL, w4, dn, mn, (const int16_t *)xq + (long)r0 * K,           \
+                                       xd + r0 * nb, xs + r0 * nb, K, nb, o); break;                      \
         default: tile_q4_1_q8(RR, w4, dn, mn, xq + (long)r0 * K, xd + r0 * nb, xs + r0 * nb, K, nb, o);  \
         }
         switch (rr) {
@@ -425,7 +548,7 @@ static inline void quant_row(int fmt, const void *w, const uint16_t *d, const ui
 static int gemv_blocks(int fmt, const float *x, const void *qs, const uint16_t *d, const uint16_t *mins, float *out,
                        int M, int N, int K, int nthreads) {
     const int nb = K / QK;
-    int8_t *xq = malloc((size_t)M * K);
+    int8_t *xq = malloc(sizeof(int16_t) * (size_t)M * K);   /* q8 or int16 codes */
     float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
     if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return 1; }   /* the caller raises MemoryError */
     prepare_activations(fmt, x, M, K, xq, xd, xs);
@@ -448,6 +571,15 @@ int gemv_q8_0_f32(const float *x, const int8_t *qs, const uint16_t *d, float *ou
 int gemv_q4_1_f32(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins, float *out,
                   int M, int N, int K, int nthreads) {
     return gemv_blocks(Q4_1_F32, x, qs, d, mins, out, M, N, K, nthreads);
+}
+
+int gemv_q8_0_i16(const float *x, const int8_t *qs, const uint16_t *d, float *out, int M, int N, int K, int nthreads) {
+    return gemv_blocks(Q8_0_I16, x, qs, d, NULL, out, M, N, K, nthreads);
+}
+
+int gemv_q4_1_i16(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins, float *out,
+                  int M, int N, int K, int nthreads) {
+    return gemv_blocks(Q4_1_I16, x, qs, d, mins, out, M, N, K, nthreads);
 }
 
 /* mins NULL: q4_0 weights (w = d (q - 8)). */
