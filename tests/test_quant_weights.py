@@ -229,8 +229,8 @@ def test_the_eager_path_returns_the_inputs_dtype():
 
 @pytest.mark.parametrize("act,dtype", [("q8", torch.int8), ("i16", torch.int16)])
 def test_round_activations_is_the_kernels_rule(act, dtype):
-    """round_activations gives back exactly the codes times the scales quantize_rows_q8 /
-    quantize_rows_i16 make."""
+    """round_activations gives back exactly the codes times the scales quant_gemv.c's
+    quantize_rows makes (q8 and int16)."""
     needs_kernels()
     levels = quant.ACTIVATION_LEVELS[act]
     g = torch.Generator().manual_seed(7)

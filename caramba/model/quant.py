@@ -140,7 +140,7 @@ ACTIVATION_LEVELS = {"q8": 127, "i16": 32767}   # the kernels' activation codes:
 
 def round_activations(x: torch.Tensor, act: str) -> torch.Tensor:
     """x [..., K] fp32 rounded to `act` blocks (32 codes, scale max|x| / levels) and back: the
-    values the integer kernels multiply (quantize_rows_q8 / quantize_rows_i16 in quant_gemv.c,
+    values the integer kernels multiply (quantize_rows in quant_gemv.c, q8 or int16 codes:
     the same codes and fp32 scales). The eager path of an act='q8' or 'i16' layer multiplies
     these, so a prompt's prefill, a batch of 17 rows and a machine without the kernels compute
     with the activations a decode step uses."""

@@ -69,13 +69,20 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* x [M, K] -> int8 codes [M, K] and float scales [M, K/32] (round to nearest, like llama.cpp). */
-static void quantize_rows_q8(const float *x, int M, int K, int8_t *q, float *d) {
+/* x [M, K] -> codes [M, K] and float scales [M, K/32], per 32-block scale amax / levels, codes
+   rounded to nearest (llama.cpp's q8_0 rule). wide 0: int8 codes, 127 levels a side (q8); wide 1:
+   int16 codes, 32767 levels. The int16 codes' rounding error, at most amax / 65534 per element, is
+   258 times smaller than q8's and of the order of fp16's; with them a block-quantized weight's
+   product runs in integer multiply-adds (madd_epi16) instead of an int-to-float conversion per
+   weight. */
+static void quantize_rows(const float *x, int M, int K, int wide, void *q, float *d) {
     const int nb = K / QK;
+    const float levels = wide ? 32767.0f : 127.0f;
     for (int m = 0; m < M; m++)
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (long)m * K + b * QK;
-            int8_t *qb = q + (long)m * K + b * QK;
+            int8_t *q8 = (int8_t *)q + (long)m * K + b * QK;
+            int16_t *q16 = (int16_t *)q + (long)m * K + b * QK;
 #if HAVE_AVX2   /* the same codes 8 at a time (fmaxf stayed a libm call per element: ~5% of a q4_0 step) */
             __m256 v[4], mx = _mm256_setzero_ps();
             for (int j = 0; j < 4; j++) {
@@ -89,63 +96,33 @@ static void quantize_rows_q8(const float *x, int M, int K, int8_t *q, float *d) 
             float amax = 0.0f;
             for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
 #endif
-            const float scale = amax / 127.0f, inv = scale ? 1.0f / scale : 0.0f;
+            const float scale = amax / levels, inv = scale ? 1.0f / scale : 0.0f;
             d[m * nb + b] = scale;
 #if HAVE_AVX2   /* cvtps rounds to nearest even (the default mode), as lrintf does */
             __m256i c[4];
             for (int j = 0; j < 4; j++) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
-            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-            /* the packs work per 128-bit lane: dwords 0..7 hold elements 0-3, 8-11, 16-19, 24-27, 4-7, ... */
-            _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            /* the packs work per 128-bit lane: their output's elements come interleaved, put back in
+               order by the permutes */
+            if (wide)
+                for (int j = 0; j < 4; j += 2)
+                    _mm256_storeu_si256((__m256i *)(q16 + 8 * j),
+                                        _mm256_permute4x64_epi64(_mm256_packs_epi32(c[j], c[j + 1]), 0xD8));
+            else {
+                const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+                _mm256_storeu_si256((__m256i *)q8, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            }
 #else
-            for (int i = 0; i < QK; i++) qb[i] = (int8_t)lrintf(xb[i] * inv);
+            for (int i = 0; i < QK; i++)
+                if (wide) q16[i] = (int16_t)lrintf(xb[i] * inv);
+                else q8[i] = (int8_t)lrintf(xb[i] * inv);
 #endif
         }
 }
 
-/* quantize_rows_q8 for tests (the activations the integer products take). */
-void quantize_activations_q8(const float *x, int M, int K, int8_t *q, float *d) { quantize_rows_q8(x, M, K, q, d); }
+/* The codes for tests (the activations the integer products take). */
+void quantize_activations_q8(const float *x, int M, int K, int8_t *q, float *d) { quantize_rows(x, M, K, 0, q, d); }
 
-/* x [M, K] -> int16 codes [M, K] and float scales [M, K/32]: the same rule as quantize_rows_q8
-   with 32767 levels a side. The codes' rounding error, at most amax / 65534 per element, is 258
-   times smaller than q8's and of the order of fp16's; with them a block-quantized weight's product
-   runs in integer multiply-adds (madd_epi16) instead of an int-to-float conversion per weight. */
-static void quantize_rows_i16(const float *x, int M, int K, int16_t *q, float *d) {
-    const int nb = K / QK;
-    for (int m = 0; m < M; m++)
-        for (int b = 0; b < nb; b++) {
-            const float *xb = x + (long)m * K + b * QK;
-            int16_t *qb = q + (long)m * K + b * QK;
-#if HAVE_AVX2
-            __m256 v[4], mx = _mm256_setzero_ps();
-            for (int j = 0; j < 4; j++) {
-                v[j] = _mm256_loadu_ps(xb + 8 * j);
-                mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[j]));
-            }
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-#else
-            float amax = 0.0f;
-            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-#endif
-            const float scale = amax / 32767.0f, inv = scale ? 1.0f / scale : 0.0f;
-            d[m * nb + b] = scale;
-#if HAVE_AVX2
-            for (int j = 0; j < 4; j += 2) {
-                const __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
-                const __m256i c1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], _mm256_set1_ps(inv)));
-                /* packs works per 128-bit lane: quadwords 0..3 hold elements 0-3, 8-11, 4-7, 12-15 */
-                _mm256_storeu_si256((__m256i *)(qb + 8 * j), _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xD8));
-            }
-#else
-            for (int i = 0; i < QK; i++) qb[i] = (int16_t)lrintf(xb[i] * inv);
-#endif
-        }
-}
-
-/* quantize_rows_i16 for tests. */
-void quantize_activations_i16(const float *x, int M, int K, int16_t *q, float *d) { quantize_rows_i16(x, M, K, q, d); }
+void quantize_activations_i16(const float *x, int M, int K, int16_t *q, float *d) { quantize_rows(x, M, K, 1, q, d); }
 
 /* One fp32 weight row . one fp32 activation row (the decode step's fp32 projections). */
 static inline float dot_f32(const float *w, const float *x, int K) {
@@ -497,8 +474,7 @@ static void prepare_activations(int fmt, const float *x, int M, int K, int8_t *x
     }
     if (fmt == Q8_0_F32) return;
     const int wide = fmt == Q8_0_I16 || fmt == Q4_1_I16;
-    if (wide) quantize_rows_i16(x, M, K, (int16_t *)xq, xd);
-    else quantize_rows_q8(x, M, K, xq, xd);
+    quantize_rows(x, M, K, wide, xq, xd);
     if (fmt != Q8_0_Q8 && fmt != Q8_0_I16)
         for (int m = 0; m < M; m++)
             for (int b = 0; b < nb; b++) {
