@@ -62,7 +62,7 @@ class ModelSpec(_Model):
     device: Literal["cpu", "cuda", "mps", "auto"] = "cpu"
     # fp32: the checkpoint's values; q8_0 / q4_0: llama.cpp's 8- / 4-bit blocks (any source); native:
     # a GGUF's own Q4_1/Q8_0 blocks (same values as fp32); native_i16: those blocks times int16
-    # activations (faster, logits ~1e-3 off). See caramba.model.quant.
+    # activations (faster, logits up to ~1e-2 off). See caramba.model.quant.
     weights: Literal[quant.WEIGHT_KINDS] = "fp32"
 
 

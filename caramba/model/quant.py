@@ -11,8 +11,8 @@
           the ones the fp32 path dequantizes: only the summation order differs;
   native_i16  the same blocks times activations rounded to int16 per 32-block (error at most
           1/65534 of the block's largest value, 256x finer than q8's): integer multiply-adds
-          instead of an int-to-float conversion per weight, ~1.35x native's decode speed; logits
-          move by ~1e-3, so greedy output leaves fp32's at near ties (docs/decode-speed.md).
+          instead of an int-to-float conversion per weight, ~1.3x native's decode speed; logits
+          move by up to ~1e-2, so greedy output leaves fp32's at near ties (docs/decode-speed.md).
 q8_0 and q4_0 keep llama.cpp's block formats but not its rounding rule: each block's scale is the
 best of a search (quantize_blocks), which on a checkpoint that was quantized before (SmolLM2's
 Q4_1) removes most of the requantization error (docs/decode-speed.md).
@@ -288,10 +288,10 @@ class QuantLinear(nn.Module):
         # Below ~64k weights a thread hand-off costs more than it saves.
         threads = torch.get_num_threads() if N * K >= 1 << 16 else 1
         if self.fmt == "q8_0":
-            fn = {"q8": lib.gemv_q8_0_q8, "i16": lib.gemv_q8_0_i16, "f32": lib.gemv_q8_0_f32}[self.act]
+            fn = getattr(lib, f"gemv_q8_0_{self.act}")
             failed = fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), out.data_ptr(), M, N, K, threads)
         else:
-            fn = {"q8": lib.gemv_q4_1_q8, "i16": lib.gemv_q4_1_i16, "f32": lib.gemv_q4_1_f32}[self.act]   # q4_0: no minimums
+            fn = getattr(lib, f"gemv_q4_1_{self.act}")     # q4_0 (act q8 only): no minimums
             failed = fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr(), out.data_ptr(),
                         M, N, K, threads)
         if failed:

@@ -325,11 +325,6 @@ INLINE void tile_q4_1_f32(const int RR, const uint8_t *wq, const uint16_t *wd, c
     for (int r = 0; r < RR; r++) out[r] = hsum8(acc[r]) + macc[r];
 }
 
-/* q8_0 or q4_1 weights (w4 NULL: q8_0 codes w8; else q4_1 codes w4 and minimums wm) . RR rows of
-   int16 activations (codes xq + r K, scales xd, fp32 block sums xs for the minimums): per block
-   d_w d_x sum(w_i a_i) + m_w sum(x_i). The codes' products add up in int32 exactly: at most
-   4 x 127 x 32767 < 2^24 per lane, so their conversion to float is exact too. Two accumulator
-   chains per row hide the FMA latency. */
 /* One q8_0 block (w4 NULL: codes w8) or q4_1 block (nibbles w4) times RR rows' int16 blocks
    (a + r K), added to acc[r] with factor f[r][b]. */
 INLINE void i16_block(const int RR, const int8_t *w8, const uint8_t *w4, const int16_t *a, int K,
