@@ -438,6 +438,61 @@ def test_activation_codes_are_the_reference_rule_bit_for_bit(monkeypatch, tmp_pa
         assert torch.equal(got_d, d) and torch.equal(q, want)
 
 
+
+def test_split_codes_hold_fp32_activations_to_within_fp32_rounding(monkeypatch, tmp_path):
+    """The fp32-activation products (act='f32', the `native` kind) run on two int16 codes per
+    element (ACT_SPLIT, AVX2 and portable builds): scale d = 2^e, the power of two with
+    amax / 32767 < d, h = round(x / d), l = round((x / d - h) 2^15), so x = d (h + l / 2^15) to
+    within d / 2^16 (below amax's own fp32 rounding, as d <= 2 amax / 32767). Bit for bit the rule
+    below, on blocks of every magnitude, zeros, ties and an all-zero block."""
+    needs_kernels()
+    from caramba import kernels
+
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(8, 256, generator=g) * torch.logspace(-30, 30, 8)[:, None]
+    x[0] = torch.randint(-65534, 65535, (256,), generator=g).float() * 0.5 * 2.0 ** -10   # ties of h
+    x[1, :64] = 0.0
+    x[2, ::3] = 0.0
+    xb = x.reshape(8, -1, 32)
+    amax = xb.abs().amax(-1)
+    e = torch.frexp(amax / 32767.0).exponent.clamp(min=-100)
+    d = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), e), torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), -e), torch.zeros_like(amax))
+    scaled = xb * inv[..., None]                              # exact: a power of two
+    h = torch.round(scaled)                                   # half to even, as the kernels round
+    l = torch.round((scaled - h) * 32768.0)
+    want = torch.cat([h, l], -1).to(torch.int16).reshape(8, 512)
+    real = amax > 0
+    unclamped = real & (e > -100)    # below 2^-100 the scale stays there (2^100 stays finite)
+    assert (amax[real] / d[real] <= 32767).all() and (amax[unclamped] / d[unclamped] > 16383).all()
+    back = d[..., None].double() * (h.double() + l.double() / 32768)
+    assert ((back - xb.double()).abs() <= d[..., None].double() / 65536).all()
+    assert ((back - xb.double()).abs() <= xb.abs().amax(-1, keepdim=True).double() * 2.0 ** -24).all()
+    monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path))
+    portable = [f for f in kernels.FLAGS if not f.startswith("-march")]
+    for lib in (quant.library(), kernels.load(quant.SOURCE, quant._SIGNATURES, "test", flags=portable)[0]):
+        q, got_d = torch.empty(8, 512, dtype=torch.int16), torch.empty(8, 8)
+        lib.split_activations(x.data_ptr(), 8, 256, q.data_ptr(), got_d.data_ptr())
+        assert torch.equal(got_d, d) and torch.equal(q, want)
+        bad = x.clone()
+        bad[3, 40], bad[4, 100] = float("nan"), float("inf")     # blocks 1 and 3 of their rows
+        lib.split_activations(bad.data_ptr(), 8, 256, q.data_ptr(), got_d.data_ptr())
+        assert got_d[3, 1].isnan() and got_d[4, 3].isnan() and got_d.isnan().sum() == 2
+
+
+@pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "i16"), ("q4_1", "i16"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")])
+def test_a_nan_activation_gives_nan_not_a_number(fmt, act):
+    """Integer codes cannot hold a NaN: the kernels give its block a NaN scale instead, so a model
+    that overflowed shows it in its logits as the fp32 path would."""
+    needs_kernels()
+    lin = layer(fmt, act, 5, 64)
+    x = randn(2, 64, seed=6)
+    x[1, 33] = float("nan")
+    with torch.inference_mode():
+        y = lin(x)
+    assert y[0].isfinite().all() and y[1].isnan().all()
+
+
 def test_cli_and_manifest_take_weights(tmp_path):
     import json
 

@@ -330,11 +330,11 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
            output, MLP gate, q8 activation scales and sums, the new k and v as read, scores and their
            scratch, a rotation's output, minimum sums, a group being quantized, a chunk of decoded value
            rows and their block parameters, per-channel key groups' q-side factors; then the new k and v codes'
-           uint16 parameters, the activation codes (int8 or int16) and the new k and v codes (bytes) */
+           uint16 parameters, the activation codes (int8, int16 or split int16) and the new k and v codes (bytes) */
         const size_t nf = (size_t)M * (dim + kmax + 2 * q_w + hidden) + 4 * kv_n + 2 * (size_t)M * (kmax / QK) +
                           2 * (size_t)rep * n + 2 * (size_t)n + (size_t)D + (size_t)rep * D +
                           (size_t)D * gmax + 3 * (size_t)VCHUNK * D + chan_n;
-        const size_t nh = 2 * kv_n, nbytes = 2 * (size_t)M * kmax + 2 * kv_n + (size_t)D * gmax;
+        const size_t nh = 2 * kv_n, nbytes = 4 * (size_t)M * kmax + 2 * kv_n + (size_t)D * gmax;
         float *pv = malloc(sizeof(float) * nf + sizeof(uint16_t) * nh + nbytes);
         int ok = pv != NULL;
 #pragma omp atomic
@@ -351,8 +351,8 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
             float *vbuf = xg + (size_t)D * gmax, *ppb = vbuf + (size_t)VCHUNK * D;
             float *qs = ppb + 2 * (size_t)VCHUNK * D;     /* key_scores_channels' scratch */
             uint16_t *kpar = (uint16_t *)(qs + chan_n), *vpar = kpar + kv_n;
-            int8_t *codes = (int8_t *)(vpar + kv_n);   /* q8 or int16 activation codes: 2-byte aligned */
-            uint8_t *ku = (uint8_t *)(codes + 2 * (size_t)M * kmax), *vu = ku + kv_n, *ug = vu + kv_n;
+            int8_t *codes = (int8_t *)(vpar + kv_n);   /* q8, int16 or split int16 activation codes: 2-byte aligned */
+            uint8_t *ku = (uint8_t *)(codes + 4 * (size_t)M * kmax), *vu = ku + kv_n, *ug = vu + kv_n;
             Act a = {codes, xd, xs};
             memcpy(x, x_in, sizeof(float) * (size_t)M * dim);
             for (int l = 0; l < n_layers; l++) {

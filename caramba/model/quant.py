@@ -8,11 +8,13 @@
   q4_0    the same with llama.cpp's q4_0 blocks (32 4-bit codes, one fp16 scale: 4.5 bits);
   native  a GGUF's own blocks kept as they are (the embedded SmolLM2: Q4_1 projections, a Q8_0
           embedding/head), multiplied with fp32 activations so that the weight values are exactly
-          the ones the fp32 path dequantizes: only the summation order differs;
-  native_i16  the same blocks times activations rounded to int16 per 32-block (error at most
-          1/65534 of the block's largest value, 256x finer than q8's): integer multiply-adds
-          instead of an int-to-float conversion per weight, ~1.3x native's decode speed; logits
-          move by up to ~1e-2, so greedy output leaves fp32's at near ties (docs/decode-speed.md).
+          the ones the fp32 path dequantizes: the products differ at the level of fp32 rounding
+          (the kernels carry each activation as two int16 codes, exact to 2^-16 of its block's
+          power-of-two scale: quant_gemv.c's ACT_SPLIT);
+  native_i16  the same blocks times activations rounded to one int16 code per element (error at
+          most 1/65534 of the block's largest value, 256x finer than q8's): ~1.2x native's decode
+          speed; logits move by up to ~1e-2, so greedy output leaves fp32's at near ties
+          (docs/decode-speed.md).
 q8_0 and q4_0 keep llama.cpp's block formats but not its rounding rule: each block's scale is the
 best of a search (quantize_blocks), which on a checkpoint that was quantized before (SmolLM2's
 Q4_1) removes most of the requantization error (docs/decode-speed.md).
@@ -55,6 +57,7 @@ _SIGNATURES = {
     "quantize_blocks_best": ([_P, ctypes.c_long, _I, _I, _P, _I, _P, _P, _I], None),
     "quantize_activations_q8": ([_P, _I, _I, _P, _P], None),
     "quantize_activations_i16": ([_P, _I, _I, _P, _P], None),
+    "split_activations": ([_P, _I, _I, _P, _P], None),
 }
 # library(): the loaded GEMV kernels, or None (CARAMBA_KERNELS=0, no compiler, failed build: one warning).
 library = kernels.Library(SOURCE, _SIGNATURES, "quantized weights multiply")
@@ -213,7 +216,8 @@ class QuantLinear(nn.Module):
     (codes uint8 [N, K/2], d and m fp16); act 'q8' rounds activations to q8_0 blocks on every path
     (the kernel's int8 dot products, llama.cpp's way: faster, but adds the activations' rounding);
     'i16' rounds them to int16 blocks (int16 dot products: ~256x less rounding than q8, q8_0 and
-    q4_1 only); 'f32' multiplies them as they are (q8_0 and q4_1 only).
+    q4_1 only); 'f32' multiplies them as they are, to fp32 rounding (q8_0 and q4_1 only; the
+    kernels split each activation into two int16 codes, quant_gemv.c's ACT_SPLIT).
     `embedding(tokens)` reads rows of W, for a head tied to the embeddings.
     """
 

@@ -18,8 +18,12 @@
      gemv_q8_0_i16 / gemv_q4_1_i16: int16 codes (scale amax/32767) in int16 x int16 -> int32
        multiply-adds: about the q8 kernels' speed at 1/258 of their rounding error.
      gemv_q8_0_f32 / gemv_q4_1_f32: fp32 activations times the exact weight values: the product
-       differs from dequantize-then-matmul only by fp32 summation order; an int-to-float
-       conversion per weight makes it the slowest (the instruction count, not the bytes, bounds it).
+       differs from dequantize-then-matmul only at the level of fp32 rounding. With AVX2 each block
+       of x is split into two int16 code vectors on a power-of-two scale, x = s (h + l / 2^15) to
+       within s / 2^16 (below fp32's own rounding of the block's largest element: s <= 2 amax /
+       32767), and runs through the int16 multiply-adds twice; an int-to-float conversion per
+       weight, the portable build's way, took ~1.5x as long (the instruction count, not the bytes,
+       bounds these products).
 
    x is [M, K] fp32 (M small: a decode step or a few rows), out is [M, N] fp32. Every weight row
    is read once for all M rows. Parallel over output rows with OpenMP (the process shares
@@ -69,20 +73,25 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* x [M, K] -> codes [M, K] and float scales [M, K/32], per 32-block scale amax / levels, codes
-   rounded to nearest (llama.cpp's q8_0 rule). wide 0: int8 codes, 127 levels a side (q8); wide 1:
-   int16 codes, 32767 levels. The int16 codes' rounding error, at most amax / 65534 per element, is
-   258 times smaller than q8's and of the order of fp16's; with them a block-quantized weight's
-   product runs in integer multiply-adds (madd_epi16) instead of an int-to-float conversion per
-   weight. */
-static void quantize_rows(const float *x, int M, int K, int wide, void *q, float *d) {
+/* The activation codes of the integer products (mode), per 32-block of x [M, K]:
+     ACT_Q8:    int8 codes [M, K], scale amax / 127, rounded to nearest (llama.cpp's q8_0 rule);
+     ACT_I16:   int16 codes [M, K], scale amax / 32767: at most amax / 65534 off per element, 258
+                times less than q8 and of the order of fp16's rounding;
+     ACT_SPLIT: two int16 codes per element, [M, 2K] (per block 32 h then 32 l), on the
+                power-of-two scale s = 2^e >= amax / 32767: h = round(x / s), l = round((x / s - h)
+                2^15), x = s (h + l / 2^15) to within s / 2^16. x / s and its residual are exact
+                (a power of two scales without rounding), so only l's rounding is an error.
+   scales d [M, K/32]. With these codes a block-quantized weight's product runs in integer
+   multiply-adds (madd_epi16) instead of an int-to-float conversion per weight. */
+enum { ACT_Q8 = 0, ACT_I16 = 1, ACT_SPLIT = 2 };
+
+static void quantize_rows(const float *x, int M, int K, int mode, void *q, float *d) {
     const int nb = K / QK;
-    const float levels = wide ? 32767.0f : 127.0f;
     for (int m = 0; m < M; m++)
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (long)m * K + b * QK;
             int8_t *q8 = (int8_t *)q + (long)m * K + b * QK;
-            int16_t *q16 = (int16_t *)q + (long)m * K + b * QK;
+            int16_t *q16 = (int16_t *)q + (long)m * K * (mode == ACT_SPLIT ? 2 : 1) + b * QK * (mode == ACT_SPLIT ? 2 : 1);
 #if HAVE_AVX2   /* the same codes 8 at a time (fmaxf stayed a libm call per element: ~5% of a q4_0 step) */
             __m256 v[4], mx = _mm256_setzero_ps();
             for (int j = 0; j < 4; j++) {
@@ -91,38 +100,69 @@ static void quantize_rows(const float *x, int M, int K, int wide, void *q, float
             }
             __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
             m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            __m256 nan = _mm256_setzero_ps();   /* max_ps drops NaNs: they are looked for apart */
+            for (int j = 0; j < 4; j++) nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
+            if (_mm256_movemask_ps(nan)) amax = NAN;
 #else
             float amax = 0.0f;
-            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            for (int i = 0; i < QK; i++) amax = isnan(xb[i]) || isnan(amax) ? NAN : fmaxf(amax, fabsf(xb[i]));
 #endif
-            const float scale = amax / levels, inv = scale ? 1.0f / scale : 0.0f;
+            float scale, inv;
+            if (!(amax <= 3.4e38f))   /* a NaN or an infinity in the block: its products come out NaN */
+                scale = inv = NAN;
+            else if (mode == ACT_SPLIT) {
+                int e;
+                frexpf(amax / 32767.0f, &e);        /* amax / 32767 < 2^e */
+                if (e < -100) e = -100;             /* tiny blocks: 2^-e stays finite */
+                scale = amax ? ldexpf(1.0f, e) : 0.0f;
+                inv = amax ? ldexpf(1.0f, -e) : 0.0f;
+            } else {
+                scale = amax / (mode == ACT_I16 ? 32767.0f : 127.0f);
+                inv = scale ? 1.0f / scale : 0.0f;
+            }
             d[m * nb + b] = scale;
 #if HAVE_AVX2   /* cvtps rounds to nearest even (the default mode), as lrintf does */
-            __m256i c[4];
+            __m256i c[4], r[4];
             for (int j = 0; j < 4; j++) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+            if (mode == ACT_SPLIT)   /* the residuals x / s - h are exact; l rounds them at 2^-15 */
+                for (int j = 0; j < 4; j++)
+                    r[j] = _mm256_cvtps_epi32(_mm256_mul_ps(
+                        _mm256_sub_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)), _mm256_cvtepi32_ps(c[j])),
+                        _mm256_set1_ps(32768.0f)));
             /* the packs work per 128-bit lane: their output's elements come interleaved, put back in
                order by the permutes */
-            if (wide)
-                for (int j = 0; j < 4; j += 2)
+            if (mode != ACT_Q8)
+                for (int j = 0; j < 4; j += 2) {
                     _mm256_storeu_si256((__m256i *)(q16 + 8 * j),
                                         _mm256_permute4x64_epi64(_mm256_packs_epi32(c[j], c[j + 1]), 0xD8));
+                    if (mode == ACT_SPLIT)
+                        _mm256_storeu_si256((__m256i *)(q16 + QK + 8 * j),
+                                            _mm256_permute4x64_epi64(_mm256_packs_epi32(r[j], r[j + 1]), 0xD8));
+                }
             else {
                 const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
                 _mm256_storeu_si256((__m256i *)q8, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
             }
 #else
-            for (int i = 0; i < QK; i++)
-                if (wide) q16[i] = (int16_t)lrintf(xb[i] * inv);
-                else q8[i] = (int8_t)lrintf(xb[i] * inv);
+            for (int i = 0; i < QK; i++) {
+                const float h = rintf(xb[i] * inv);
+                if (mode == ACT_SPLIT) {
+                    q16[i] = (int16_t)h;
+                    q16[QK + i] = (int16_t)lrintf((xb[i] * inv - h) * 32768.0f);
+                } else if (mode == ACT_I16) q16[i] = (int16_t)h;
+                else q8[i] = (int8_t)h;
+            }
 #endif
         }
 }
 
 /* The codes for tests (the activations the integer products take). */
-void quantize_activations_q8(const float *x, int M, int K, int8_t *q, float *d) { quantize_rows(x, M, K, 0, q, d); }
+void quantize_activations_q8(const float *x, int M, int K, int8_t *q, float *d) { quantize_rows(x, M, K, ACT_Q8, q, d); }
 
-void quantize_activations_i16(const float *x, int M, int K, int16_t *q, float *d) { quantize_rows(x, M, K, 1, q, d); }
+void quantize_activations_i16(const float *x, int M, int K, int16_t *q, float *d) { quantize_rows(x, M, K, ACT_I16, q, d); }
+
+void split_activations(const float *x, int M, int K, int16_t *q, float *d) { quantize_rows(x, M, K, ACT_SPLIT, q, d); }
 
 /* One fp32 weight row . one fp32 activation row (the decode step's fp32 projections). */
 static inline float dot_f32(const float *w, const float *x, int K) {
@@ -270,65 +310,10 @@ INLINE void tile_q4_1_q8(const int RR, const uint8_t *wq, const uint16_t *wd, co
     for (int r = 0; r < RR; r++) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + macc[r];
 }
 
-/* q8_0 weights . RR rows of fp32 activations (x + r K): the exact weight values times x; each
-   block's codes are widened to floats once. */
-INLINE void tile_q8_0_f32(const int RR, const int8_t *wq, const uint16_t *wd, const float *x, int K, int nb,
-                          float *out) {
-    __m256 acc[QTR];
-    float f[1][FACTOR_CHUNK], unused[1];
-    for (int r = 0; r < RR; r++) acc[r] = _mm256_setzero_ps();
-    for (int c = 0; c < nb; c += FACTOR_CHUNK) {
-        const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
-        block_factors(1, wd + c, NULL, 0, NULL, NULL, 0, n, f, unused);
-        for (int b = 0; b < n; b++) {
-            const int8_t *wb = wq + (long)(c + b) * QK;
-            __m256 w[4];
-            for (int j = 0; j < 4; j++) w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 8 * j))));
-            for (int r = 0; r < RR; r++) {
-                const float *xb = x + (long)r * K + (long)(c + b) * QK;
-                __m256 s = _mm256_setzero_ps();
-                for (int j = 0; j < 4; j++) s = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), s);
-                acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(f[0] + b), s, acc[r]);
-            }
-        }
-    }
-    for (int r = 0; r < RR; r++) out[r] = hsum8(acc[r]);
-}
-
-/* q4_1 weights . RR rows of fp32 activations; xs: each row's sum over each block (the minimum
-   multiplies it). Each byte is widened once for both its nibbles, once for all rows. */
-INLINE void tile_q4_1_f32(const int RR, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
-                          const float *x, const float *xs, int K, int nb, float *out) {
-    __m256 acc[QTR];
-    float f[1][FACTOR_CHUNK], macc[QTR], mt[QTR];
-    const __m256i low4 = _mm256_set1_epi32(15);
-    for (int r = 0; r < RR; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
-    for (int c = 0; c < nb; c += FACTOR_CHUNK) {
-        const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
-        block_factors(RR, wd + c, NULL, 0, wm + c, xs + c, nb, n, f, mt);
-        for (int r = 0; r < RR; r++) macc[r] += mt[r];
-        for (int b = 0; b < n; b++) {
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(wq + (long)(c + b) * QK / 2));
-            const __m256i w0 = _mm256_cvtepu8_epi32(bytes), w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-            const __m256 e0 = _mm256_cvtepi32_ps(_mm256_and_si256(w0, low4)), e8 = _mm256_cvtepi32_ps(_mm256_and_si256(w1, low4));
-            const __m256 e16 = _mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4)), e24 = _mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4));
-            for (int r = 0; r < RR; r++) {
-                const float *xb = x + (long)r * K + (long)(c + b) * QK;
-                __m256 s = _mm256_mul_ps(e0, _mm256_loadu_ps(xb));
-                s = _mm256_fmadd_ps(e8, _mm256_loadu_ps(xb + 8), s);
-                s = _mm256_fmadd_ps(e16, _mm256_loadu_ps(xb + 16), s);
-                s = _mm256_fmadd_ps(e24, _mm256_loadu_ps(xb + 24), s);
-                acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(f[0] + b), s, acc[r]);
-            }
-        }
-    }
-    for (int r = 0; r < RR; r++) out[r] = hsum8(acc[r]) + macc[r];
-}
-
 /* One q8_0 block (w4 NULL: codes w8) or q4_1 block (nibbles w4) times RR rows' int16 blocks
-   (a + r K), added to acc[r] with factor f[r][b]. */
-INLINE void i16_block(const int RR, const int8_t *w8, const uint8_t *w4, const int16_t *a, int K,
-                      float f[][FACTOR_CHUNK], int b, __m256 *acc) {
+   (a + r stride; split: h then l, ACT_SPLIT's codes), added to acc[r] with factor f[r][b]. */
+INLINE void i16_block(const int RR, const int split, const int8_t *w8, const uint8_t *w4, const int16_t *a,
+                      long stride, float f[][FACTOR_CHUNK], int b, __m256 *acc) {
     __m256i lo, hi;   /* elements 0..15 and 16..31 as int16 */
     if (w4) {
         const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w4));
@@ -339,29 +324,37 @@ INLINE void i16_block(const int RR, const int8_t *w8, const uint8_t *w4, const i
         hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w8 + 16)));
     }
     for (int r = 0; r < RR; r++) {
-        const int16_t *ab = a + (long)r * K;
+        const int16_t *ab = a + r * stride;
         const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)ab)),
                                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(ab + 16))));
-        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(f[r] + b), _mm256_cvtepi32_ps(s), acc[r]);
+        __m256 sf = _mm256_cvtepi32_ps(s);
+        if (split) {   /* + the residual codes' sum / 2^15: one rounding, where the sums meet */
+            const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(ab + 32))),
+                                               _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(ab + 48))));
+            sf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(1.0f / 32768.0f), sf);
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(f[r] + b), sf, acc[r]);
     }
 }
 
 /* q8_0 weights (w4 NULL: codes w8) or q4_1 weights (nibbles w4, minimums wm) . RR rows of int16
-   activations (codes xq + r K, scales xd, xs = d_x sum(a_i) for the minimums): per block
-   d_w d_x sum(w_i a_i) + m_w d_x sum(a_i). The codes' products add up in int32 exactly (at most
-   4 x 127 x 32767 < 2^24 a lane), so their conversion to float is exact too. */
-INLINE void tile_blocks_i16(const int RR, const int8_t *w8, const uint8_t *w4, const uint16_t *wd,
+   activations (codes xq, ACT_I16's or with split ACT_SPLIT's; scales xd; xs for the minimums:
+   d_x sum(a_i), or with split the fp32 sum of x): per block d_w d_x sum(w_i a_i) + m_w xs. The
+   codes' products add up in int32 exactly (at most 4 x 128 x 32767 < 2^24 a lane), so their
+   conversion to float is exact too. */
+INLINE void tile_blocks_i16(const int RR, const int split, const int8_t *w8, const uint8_t *w4, const uint16_t *wd,
                             const uint16_t *wm, const int16_t *xq, const float *xd, const float *xs, int K,
                             int nb, float *out) {
     __m256 acc0[QTR], acc1[QTR];   /* two chains per row hide FMA latency */
     float f[QTR][FACTOR_CHUNK], macc[QTR], mt[QTR];
+    const int width = split ? 2 : 1;   /* codes per element */
     for (int r = 0; r < RR; r++) { acc0[r] = acc1[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
     for (int c = 0; c < nb; c += FACTOR_CHUNK) {
         const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
         block_factors(RR, wd + c, xd + c, nb, wm ? wm + c : NULL, w4 ? xs + c : NULL, nb, n, f, mt);
         if (w4) for (int r = 0; r < RR; r++) macc[r] += mt[r];
-#define I16_BLOCK(B, ACC) i16_block(RR, w8 + (long)(c + (B)) * QK, w4 ? w4 + (long)(c + (B)) * QK / 2 : NULL, \
-                                    xq + (long)(c + (B)) * QK, K, f, B, ACC)
+#define I16_BLOCK(B, ACC) i16_block(RR, split, w8 + (long)(c + (B)) * QK, w4 ? w4 + (long)(c + (B)) * QK / 2 : NULL, \
+                                    xq + (long)(c + (B)) * QK * width, (long)K * width, f, B, ACC)
         int b = 0;
         for (; b + 1 < n; b += 2) {
             I16_BLOCK(b, acc0);
@@ -432,9 +425,10 @@ INLINE void tile_q4_1_f32(const int RR, const uint8_t *wq, const uint16_t *wd, c
         out[r] = acc;
     }
 }
-INLINE void tile_blocks_i16(const int RR, const int8_t *w8, const uint8_t *w4, const uint16_t *wd,
+INLINE void tile_blocks_i16(const int RR, const int split, const int8_t *w8, const uint8_t *w4, const uint16_t *wd,
                             const uint16_t *wm, const int16_t *xq, const float *xd, const float *xs, int K,
                             int nb, float *out) {
+    (void)split;   /* the portable fp32 products multiply floats (tile_q8_0_f32, tile_q4_1_f32) */
     for (int r = 0; r < RR; r++) {
         float acc = 0.0f;
         for (int b = 0; b < nb; b++) {
@@ -453,23 +447,24 @@ INLINE void tile_blocks_i16(const int RR, const int8_t *w8, const uint8_t *w4, c
 }
 #endif
 
-/* The activations a block format's product takes, for M rows of x [M, K]: q8 or int16 codes
-   xq [M, K], their scales xd and (zero-point weights) d_x sum(a_i) in xs [M, K/32]; for q4_1 x
-   fp32, the block sums of x in xs. */
+/* The activations a block format's product takes, for M rows of x [M, K]: codes xq (q8, int16 or,
+   for fp32 products with AVX2, ACT_SPLIT's [M, 2K]), their scales xd and, for zero-point weights,
+   xs [M, K/32]: d_x sum(a_i), or for q4_1 x fp32 the fp32 block sums of x. */
 static void prepare_activations(int fmt, const float *x, int M, int K, int8_t *xq, float *xd, float *xs) {
     const int nb = K / QK;
-    if (fmt == Q4_1_F32) {
+    const int f32 = fmt == Q4_1_F32 || fmt == Q8_0_F32, wide = fmt == Q8_0_I16 || fmt == Q4_1_I16;
+    if (fmt == Q4_1_F32)
         for (int m = 0; m < M; m++)
             for (int b = 0; b < nb; b++) {
                 float s = 0.0f;
                 for (int i = 0; i < QK; i++) s += x[(long)m * K + b * QK + i];
                 xs[m * nb + b] = s;
             }
+    if (f32) {
+        if (HAVE_AVX2) quantize_rows(x, M, K, ACT_SPLIT, xq, xd);
         return;
     }
-    if (fmt == Q8_0_F32) return;
-    const int wide = fmt == Q8_0_I16 || fmt == Q4_1_I16;
-    quantize_rows(x, M, K, wide, xq, xd);
+    quantize_rows(x, M, K, wide ? ACT_I16 : ACT_Q8, xq, xd);
     if (fmt != Q8_0_Q8 && fmt != Q8_0_I16)
         for (int m = 0; m < M; m++)
             for (int b = 0; b < nb; b++) {
@@ -490,17 +485,25 @@ static inline void quant_row(int fmt, const void *w, const uint16_t *d, const ui
     const int8_t *w8 = (const int8_t *)w + (long)n * K;
     const uint8_t *w4 = (const uint8_t *)w + (long)n * (K / 2);
     const uint16_t *dn = d + (long)n * nb, *mn = m ? m + (long)n * nb : NULL;
+#if HAVE_AVX2   /* fp32 products on ACT_SPLIT's codes */
+    (void)x;
+#define F32_TILE(RR, W8, W4) tile_blocks_i16(RR, 1, W8, W4, dn, mn, (const int16_t *)xq + 2L * r0 * K, xd + r0 * nb, \
+                                             xs + r0 * nb, K, nb, o)
+#else
+#define F32_TILE(RR, W8, W4) ((W4) ? tile_q4_1_f32(RR, w4, dn, mn, x + (long)r0 * K, xs + r0 * nb, K, nb, o) \
+                                   : tile_q8_0_f32(RR, w8, dn, x + (long)r0 * K, K, nb, o))
+#endif
     for (int r0 = 0; r0 < M; r0 += QTR) {
         const int rr = M - r0 < QTR ? M - r0 : QTR;
         float o[QTR];
 #define QUANT_TILE(RR)                                                                                   \
         switch (fmt) {                                                                                   \
         case Q8_0_Q8: tile_q8_0_q8(RR, w8, dn, xq + (long)r0 * K, xd + r0 * nb, K, nb, o); break;         \
-        case Q8_0_F32: tile_q8_0_f32(RR, w8, dn, x + (long)r0 * K, K, nb, o); break;                      \
-        case Q4_1_F32: tile_q4_1_f32(RR, w4, dn, mn, x + (long)r0 * K, xs + r0 * nb, K, nb, o); break;     \
-        case Q8_0_I16: tile_blocks_i16(RR, w8, NULL, dn, NULL, (const int16_t *)xq + (long)r0 * K,         \
+        case Q8_0_F32: F32_TILE(RR, w8, NULL); break;                                                    \
+        case Q4_1_F32: F32_TILE(RR, NULL, w4); break;                                                    \
+        case Q8_0_I16: tile_blocks_i16(RR, 0, w8, NULL, dn, NULL, (const int16_t *)xq + (long)r0 * K,      \
                                        xd + r0 * nb, NULL, K, nb, o); break;                              \
-        case Q4_1_I16: tile_blocks_i16(RR, NULL, w4, dn, mn, (const int16_t *)xq + (long)r0 * K,           \
+        case Q4_1_I16: tile_blocks_i16(RR, 0, NULL, w4, dn, mn, (const int16_t *)xq + (long)r0 * K,        \
                                        xd + r0 * nb, xs + r0 * nb, K, nb, o); break;                      \
         default: tile_q4_1_q8(RR, w4, dn, mn, xq + (long)r0 * K, xd + r0 * nb, xs + r0 * nb, K, nb, o);  \
         }
@@ -513,13 +516,14 @@ static inline void quant_row(int fmt, const void *w, const uint16_t *d, const ui
 #undef QUANT_TILE
         for (int r = 0; r < rr; r++) y[(long)(r0 + r) * N + n] = o[r] + bias;
     }
+#undef F32_TILE
 }
 
 /* x [M, K] fp32 times an [N, K] block-format weight -> out [M, N]; parallel over weight rows. */
 static int gemv_blocks(int fmt, const float *x, const void *qs, const uint16_t *d, const uint16_t *mins, float *out,
                        int M, int N, int K, int nthreads) {
     const int nb = K / QK;
-    int8_t *xq = malloc(sizeof(int16_t) * (size_t)M * K);   /* q8 or int16 codes */
+    int8_t *xq = malloc(2 * sizeof(int16_t) * (size_t)M * K);   /* q8, int16 or split int16 codes */
     float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
     if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return 1; }   /* the caller raises MemoryError */
     prepare_activations(fmt, x, M, K, xq, xd, xs);
