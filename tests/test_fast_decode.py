@@ -293,6 +293,34 @@ def test_per_channel_keys_over_many_groups_equal_the_torch_path(name, threads, t
     assert_same_cache_kind(ref, got, model.config, policy)
 
 
+
+@pytest.mark.parametrize("name", [None, "nf4 qblock=4 residual_len=3"])
+def test_a_reordered_cache_is_read_where_its_rows_went(name, taken):
+    """Beam and contrastive search reorder the cache's rows into new tensors: the step's table of
+    stream pointers, built once per cache, is rebuilt (with the rings' positions) when they move."""
+    from caramba.cache import CachePolicy
+
+    policy = None if name is None else CachePolicy.build(**POLICIES[name])
+    model = make_model(seed=21)
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(22))
+    out = []
+    for fast in (False, True):
+        with torch.inference_mode():
+            model.fast_decode = False
+            cache = model.new_cache(2, 40, policy or "fp32")
+            logits = [model(ids, cache=cache)[:, -1:]]
+            model.fast_decode = fast
+            for t, rows in ((7, None), (8, [1, 0]), (9, [1, 1]), (10, None), (11, [0, 1])):
+                if rows is not None:
+                    cache.reorder(torch.tensor(rows))
+                logits.append(model(torch.full((2, 1), t), cache=cache))
+        out.append((torch.cat(logits, 1), cache))
+    assert len(taken) == 5
+    if policy is None:
+        assert_same(*out, model.config)
+    else:
+        assert_same_cache_kind(*out, model.config, policy)
+
 # per-token streams only: a per-channel group is completed one token at a time (those take the torch path)
 CHUNK_POLICIES = [None, "q4_0", "q4_0l rotated", "q2_1 qblock=8 residual_len=2", "q8_0 residual_len=4",
                   "nf4 qblock=4 residual_len=3", "nf4 rotated"]

@@ -149,12 +149,16 @@ def _plan(model) -> _Plan | None:
     stands in for (contrastive search reads the final norm's output through one)."""
     plan = model.__dict__.get("_fast_plan")
     if plan is None or plan.registrations != _registrations or (
-            plan.usable and (plan.pointers[0] != plan.keep[0].data_ptr() or plan.pointers[-1] != plan.keep[-1].data_ptr())):
-        modules = _module_list(model)
-        try:
-            plan = _Plan(model, modules)
-        except _NoKernel:      # remembered as such until a module changes
-            plan = _Unusable(modules)
+            plan.pointers[0] != plan.keep[0].data_ptr() or plan.pointers[-1] != plan.keep[-1].data_ptr()):
+        # remembered until a module or the weights change (a swap registers; .to() moves them)
+        if not model_applies(model):
+            plan = _Unusable(model, [])
+        else:
+            modules = _module_list(model)
+            try:
+                plan = _Plan(model, modules)
+            except _NoKernel:
+                plan = _Unusable(model, modules)
         model._fast_plan = plan
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks or any(plan.hooks):
         return None
@@ -162,13 +166,16 @@ def _plan(model) -> _Plan | None:
 
 
 class _Unusable:
-    """A model whose weights the step cannot read (a projection of another kind)."""
+    """A model the step cannot compute (another architecture, dtype or device) or whose weights it
+    cannot read (a projection of another kind); its final norm's weight tells a .to() apart."""
 
     usable = False
 
-    def __init__(self, modules: list) -> None:
+    def __init__(self, model, modules: list) -> None:
         self.registrations = _registrations
         self.hooks = _hook_dicts(modules)
+        self.keep = [model.norm.weight]
+        self.pointers = [model.norm.weight.data_ptr()]
 
 
 def _hook_dicts(modules: list) -> list:
@@ -212,12 +219,18 @@ def _stream_kind(stream, keys: bool, head_dim: int) -> int | None:
 
 class _Layout:
     """What decode_step.c takes of a cache: per layer, K then V, (stream, kind, rotation or None);
-    the streams whose full-precision ring the step keeps up (`ringed`) and the per-channel ones."""
+    the streams whose full-precision ring the step keeps up (`ringed`) and the per-channel ones.
+    `table` holds decode_step.c's stream slots once _stream_table has built them, `bound` the
+    (stream, attribute, tensor) they point into and `fp_slots` the (slot, stream) of the entries
+    that move with every step."""
 
     def __init__(self, streams: list[tuple], heads: int, head_dim: int) -> None:
         self.streams, self.heads, self.head_dim = streams, heads, head_dim
         self.ringed = [s for s, kind, _ in streams if kind != KV_F32 and s.ring is not None]
         self.channels = [s for s, kind, _ in streams if kind in CHANNEL_KINDS.values()]
+        self.table: ctypes.Array | None = None
+        self.bound: list[tuple] = []
+        self.fp_slots: list[tuple] = []
 
 
 def _cache_layout(cache) -> _Layout | None:
@@ -246,19 +259,33 @@ def _scan_layout(cache) -> _Layout | None:
 
 def _stream_table(layout: _Layout, slot: int, T: int = 1) -> ctypes.Array:
     """decode_step.c's stream slots (kv_stream.c's ST_*) for a step writing slots [slot, slot + T).
-    The rings' bookkeeping moves on here (note_written), since the step writes their new tokens."""
-    rows = []
+    Built once per set of tensors (a reorder replaces them): a step only moves each quantized
+    stream's fp_start on, after the rings' bookkeeping (note_written: the step writes their new
+    tokens). Rebuilding every slot each step cost ~0.13 ms of Python per token."""
+    if layout.table is None or any(getattr(s, name) is not t for s, name, t in layout.bound):
+        _build_table(layout)
+    table, end = layout.table, slot + T
+    for s in layout.ringed:
+        s.note_written(slot, end)
+    for i, s in layout.fp_slots:
+        table[i] = s.fp_start(end)
+    return table
+
+
+def _build_table(layout: _Layout) -> None:
+    rows, bound, fp_slots = [], [], []
     for s, kind, rotation in layout.streams:
         rot = 0 if rotation is None else rotation.data_ptr()
         if kind == KV_F32:           # its values, read as a ring of every slot
             rows += [KV_F32, s.data.data_ptr(), 0, 1, s.data.data_ptr(), s.data.shape[2], 0, rot]
+            bound.append((s, "data", s.data))
             continue
         ring = s.ring
-        if ring is not None:
-            s.note_written(slot, slot + T)
+        fp_slots.append((len(rows) + 6, s))     # ST_R0
         rows += [kind, s.codes.data_ptr(), s.scales.data_ptr(), s.block, 0 if ring is None else ring.data_ptr(),
-                 0 if ring is None else ring.shape[2], s.fp_start(slot + T), rot]
-    return (ctypes.c_int64 * len(rows))(*rows)
+                 0 if ring is None else ring.shape[2], 0, rot]
+        bound += [(s, "codes", s.codes), (s, "scales", s.scales), (s, "ring", ring)]
+    layout.table, layout.bound, layout.fp_slots = (ctypes.c_int64 * len(rows))(*rows), bound, fp_slots
 
 
 def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causal: bool) -> bool:
@@ -280,7 +307,7 @@ def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causa
             or cache.batch_size != B or any(s.refills(cache.length) for s in layout.channels) \
             or T > 1 and layout.channels:      # a per-channel group is completed one token at a time
         return False
-    if not model_applies(model) or library() is None:
+    if library() is None:
         return False
     return _plan(model) is not None
 
