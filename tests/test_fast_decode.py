@@ -118,18 +118,27 @@ def test_quantized_weights_with_rounded_activations_follow_the_torch_path(fmt, a
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.parametrize("weights", ["q8_0", "fp32"])
 @pytest.mark.parametrize("name", [None, "q4_0", "k=q4_1c,v=q4_1 qblock=4"])
-def test_with_quantized_weights_a_steps_bits_do_not_depend_on_the_thread_count(name, taken):
+def test_a_steps_bits_do_not_depend_on_the_thread_count(name, weights, taken):
     """The attention splits the cache into fixed parts of ATT_PART (64) slots, not one share per
-    thread, and the quantized products split output rows: so 1, 2 and 3 threads give the same bits.
-    ThreadChoice switches counts mid-generation, and with q8 activations a summation-order
-    difference can cross a rounding boundary (SmolLM2 q8_0: logits moved by up to 0.74 when the
-    split followed the threads), so this is what keeps a run reproducible."""
+    thread, and every product splits its outputs (rows, or bands of an input-major weight's
+    columns), never a sum: so 1, 2 and 3 threads give the same bits. ThreadChoice switches counts
+    mid-generation, and with q8 activations a summation-order difference can cross a rounding
+    boundary (SmolLM2 q8_0: logits moved by up to 0.74 when the split followed the threads), so
+    this is what keeps a run reproducible. The tiny model's vocabulary (97) is narrower than a
+    band, so the fp32 case also runs a wide input-major head: 1000 columns, uneven bands."""
     from caramba.cache import CachePolicy
 
     policy = CachePolicy.build(**POLICIES[name]) if name else CachePolicy.build("fp32")
     model = make_model(seed=8)
-    quant.quantize_model(model, "q8_0", act="q8")
+    if weights == "q8_0":
+        quant.quantize_model(model, "q8_0", act="q8")
+    else:
+        assert type(model.head).__name__ == "InputMajorLinear"
+        wide = torch.randn(model.config.dim, 1000, generator=torch.Generator().manual_seed(10)) * 0.1
+        model.head.weight_t = torch.nn.Parameter(wide, requires_grad=False)
+        model.config.vocab_size = 1000
     ids = torch.randint(0, 97, (2, 150), generator=torch.Generator().manual_seed(9))   # three parts and more
     runs = []
     for threads in (1, 2, 3):

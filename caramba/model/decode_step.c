@@ -30,9 +30,9 @@
    part by part in order. The parts, not the threads, fix the arithmetic. The step may run on one
    thread or two from one step to the next (fast_decode.ThreadChoice), and with activations rounded
    to q8 a summation-order difference can cross a rounding boundary and move a logit by ~1 (0.74
-   measured on SmolLM2 q8_0 when the partials followed the threads). So with block-quantized
-   weights (their products split output rows, never a sum) a step's bits do not depend on the
-   thread count; fp32 input-major products still split k over the threads (~4e-5 in a logit).
+   measured on SmolLM2 q8_0 when the partials followed the threads). Every product splits its
+   outputs between the threads (rows, or bands of an input-major weight's columns), never a sum,
+   so a step's bits do not depend on the thread count.
    The new tokens' own K and V are read from the projection's output (as the cache will read them
    back), not the cache, so no thread waits for the cache write.
 
@@ -68,7 +68,7 @@ typedef struct {
 enum { L_ATTN_NORM = 0, L_MLP_NORM = 1, L_QKV = 2, L_O = 9, L_13 = 16, L_2 = 23, L_SLOTS = 30 };
 
 #define ATT_PART 64         /* cache slots per attention part (a split that does not follow the threads) */
-#define COLS_CHUNK 4096     /* input-major products: partial sums [rows, 4096] per thread, L1/L2-resident */
+#define COLS_CHUNK 4096     /* input-major products: a thread's band of columns, its [rows, band] sums L1/L2-resident */
 
 static inline Lin lin_at(const int64_t *p) {
     Lin L = {p[0], p[1], p[2], (const void *)p[3], (const uint16_t *)p[4], (const uint16_t *)p[5],
@@ -150,56 +150,95 @@ static void rows_f32_batch(const float *w, const float *x, int M, int N, int K, 
     }
 }
 
-/* fp32 [K, N] (input-major) weights times M token rows. Column tiles would read 64 bytes of every
-   weight row at a stride of N floats (a page apart for the head: a TLB miss per load; measured 4x
-   slower for a batch than the [N, K] products), so each thread streams whole rows of its band of
-   k, in chunks of COLS_CHUNK columns whose [M, chunk] partial sums stay in L1/L2, four weight rows
-   per pass (one load and store of a partial per four products); then the partials are added. */
+/* One band of input-major columns: y[r, c] += sum over k of x[r, k] w[k, c] for c in [0, cw), four
+   weight rows per pass, two token rows at a time (each weight load feeds both). Every column's sum
+   runs in the same order (per four k: x0 w0, then three fused multiply-adds, with zeros past K;
+   then one add into y) in the vector lanes and in the scalar tail alike, so its bits do not
+   depend on the band. */
+#if HAVE_AVX2
+/* The partial sums of one token row over one quad of k, 8 columns: x0 w0, then three FMAs. */
+#define QUAD_PS(V, C) _mm256_fmadd_ps(V##3, _mm256_loadu_ps(w3 + (C)), _mm256_fmadd_ps(V##2, _mm256_loadu_ps(w2 + (C)), \
+                      _mm256_fmadd_ps(V##1, _mm256_loadu_ps(w1 + (C)), _mm256_mul_ps(V##0, _mm256_loadu_ps(w0 + (C))))))
+#endif
+#define QUAD_F(X, C) fmaf(X##3, w3[C], fmaf(X##2, w2[C], fmaf(X##1, w1[C], X##0 * w0[C])))
+
+static void cols_band(const float *w, long ldw, const float *x, int M, int K, float *y, long ldy, int cw) {
+    for (int k0 = 0; k0 < K; k0 += 4) {
+        const int kn = K - k0 < 4 ? K - k0 : 4;
+        const float *restrict w0 = w + (long)k0 * ldw, *restrict w1 = w0 + (kn > 1 ? ldw : 0),
+                    *restrict w2 = w0 + (kn > 2 ? 2 * ldw : 0), *restrict w3 = w0 + (kn > 3 ? 3 * ldw : 0);
+        for (int r = 0; r < M; r += 2) {
+            const int two = r + 1 < M;
+            const float *xa = x + (long)r * K + k0, *xb = xa + (two ? K : 0);
+            const float a0 = xa[0], a1 = kn > 1 ? xa[1] : 0.0f, a2 = kn > 2 ? xa[2] : 0.0f, a3 = kn > 3 ? xa[3] : 0.0f;
+            const float b0 = xb[0], b1 = kn > 1 ? xb[1] : 0.0f, b2 = kn > 2 ? xb[2] : 0.0f, b3 = kn > 3 ? xb[3] : 0.0f;
+            float *ya = y + (long)r * ldy, *yb = ya + ldy;
+            int c = 0;
+#if HAVE_AVX2
+            const __m256 va0 = _mm256_set1_ps(a0), va1 = _mm256_set1_ps(a1), va2 = _mm256_set1_ps(a2), va3 = _mm256_set1_ps(a3);
+            const __m256 vb0 = _mm256_set1_ps(b0), vb1 = _mm256_set1_ps(b1), vb2 = _mm256_set1_ps(b2), vb3 = _mm256_set1_ps(b3);
+            /* the band's weight rows two quads on, a line at a time, while these stream: a band is a
+               piece of each row, so the hardware prefetcher starts over at every row */
+#define PREFETCH_AHEAD(C) if (r == 0 && ((C) & 15) == 0) {                                                   \
+                _mm_prefetch((const char *)(w0 + 8 * ldw + (C)), _MM_HINT_T0);                          \
+                _mm_prefetch((const char *)(w0 + 9 * ldw + (C)), _MM_HINT_T0);                          \
+                _mm_prefetch((const char *)(w0 + 10 * ldw + (C)), _MM_HINT_T0);                          \
+                _mm_prefetch((const char *)(w0 + 11 * ldw + (C)), _MM_HINT_T0);                          \
+            }
+            if (two)
+                for (; c + 8 <= cw; c += 8) {
+                    PREFETCH_AHEAD(c)
+                    _mm256_storeu_ps(ya + c, _mm256_add_ps(_mm256_loadu_ps(ya + c), QUAD_PS(va, c)));
+                    _mm256_storeu_ps(yb + c, _mm256_add_ps(_mm256_loadu_ps(yb + c), QUAD_PS(vb, c)));
+                }
+            else
+                for (; c + 8 <= cw; c += 8) {
+                    PREFETCH_AHEAD(c)
+                    _mm256_storeu_ps(ya + c, _mm256_add_ps(_mm256_loadu_ps(ya + c), QUAD_PS(va, c)));
+                }
+#undef PREFETCH_AHEAD
+            for (; c < cw; c++) {
+                ya[c] += QUAD_F(a, c);
+                if (two) yb[c] += QUAD_F(b, c);
+            }
+#else
+            for (; c < cw; c++) {
+                ya[c] += a0 * w0[c] + a1 * w1[c] + a2 * w2[c] + a3 * w3[c];
+                if (two) yb[c] += b0 * w0[c] + b1 * w1[c] + b2 * w2[c] + b3 * w3[c];
+            }
+#endif
+        }
+    }
+}
+#undef QUAD_PS
+#undef QUAD_F
+
+/* fp32 [K, N] (input-major) weights times M token rows. Each thread takes bands of whole columns
+   and sums them over every k, streaming the band's part of each weight row (at most COLS_CHUNK
+   columns), into its own [M, band] sums (L1/L2-resident, rows a band apart; summing in y itself,
+   whose rows lie a vocabulary apart, took a batch-8 step from 39 to 55 ms), then copies them out. A column's sum never depends on the thread count; splitting k
+   between the threads, as before, moved fp32 models' logits by ~4e-5 when ThreadChoice changed
+   the count. cols: shared [threads, M, COLS_CHUNK]. */
 static void cols_f32_batch(const float *w, const float *x, int M, int N, int K, float *y, const float *bias,
                            float *cols) {
-    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    float *mine = cols + (size_t)tid * M * COLS_CHUNK;
-    for (int c0 = 0; c0 < N; c0 += COLS_CHUNK) {
-        const int cw = N - c0 < COLS_CHUNK ? N - c0 : COLS_CHUNK;
-        memset(mine, 0, sizeof(float) * (size_t)M * COLS_CHUNK);
-        const int quads = (K + 3) / 4;
+    const int nt = omp_get_num_threads();
+    float *mine = cols + (size_t)omp_get_thread_num() * M * COLS_CHUNK;
+    int cw = ((N + nt - 1) / nt + 15) / 16 * 16;    /* whole cache lines of a row of y */
+    if (cw > COLS_CHUNK) cw = COLS_CHUNK;
+    const int bands = (N + cw - 1) / cw;
 #pragma omp for schedule(static)
-        for (int kq = 0; kq < quads; kq++) {
-            const int k0 = 4 * kq, kn = K - k0 < 4 ? K - k0 : 4;
-            const float *restrict w0 = w + (long)k0 * N + c0, *restrict w1 = w0 + (kn > 1 ? N : 0),
-                        *restrict w2 = w0 + (kn > 2 ? 2L * N : 0), *restrict w3 = w0 + (kn > 3 ? 3L * N : 0);
-            int r = 0;
-            for (; r + 1 < M; r += 2) {   /* two token rows per pass: each weight load feeds both */
-                const float *xa = x + (long)r * K + k0, *xb = xa + K;
-                const float a0 = xa[0], a1 = kn > 1 ? xa[1] : 0.0f, a2 = kn > 2 ? xa[2] : 0.0f, a3 = kn > 3 ? xa[3] : 0.0f;
-                const float b0 = xb[0], b1 = kn > 1 ? xb[1] : 0.0f, b2 = kn > 2 ? xb[2] : 0.0f, b3 = kn > 3 ? xb[3] : 0.0f;
-                float *restrict pa = mine + (long)r * COLS_CHUNK, *restrict pb = pa + COLS_CHUNK;
-                for (int n = 0; n < cw; n++) {
-                    const float u0 = w0[n], u1 = w1[n], u2 = w2[n], u3 = w3[n];
-                    pa[n] += a0 * u0 + a1 * u1 + a2 * u2 + a3 * u3;
-                    pb[n] += b0 * u0 + b1 * u1 + b2 * u2 + b3 * u3;
-                }
-            }
-            for (; r < M; r++) {
-                const float *xr = x + (long)r * K + k0;
-                const float x0 = xr[0], x1 = kn > 1 ? xr[1] : 0.0f, x2 = kn > 2 ? xr[2] : 0.0f, x3 = kn > 3 ? xr[3] : 0.0f;
-                float *pr = mine + (long)r * COLS_CHUNK;
-                for (int n = 0; n < cw; n++) pr[n] += x0 * w0[n] + x1 * w1[n] + x2 * w2[n] + x3 * w3[n];
-            }
-        }
-#pragma omp for schedule(static)
-        for (long i = 0; i < (long)M * cw; i++) {
-            const int r = (int)(i / cw), n = (int)(i % cw);
-            float v = bias ? bias[c0 + n] : 0.0f;
-            for (int t = 0; t < nt; t++) v += cols[(size_t)t * M * COLS_CHUNK + (long)r * COLS_CHUNK + n];
-            y[(long)r * N + c0 + n] = v;
-        }
+    for (int b = 0; b < bands; b++) {
+        const int c0 = b * cw, w_ = N - c0 < cw ? N - c0 : cw;
+        memset(mine, 0, sizeof(float) * (size_t)M * w_);
+        cols_band(w + c0, N, x, M, K, mine, w_, w_);
+        for (int r = 0; r < M; r++)
+            for (int c = 0; c < w_; c++) y[(long)r * N + c0 + c] = mine[(long)r * w_ + c] + (bias ? bias[c0 + c] : 0.0f);
     }
 }
 
 /* y [M, N] = x [M, K] W^T (+ bias), x private to the calling thread (every thread holds the same
    values), y shared. Called by every thread of the region; ends with a barrier. cols: shared
-   [threads, M, COLS_CHUNK] partial sums for input-major weights. */
+   [threads, M, COLS_CHUNK] sums for input-major weights. */
 static void linear(const Lin *L, const float *x, int M, float *y, Act *a, float *cols) {
     const int N = (int)L->N, K = (int)L->K;
     if (L->fmt == F32_COLS) {
@@ -308,7 +347,7 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
         }
     }
     const Lin wh = lin_at(head);
-    /* shared: projection outputs, attention partials [parts, M, heads, D + 2], column partials */
+    /* shared: projection outputs, attention partials [parts, M, heads, D + 2], column sums */
     const size_t part_w = (size_t)D + 2;
     const int nparts = (L + ATT_PART - 1) / ATT_PART;
     const size_t shared = (size_t)M * (qkv_w + dim + 2 * hidden) + (size_t)nparts * M * n_heads * part_w +
