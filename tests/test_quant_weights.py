@@ -394,16 +394,22 @@ def test_native_needs_a_gguf_and_unknown_kinds_are_named(tmp_path):
         zoo.load_model(str(d), progress=False, weights="q4")
 
 
+def native_and_portable(monkeypatch, tmp_path) -> tuple:
+    """quant_gemv.c as the suite loads it, and built without -march=native (the scalar loops a CPU
+    without AVX2 gets)."""
+    from caramba import kernels
+
+    monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path))
+    portable = [f for f in kernels.FLAGS if not f.startswith("-march")]
+    return quant.library(), kernels.load(quant.SOURCE, quant._SIGNATURES, "test", flags=portable)[0]
+
+
 def test_portable_kernels_equal_the_native_ones(monkeypatch, tmp_path):
     """The scalar loops (built without -march=native, as on a CPU without AVX2) against the same
     reference: both code paths of quant_gemv.c are exercised wherever the suite runs."""
     needs_kernels()
-    from caramba import kernels
-
-    monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path))
-    flags = [f for f in kernels.FLAGS if not f.startswith("-march")]
-    lib, status = kernels.load(quant.SOURCE, quant._SIGNATURES, "test", flags=flags)
-    assert status == "c"
+    lib = native_and_portable(monkeypatch, tmp_path)[1]
+    assert lib is not None
     monkeypatch.setattr(quant, "library", lambda: lib)
     for fmt, act in [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "i16"), ("q4_1", "i16"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")]:
         lin = layer(fmt, act, 9, 64, seed=11)
@@ -420,7 +426,6 @@ def test_activation_codes_are_the_reference_rule_bit_for_bit(monkeypatch, tmp_pa
     x / scale rounded to nearest even, exactly, on values with ties (half-integer multiples of the
     scale), zeros and all-zero blocks."""
     needs_kernels()
-    from caramba import kernels
 
     g = torch.Generator().manual_seed(21)
     x = torch.randn(8, 256, generator=g) * torch.rand(8, 1, generator=g) * 10
@@ -430,9 +435,7 @@ def test_activation_codes_are_the_reference_rule_bit_for_bit(monkeypatch, tmp_pa
     d = x.reshape(8, -1, 32).abs().amax(-1) / 127.0
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     want = torch.round(x.reshape(8, -1, 32) * inv[..., None]).to(torch.int8).reshape(8, 256)   # half to even
-    monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path))
-    portable = [f for f in kernels.FLAGS if not f.startswith("-march")]
-    for lib in (quant.library(), kernels.load(quant.SOURCE, quant._SIGNATURES, "test", flags=portable)[0]):
+    for lib in native_and_portable(monkeypatch, tmp_path):
         q, got_d = torch.empty(8, 256, dtype=torch.int8), torch.empty(8, 8)
         lib.quantize_activations_q8(x.data_ptr(), 8, 256, q.data_ptr(), got_d.data_ptr())
         assert torch.equal(got_d, d) and torch.equal(q, want)
@@ -446,7 +449,6 @@ def test_split_codes_hold_fp32_activations_to_within_fp32_rounding(monkeypatch, 
     within d / 2^16 (below amax's own fp32 rounding, as d <= 2 amax / 32767). Bit for bit the rule
     below, on blocks of every magnitude, zeros, ties and an all-zero block."""
     needs_kernels()
-    from caramba import kernels
 
     g = torch.Generator().manual_seed(22)
     x = torch.randn(8, 256, generator=g) * torch.logspace(-30, 30, 8)[:, None]
@@ -468,9 +470,7 @@ def test_split_codes_hold_fp32_activations_to_within_fp32_rounding(monkeypatch, 
     back = d[..., None].double() * (h.double() + l.double() / 32768)
     assert ((back - xb.double()).abs() <= d[..., None].double() / 65536).all()
     assert ((back - xb.double()).abs() <= xb.abs().amax(-1, keepdim=True).double() * 2.0 ** -24).all()
-    monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path))
-    portable = [f for f in kernels.FLAGS if not f.startswith("-march")]
-    for lib in (quant.library(), kernels.load(quant.SOURCE, quant._SIGNATURES, "test", flags=portable)[0]):
+    for lib in native_and_portable(monkeypatch, tmp_path):
         q, got_d = torch.empty(8, 512, dtype=torch.int16), torch.empty(8, 8)
         lib.split_activations(x.data_ptr(), 8, 256, q.data_ptr(), got_d.data_ptr())
         assert torch.equal(got_d, d) and torch.equal(q, want)
