@@ -159,8 +159,9 @@ static void rows_f32_batch(const float *w, const float *x, int M, int N, int K, 
 /* The partial sums of one token row over one quad of k, 8 columns: x0 w0, then three FMAs. */
 #define QUAD_PS(V, C) _mm256_fmadd_ps(V##3, _mm256_loadu_ps(w3 + (C)), _mm256_fmadd_ps(V##2, _mm256_loadu_ps(w2 + (C)), \
                       _mm256_fmadd_ps(V##1, _mm256_loadu_ps(w1 + (C)), _mm256_mul_ps(V##0, _mm256_loadu_ps(w0 + (C))))))
-#endif
+/* the same for one column, in the scalar tail */
 #define QUAD_F(X, C) fmaf(X##3, w3[C], fmaf(X##2, w2[C], fmaf(X##1, w1[C], X##0 * w0[C])))
+#endif
 
 static void cols_band(const float *w, long ldw, const float *x, int M, int K, float *y, long ldy, int cw) {
     for (int k0 = 0; k0 < K; k0 += 4) {
@@ -210,15 +211,18 @@ static void cols_band(const float *w, long ldw, const float *x, int M, int K, fl
         }
     }
 }
+#if HAVE_AVX2
 #undef QUAD_PS
 #undef QUAD_F
+#endif
 
 /* fp32 [K, N] (input-major) weights times M token rows. Each thread takes bands of whole columns
    and sums them over every k, streaming the band's part of each weight row (at most COLS_CHUNK
    columns), into its own [M, band] sums (L1/L2-resident, rows a band apart; summing in y itself,
-   whose rows lie a vocabulary apart, took a batch-8 step from 39 to 55 ms), then copies them out. A column's sum never depends on the thread count; splitting k
-   between the threads, as before, moved fp32 models' logits by ~4e-5 when ThreadChoice changed
-   the count. cols: shared [threads, M, COLS_CHUNK]. */
+   whose rows lie a vocabulary apart, took a batch-8 step from 39 to 55 ms), then copies them
+   out. A column's sum never depends on the thread count; splitting k between the threads, as
+   before, moved fp32 models' logits by ~4e-5 when ThreadChoice changed the count. cols: shared
+   [threads, M, COLS_CHUNK]. */
 static void cols_f32_batch(const float *w, const float *x, int M, int N, int K, float *y, const float *bias,
                            float *cols) {
     const int nt = omp_get_num_threads();

@@ -22,8 +22,8 @@
        of x is split into two int16 code vectors on a power-of-two scale, x = s (h + l / 2^15) to
        within s / 2^16 (below fp32's own rounding of the block's largest element: s <= 2 amax /
        32767), and runs through the int16 multiply-adds twice; an int-to-float conversion per
-       weight, the portable build's way, took ~1.5x as long (the instruction count, not the bytes,
-       bounds these products).
+       weight (the portable build's way) took ~1.5x as long with AVX2 (the instruction count, not
+       the bytes, bounds these products).
 
    x is [M, K] fp32 (M small: a decode step or a few rows), out is [M, N] fp32. Every weight row
    is read once for all M rows. Parallel over output rows with OpenMP (the process shares
@@ -86,12 +86,12 @@ static inline float hsum8(__m256 v) {
 enum { ACT_Q8 = 0, ACT_I16 = 1, ACT_SPLIT = 2 };
 
 static void quantize_rows(const float *x, int M, int K, int mode, void *q, float *d) {
-    const int nb = K / QK;
+    const int nb = K / QK, width = mode == ACT_SPLIT ? 2 : 1;   /* codes per element */
     for (int m = 0; m < M; m++)
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (long)m * K + b * QK;
             int8_t *q8 = (int8_t *)q + (long)m * K + b * QK;
-            int16_t *q16 = (int16_t *)q + (long)m * K * (mode == ACT_SPLIT ? 2 : 1) + b * QK * (mode == ACT_SPLIT ? 2 : 1);
+            int16_t *q16 = (int16_t *)q + ((long)m * K + b * QK) * width;
 #if HAVE_AVX2   /* the same codes 8 at a time (fmaxf stayed a libm call per element: ~5% of a q4_0 step) */
             __m256 v[4], mx = _mm256_setzero_ps();
             for (int j = 0; j < 4; j++) {
@@ -124,12 +124,13 @@ static void quantize_rows(const float *x, int M, int K, int mode, void *q, float
             d[m * nb + b] = scale;
 #if HAVE_AVX2   /* cvtps rounds to nearest even (the default mode), as lrintf does */
             __m256i c[4], r[4];
-            for (int j = 0; j < 4; j++) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
-            if (mode == ACT_SPLIT)   /* the residuals x / s - h are exact; l rounds them at 2^-15 */
-                for (int j = 0; j < 4; j++)
-                    r[j] = _mm256_cvtps_epi32(_mm256_mul_ps(
-                        _mm256_sub_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)), _mm256_cvtepi32_ps(c[j])),
-                        _mm256_set1_ps(32768.0f)));
+            for (int j = 0; j < 4; j++) {
+                const __m256 scaled = _mm256_mul_ps(v[j], _mm256_set1_ps(inv));
+                c[j] = _mm256_cvtps_epi32(scaled);
+                if (mode == ACT_SPLIT)   /* the residual x / s - h is exact; l rounds it at 2^-15 */
+                    r[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(scaled, _mm256_cvtepi32_ps(c[j])),
+                                                            _mm256_set1_ps(32768.0f)));
+            }
             /* the packs work per 128-bit lane: their output's elements come interleaved, put back in
                order by the permutes */
             if (mode != ACT_Q8)
@@ -146,12 +147,10 @@ static void quantize_rows(const float *x, int M, int K, int mode, void *q, float
             }
 #else
             for (int i = 0; i < QK; i++) {
-                const float h = rintf(xb[i] * inv);
-                if (mode == ACT_SPLIT) {
-                    q16[i] = (int16_t)h;
-                    q16[QK + i] = (int16_t)lrintf((xb[i] * inv - h) * 32768.0f);
-                } else if (mode == ACT_I16) q16[i] = (int16_t)h;
-                else q8[i] = (int8_t)h;
+                const float scaled = xb[i] * inv, h = rintf(scaled);
+                if (mode == ACT_Q8) q8[i] = (int8_t)h;
+                else q16[i] = (int16_t)h;
+                if (mode == ACT_SPLIT) q16[QK + i] = (int16_t)lrintf((scaled - h) * 32768.0f);
             }
 #endif
         }
