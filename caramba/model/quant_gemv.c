@@ -204,29 +204,39 @@ enum { Q8_0_Q8 = 2, Q8_0_F32 = 3, Q4_1_F32 = 4, Q4_1_Q8 = 5, Q4_0_Q8 = 6, Q8_0_I
 #define FACTOR_CHUNK 32   /* blocks whose factors block_factors converts at a time */
 
 /* For RR activation rows r (row r's y and z at y + r ys, z + r zs) and n <= FACTOR_CHUNK blocks:
-   f[r][b] = d[b] y_r[b] (y NULL: f[0][b] = d[b] alone, shared by the rows); mt[r] = the sum over
-   b of m[b] z_r[b] (m NULL: of -8 d[b] z_r[b]; z NULL: 0), the minimums' share of a zero-point
-   row's product. The fp16 values convert 8 at a time, once for all rows: one scalar conversion
-   per block (an insert and a convert, both on the shuffle port) took ~20% of a q4_1 row's fp32
-   product. */
+   f[r][b] = d[b] y_r[b] (y NULL: f[0][b] = d[b] alone, shared by the rows); macc[r] += m[b] z_r[b]
+   lane-wise (m NULL: -8 d[b] z_r[b]; z NULL: nothing), the minimums' share of a zero-point row's
+   product, summed with the row's products at its end. The fp16 values convert 8 at a time, once
+   for all rows: one scalar conversion per block (an insert and a convert, both on the shuffle
+   port) took ~20% of a q4_1 row's fp32 product. */
+INLINE void factors8(const int RR, const uint16_t *d, const float *y, long ys, const uint16_t *m, const float *z,
+                     long zs, int b, __m256 keep, float f[][FACTOR_CHUNK], __m256 *macc) {
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
+    if (!y) _mm256_storeu_ps(f[0] + b, dv);
+    if (z) {
+        const __m256 mv = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b)))
+                            : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+        for (int r = 0; r < RR; r++)
+            macc[r] = _mm256_fmadd_ps(mv, _mm256_and_ps(keep, _mm256_loadu_ps(z + r * zs + b)), macc[r]);
+    }
+    if (y) for (int r = 0; r < RR; r++) _mm256_storeu_ps(f[r] + b, _mm256_mul_ps(dv, _mm256_loadu_ps(y + r * ys + b)));
+}
+
 INLINE void block_factors(const int RR, const uint16_t *d, const float *y, long ys, const uint16_t *m,
-                               const float *z, long zs, int n, float f[][FACTOR_CHUNK], float *mt) {
-    __m256 macc[QTR];
-    float ms[QTR];
-    for (int r = 0; r < RR; r++) { macc[r] = _mm256_setzero_ps(); ms[r] = 0.0f; }
+                          const float *z, long zs, int n, float f[][FACTOR_CHUNK], __m256 *macc) {
     int b = 0;
 #if defined(__F16C__)
-    for (; b + 8 <= n; b += 8) {
-        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
-        const __m256 mv = !z ? dv : m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b)))
-                                      : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
-        if (!y) _mm256_storeu_ps(f[0] + b, dv);
-        for (int r = 0; r < RR; r++) {
-            if (y) _mm256_storeu_ps(f[r] + b, _mm256_mul_ps(dv, _mm256_loadu_ps(y + r * ys + b)));
-            if (z) macc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(z + r * zs + b), macc[r]);
-        }
+    static const int32_t lanes[16] = {0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1};
+    const __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (; b + 8 <= n; b += 8) factors8(RR, d, y, ys, m, z, zs, b, all, f, macc);
+    if (b < n && n >= 8) {   /* the last 8 blocks again: the same factors rewritten, the minimums of new lanes
+                                only (scalar conversions for the rest of a 576-wide row: ~3% of its product) */
+        const __m256 fresh = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(lanes + 8 - (n - b))));
+        factors8(RR, d, y, ys, m, z, zs, n - 8, fresh, f, macc);
+        b = n;
     }
 #endif
+    float ms[QTR] = {0.0f};
     for (; b < n; b++) {
         const float dw = fp16_to_fp32(d[b]), mw = m ? fp16_to_fp32(m[b]) : -8.0f * dw;
         if (!y) f[0][b] = dw;
@@ -235,7 +245,7 @@ INLINE void block_factors(const int RR, const uint16_t *d, const float *y, long 
             if (z) ms[r] += mw * z[r * zs + b];
         }
     }
-    for (int r = 0; r < RR; r++) mt[r] = hsum8(macc[r]) + ms[r];
+    if (z) for (int r = 0; r < RR; r++) macc[r] = _mm256_add_ps(macc[r], _mm256_setr_ps(ms[r], 0, 0, 0, 0, 0, 0, 0));
 }
 
 /* One q8_0 block (codes w) times RR rows' blocks (codes a + r K), added to acc[r] with factor
@@ -257,11 +267,11 @@ INLINE void q8_0_q8_block(const int RR, const int8_t *w8, const int8_t *a8, int 
 INLINE void tile_q8_0_q8(const int RR, const int8_t *wq, const uint16_t *wd, const int8_t *xq,
                          const float *xd, int K, int nb, float *out) {
     __m256 acc0[QTR], acc1[QTR];   /* two chains per row hide FMA latency */
-    float f[QTR][FACTOR_CHUNK], unused[QTR];
+    float f[QTR][FACTOR_CHUNK];
     for (int r = 0; r < RR; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
     for (int c = 0; c < nb; c += FACTOR_CHUNK) {
         const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
-        block_factors(RR, wd + c, xd + c, nb, NULL, NULL, 0, n, f, unused);
+        block_factors(RR, wd + c, xd + c, nb, NULL, NULL, 0, n, f, NULL);
         int b = 0;   /* even blocks into acc0, odd into acc1, without a test per block */
         for (; b + 1 < n; b += 2) {
             q8_0_q8_block(RR, wq + (long)(c + b) * QK, xq + (long)(c + b) * QK, K, f, b, acc0);
@@ -292,13 +302,12 @@ INLINE void q4_q8_block(const int RR, const uint8_t *w4, const int8_t *a8, int K
    The unsigned nibbles go straight into maddubs, spread once per block. */
 INLINE void tile_q4_1_q8(const int RR, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
                          const int8_t *xq, const float *xd, const float *xs, int K, int nb, float *out) {
-    __m256 acc0[QTR], acc1[QTR];
-    float f[QTR][FACTOR_CHUNK], macc[QTR], mt[QTR];
-    for (int r = 0; r < RR; r++) { acc0[r] = acc1[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
+    __m256 acc0[QTR], acc1[QTR], macc[QTR];
+    float f[QTR][FACTOR_CHUNK];
+    for (int r = 0; r < RR; r++) acc0[r] = acc1[r] = macc[r] = _mm256_setzero_ps();
     for (int c = 0; c < nb; c += FACTOR_CHUNK) {
         const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
-        block_factors(RR, wd + c, xd + c, nb, wm ? wm + c : NULL, xs + c, nb, n, f, mt);
-        for (int r = 0; r < RR; r++) macc[r] += mt[r];
+        block_factors(RR, wd + c, xd + c, nb, wm ? wm + c : NULL, xs + c, nb, n, f, macc);
         int b = 0;
         for (; b + 1 < n; b += 2) {
             q4_q8_block(RR, wq + (long)(c + b) * QK / 2, xq + (long)(c + b) * QK, K, f, b, acc0);
@@ -306,7 +315,7 @@ INLINE void tile_q4_1_q8(const int RR, const uint8_t *wq, const uint16_t *wd, co
         }
         if (b < n) q4_q8_block(RR, wq + (long)(c + b) * QK / 2, xq + (long)(c + b) * QK, K, f, b, acc0);
     }
-    for (int r = 0; r < RR; r++) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + macc[r];
+    for (int r = 0; r < RR; r++) out[r] = hsum8(_mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]), macc[r]));
 }
 
 /* One q8_0 block (w4 NULL: codes w8) or q4_1 block (nibbles w4) times RR rows' int16 blocks
@@ -344,14 +353,13 @@ INLINE void i16_block(const int RR, const int split, const int8_t *w8, const uin
 INLINE void tile_blocks_i16(const int RR, const int split, const int8_t *w8, const uint8_t *w4, const uint16_t *wd,
                             const uint16_t *wm, const int16_t *xq, const float *xd, const float *xs, int K,
                             int nb, float *out) {
-    __m256 acc0[QTR], acc1[QTR];   /* two chains per row hide FMA latency */
-    float f[QTR][FACTOR_CHUNK], macc[QTR], mt[QTR];
+    __m256 acc0[QTR], acc1[QTR], macc[QTR];   /* two chains per row hide FMA latency */
+    float f[QTR][FACTOR_CHUNK];
     const int width = split ? 2 : 1;   /* codes per element */
-    for (int r = 0; r < RR; r++) { acc0[r] = acc1[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
+    for (int r = 0; r < RR; r++) acc0[r] = acc1[r] = macc[r] = _mm256_setzero_ps();
     for (int c = 0; c < nb; c += FACTOR_CHUNK) {
         const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
-        block_factors(RR, wd + c, xd + c, nb, wm ? wm + c : NULL, w4 ? xs + c : NULL, nb, n, f, mt);
-        if (w4) for (int r = 0; r < RR; r++) macc[r] += mt[r];
+        block_factors(RR, wd + c, xd + c, nb, wm ? wm + c : NULL, w4 ? xs + c : NULL, nb, n, f, macc);
 #define I16_BLOCK(B, ACC) i16_block(RR, split, w8 + (long)(c + (B)) * QK, w4 ? w4 + (long)(c + (B)) * QK / 2 : NULL, \
                                     xq + (long)(c + (B)) * QK * width, (long)K * width, f, B, ACC)
         int b = 0;
@@ -362,7 +370,7 @@ INLINE void tile_blocks_i16(const int RR, const int split, const int8_t *w8, con
         if (b < n) I16_BLOCK(b, acc0);
 #undef I16_BLOCK
     }
-    for (int r = 0; r < RR; r++) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + macc[r];
+    for (int r = 0; r < RR; r++) out[r] = hsum8(_mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]), macc[r]));
 }
 
 #else   /* portable: the same sums, one element at a time */
