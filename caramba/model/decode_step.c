@@ -259,7 +259,11 @@ static void linear(const Lin *L, const float *x, int M, float *y, Act *a, float 
         return;
     }
     prepare_activations((int)L->fmt, x, M, K, a->xq, a->xd, a->xs);
-#pragma omp for schedule(static)
+    /* guided: large contiguous chunks first (half the rows, then a quarter, ...), then smaller ones
+       to whichever thread is free, so a thread slowed by the shared VM does not hold the other at
+       each of a step's ~120 barriers (native steps 5-14% faster than static, alternated; dynamic
+       chunks of 8 or 32 rows were 20-35% slower). A row's sum is the same on any thread. */
+#pragma omp for schedule(guided)
     for (int n = 0; n < N; n++)
         quant_row((int)L->fmt, L->w, L->d, L->m, n, N, K, x, a->xq, a->xd, a->xs, M, y, L->bias ? L->bias[n] : 0.0f);
 }
