@@ -264,24 +264,6 @@ INLINE void q8_0_q8_block(const int RR, const int8_t *w8, const int8_t *a8, int 
 /* q8_0 weights (nb blocks: codes wq, scales wd) . RR rows of q8 activations (codes xq + r K,
    scales xd + r nb): per block d_w d_x sum(w_i a_i) in int8 x int8 -> int32 (llama.cpp's
    q8_0 x q8_0: maddubs takes |w| and a with w's sign; |w| is taken once per block). */
-INLINE void tile_q8_0_q8(const int RR, const int8_t *wq, const uint16_t *wd, const int8_t *xq,
-                         const float *xd, int K, int nb, float *out) {
-    __m256 acc0[QTR], acc1[QTR];   /* two chains per row hide FMA latency */
-    float f[QTR][FACTOR_CHUNK];
-    for (int r = 0; r < RR; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    for (int c = 0; c < nb; c += FACTOR_CHUNK) {
-        const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
-        block_factors(RR, wd + c, xd + c, nb, NULL, NULL, 0, n, f, NULL);
-        int b = 0;   /* even blocks into acc0, odd into acc1, without a test per block */
-        for (; b + 1 < n; b += 2) {
-            q8_0_q8_block(RR, wq + (long)(c + b) * QK, xq + (long)(c + b) * QK, K, f, b, acc0);
-            q8_0_q8_block(RR, wq + (long)(c + b + 1) * QK, xq + (long)(c + b + 1) * QK, K, f, b + 1, acc1);
-        }
-        if (b < n) q8_0_q8_block(RR, wq + (long)(c + b) * QK, xq + (long)(c + b) * QK, K, f, b, acc0);
-    }
-    for (int r = 0; r < RR; r++) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
-}
-
 /* One q4 block (16 bytes of nibble pairs) times RR rows' q8 blocks, added to acc[r]. */
 INLINE void q4_q8_block(const int RR, const uint8_t *w4, const int8_t *a8, int K, float f[][FACTOR_CHUNK], int b,
                         __m256 *acc) {
@@ -294,28 +276,6 @@ INLINE void q4_q8_block(const int RR, const uint8_t *w4, const int8_t *a8, int K
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
         acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(f[r] + b), dot, acc[r]);
     }
-}
-
-/* q4_1 weights (codes wq: byte j of a block holds element j low, j + 16 high; scales wd,
-   minimums wm; wm NULL: q4_0, w = d (q - 8)) . RR rows of q8 activations (llama.cpp's
-   q4_1 x q8_1): d_w d_x sum(q_i a_i) + m_w d_x sum(a_i) per block, xs holding d_x sum(a_i).
-   The unsigned nibbles go straight into maddubs, spread once per block. */
-INLINE void tile_q4_1_q8(const int RR, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
-                         const int8_t *xq, const float *xd, const float *xs, int K, int nb, float *out) {
-    __m256 acc0[QTR], acc1[QTR], macc[QTR];
-    float f[QTR][FACTOR_CHUNK];
-    for (int r = 0; r < RR; r++) acc0[r] = acc1[r] = macc[r] = _mm256_setzero_ps();
-    for (int c = 0; c < nb; c += FACTOR_CHUNK) {
-        const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
-        block_factors(RR, wd + c, xd + c, nb, wm ? wm + c : NULL, xs + c, nb, n, f, macc);
-        int b = 0;
-        for (; b + 1 < n; b += 2) {
-            q4_q8_block(RR, wq + (long)(c + b) * QK / 2, xq + (long)(c + b) * QK, K, f, b, acc0);
-            q4_q8_block(RR, wq + (long)(c + b + 1) * QK / 2, xq + (long)(c + b + 1) * QK, K, f, b + 1, acc1);
-        }
-        if (b < n) q4_q8_block(RR, wq + (long)(c + b) * QK / 2, xq + (long)(c + b) * QK, K, f, b, acc0);
-    }
-    for (int r = 0; r < RR; r++) out[r] = hsum8(_mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]), macc[r]));
 }
 
 /* One q8_0 block (w4 NULL: codes w8) or q4_1 block (nibbles w4) times RR rows' int16 blocks
@@ -345,32 +305,78 @@ INLINE void i16_block(const int RR, const int split, const int8_t *w8, const uin
     }
 }
 
-/* q8_0 weights (w4 NULL: codes w8) or q4_1 weights (nibbles w4, minimums wm) . RR rows of int16
-   activations (codes xq, ACT_I16's or with split ACT_SPLIT's; scales xd; xs for the minimums:
-   d_x sum(a_i), or with split the fp32 sum of x): per block d_w d_x sum(w_i a_i) + m_w xs. The
-   codes' products add up in int32 exactly (at most 4 x 128 x 32767 < 2^24 a lane), so their
-   conversion to float is exact too. */
-INLINE void tile_blocks_i16(const int RR, const int split, const int8_t *w8, const uint8_t *w4, const uint16_t *wd,
-                            const uint16_t *wm, const int16_t *xq, const float *xd, const float *xs, int K,
-                            int nb, float *out) {
-    __m256 acc0[QTR], acc1[QTR], macc[QTR];   /* two chains per row hide FMA latency */
-    float f[QTR][FACTOR_CHUNK];
-    const int width = split ? 2 : 1;   /* codes per element */
-    for (int r = 0; r < RR; r++) acc0[r] = acc1[r] = macc[r] = _mm256_setzero_ps();
-    for (int c = 0; c < nb; c += FACTOR_CHUNK) {
-        const int n = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
-        block_factors(RR, wd + c, xd + c, nb, wm ? wm + c : NULL, w4 ? xs + c : NULL, nb, n, f, macc);
-#define I16_BLOCK(B, ACC) i16_block(RR, split, w8 + (long)(c + (B)) * QK, w4 ? w4 + (long)(c + (B)) * QK / 2 : NULL, \
-                                    xq + (long)(c + (B)) * QK * width, (long)K * width, f, B, ACC)
-        int b = 0;
-        for (; b + 1 < n; b += 2) {
-            I16_BLOCK(b, acc0);
-            I16_BLOCK(b + 1, acc1);
-        }
-        if (b < n) I16_BLOCK(b, acc0);
-#undef I16_BLOCK
+/* The formats whose weights carry a zero point (q4_1's minimums, q4_0's -8): their products add
+   m_w xs per block, xs from prepare_activations. */
+#define ZERO_POINT(FMT) ((FMT) == Q4_1_F32 || (FMT) == Q4_1_I16 || (FMT) == Q4_1_Q8 || (FMT) == Q4_0_Q8)
+
+/* The n blocks from block c0 of one weight row (w: the row's codes) times RR activation rows
+   (codes xq, rows K codes apart, twice that for ACT_SPLIT's), even blocks into acc0 and odd into
+   acc1 (two chains per row hide FMA latency), with factors f[r][b]:
+     q8_0 x q8: d_w d_x sum(w_i a_i) in int8 x int8 -> int32 (llama.cpp's q8_0 x q8_0);
+     q4 x q8: the same with the unsigned nibbles (llama.cpp's q4_1 x q8_1), the minimums apart;
+     x int16 codes (ACT_I16's or ACT_SPLIT's): madd_epi16 sums, exact in int32 (at most
+       4 x 128 x 32767 < 2^24 a lane), so their conversion to float is exact too. */
+INLINE void unit_blocks(const int RR, const int FMT, const void *w, long c0, int n, const int8_t *xq, int K,
+                        float f[][FACTOR_CHUNK], __m256 *acc0, __m256 *acc1) {
+    const int split = FMT == Q8_0_F32 || FMT == Q4_1_F32, width = split ? 2 : 1, q4 = ZERO_POINT(FMT);
+    const int8_t *w8 = (const int8_t *)w + c0 * QK;
+    const uint8_t *w4 = (const uint8_t *)w + c0 * QK / 2;
+#define BLOCK(B, ACC)                                                                                       \
+    if (FMT == Q8_0_Q8) q8_0_q8_block(RR, w8 + (long)(B) * QK, xq + (c0 + (B)) * QK, K, f, B, ACC);           \
+    else if (FMT == Q4_1_Q8 || FMT == Q4_0_Q8)                                                               \
+        q4_q8_block(RR, w4 + (long)(B) * QK / 2, xq + (c0 + (B)) * QK, K, f, B, ACC);                         \
+    else i16_block(RR, split, q4 ? NULL : w8 + (long)(B) * QK, q4 ? w4 + (long)(B) * QK / 2 : NULL,           \
+                   (const int16_t *)xq + (c0 + (B)) * QK * width, (long)K * width, f, B, ACC);
+    int b = 0;
+    for (; b + 1 < n; b += 2) {
+        BLOCK(b, acc0)
+        BLOCK(b + 1, acc1)
     }
-    for (int r = 0; r < RR; r++) out[r] = hsum8(_mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]), macc[r]));
+    if (b < n) {
+        BLOCK(b, acc0)
+    }
+#undef BLOCK
+}
+
+/* y[r, n] = x_r . weight row n (+ bias[n]) for weight rows [n0, n1) and RR activation rows (their
+   codes xq, scales xd and block sums xs; y rows N apart). Each (weight row, chunk of FACTOR_CHUNK
+   blocks) unit's factors are made while the unit before it runs: made just before their own
+   blocks, their conversion, multiply and store lay on each row's critical path, and a 576-wide
+   q4_1 row took ~1.6x as long as it did with the factors ready (/tmp microbenchmark). The
+   arithmetic is the same as one row at a time, in any tile, on any thread. */
+INLINE void block_rows(const int RR, const int FMT, const void *w, const uint16_t *d, const uint16_t *m, int n0,
+                      int n1, int N, int K, const int8_t *xq, const float *xd, const float *xs, float *y,
+                      const float *bias) {
+    const int nb = K / QK, zp = ZERO_POINT(FMT);
+    const long row_bytes = zp ? K / 2 : K;
+    float f[2][QTR][FACTOR_CHUNK];   /* the running unit's factors and the next one's */
+    __m256 macc[2][QTR];             /* the minimums' sums of this row and the next */
+#define FACTORS(ROW, C, F, MACC)                                                                               \
+    block_factors(RR, d + (long)(ROW) * nb + (C), xd + (C), nb, m ? m + (long)(ROW) * nb + (C) : NULL,         \
+                  zp ? xs + (C) : NULL, nb, nb - (C) < FACTOR_CHUNK ? nb - (C) : FACTOR_CHUNK, F, MACC)
+    for (int r = 0; r < RR; r++) macc[0][r] = _mm256_setzero_ps();
+    FACTORS(n0, 0, f[0], macc[0]);
+    int u = 0;   /* f[u]: the running unit's */
+    for (int n = n0; n < n1; n++) {
+        const int row = (n - n0) & 1;
+        __m256 acc0[QTR], acc1[QTR];
+        for (int r = 0; r < RR; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+        for (int c = 0; c < nb; c += FACTOR_CHUNK, u ^= 1) {
+            if (c + FACTOR_CHUNK < nb) FACTORS(n, c + FACTOR_CHUNK, f[u ^ 1], macc[row]);
+            else if (n + 1 < n1) {
+                for (int r = 0; r < RR; r++) macc[row ^ 1][r] = _mm256_setzero_ps();
+                FACTORS(n + 1, 0, f[u ^ 1], macc[row ^ 1]);
+            }
+            unit_blocks(RR, FMT, (const int8_t *)w + n * row_bytes, c, nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK,
+                        xq, K, f[u], acc0, acc1);
+        }
+        for (int r = 0; r < RR; r++) {
+            __m256 sum = _mm256_add_ps(acc0[r], acc1[r]);
+            if (zp) sum = _mm256_add_ps(sum, macc[row][r]);
+            y[(long)r * N + n] = hsum8(sum) + (bias ? bias[n] : 0.0f);
+        }
+    }
+#undef FACTORS
 }
 
 #else   /* portable: the same sums, one element at a time */
@@ -482,38 +488,55 @@ static void prepare_activations(int fmt, const float *x, int M, int K, int8_t *x
             }
 }
 
-/* y[r * N + n] = x_r . weight row n (+ bias) for the M rows, QTR rows per pass over the weight
-   row (w: the codes of an [N, K] weight, d/m: its fp16 scales/minimums; xq, xd, xs from
-   prepare_activations). */
-static inline void quant_row(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int n, int N, int K,
-                             const float *x, const int8_t *xq, const float *xd, const float *xs, int M, float *y,
-                             float bias) {
+/* y[r * N + n] = x_r . weight row n (+ bias[n], bias may be NULL) for weight rows [n0, n1) and the
+   M rows, QTR activation rows per pass (w: the codes of an [N, K] weight, d/m: its fp16
+   scales/minimums; xq, xd, xs from prepare_activations). */
+#define ROWS_CHUNK 16   /* weight rows per call: the first row's factors wait to be made once per call */
+
+static void quant_rows(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int n0, int n1, int N, int K,
+                       const float *x, const int8_t *xq, const float *xd, const float *xs, int M, float *y,
+                       const float *bias) {
     const int nb = K / QK;
-    const int8_t *w8 = (const int8_t *)w + (long)n * K;
-    const uint8_t *w4 = (const uint8_t *)w + (long)n * (K / 2);
-    const uint16_t *dn = d + (long)n * nb, *mn = m ? m + (long)n * nb : NULL;
-#if HAVE_AVX2   /* fp32 products on ACT_SPLIT's codes */
-    (void)x;
-#define F32_TILE(RR, W8, W4) tile_blocks_i16(RR, 1, W8, W4, dn, mn, (const int16_t *)xq + 2L * r0 * K, xd + r0 * nb, \
-                                             xs + r0 * nb, K, nb, o)
-#else
-#define F32_TILE(RR, W8, W4) ((W4) ? tile_q4_1_f32(RR, w4, dn, mn, x + (long)r0 * K, xs + r0 * nb, K, nb, o) \
-                                   : tile_q8_0_f32(RR, w8, dn, x + (long)r0 * K, K, nb, o))
-#endif
     for (int r0 = 0; r0 < M; r0 += QTR) {
         const int rr = M - r0 < QTR ? M - r0 : QTR;
-        float o[QTR];
+        float *yr = y + (long)r0 * N;
+#if HAVE_AVX2   /* fp32 products on ACT_SPLIT's codes */
+        (void)x;
+        const int q8 = fmt == Q8_0_Q8 || fmt == Q4_1_Q8 || fmt == Q4_0_Q8, split = fmt == Q8_0_F32 || fmt == Q4_1_F32;
+        const int8_t *xr = xq + (long)r0 * K * (q8 ? 1 : split ? 4 : 2);   /* bytes of codes per row */
+#define ROWS(RR, FMT) block_rows(RR, FMT, w, d, m, n0, n1, N, K, xr, xd + r0 * nb, xs + r0 * nb, yr, bias)
 #define QUANT_TILE(RR)                                                                                   \
         switch (fmt) {                                                                                   \
+        case Q8_0_Q8: ROWS(RR, Q8_0_Q8); break;                                                          \
+        case Q8_0_F32: ROWS(RR, Q8_0_F32); break;                                                        \
+        case Q4_1_F32: ROWS(RR, Q4_1_F32); break;                                                        \
+        case Q8_0_I16: ROWS(RR, Q8_0_I16); break;                                                        \
+        case Q4_1_I16: ROWS(RR, Q4_1_I16); break;                                                        \
+        case Q4_1_Q8: ROWS(RR, Q4_1_Q8); break;                                                          \
+        default: ROWS(RR, Q4_0_Q8);                                                                      \
+        }
+#else
+#define ROW_TILE(RR)                                                                                     \
+        switch (fmt) {                                                                                   \
         case Q8_0_Q8: tile_q8_0_q8(RR, w8, dn, xq + (long)r0 * K, xd + r0 * nb, K, nb, o); break;         \
-        case Q8_0_F32: F32_TILE(RR, w8, NULL); break;                                                    \
-        case Q4_1_F32: F32_TILE(RR, NULL, w4); break;                                                    \
+        case Q8_0_F32: tile_q8_0_f32(RR, w8, dn, x + (long)r0 * K, K, nb, o); break;                     \
+        case Q4_1_F32: tile_q4_1_f32(RR, w4, dn, mn, x + (long)r0 * K, xs + r0 * nb, K, nb, o); break;    \
         case Q8_0_I16: tile_blocks_i16(RR, 0, w8, NULL, dn, NULL, (const int16_t *)xq + (long)r0 * K,      \
                                        xd + r0 * nb, NULL, K, nb, o); break;                              \
         case Q4_1_I16: tile_blocks_i16(RR, 0, NULL, w4, dn, mn, (const int16_t *)xq + (long)r0 * K,        \
                                        xd + r0 * nb, xs + r0 * nb, K, nb, o); break;                      \
         default: tile_q4_1_q8(RR, w4, dn, mn, xq + (long)r0 * K, xd + r0 * nb, xs + r0 * nb, K, nb, o);  \
         }
+#define QUANT_TILE(RR)                                                                                   \
+        for (int n = n0; n < n1; n++) {                                                                  \
+            const int8_t *w8 = (const int8_t *)w + (long)n * K;                                          \
+            const uint8_t *w4 = (const uint8_t *)w + (long)n * (K / 2);                                  \
+            const uint16_t *dn = d + (long)n * nb, *mn = m ? m + (long)n * nb : NULL;                    \
+            float o[QTR];                                                                                \
+            ROW_TILE(RR)                                                                                 \
+            for (int r = 0; r < RR; r++) yr[(long)r * N + n] = o[r] + (bias ? bias[n] : 0.0f);           \
+        }
+#endif
         switch (rr) {
         case 1: QUANT_TILE(1) break;
         case 2: QUANT_TILE(2) break;
@@ -521,9 +544,9 @@ static inline void quant_row(int fmt, const void *w, const uint16_t *d, const ui
         default: QUANT_TILE(4)
         }
 #undef QUANT_TILE
-        for (int r = 0; r < rr; r++) y[(long)(r0 + r) * N + n] = o[r] + bias;
+#undef ROWS
+#undef ROW_TILE
     }
-#undef F32_TILE
 }
 
 /* x [M, K] fp32 times an [N, K] block-format weight -> out [M, N]; parallel over weight rows. */
@@ -535,7 +558,9 @@ static int gemv_blocks(int fmt, const float *x, const void *qs, const uint16_t *
     if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return 1; }   /* the caller raises MemoryError */
     prepare_activations(fmt, x, M, K, xq, xd, xs);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int n = 0; n < N; n++) quant_row(fmt, qs, d, mins, n, N, K, x, xq, xd, xs, M, out, 0.0f);
+    for (int c = 0; c < (N + ROWS_CHUNK - 1) / ROWS_CHUNK; c++)
+        quant_rows(fmt, qs, d, mins, c * ROWS_CHUNK, N - c * ROWS_CHUNK < ROWS_CHUNK ? N : (c + 1) * ROWS_CHUNK, N, K, x,
+                   xq, xd, xs, M, out, NULL);
     free(xq);
     free(xd);
     free(xs);
