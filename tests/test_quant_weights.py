@@ -146,7 +146,12 @@ def activation_error_bound(lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 # M: one row, and tiles of 4 rows with remainders 3, 2 and none; N odd; K one block, several,
 # and 33 (a 32-block factor chunk and one more, an odd count).
-SHAPES = [(1, 7, 32), (3, 33, 96), (11, 5, 64), (6, 9, 1056), (16, 40, 160)]
+# Widths cover every way the kernels cut a row's blocks: fewer than 8 (scalar factors), whole
+# groups of 8, 32-block chunks with a short last one (1056: 33 blocks), and a partial last group of
+# 8 read as an overlapping one (320, 576, 1376: 10, 18 and 32 + 11 blocks). N = 19 and 40 cut the
+# weight rows into calls of 16 with a remainder.
+SHAPES = [(1, 7, 32), (3, 33, 96), (11, 5, 64), (6, 9, 1056), (16, 40, 160), (2, 19, 320), (5, 19, 576),
+          (9, 17, 1376)]
 
 
 @pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32"), ("q8_0", "i16"), ("q4_1", "i16"), ("q8_0", "q8"), ("q4_1", "q8"), ("q4_0", "q8")])

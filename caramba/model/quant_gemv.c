@@ -231,7 +231,7 @@ INLINE void block_factors(const int RR, const uint16_t *d, const float *y, long 
     for (; b + 8 <= n; b += 8) factors8(RR, d, y, ys, m, z, zs, b, all, f, macc);
     if (b < n && n >= 8) {   /* the last 8 blocks again: the same factors rewritten, the minimums of new lanes
                                 only (scalar conversions for the rest of a 576-wide row: ~3% of its product) */
-        const __m256 fresh = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(lanes + 8 - (n - b))));
+        const __m256 fresh = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(lanes + (n - b))));
         factors8(RR, d, y, ys, m, z, zs, n - 8, fresh, f, macc);
         b = n;
     }
