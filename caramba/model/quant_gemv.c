@@ -189,7 +189,7 @@ static inline float dot_f32(const float *w, const float *x, int K) {
 
    A decode step has one activation row per projection; a batch, a speculative verify or a short
    chunk has several. Every weight block is then unpacked once (its signs taken, its nibbles
-   spread, its codes widened to floats, its fp16 factors converted) and multiplied into QTR
+   spread, its codes widened, its fp16 factors converted) and multiplied into QTR
    activation rows held in registers: before, each row repeated the unpacking, and a batch-8
    q8_0 step cost 4.3x a batch-1 step. A row's arithmetic is the same whichever tile it lands
    in (RR = 1 is the decode step's), so a row's product never depends on the batch around it. */
@@ -229,8 +229,10 @@ INLINE void block_factors(const int RR, const uint16_t *d, const float *y, long 
     static const int32_t lanes[16] = {0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1};
     const __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
     for (; b + 8 <= n; b += 8) factors8(RR, d, y, ys, m, z, zs, b, all, f, macc);
-    if (b < n && n >= 8) {   /* the last 8 blocks again: the same factors rewritten, the minimums of new lanes
-                                only (scalar conversions for the rest of a 576-wide row: ~3% of its product) */
+    if (b < n && n >= 8) {   /* the last 8 blocks again: the same factors rewritten, the minimums of the
+                                n - b new lanes only, the top ones (with the minimums summed into the row's
+                                vector, 2-4% of a step less than scalar conversions and a second
+                                horizontal sum) */
         const __m256 fresh = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(lanes + (n - b))));
         factors8(RR, d, y, ys, m, z, zs, n - 8, fresh, f, macc);
         b = n;
