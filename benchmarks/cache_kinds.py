@@ -6,13 +6,15 @@ greedy decode steps. Kinds alternate within every repeat, after a warm-up; media
 Also prints, per kind, the bytes the cache allocated next to the analytic bytes/token formula.
 
     .venv/bin/python benchmarks/cache_kinds.py [--context 2048] [--steps 32] [--repeats 5]
-        [--kinds fp32,q8_0,q4_0,nf4] [--qblock 32] [--residual-len 0] [--chunk 512] [--torch-path] [--json out.json]
+        [--kinds fp32,q8_0,q4_0,nf4] [--qblock 32] [--residual-len 0] [--chunk 512] [--torch-path]
+        [--weights fp32|q8_0|q4_0|native|native_i16] [--json out.json]
 
 Every kind (per-channel values excepted) decodes through the one-call C step
 (caramba.model.fast_decode); the others through the torch path, reading codes with the C kernels
 (caramba.cache.kernel) when they build. --torch-path sends every kind through the torch path
 (like for like with the kinds the C step does not take); CARAMBA_KERNELS=0 times the eager path.
-The `step` column says which path each kind took.
+The `step` column says which path each kind took. --weights: quantized weights make the rest of the
+step faster, so the cache read is a larger share of it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from caramba.cache import kernel  # noqa: E402
 from caramba.cache import CachePolicy  # noqa: E402
 from caramba.infer.evaluate import corpus_ids  # noqa: E402
 from caramba.model import fast_decode  # noqa: E402
+from caramba.model.quant import WEIGHT_KINDS  # noqa: E402
 from caramba.model.zoo import load_model  # noqa: E402
 
 
@@ -61,11 +64,12 @@ def main() -> None:
     ap.add_argument("--torch-path", action="store_true",
                     help="every kind through the torch path (model.fast_decode = False): the C decode step "
                          "(caramba.model.fast_decode) takes every kind but per-channel values")
+    ap.add_argument("--weights", default="fp32", choices=WEIGHT_KINDS, help="weight format (default fp32)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     attend.READ_CHUNK = args.chunk
 
-    loaded = load_model(args.model, "float32", "cpu", progress=False)
+    loaded = load_model(args.model, "float32", "cpu", progress=False, weights=args.weights)
     model = loaded.model
     model.fast_decode = not args.torch_path
     ids = corpus_ids(loaded.tokenizer)
@@ -91,7 +95,7 @@ def main() -> None:
 
     cfg = model.config
     print(f"SmolLM2 decode at context {args.context}, {args.steps} steps x {args.repeats} repeats, "
-          f"qblock {args.qblock}, residual_len {args.residual_len}, torch {torch.__version__}, threads {torch.get_num_threads()}, kernels {kernel.status()}, chunk {args.chunk}, "
+          f"weights {args.weights}, qblock {args.qblock}, residual_len {args.residual_len}, torch {torch.__version__}, threads {torch.get_num_threads()}, kernels {kernel.status()}, chunk {args.chunk}, "
           f"decode step {'torch path' if args.torch_path else 'C where the step column says: ' + fast_decode.status()}, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'kind':<16}{'step':>6}{'tok/s':>8}{'vs fp32':>9}{'bytes/token':>13}{'analytic':>10}{'allocated MiB':>15}")
@@ -113,7 +117,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"context": args.context, "steps": args.steps, "repeats": args.repeats, "chunk": args.chunk,
-                       "qblock": args.qblock,
+                       "qblock": args.qblock, "weights": args.weights,
                        "threads": torch.get_num_threads(), "torch": torch.__version__, "kernels": kernel.status(),
                        "cpu": platform.processor() or platform.machine(), "loadavg": os.getloadavg(), "rows": rows},
                       f, indent=2)
