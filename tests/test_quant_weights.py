@@ -292,6 +292,25 @@ def test_quantized_head_reads_its_embedding_rows():
     assert model.dtype == torch.float32 and model.device.type == "cpu"
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_embedding_rows_are_the_dequantized_rows_and_ids_are_checked(monkeypatch, kernel):
+    """The q8_0 rows come from one C call (embed_rows_q8_0) or from torch ops: the same values bit
+    for bit, and an id outside the vocabulary (negative included, as F.embedding has it) is an
+    IndexError, not a read outside the table."""
+    if kernel:
+        needs_kernels()
+    else:
+        monkeypatch.setattr(quant, "library", lambda: None)
+    head = layer("q8_0", "q8", 50, 96, seed=2)
+    ids = torch.tensor([[0, 49, 7], [7, 3, 12]])
+    got = head.embedding(ids)
+    assert got.shape == (2, 3, 96) and got.dtype == torch.float32
+    assert torch.equal(got, head.dequantized()[ids])
+    for bad in (50, -1):
+        with pytest.raises(IndexError, match="outside the vocabulary"):
+            head.embedding(torch.tensor([[3, bad]]))
+
+
 # --- whole models, every path ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

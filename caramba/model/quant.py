@@ -58,6 +58,7 @@ _SIGNATURES = {
     "quantize_activations_q8": ([_P, _I, _I, _P, _P], None),
     "quantize_activations_i16": ([_P, _I, _I, _P, _P], None),
     "split_activations": ([_P, _I, _I, _P, _P], None),
+    "embed_rows_q8_0": ([_P, ctypes.c_long, _P, _P, ctypes.c_long, _I, _P], ctypes.c_long),
 }
 # library(): the loaded GEMV kernels, or None (CARAMBA_KERNELS=0, no compiler, failed build: one warning).
 library = kernels.Library(SOURCE, _SIGNATURES, "quantized weights multiply")
@@ -267,7 +268,18 @@ class QuantLinear(nn.Module):
     def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
         """Rows `tokens` of W, dequantized: [*tokens.shape, in_features]."""
         flat = tokens.reshape(-1)
-        rows = self._dequantize(self.qs[flat], self.d[flat], None if self.m is None else self.m[flat])
+        lib = library() if self.fmt == "q8_0" and flat.is_cpu and self.qs.is_cpu and flat.dtype == torch.int64 else None
+        if lib is not None:
+            flat = flat.contiguous()
+            rows = torch.empty(flat.numel(), self.in_features)
+            bad = lib.embed_rows_q8_0(flat.data_ptr(), flat.numel(), self.qs.data_ptr(), self.d.data_ptr(),
+                                      self.out_features, self.in_features, rows.data_ptr())
+            if bad:
+                raise IndexError(f"token id {int(flat[bad - 1])} is outside the vocabulary 0..{self.out_features - 1}")
+        else:   # as F.embedding does: a negative id is an error here too, not a row from the end
+            if flat.is_cpu and flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
+                raise IndexError(f"a token id is outside the vocabulary 0..{self.out_features - 1}")
+            rows = self._dequantize(self.qs[flat], self.d[flat], None if self.m is None else self.m[flat])
         return rows.view(*tokens.shape, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -163,6 +163,26 @@ void quantize_activations_i16(const float *x, int M, int K, int16_t *q, float *d
 
 void split_activations(const float *x, int M, int K, int16_t *q, float *d) { quantize_rows(x, M, K, ACT_SPLIT, q, d); }
 
+/* Rows ids [n] of a q8_0 weight [N, K] (codes qs, scales d) dequantized into out [n, K], one
+   product per element as dequantize_q8_0 takes it: a quantized head's embedding lookup in one
+   call, where ~8 torch ops took ~0.09 ms of each decode step. Returns 0, or 1 + the index of the
+   first id outside [0, N) (nothing is read for it). */
+long embed_rows_q8_0(const int64_t *ids, long n, const int8_t *qs, const uint16_t *d, long N, int K, float *out) {
+    for (long i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return i + 1;
+    const int nb = K / QK;
+    for (long i = 0; i < n; i++) {
+        const int8_t *q = qs + ids[i] * K;
+        const uint16_t *dr = d + ids[i] * nb;
+        float *o = out + i * K;
+        for (int b = 0; b < nb; b++) {
+            const float s = fp16_to_fp32(dr[b]);
+            for (int j = 0; j < QK; j++) o[b * QK + j] = (float)q[b * QK + j] * s;
+        }
+    }
+    return 0;
+}
+
 /* One fp32 weight row . one fp32 activation row (the decode step's fp32 projections). */
 static inline float dot_f32(const float *w, const float *x, int K) {
 #if HAVE_AVX2
