@@ -264,9 +264,8 @@ static void linear(const Lin *L, const float *x, int M, float *y, Act *a, float 
        each of a step's ~120 barriers (native steps 5-14% faster than static, alternated; dynamic
        chunks of 8 or 32 rows were 20-35% slower). A row's sum is the same on any thread. */
 #pragma omp for schedule(guided)
-    for (int c = 0; c < (N + ROWS_CHUNK - 1) / ROWS_CHUNK; c++)
-        quant_rows((int)L->fmt, L->w, L->d, L->m, c * ROWS_CHUNK, N - c * ROWS_CHUNK < ROWS_CHUNK ? N : (c + 1) * ROWS_CHUNK,
-                   N, K, x, a->xq, a->xd, a->xs, M, y, L->bias);
+    for (int c = 0; c < row_chunks(N); c++)
+        quant_rows((int)L->fmt, L->w, L->d, L->m, c, N, K, x, a->xq, a->xd, a->xs, M, y, L->bias);
 }
 
 /* x*cos + roll(x, D/2)*ssin for one head (ssin: sin with its first half negated, RotaryTable's). */

@@ -510,15 +510,18 @@ static void prepare_activations(int fmt, const float *x, int M, int K, int8_t *x
             }
 }
 
-/* y[r * N + n] = x_r . weight row n (+ bias[n], bias may be NULL) for weight rows [n0, n1) and the
-   M rows, QTR activation rows per pass (w: the codes of an [N, K] weight, d/m: its fp16
-   scales/minimums; xq, xd, xs from prepare_activations). */
+/* y[r * N + n] = x_r . weight row n (+ bias[n], bias may be NULL) for the weight rows of chunk c
+   (the c-th ROWS_CHUNK of them; row_chunks(N) in all) and the M rows, QTR activation rows per pass
+   (w: the codes of an [N, K] weight, d/m: its fp16 scales/minimums; xq, xd, xs from
+   prepare_activations). The threads share out the chunks. */
 #define ROWS_CHUNK 16   /* weight rows per call: the first row's factors wait to be made once per call */
 
-static void quant_rows(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int n0, int n1, int N, int K,
+static inline int row_chunks(int N) { return (N + ROWS_CHUNK - 1) / ROWS_CHUNK; }
+
+static void quant_rows(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
                        const float *x, const int8_t *xq, const float *xd, const float *xs, int M, float *y,
                        const float *bias) {
-    const int nb = K / QK;
+    const int nb = K / QK, n0 = c * ROWS_CHUNK, n1 = N - n0 < ROWS_CHUNK ? N : n0 + ROWS_CHUNK;
     for (int r0 = 0; r0 < M; r0 += QTR) {
         const int rr = M - r0 < QTR ? M - r0 : QTR;
         float *yr = y + (long)r0 * N;
@@ -580,9 +583,7 @@ static int gemv_blocks(int fmt, const float *x, const void *qs, const uint16_t *
     if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return 1; }   /* the caller raises MemoryError */
     prepare_activations(fmt, x, M, K, xq, xd, xs);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int c = 0; c < (N + ROWS_CHUNK - 1) / ROWS_CHUNK; c++)
-        quant_rows(fmt, qs, d, mins, c * ROWS_CHUNK, N - c * ROWS_CHUNK < ROWS_CHUNK ? N : (c + 1) * ROWS_CHUNK, N, K, x,
-                   xq, xd, xs, M, out, NULL);
+    for (int c = 0; c < row_chunks(N); c++) quant_rows(fmt, qs, d, mins, c, N, K, x, xq, xd, xs, M, out, NULL);
     free(xq);
     free(xd);
     free(xs);
