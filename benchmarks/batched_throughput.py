@@ -4,10 +4,17 @@ The same 16 prompts of mixed lengths (8..64 tokens) run through `generate_batche
 batch size; EOS is ignored so every prompt makes exactly --new-tokens tokens. Configurations
 alternate in one process after a warm-up; medians of end-to-end tokens/s (prefill included)
 are reported, with torch's thread count and the load average. Then the decode step alone at
-batch 1, 2, 4 and 8 (40-token prompts, 12 steps, medians of --repeats): `step_ms_median`.
+batch 1, 2, 4 and 8 (40-token prompts, --new-tokens steps, medians of --repeats): `step_ms_median`.
+
+--llamacpp adds the anchor to the step timings: llama.cpp's `llama-batched-bench` on the same
+weights in its format (fp32: F32, q8_0: Q8_0, q4_0: Q4_0, native and native_i16: Q4_1), 40-token
+prompts and --new-tokens steps at batch 1 and 8, one run after each repeat of ours. Its decode
+tok/s at batch 8 against batch 1 is the ratio the same CPU gives llama.cpp's batches; its
+prefill-and-decode tok/s is reported beside it. llama.cpp is built by benchmarks/llamacpp.py, never
+in CI.
 
     .venv/bin/python benchmarks/batched_throughput.py [--weights fp32|q8_0|q4_0|native|native_i16] [--new-tokens 32]
-        [--repeats 3] [--json out.json]
+        [--repeats 3] [--llamacpp [--sdist FILE]] [--json out.json]
 """
 
 from __future__ import annotations
@@ -17,11 +24,16 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+
+import llamacpp  # noqa: E402  (benchmarks/llamacpp.py)
 
 from caramba.infer import GenerateConfig, generate_batched  # noqa: E402
 from caramba.model.quant import WEIGHT_KINDS  # noqa: E402
@@ -36,7 +48,7 @@ TEXT = (
 
 
 @torch.inference_mode()
-def step_ms(model, batch: int, prompt_len: int = 40, steps: int = 12) -> float:
+def step_ms(model, batch: int, prompt_len: int = 40, steps: int = 32) -> float:
     """ms per decode step of `batch` rows (one new token each) after a prompt_len-token prefill:
     the step alone, without generation's bookkeeping or prefill."""
     ids = torch.randint(0, 1000, (batch, prompt_len), generator=torch.Generator().manual_seed(batch))
@@ -58,8 +70,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--weights", default="fp32", choices=WEIGHT_KINDS, help="weight format (default fp32)")
+    ap.add_argument("--llamacpp", action="store_true", help="also time llama-batched-bench on the same weights")
+    ap.add_argument("--sdist", default=None, help="llama_cpp_python-*.tar.gz (default: newest in /tmp/lcp)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    gguf = None
+    if args.llamacpp:
+        tools = llamacpp.build(["llama-batched-bench", "llama-quantize"], args.sdist)
+        fmt = llamacpp.LLAMA_FORMAT[args.weights]
+        gguf = llamacpp.models(tools, [fmt])[fmt]
 
     loaded = load_model("smollm2-135m", "float32", "cpu", progress=False, weights=args.weights)
     words = loaded.tokenizer.encode(TEXT)
@@ -87,7 +106,16 @@ def main() -> None:
     if args.weights in ("fp32", "native"):
         assert all(n == len(prompts) for n in agree.values()), f"batching changed a greedy output: {agree}"
     med = {s: statistics.median(r) for s, r in rates.items()}
-    steps = {b: statistics.median(step_ms(loaded.model, b) for _ in range(args.repeats)) for b in (1, 2, 4, 8)}
+    step_runs: dict[int, list[float]] = {b: [] for b in (1, 2, 4, 8)}
+    llama_runs: list[list[dict]] = []
+    for _ in range(args.repeats):                                           # ours, then llama.cpp's, alternating
+        for b in step_runs:
+            step_runs[b].append(step_ms(loaded.model, b, steps=args.new_tokens))
+        if gguf is not None:
+            rows, llama_command = llamacpp.batched_bench(tools, gguf, 40, args.new_tokens, [1, 8],
+                                                         torch.get_num_threads())
+            llama_runs.append(rows)
+    steps = {b: statistics.median(r) for b, r in step_runs.items()}
     report = {
         "model": "smollm2-135m", "weights": args.weights, "prompts": args.prompts, "prompt_lens": sorted(lengths),
         "new_tokens": args.new_tokens, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
@@ -98,6 +126,18 @@ def main() -> None:
         "step_ms_median": steps, "step_tok_s": {b: b * 1e3 / ms for b, ms in steps.items()},
         "step_speedup_8_vs_1": (8 / steps[8]) / (1 / steps[1]),
     }
+    if llama_runs:
+        def median(batch: int, key: str) -> float:
+            return statistics.median(next(r[key] for r in rows if r["pl"] == batch) for rows in llama_runs)
+
+        tg = {b: median(b, "speed_tg") for b in (1, 8)}
+        report["llamacpp"] = {
+            "gguf": str(gguf), "command": llama_command, "decode_tok_s_median": tg,
+            "decode_speedup_8_vs_1": tg[8] / tg[1],
+            "prefill_and_decode_tok_s_median": {b: median(b, "speed") for b in (1, 8)},
+            "runs": llama_runs,
+        }
+        report["step_tok_s_vs_llamacpp_decode"] = {b: (b * 1e3 / steps[b]) / tg[b] for b in (1, 8)}
     print(json.dumps(report, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -48,28 +48,6 @@ from caramba.cache import kernel as cache_kernel  # noqa: E402
 from caramba.model import fast_decode, fused, quant  # noqa: E402
 from caramba.model.zoo import load_model  # noqa: E402
 
-# llama.cpp format -> the caramba weight kinds timed against it
-CARAMBA_WEIGHTS = {"F32": ["fp32"], "Q8_0": ["q8_0"], "Q4_0": ["q4_0"], "Q4_1": ["native", "native_i16"]}
-
-
-def llama_models(tools: llamacpp.Tools, formats: list[str]) -> dict[str, Path]:
-    src = llamacpp.embedded_gguf()
-    out = {}
-    for fmt in formats:
-        if fmt == "Q4_1":
-            out[fmt] = src
-        elif fmt == "F32":
-            out[fmt] = llamacpp.f32_model(tools)
-        else:
-            path = tools.root / "models" / f"{src.stem}.{fmt}.gguf"
-            if not path.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                subprocess.run([str(tools.exe("llama-quantize")), "--allow-requantize", str(src), str(path), fmt],
-                               check=True, capture_output=True, text=True)
-            out[fmt] = path
-    return out
-
-
 def llama_bench(tools: llamacpp.Tools, model: Path, tokens: int, threads: int) -> tuple[float, list[str]]:
     """tok/s of one llama-bench tg run (one repetition: we repeat and alternate ourselves)."""
     command = [str(tools.exe("llama-bench")), "-m", str(model), "-p", "0", "-n", str(tokens), "-t", str(threads),
@@ -105,14 +83,14 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    unknown = [f for f in formats if f not in CARAMBA_WEIGHTS]
+    unknown = [f for f in formats if f not in llamacpp.CARAMBA_WEIGHTS]
     if unknown:
-        ap.error(f"--formats: unknown {', '.join(unknown)}; use {', '.join(CARAMBA_WEIGHTS)}")
+        ap.error(f"--formats: unknown {', '.join(unknown)}; use {', '.join(llamacpp.CARAMBA_WEIGHTS)}")
     torch.set_num_threads(args.threads)
 
     tools = None if args.no_llamacpp else llamacpp.build(["llama-bench", "llama-quantize"], args.sdist)
-    ggufs = {} if tools is None else llama_models(tools, formats)
-    kinds = [w for f in formats for w in CARAMBA_WEIGHTS[f]]
+    ggufs = {} if tools is None else llamacpp.models(tools, formats)
+    kinds = [w for f in formats for w in llamacpp.CARAMBA_WEIGHTS[f]]
     models = {w: load_model("smollm2-135m", progress=False, weights=w) for w in kinds}
     tokenizer = next(iter(models.values())).tokenizer
     prompt = torch.tensor([tokenizer.encode("The history of the lighthouse begins with")])
@@ -125,7 +103,7 @@ def main() -> None:
         caramba_decode(models[w].model, prompt, 4)
     for _ in range(args.repeats):
         for f in formats:
-            for w in CARAMBA_WEIGHTS[f]:
+            for w in llamacpp.CARAMBA_WEIGHTS[f]:
                 rows[w]["caramba"].append(caramba_decode(models[w].model, prompt, args.tokens))
                 if args.torch_path:
                     models[w].model.fast_decode = False
@@ -148,7 +126,7 @@ def main() -> None:
     table = []
     for f in formats:
         lc = statistics.median(llama_runs[f]) if llama_runs[f] else None
-        for w in CARAMBA_WEIGHTS[f]:
+        for w in llamacpp.CARAMBA_WEIGHTS[f]:
             c = statistics.median(rows[w]["caramba"])
             ratio = f"{c / lc:.2f}x" if lc else "-"
             tp = f" {statistics.median(rows[w]['torch path']):.1f} |" if args.torch_path else ""

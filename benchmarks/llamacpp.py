@@ -12,6 +12,7 @@ The build is configured once and only the asked targets are built, cached under
     from benchmarks import llamacpp
     tools = llamacpp.build(["llama-perplexity", "llama-quantize"], sdist="/tmp/lcp/llama_cpp_python-0.3.36.tar.gz")
     f32 = llamacpp.f32_model(tools)                      # the embedded SmolLM2 Q4_1 GGUF as F32
+    ggufs = llamacpp.models(tools, ["Q8_0", "Q4_1"])     # format -> GGUF (requantized once)
     r = llamacpp.perplexity(tools, f32, "caramba/data/corpus.txt", ctk="q4_0", ctv="q4_0")
     r.ppl, r.stderr
 
@@ -22,6 +23,7 @@ Run as a script to build (and optionally measure): `python benchmarks/llamacpp.p
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -30,7 +32,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-TARGETS = ("llama-perplexity", "llama-quantize", "llama-bench")
+TARGETS = ("llama-perplexity", "llama-quantize", "llama-bench", "llama-batched-bench")
 CMAKE_FLAGS = ["-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
 
@@ -110,6 +112,47 @@ def f32_model(tools: Tools, gguf: str | Path | None = None) -> Path:
         subprocess.run([str(tools.exe("llama-quantize")), "--allow-requantize", str(gguf), str(out), "F32"],
                        check=True, capture_output=True, text=True)
     return out
+
+
+# llama.cpp weight format -> the caramba weight kinds timed against it
+CARAMBA_WEIGHTS = {"F32": ["fp32"], "Q8_0": ["q8_0"], "Q4_0": ["q4_0"], "Q4_1": ["native", "native_i16"]}
+LLAMA_FORMAT = {w: f for f, kinds in CARAMBA_WEIGHTS.items() for w in kinds}
+
+
+def models(tools: Tools, formats: list[str]) -> dict[str, Path]:
+    """format -> GGUF of the embedded model: Q4_1 as shipped, the others requantized from it once
+    (llama-quantize --allow-requantize; Q8_0 and Q4_0 keep the tied head at 8 bits)."""
+    src = embedded_gguf()
+    out = {}
+    for fmt in formats:
+        if fmt == "Q4_1":
+            out[fmt] = src
+        elif fmt == "F32":
+            out[fmt] = f32_model(tools)
+        else:
+            path = tools.root / "models" / f"{src.stem}.{fmt}.gguf"
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                subprocess.run([str(tools.exe("llama-quantize")), "--allow-requantize", str(src), str(path), fmt],
+                               check=True, capture_output=True, text=True)
+            out[fmt] = path
+    return out
+
+
+def batched_bench(tools: Tools, model: str | Path, prompt: int, tokens: int, batches: list[int],
+                  threads: int = 2) -> tuple[list[dict], list[str]]:
+    """llama-batched-bench: per batch size B, B sequences of `prompt` tokens prefilled together,
+    then `tokens` steps of B new tokens. Its rows (jsonl: speed_tg is the decode tok/s of all B
+    sequences, speed the prefill and decode together) and the command."""
+    command = [str(tools.exe("llama-batched-bench")), "-m", str(model), "-c", str(max(batches) * (prompt + tokens)),
+               "-b", "512", "-ub", "512", "-npp", str(prompt), "-ntg", str(tokens),
+               "-npl", ",".join(map(str, batches)), "-t", str(threads), "--output-format", "jsonl"]
+    run = subprocess.run(command, capture_output=True, text=True)
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    if run.returncode or len(rows) != len(batches):
+        tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-15:])
+        raise RuntimeError(f"llama-batched-bench failed (exit {run.returncode}):\n{tail}")
+    return rows, command
 
 
 @dataclass
