@@ -156,6 +156,42 @@ def test_a_steps_bits_do_not_depend_on_the_thread_count(name, weights, taken):
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
 
 
+@pytest.mark.parametrize("weights", ["fp32", "q8_0", "q4_1"])
+def test_a_rows_step_bits_do_not_depend_on_the_batch_around_it(weights, taken):
+    """A row of a batch goes through the same arithmetic wherever it lands: the fp32 register
+    tiles (two token rows per pass over an input-major band, four per pass over [N, K] rows, a
+    single row for the odd one out) and the block formats' tiles sum a row in one fixed order.
+    Batches of 2, 5 and 8 copies of one sequence, every token through the C step from an empty
+    cache, give the same bits in every row. The block formats give batch 1's bits too; fp32 [N, K]
+    weights at batch 1 take dot_f32 (four accumulators a row: a single-accumulator tile measured
+    ~2% slower there), so fp32 batch 1 is within fp32 rounding of the rest. The fp32 head is
+    widened to 1003 input-major columns: bands with a scalar tail."""
+    model = make_model(seed=12)
+    if weights == "q8_0":
+        quant.quantize_model(model, "q8_0", act="q8")
+    elif weights == "q4_1":
+        to_q4_1(model, act="f32")
+    else:
+        wide = torch.randn(model.config.dim, 1003, generator=torch.Generator().manual_seed(13)) * 0.1
+        model.head.weight_t = torch.nn.Parameter(wide, requires_grad=False)
+        model.config.vocab_size = 1003
+    model.fast_decode = True
+    model.decode_threads = fast_decode.ThreadChoice(fixed=2)
+    tokens = [5, 17, 3, 88, 41, 9]
+    runs = {}
+    for batch in (1, 2, 5, 8):
+        with torch.inference_mode():
+            cache = model.new_cache(batch, 16)
+            runs[batch] = torch.cat([model(torch.full((batch, 1), t), cache=cache) for t in tokens], 1)
+    assert len(taken) == 4 * len(tokens)
+    alone = runs[2][0] if weights == "fp32" else runs[1][0]
+    for batch in (2, 5, 8):
+        for row in range(batch):
+            assert torch.equal(runs[batch][row], alone), f"batch {batch}, row {row}"
+    bound = tol.forward(runs[1], model.config)
+    torch.testing.assert_close(runs[2][:1], runs[1], atol=bound["atol"], rtol=0)
+
+
 @pytest.mark.parametrize("name", [None, "q4_0l rotated", "k=q4_1c,v=q4_1 qblock=4", "k=q2_1c,v=q2_1 qblock=4 residual_len=3"])
 def test_padding_and_windows_come_as_a_mask(name, taken):
     """Also for quantized caches: the 6-token prompt and 3 steps complete a per-channel group of 4."""
