@@ -24,6 +24,7 @@ from caramba.manifest import Manifest, ModelSpec, ResolvedRun, Run, resolved_run
 from caramba.model.zoo import LoadedModel, load_model
 from caramba.runners.autotune import run_cache_autotune
 from caramba.runners.decode_bench import run_decode_bench
+from caramba.runners.eval import run_eval
 from caramba.runners.generate import run_generate
 from caramba.runners.preflight import preflight
 from caramba.runners.speculative import run_speculative
@@ -31,7 +32,8 @@ from caramba.runs import RunDir, capture_env, library_versions, run_hash, runs_r
 
 # mode -> runner(loaded model, the mode's settings, seed, record, console) -> result dict
 MODE_RUNNERS: dict[str, Callable] = {"generate": run_generate, "decode-bench": run_decode_bench,
-                                     "speculative": run_speculative, "cache-autotune": run_cache_autotune}  # speculative also takes draft=LoadedModel
+                                     "speculative": run_speculative, "cache-autotune": run_cache_autotune,
+                                     "eval": run_eval}  # speculative also takes draft=LoadedModel
 
 
 @dataclass
