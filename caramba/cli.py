@@ -407,12 +407,13 @@ def _report_frontier(source: Path, rows: list[dict], records: list, as_json: boo
     key = quality_key(front)
     table = Table(title=f"quality-cost frontier ({len(front)} candidates; * = Pareto-optimal by bytes/token and "
                         f"{key or 'no common quality metric'})", title_justify="left")
-    columns = ["run", "cache", "policy", "bytes_per_token", "bytes_ratio", "task_avg", "ppl_ratio", "kl_mean",
+    lengths = list(dict.fromkeys(k for r in front for k in r if k.startswith("task_avg@")))
+    columns = ["run", "cache", "policy", "bytes_per_token", "bytes_ratio", "task_avg", *lengths, "ppl_ratio", "kl_mean",
                "decode_tok_s", *(["bench_decode_tok_s"] if any("bench_decode_tok_s" in r for r in front) else [])]
     table.add_column("")
     for col in columns:
         table.add_column(escape(col), overflow="fold")
-    for r in sorted(front, key=lambda r: (r["bytes_per_token"], r["run"])):
+    for r in sorted(front, key=lambda r: (r["group"], r["bytes_per_token"], r["run"])):
         table.add_row("*" if r["pareto"] else "", *(escape(_cell(r.get(col))) for col in columns))
     out.print(table)
 

@@ -203,3 +203,43 @@ def test_wilson_interval():
     assert math.isclose(low, 0.4038, abs_tol=1e-3) and math.isclose(high, 0.5962, abs_tol=1e-3)
     with pytest.raises(ValueError):
         wilson(0.5, 0)
+
+
+# ---- the frontier ---------------------------------------------------------------------------
+
+def _record(path: Path, result: dict) -> tuple[str, Path]:
+    path.mkdir(parents=True)
+    (path / "result.json").write_text(json.dumps(result))
+    (path / "DONE").write_text("")
+    return path.name, path
+
+
+def _candidate(label, nbytes, avg, policy=None, tok_s=10.0):
+    return {"label": label, "policy": policy or label, "bytes_per_token": nbytes, "bytes_ratio": nbytes / 100,
+            "task_avg": avg, "task_avg_by_length": {"2048": avg}, "decode_tok_s": tok_s,
+            "perplexity": {"ppl_ratio": 1 + (1 - avg), "kl_mean": 1 - avg}}
+
+
+def test_frontier_marks_the_pareto_optimal_candidates_within_comparable_runs(tmp_path):
+    from caramba.bench.frontier import frontier_rows, plot_frontier
+
+    tasks = {"prompts_sha256": "a" * 64}
+    eval_a = _record(tmp_path / "a", {"mode": "eval", "baseline": "fp32", "tasks": tasks, "candidates": [
+        _candidate("fp32", 100, 0.9), _candidate("q8_0", 50, 0.9), _candidate("q4_0", 25, 0.5),
+        _candidate("bad", 60, 0.4), _candidate("tie", 50, 0.9)]})
+    other = _record(tmp_path / "b", {"mode": "eval", "baseline": "fp32", "tasks": {"prompts_sha256": "b" * 64},
+                                     "candidates": [_candidate("nf4", 25, 0.1)]})
+    bench = _record(tmp_path / "c", {"mode": "decode-bench", "cells": [
+        {"impl": "caramba", "cache_kind": "q8_0", "prompt_len": 512, "decode_tok_s": 99.0},
+        {"impl": "caramba", "cache_kind": "q8_0", "prompt_len": 2048, "decode_tok_s": 42.0}]})
+    unfinished = tmp_path / "d"
+    unfinished.mkdir()
+    (unfinished / "result.json").write_text(json.dumps({"mode": "eval", "candidates": [_candidate("x", 1, 1.0)]}))
+    rows = frontier_rows([eval_a, other, bench, ("d", unfinished)])
+    pareto = {r["cache"]: r["pareto"] for r in rows}
+    # fp32 is beaten by q8_0 (fewer bytes, same score); "bad" by q8_0; the tie at 50 bytes dominates neither
+    assert pareto == {"fp32": False, "q8_0": True, "q4_0": True, "bad": False, "tie": True, "nf4": True}
+    assert next(r for r in rows if r["cache"] == "q8_0")["bench_decode_tok_s"] == 42.0
+    assert next(r for r in rows if r["cache"] == "q4_0")["task_avg@2048"] == 0.5
+    pytest.importorskip("matplotlib")
+    assert plot_frontier(tmp_path / "f.png", rows).stat().st_size > 1000

@@ -2,8 +2,9 @@
 
 One row per candidate of every finished eval run: bytes per token, quality (the task average,
 PPL ratio and KL against its run's baseline) and decode speed. A candidate is on the frontier
-(Pareto-optimal) when no other candidate stores fewer or as many bytes per token at a higher
-or equal quality, one of them strictly. Quality is the task average where the runs scored
+(Pareto-optimal) when no other candidate scored on the same prompts (the same task samples and
+perplexity text: a sweep's runs over other lengths are other groups) stores fewer or as many
+bytes per token at a higher or equal quality, one of them strictly. Quality is the task average where the runs scored
 tasks, else the PPL ratio (lower is better). Speed is a second axis, never part of the
 frontier: the plot draws it as colour.
 
@@ -32,18 +33,28 @@ def frontier_rows(records: list[tuple[str, Path]]) -> list[dict]:
             continue
         if result.get("mode") != "eval":
             continue
+        group = _prompts(result)
         for c in result.get("candidates") or []:
             ppl = c.get("perplexity") or {}
-            rows.append({"run": name, "cache": c["label"], "policy": c.get("policy"),
+            by_length = {f"task_avg@{n}": v for n, v in (c.get("task_avg_by_length") or {}).items()}
+            rows.append({"run": name, "group": group, "cache": c["label"], "policy": c.get("policy"),
                          "baseline": c["label"] == result.get("baseline"),
                          "bytes_per_token": c.get("bytes_per_token"), "bytes_ratio": c.get("bytes_ratio"),
                          "task_avg": c.get("task_avg"), "ppl_ratio": ppl.get("ppl_ratio"), "kl_mean": ppl.get("kl_mean"),
-                         "decode_tok_s": c.get("decode_tok_s")})
+                         **by_length, "decode_tok_s": c.get("decode_tok_s")})
     for row in rows:
         if row["policy"] in bench:
             row["bench_decode_tok_s"] = bench[row["policy"]]
-    mark_pareto(rows)
+    for group in dict.fromkeys(r["group"] for r in rows):
+        mark_pareto([r for r in rows if r["group"] == group])
     return rows
+
+
+def _prompts(result: dict) -> str:
+    """What a candidate's scores are comparable within: the same task prompts and perplexity text."""
+    tasks, ppl = result.get("tasks") or {}, result.get("perplexity") or {}
+    return "/".join(str(part)[:12] for part in (tasks.get("prompts_sha256"), ppl.get("protocol"), ppl.get("text"),
+                                                ppl.get("n_tokens")) if part is not None)
 
 
 def quality_key(rows: list[dict]) -> str | None:
@@ -86,9 +97,11 @@ def plot_frontier(path: Path, rows: list[dict]) -> Path:
                         c=speeds if coloured else "tab:blue", cmap="viridis")
     if coloured:
         fig.colorbar(points, ax=ax, label="decode tok/s (eval answers)")
-    front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["bytes_per_token"])
-    ax.step([r["bytes_per_token"] for r in front], [r[key] for r in front], where="post", color="tab:red",
-            label="frontier", zorder=2)
+    for i, group in enumerate(dict.fromkeys(r["group"] for r in rows)):
+        front = sorted((r for r in rows if r["group"] == group and r["pareto"]), key=lambda r: r["bytes_per_token"])
+        runs = ", ".join(dict.fromkeys(r["run"] for r in rows if r["group"] == group))
+        ax.step([r["bytes_per_token"] for r in front], [r[key] for r in front], where="post", zorder=2,
+                color=f"C{(i + 3) % 10}", label=f"frontier: {runs}")
     for r in rows:
         ax.annotate(r["cache"], (r["bytes_per_token"], r[key]), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log", base=2)
