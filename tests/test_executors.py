@@ -194,7 +194,7 @@ def test_status_and_report_read_the_sweep(tmp_path, monkeypatch, tiny_model):  #
                               "--csv", tmp_path / "p.csv").stdout)
     assert pivot == [{"runs": "t/s.cache_kind-fp32", "generate.cache_kind": "fp32", "new_tokens @ seed=0": 24,
                       "new_tokens @ seed=1": 24}]
-    assert (tmp_path / "p.csv").read_text().splitlines()[0] == "generate.cache_kind,new_tokens @ seed=0,new_tokens @ seed=1"
+    assert (tmp_path / "p.csv").read_text().splitlines()[0] == "runs,generate.cache_kind,new_tokens @ seed=0,new_tokens @ seed=1"
     table = invoke("report", manifest)
     assert table.exit_code == 0 and "generate.cache_kind" in table.output and "decode_tok_s_median" in table.output
     bad = invoke("report", manifest, "--pivot", "temperature")
