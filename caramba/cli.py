@@ -77,6 +77,7 @@ def run(
     executor: Annotated[str, typer.Option(help="local (this machine), ray (pip extra 'ray') or slurm (pip extra 'slurm': submitit).")] = "local",
     jobs: Annotated[Optional[int], typer.Option("--jobs", min=1, help="Runs at once: local worker processes (each with cores/N threads), or the most tasks ray/slurm run at once.")] = None,
     ray_address: Annotated[Optional[str], typer.Option(help="Join this Ray cluster (default: start a local Ray).")] = None,
+    junit_xml: Annotated[Optional[Path], typer.Option("--junit-xml", help="Also write JUnit XML here: one testcase per run, a failed check as its failure (for CI).")] = None,
 ) -> None:
     """Validate a manifest and run its runs, leaving a record of each under runs/.
 
@@ -84,7 +85,8 @@ def run(
     --executor ray/slurm) runs go to parallel workers, each run one task; a failed run does not
     stop the others, and a summary table ends the sweep. With --check, every selected run's
     result (fresh, or the DONE record being skipped) is compared with the run's `expect:` block;
-    a drift is printed and the exit code is 1."""
+    a drift is printed and the exit code is 1. --junit-xml PATH writes every selected run as a
+    JUnit testcase (CI systems show each run as a test)."""
     with _errors_as_exit_codes():
         from caramba.executors import require
         from caramba.runners import command_line, run_manifest
@@ -92,6 +94,8 @@ def run(
         require(executor)
         if ray_address and executor != "ray":
             raise UserError("--ray-address is for --executor ray")
+        if junit_xml is not None:
+            _check_output_path(junit_xml, "--junit-xml")
         m = _load(manifest, overrides or [])
         command = command_line(str(manifest), run_ids or [], overrides or [], force, check)
         if dry_run or (executor == "local" and (jobs or 1) == 1):
@@ -107,15 +111,55 @@ def run(
             took = f" in {sum(outcome.seconds.values()):.1f}s" if outcome.seconds else ""
             err.print(f"{len(outcome.done)} done, {len(outcome.skipped)} skipped{busy}, {len(outcome.failed)} failed{checked}{took}")
             failed = outcome.failed or outcome.check_failed
+            if junit_xml is not None:
+                _write_junit(junit_xml, m, run_ids or [], _serial_cases(outcome))
         else:
-            failed = _run_parallel(m, run_ids or [], force, check, overrides or [], command, executor, jobs, ray_address)
+            failed = _run_parallel(m, run_ids or [], force, check, overrides or [], command, executor, jobs, ray_address,
+                                   junit_xml)
         if failed:
             raise typer.Exit(1)
 
 
-def _run_parallel(m, run_ids, force, check, overrides, command, executor, jobs, ray_address) -> bool:
+def _check_output_path(path: Path, option: str) -> None:
+    """An output file the user named: its directory must exist and take files; exit 2 otherwise
+    (before any work, naming the path the user gave)."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UserError(f"{option} {path}: is a directory; give a file path")
+    if not parent.is_dir():
+        raise UserError(f"{option} {path}: the directory {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"{option} {path}: the directory {parent} is not writable")
+
+
+def _serial_cases(outcome) -> dict:
+    from caramba.junit import Case
+
+    cases = {}
+    for status, names in (("done", outcome.done), ("skipped", outcome.skipped), ("failed", outcome.failed),
+                          ("busy", outcome.busy)):
+        for name in names:
+            cases[name] = Case(name, status, outcome.seconds.get(name, 0.0), outcome.messages.get(name, ""),
+                               outcome.checks.get(name, []))
+    return cases
+
+
+def _write_junit(path: Path, m, run_ids: list[str], cases: dict) -> None:
+    from caramba.junit import Case, write_junit
+    from caramba.runners import select_runs
+
+    names = [f"{r.target}/{r.run.id}" for r in select_runs(m, run_ids)]
+    try:
+        write_junit(path, m.name, [cases.get(n) or Case(n, "cancelled") for n in names])
+    except OSError as e:
+        raise UserError(f"--junit-xml {path}: {e.strerror}") from None
+    err.print(f"junit: {escape(str(path))}")
+
+
+def _run_parallel(m, run_ids, force, check, overrides, command, executor, jobs, ray_address, junit_xml=None) -> bool:
     from caramba.executors import make_executor
     from caramba.executors.common import run_sweep
+    from caramba.junit import Case
     from caramba.runners import make_tasks, preflight, select_runs
 
     runs = select_runs(m, run_ids)
@@ -126,6 +170,9 @@ def _run_parallel(m, run_ids, force, check, overrides, command, executor, jobs, 
     busy = f", {len(result.names('busy'))} left to another process running them" if result.names("busy") else ""
     err.print(f"{len(result.names('done'))} done, {len(result.names('skipped'))} skipped{busy}, "
               f"{len(result.names('failed'))} failed{checked}")
+    if junit_xml is not None:
+        _write_junit(junit_xml, m, run_ids, {n: Case(n, r.status, max(0.0, r.ended - r.started) if r.ended else 0.0,
+                                                     r.message, r.checks) for n, r in result.results.items()})
     return bool(result.names("failed") or result.check_failed)
 
 
@@ -137,8 +184,10 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print a list of {run, state, record, detail, params}.")] = False,
 ) -> None:
     """Where each run of a manifest stands: done, changed (its record was made with other
-    settings: the next run redoes it), running (another process holds its lock), failed (an
-    attempt without DONE) or pending. Reads records and locks; takes no lock."""
+    settings: the next run redoes it), damaged (its files no longer match the digests in DONE:
+    the next run redoes it), blocked (its record path or lock is a link, a FIFO or a file
+    caramba will not use: remove it), running (another process holds its lock), failed (an
+    attempt without DONE, or a killed one) or pending. Reads records and locks; takes no lock."""
     with _errors_as_exit_codes():
         from rich.table import Table
 
@@ -157,7 +206,8 @@ def status(
         table = Table(title=f"{escape(m.name)}: {len(runs)} run(s)", title_justify="left")
         for col in ("run", "state", "detail"):
             table.add_column(col, overflow="fold")
-        colors = {"done": "green", "changed": "yellow", "running": "cyan", "failed": "red", "pending": "dim"}
+        colors = {"done": "green", "changed": "yellow", "damaged": "red", "blocked": "red", "running": "cyan",
+                  "failed": "red", "pending": "dim"}
         for r, s in states:
             table.add_row(escape(f"{r.target}/{r.run.id}"), f"[{colors[s.state]}]{s.state}[/{colors[s.state]}]",
                           escape(s.detail))
@@ -310,36 +360,58 @@ def report(
     plot: Annotated[Optional[Path], typer.Option(help="Write a PNG of --metric against matrix key --x (needs matplotlib).")] = None,
     x_key: Annotated[Optional[str], typer.Option("--x", help="The matrix key on the plot's x axis (default: --pivot, else the first).")] = None,
     overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field of the manifest, as for run.")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="table, json or markdown (markdown is also appended to $GITHUB_STEP_SUMMARY when that is set).")] = "table",
 ) -> None:
     """A sweep as one table: every run of a manifest as a row, its matrix values as columns, then
     the key metrics of its mode (decode tok/s, prefill, peak memory, cache bytes, acceptance,
-    speedup, the autotuned cache). Given run record directories instead, compares them (bench
-    cells or generate summaries) side by side, with deltas against the first."""
+    speedup, the autotuned cache). Only finished records that match the manifest show metrics:
+    a run whose record was made with other settings is `changed`, one whose files no longer
+    match DONE's digests `damaged`, one whose worker died `failed`. Given run record directories
+    instead, compares them (bench cells or generate summaries) side by side, with deltas
+    against the first."""
     with _errors_as_exit_codes():
+        if fmt not in ("table", "json", "markdown"):
+            raise UserError(f"--format {fmt!r}: choose table, json or markdown")
+        fmt = "json" if as_json else fmt
+        for path, option in ((csv_file, "--csv"), (plot, "--plot")):
+            if path is not None:
+                _check_output_path(path, option)
+        summary = os.environ.get("GITHUB_STEP_SUMMARY") if fmt == "markdown" else None
+        if summary:
+            _check_output_path(Path(summary), "$GITHUB_STEP_SUMMARY")
         single = run_dirs[0] if len(run_dirs) == 1 else None
         if single is not None and (single.is_file() or not (single / "result.json").exists()):
-            _report_sweep(single, as_json, pivot_key, metric, csv_file, plot, x_key, overrides or [])
-            return
-        _report_compare(run_dirs, as_json)
+            text = _report_sweep(single, fmt, pivot_key, metric, csv_file, plot, x_key, overrides or [])
+        else:
+            text = _report_compare(run_dirs, fmt)
+        if text is not None:   # markdown
+            sys.stdout.write(text)
+            if summary:
+                try:
+                    with open(summary, "a", encoding="utf-8") as file:
+                        file.write(text + "\n")
+                except OSError as e:
+                    raise UserError(f"$GITHUB_STEP_SUMMARY {summary}: {e.strerror}") from None
 
 
-def _report_sweep(source: Path, as_json, pivot_key, metric, csv_file, plot, x_key, overrides) -> None:
+def _report_sweep(source: Path, fmt, pivot_key, metric, csv_file, plot, x_key, overrides) -> str | None:
     from rich.table import Table
 
-    from caramba.bench.report import flat_rows, pivot, plot_sweep, record_dirs, sweep_row, write_csv
+    from caramba.bench.report import flat_rows, markdown_table, pivot, plot_sweep, record_dirs, sweep_row, write_csv
+    from caramba.runners import run_hash, run_identity
     from caramba.runs import RunDir
 
     try:
         if source.is_file():
             m = _load(source, overrides)
-            records = [(f"{r.target}/{r.run.id}", RunDir(m.name, r.target, r.run.id).final, r.run.params)
-                       for r in m.iter_runs()]
+            records = [(f"{r.target}/{r.run.id}", RunDir(m.name, r.target, r.run.id).final, r.run.params,
+                        run_hash(run_identity(r)), r.run.mode) for r in m.iter_runs()]
         else:
-            records = [(name, path, None) for name, path in record_dirs(source)]
-        rows = [sweep_row(name, path, params) for name, path, params in records]
+            records = [(name, path, None, None, None) for name, path in record_dirs(source)]
+        rows = [sweep_row(*record) for record in records]
         if any(r["mode"] == "eval" for r in rows) and not pivot_key:
-            _report_frontier(source, rows, records, as_json, csv_file, plot)
-            return
+            done = [(row["run"], record[1]) for row, record in zip(rows, records) if row["status"] == "done"]
+            return _report_frontier(source, rows, done, fmt, csv_file, plot)
         metrics = list(dict.fromkeys(k for r in rows for k in r["metrics"]))
         chosen = metric or (metrics[0] if metrics else None)
         if (pivot_key or plot) and chosen is None:
@@ -357,12 +429,22 @@ def _report_sweep(source: Path, as_json, pivot_key, metric, csv_file, plot, x_ke
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None
     if csv_file is not None:
-        write_csv(csv_file, table_rows)
+        try:
+            write_csv(csv_file, table_rows)
+        except OSError as e:
+            raise UserError(f"--csv {csv_file}: {e.strerror}") from None
         err.print(f"csv: {escape(str(csv_file))}")
-    if as_json:
+    if fmt == "json":
         print(json_text(table_rows if pivot_key else rows, indent=2))
-        return
+        return None
     columns = list(dict.fromkeys(k for r in table_rows for k in r))
+    if fmt == "markdown":
+        counts = {}
+        for r in rows:
+            counts[r["status"]] = counts.get(r["status"], 0) + 1
+        head = f"### caramba report: {source}" + (f" ({chosen} by {pivot_key})" if pivot_key else "")
+        tally = ", ".join(f"{n} {state}" for state, n in counts.items())
+        return f"{head}\n\n{len(rows)} run(s): {tally}\n\n" + markdown_table(table_rows, columns)
     title = f"{escape(str(source))}: {len(rows)} run(s)" + (f", {escape(chosen)} by {escape(pivot_key)}" if pivot_key else "")
     table = Table(title=title, title_justify="left")
     for col in columns:
@@ -370,17 +452,19 @@ def _report_sweep(source: Path, as_json, pivot_key, metric, csv_file, plot, x_ke
     for r in table_rows:
         table.add_row(*(escape(_cell(r.get(col))) for col in columns))
     out.print(table)
+    return None
 
 
-def _report_frontier(source: Path, rows: list[dict], records: list, as_json: bool, csv_file: Optional[Path],
-                     plot: Optional[Path]) -> None:
-    """Eval runs: the runs' status, then one row per candidate with the Pareto-optimal ones marked."""
+def _report_frontier(source: Path, rows: list[dict], done: list[tuple[str, Path]], fmt: str,
+                     csv_file: Optional[Path], plot: Optional[Path]) -> str | None:
+    """Eval runs: the runs' status, then one row per candidate of the finished records that match
+    the manifest, the Pareto-optimal ones marked. Returns the markdown with --format markdown."""
     from rich.table import Table
 
     from caramba.bench.frontier import frontier_rows, plot_frontier, quality_key
-    from caramba.bench.report import write_csv
+    from caramba.bench.report import markdown_table, write_csv
 
-    front = frontier_rows([(name, path) for name, path, _ in records])
+    front = frontier_rows(done)
     if plot is not None:
         if not front:
             raise UserError("no finished eval run has candidates to plot yet")
@@ -390,32 +474,37 @@ def _report_frontier(source: Path, rows: list[dict], records: list, as_json: boo
             raise UserError(str(e)) from None
         err.print(f"plot: {escape(str(plot))}")
     if csv_file is not None:
-        write_csv(csv_file, front)
+        try:
+            write_csv(csv_file, front)
+        except OSError as e:
+            raise UserError(f"--csv {csv_file}: {e.strerror}") from None
         err.print(f"csv: {escape(str(csv_file))}")
-    if as_json:
+    if fmt == "json":
         print(json_text({"runs": rows, "frontier": front}, indent=2))
-        return
-    status = Table(title=f"{escape(str(source))}: {len(rows)} run(s)", title_justify="left")
+        return None
     keys = list(dict.fromkeys(k for r in rows for k in r["params"]))
-    for col in ("run", "status", "mode", *keys):
-        status.add_column(escape(col), overflow="fold")
-    for r in rows:
-        status.add_row(*(escape(_cell(v)) for v in (r["run"], r["status"], r["mode"], *(r["params"].get(k) for k in keys))))
-    out.print(status)
-    if not front:
-        return
-    key = quality_key(front)
-    table = Table(title=f"quality-cost frontier ({len(front)} candidates; * = Pareto-optimal by bytes/token and "
-                        f"{key or 'no common quality metric'})", title_justify="left")
+    status = [{"run": r["run"], "status": r["status"], "mode": r["mode"], **{k: r["params"].get(k) for k in keys}}
+              for r in rows]
     lengths = list(dict.fromkeys(k for r in front for k in r if k.startswith("task_avg@")))
     columns = ["run", "cache", "policy", "bytes_per_token", "bytes_ratio", "task_avg", *lengths, "ppl_ratio", "kl_mean",
                "decode_tok_s", *(["bench_decode_tok_s"] if any("bench_decode_tok_s" in r for r in front) else [])]
-    table.add_column("")
-    for col in columns:
-        table.add_column(escape(col), overflow="fold")
-    for r in sorted(front, key=lambda r: (r["group"], r["bytes_per_token"], r["run"])):
-        table.add_row("*" if r["pareto"] else "", *(escape(_cell(r.get(col))) for col in columns))
-    out.print(table)
+    ordered = [{"pareto": "*" if r["pareto"] else "", **{c: r.get(c) for c in columns}}
+               for r in sorted(front, key=lambda r: (r["group"], r["bytes_per_token"], r["run"]))]
+    title = (f"quality-cost frontier ({len(front)} candidates; * = Pareto-optimal by bytes/token and "
+             f"{quality_key(front) or 'no common quality metric'})")
+    if fmt == "markdown":
+        text = f"### caramba report: {source}\n\n" + markdown_table(status)
+        return text + (f"\n\n{title}\n\n" + markdown_table(ordered) if front else "")
+    for heading, table_rows in ((f"{source}: {len(rows)} run(s)", status), (title, ordered)):
+        if not table_rows:
+            continue
+        table = Table(title=escape(heading), title_justify="left")
+        for col in table_rows[0]:
+            table.add_column("" if col == "pareto" else escape(col), overflow="fold")
+        for r in table_rows:
+            table.add_row(*(escape(_cell(v)) for v in r.values()))
+        out.print(table)
+    return None
 
 
 def _cell(value) -> str:
@@ -426,18 +515,20 @@ def _cell(value) -> str:
     return value if isinstance(value, str) else json_text(value)
 
 
-def _report_compare(run_dirs: list[Path], as_json: bool) -> None:
+def _report_compare(run_dirs: list[Path], fmt: str) -> str | None:
     from rich.table import Table
 
-    from caramba.bench.report import CELL_KEY, compare
+    from caramba.bench.report import CELL_KEY, compare, markdown_table
 
     try:
         rows = compare(list(run_dirs))
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None
-    if as_json:
+    if fmt == "json":
         print(json_text(rows))
-        return
+        return None
+    if fmt == "markdown":
+        return f"### caramba report: compared with {run_dirs[0]}\n\n" + markdown_table(rows)
     metrics = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("run", *CELL_KEY) and not k.endswith("_delta")]
     table = Table(title=f"compared with {escape(str(run_dirs[0]))}")
     for col in ("run", "impl", "ctx", "batch", "cache", "plan", *metrics):

@@ -26,8 +26,10 @@ import math
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -46,6 +48,7 @@ LOG = "log.txt"
 STAGING = ".partial"   # .<run id>.partial: the record being built
 OLD = ".old"           # .<run id>.old: the record being replaced, for the instant of the swap
 LOCK = ".lock"         # .<run id>.lock: the run's lock file (kept: deleting a lock file races)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)   # 0 on Windows, which has no symlinks to speak of here
 # The libraries besides torch whose versions can change a run's numbers or tokens.
 RESULT_LIBRARIES = ("torch", "transformers", "tokenizers", "gguf", "numpy", "safetensors")
 
@@ -68,16 +71,21 @@ def _umask() -> int:
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write `text` to `path` so that readers see the old file or the whole new one, never a part."""
     path = Path(path)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:   # name the file asked for, not the temp name nobody asked about
+        raise type(e)(e.errno, e.strerror, str(path)) from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())   # mkstemp makes 0600; a record is as readable as log.txt
         with os.fdopen(fd, "w", encoding="utf-8") as file:
             file.write(text)
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:  # KeyboardInterrupt included: never leave the temp file behind
+        os.replace(temp, path)   # replaces a link at `path` itself, never what it points to
+    except BaseException as e:  # KeyboardInterrupt included: never leave the temp file behind
         Path(temp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno is not None:   # ENOSPC, EROFS: say which file
+            raise type(e)(e.errno, e.strerror, str(path)) from None
         raise
     _fsync_dir(path.parent)  # make the rename itself durable
 
@@ -132,12 +140,196 @@ def library_versions() -> dict[str, str | None]:
     return versions
 
 
+class RecordError(RunError):
+    """An entry of a run's record that is not what caramba put there (a link, a FIFO, a file where
+    a directory belongs, ...), or a filesystem that refuses a write: that run fails, named, with
+    the path; the other runs go on."""
+
+
+def entry_kind(path: Path) -> str | None:
+    """What `path` is, without following a link: None (nothing there), 'directory', 'file',
+    'symbolic link', 'FIFO', 'socket' or 'device'."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:   # e.g. a parent that is a file: ENOTDIR
+        raise RecordError(f"cannot look at {path}: {e.strerror}") from None
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISLNK(mode):
+        return "symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    return "device"
+
+
+def _describe(path: Path, kind: str) -> str:
+    if kind == "symbolic link":
+        try:
+            return f"a symbolic link (to {os.readlink(path)})"
+        except OSError:
+            return "a symbolic link"
+    return f"a {kind}"
+
+
+def read_record_file(path: Path, limit: int = 1 << 30) -> bytes:
+    """The bytes of a file inside a record, never following a link and never blocking on a FIFO:
+    RecordError naming the path when it is not a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise RecordError(f"{path} is missing") from None
+    except OSError as e:
+        kind = entry_kind(path)
+        what = _describe(path, kind) if kind and kind != "file" else e.strerror
+        raise RecordError(f"{path} is {what}, not a file") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RecordError(f"{path} is a {entry_kind(path) or 'special file'}, not a file")
+        if st.st_size > limit:
+            raise RecordError(f"{path} is {st.st_size} bytes, more than a record file holds")
+        with os.fdopen(os.dup(fd), "rb") as file:
+            return file.read()
+    finally:
+        os.close(fd)
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a regular file inside a record (RecordError when it is missing or not a file)."""
+    return hashlib.sha256(read_record_file(path)).hexdigest()
+
+
+@dataclass
+class RecordStatus:
+    """What a run's record is, read without a lock: done (DONE and its digests hold, and the run
+    hash matches when one is given), changed (done, but made with other settings), damaged (DONE,
+    but a file it vouches for is missing, changed or not a file), blocked (the record path, or an
+    entry beside it, is something caramba will not use: a link, a FIFO, a file where the record
+    directory belongs), failed (an attempt without DONE, or one that died: its staging directory
+    is left) or pending (nothing yet)."""
+
+    state: str
+    detail: str = ""
+
+
+def record_status(final: Path, digest: str | None = None) -> RecordStatus:
+    """The status of the record at `final` (see RecordStatus); never raises for what it finds."""
+    try:
+        kind = entry_kind(final)
+    except RecordError as e:
+        return RecordStatus("blocked", str(e))
+    staging = final.parent / f".{final.name}{STAGING}"
+    if kind is None:
+        if _lexists(staging):   # an attempt that died mid-run (a killed worker): no record, but not pending
+            return RecordStatus("failed", f"an attempt died before finishing (its files are in {staging})")
+        return RecordStatus("pending")
+    if kind != "directory":
+        return RecordStatus("blocked", f"{final} is {_describe(final, kind)}, not a record directory; "
+                                       "caramba will not follow or replace it: remove it and run again")
+    if not _lexists(final / DONE):
+        return RecordStatus("failed", _last_line(final / LOG))
+    damage = record_damage(final)
+    if damage is not None:
+        return RecordStatus("damaged", damage)
+    if digest is not None:
+        recorded = recorded_hash(final)
+        if recorded != digest:
+            why = ("the record has no run hash (made by an older caramba)" if recorded is None
+                   else f"run hash {recorded[:12]} -> {digest[:12]}")
+            return RecordStatus("changed", why)
+    return RecordStatus("done")
+
+
+def record_damage(final: Path) -> str | None:
+    """None when DONE's digests match the record's files; else what is wrong, in a few words."""
+    try:
+        done = json.loads(read_record_file(final / DONE, 1 << 20))
+    except RecordError as e:
+        return str(e)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        done = None
+    files = done.get("files") if isinstance(done, dict) else None
+    if not isinstance(files, dict) or not files:
+        return f"{final / DONE} lists no file digests (made by an older caramba, or damaged)"
+    for name, expected in files.items():
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+            return f"{final / DONE} names {name!r}, which is not a file of the record"
+        try:
+            actual = file_sha256(final / name)
+        except RecordError as e:
+            return str(e)
+        if actual != expected:
+            return f"{final / name} does not match the sha256 DONE recorded (changed or truncated since)"
+    return None
+
+
+def recorded_hash(final: Path) -> str | None:
+    """The run hash a record was made with (None: none, unreadable, or made before hashes)."""
+    try:
+        value = json.loads(read_record_file(final / "env.json", 1 << 24)).get("run_hash")
+    except (RecordError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def read_record_json(final: Path, name: str = "result.json") -> Any:
+    """A record's JSON file; RecordError naming it when it is not a file or not JSON."""
+    path = final / name
+    try:
+        return json.loads(read_record_file(path))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RecordError(f"{path} is not valid JSON ({e})") from None
+
+
+def _last_line(log: Path) -> str:
+    """The line of a failed attempt's log that says why (its last FAILED/interrupted line)."""
+    try:
+        data = read_record_file(log)
+    except RecordError:
+        return "no log"
+    lines = data[-4096:].decode("utf-8", "replace").strip().splitlines()
+    failed = [line for line in lines if "FAILED" in line or "interrupted" in line]
+    return (failed or lines or ["empty log"])[-1][:200]
+
+
+def _lexists(path: Path) -> bool:
+    return os.path.lexists(path)
+
+
+def _remove_entry(path: Path) -> str | None:
+    """Remove a scratch entry (.partial, .old) whatever it is, never following a link: a directory
+    is removed with its contents (rmtree does not follow links inside), anything else unlinked.
+    Returns what it was when it was not the directory caramba makes there (for a notice)."""
+    kind = entry_kind(path)
+    if kind is None:
+        return None
+    try:
+        if kind == "directory":
+            shutil.rmtree(path)
+            return None
+        os.unlink(path)
+    except OSError as e:
+        raise RecordError(f"cannot remove {path} ({kind}): {e.strerror}") from None
+    return _describe(path, kind)
+
+
 class RunDir:
     """The record directory of one run, its lock and the directory a new record is built in.
 
     `final` is where the record lives; `path` is where files are written now: the staging
     directory between begin() and finish()/abandon(), `final` otherwise. Runners write through
     `path` and never need to know which it is.
+
+    Nothing here follows a link below the runs root: every entry is looked at (lstat) before it
+    is used and files are opened with O_NOFOLLOW. An entry that is not what caramba puts there is
+    a RecordError naming it, except the scratch entries (.partial, .old), whose contents mean
+    nothing and which are removed whatever they are (the link itself, never its target).
     """
 
     def __init__(self, manifest_name: str, target: str, run_id: str, root: str | Path | None = None):
@@ -145,12 +337,14 @@ class RunDir:
             # The manifest schema already insists on safe identifiers; this guards rmtree below.
             if not part or part in (".", "..") or "/" in part or "\\" in part:
                 raise ValueError(f"{part!r} cannot name a run directory")
-        self.final = runs_root(root) / manifest_name / target / run_id
+        self.root = runs_root(root)
+        self.final = self.root / manifest_name / target / run_id
         self.staging = self.final.parent / f".{run_id}{STAGING}"
         self.lock_path = self.final.parent / f".{run_id}{LOCK}"
         self._old = self.final.parent / f".{run_id}{OLD}"
         self.path = self.final
         self._lock_fd: int | None = None
+        self.notices: list[str] = []   # scratch entries that were removed, for the runner to print
 
     @classmethod
     def unique(cls, manifest_name: str, target: str, stem: str, root: str | Path | None = None) -> RunDir:
@@ -159,12 +353,12 @@ class RunDir:
         exclusively, which only one process can do."""
         for n in itertools.count(1):
             record = cls(manifest_name, target, stem if n == 1 else f"{stem}-{n}", root)
-            record.final.parent.mkdir(parents=True, exist_ok=True)
+            record._make_parents()
             try:
-                fd = os.open(record.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+                fd = os.open(record.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666)
             except FileExistsError:
                 continue
-            if record.final.exists():  # a record from before lock files: the name is taken too
+            if _lexists(record.final):  # a record from before lock files: the name is taken too
                 os.close(fd)
                 continue
             record._hold(fd)
@@ -179,13 +373,43 @@ class RunDir:
 
     # ---- the lock ------------------------------------------------------------------------
 
+    def _make_parents(self) -> None:
+        """runs/<manifest>/<target>, each a real directory (the runs root itself may be a link:
+        that is where the user put it)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RecordError(f"cannot create the runs directory {self.root}: {e.strerror}") from None
+        for directory in (self.final.parent.parent, self.final.parent):
+            try:
+                os.mkdir(directory)
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise RecordError(f"cannot create {directory}: {e.strerror}") from None
+            kind = entry_kind(directory)
+            if kind != "directory":
+                raise RecordError(f"{directory} is {_describe(directory, kind)}, not a directory of records; "
+                                  "caramba will not follow or replace it: remove it and run again")
+
     def try_lock(self) -> bool:
         """Take this run's lock without waiting; False when another process holds it. Under the
-        lock, a swap that a crash cut in half is completed first."""
+        lock, a swap that a crash cut in half is completed first. RecordError when the lock path
+        is not a regular file (a link, a directory, a FIFO): caramba never opens through it."""
         if self._lock_fd is not None:
             return True
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        self._make_parents()
+        kind = entry_kind(self.lock_path)
+        if kind not in (None, "file"):
+            raise RecordError(f"the lock {self.lock_path} is {_describe(self.lock_path, kind)}, not a lock file; "
+                              "caramba will not open it: remove it and run again")
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK, 0o666)
+        except OSError as e:
+            raise RecordError(f"cannot open the lock {self.lock_path}: {e.strerror}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):   # swapped in between the look and the open
+            os.close(fd)
+            raise RecordError(f"the lock {self.lock_path} is not a regular file; remove it and run again")
         if fcntl is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -198,16 +422,23 @@ class RunDir:
     def _hold(self, fd: int) -> None:
         if fcntl is not None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # immediate: the caller made this fd
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)   # who holds it, for the other process's message
         self._lock_fd = fd
-        self._recover()
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)   # who holds it, for the other process's message
+            self._recover()
+        except OSError as e:   # a full or read-only disk: the run fails, named, and the lock is dropped
+            self.release()
+            raise RecordError(f"cannot write the lock {self.lock_path}: {e.strerror}") from None
+        except RecordError:
+            self.release()
+            raise
 
     def holder(self) -> str | None:
         """The pid written by the process holding the lock (None if unknown)."""
         try:
-            return self.lock_path.read_text().strip() or None
-        except OSError:
+            return read_record_file(self.lock_path, 64).decode().strip() or None
+        except (RecordError, UnicodeDecodeError):
             return None
 
     def release(self) -> None:
@@ -217,39 +448,51 @@ class RunDir:
             os.close(fd)
 
     def _recover(self) -> None:
-        """Finish a swap interrupted between its two renames (see _swap_in)."""
-        if self._old.exists():
-            if self.final.exists():
-                shutil.rmtree(self._old, ignore_errors=True)
-            else:
-                os.rename(self._old, self.final)
+        """Finish a swap interrupted between its two renames (see _swap_in); a .old that is not
+        the directory a swap leaves is scratch and is removed."""
+        kind = entry_kind(self._old)
+        if kind == "directory" and not _lexists(self.final):
+            os.rename(self._old, self.final)
+        elif kind is not None:
+            self._note(self._old, _remove_entry(self._old))
+
+    def _note(self, path: Path, what: str | None) -> None:
+        if what is not None:
+            self.notices.append(f"removed {path}: it was {what}, not the directory caramba makes there")
 
     # ---- state -----------------------------------------------------------------------------
 
+    def status(self, digest: str | None = None) -> RecordStatus:
+        """See record_status."""
+        return record_status(self.final, digest)
+
     def is_done(self) -> bool:
-        """True when a finished record is in place."""
-        return (self.final / DONE).is_file()
+        """True when a finished record is in place and its files match DONE's digests."""
+        return self.status().state == "done"
 
     def recorded_hash(self) -> str | None:
         """The run hash the finished record was made with (None: none, or made before hashes)."""
-        try:
-            return json.loads((self.final / "env.json").read_text(encoding="utf-8")).get("run_hash")
-        except (OSError, ValueError, AttributeError):
-            return None
+        return recorded_hash(self.final)
 
     # ---- building a record -----------------------------------------------------------------
 
     def begin(self, force: bool = False) -> None:
         """Start a new record in an empty staging directory, beside any finished one, which stays
         in place until finish(). Without `force` a finished record is refused. Takes the lock if
-        this object does not hold it yet."""
+        this object does not hold it yet. RecordError when the record path is not a directory."""
         if not self.try_lock():
             raise RunError(f"{self.final} is being written by another process (pid {self.holder() or '?'})")
-        if self.is_done() and not force:
+        status = self.status()
+        if status.state == "blocked":
+            raise RecordError(status.detail)
+        if status.state == "done" and not force:
             raise RunError(f"{self.final} already holds a finished run; use --force to redo it")
-        if self.staging.exists():  # an attempt that died before finishing: its files mean nothing
-            shutil.rmtree(self.staging)
-        self.staging.mkdir(parents=True)
+        # an attempt that died before finishing: its files mean nothing
+        self._note(self.staging, _remove_entry(self.staging))
+        try:
+            os.mkdir(self.staging)
+        except OSError as e:
+            raise RecordError(f"cannot create {self.staging}: {e.strerror}") from None
         self.path = self.staging
 
     def write_text(self, name: str, text: str) -> Path:
@@ -262,16 +505,30 @@ class RunDir:
 
     def log(self, message: str) -> None:
         """Append timestamped lines to log.txt, flushed at once so a crash keeps them."""
-        with open(self.path / LOG, "a", encoding="utf-8") as file:
+        path = self.path / LOG
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK, 0o666)
+        except OSError as e:
+            raise RecordError(f"cannot write {path}: {e.strerror}") from None
+        with os.fdopen(fd, "a", encoding="utf-8") as file:
             stamp = utc_now()
-            for line in message.splitlines() or [""]:
-                file.write(f"{stamp} {line}\n")
-            file.flush()
+            try:
+                for line in message.splitlines() or [""]:
+                    file.write(f"{stamp} {line}\n")
+                file.flush()
+            except OSError as e:
+                raise RecordError(f"cannot write {path}: {e.strerror}") from None
 
     def finish(self) -> None:
         """Mark the new record complete and swap it in for the old one; call after every other
-        file is written."""
-        atomic_write_text(self.path / DONE, utc_now() + "\n")
+        file is written. DONE holds the sha256 of every file it vouches for (all but the log,
+        which a later attempt may append to), so a record later truncated or edited shows as
+        damaged instead of done."""
+        files = {}
+        for entry in sorted(os.listdir(self.path)):
+            if entry not in (DONE, LOG) and entry_kind(self.path / entry) == "file":
+                files[entry] = file_sha256(self.path / entry)
+        atomic_write_text(self.path / DONE, json_text({"finished_utc": utc_now(), "files": files}, indent=1) + "\n")
         if self.path == self.staging:
             self._swap_in()
 
@@ -279,28 +536,45 @@ class RunDir:
         """A failed or interrupted attempt. A finished record stays untouched and the attempt is
         left in the staging directory (its log there; the next attempt clears it); with no
         finished record to keep, the attempt takes the record's place, without DONE. Returns
-        where the attempt's files are."""
+        where the attempt's files are (the staging directory also when the swap itself fails:
+        a read-only or full disk)."""
         if self.path != self.staging:
             return self.path
-        if self.is_done():
+        if self.status().state in ("done", "changed", "blocked"):
             return self.staging
-        self._swap_in()
+        try:
+            self._swap_in()
+        except (OSError, RecordError):
+            return self.staging
         return self.final
 
     def discard(self) -> None:
         """Drop the attempt: its input turned out bad, so nothing of it is kept (a finished
         record stays)."""
-        shutil.rmtree(self.staging, ignore_errors=True)
+        try:
+            _remove_entry(self.staging)
+        except RecordError:
+            pass
         self.path = self.final
 
     def _swap_in(self) -> None:
         # Two renames; a crash between them leaves .old and no record, which _recover() undoes.
-        if self.final.exists():
-            os.rename(self.final, self._old)
-        os.rename(self.staging, self.final)
+        kind = entry_kind(self.final)
+        if kind not in (None, "directory"):
+            raise RecordError(f"{self.final} is {_describe(self.final, kind)}, not a record directory")
+        try:
+            if kind is not None:
+                self._note(self._old, _remove_entry(self._old))
+                os.rename(self.final, self._old)
+            os.rename(self.staging, self.final)
+        except OSError as e:
+            raise RecordError(f"cannot move the new record into {self.final}: {e.strerror}") from None
         _fsync_dir(self.final.parent)
-        shutil.rmtree(self._old, ignore_errors=True)
         self.path = self.final
+        try:
+            _remove_entry(self._old)
+        except RecordError:
+            pass   # the next lock holder removes it (_recover)
 
 
 def capture_env(seed: int | None, device: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from caramba.infer.task_eval import Candidate, answer_tasks, store_context, wils
 from caramba.model.zoo import load_model
 from test_cli import invoke, write_tiny_model
 
-LENGTH = 384   # tokens of a task context: bytes of the tiny model's byte-level tokenizer
+LENGTH = 768   # tokens of a task context: bytes of the tiny model's byte-level tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
     monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
     manifest = eval_manifest(tmp_path, long_tiny, SECTION, extra="""\
         expect:
-          metrics: ["q4r.bytes_ratio < 0.3", "fp32.tasks.niah_single.384 >= 0", "q8_0_qblock_8.kl_mean >= 0"]
+          metrics: ["q4r.bytes_ratio < 0.3", "fp32.tasks.niah_single.768 >= 0", "q8_0_qblock_8.kl_mean >= 0"]
 """)
     r = invoke("run", manifest)
     assert r.exit_code == 0, r.output
@@ -81,7 +81,7 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
     assert by["fp32"]["perplexity"]["kl_mean"] == 0 and by["q4r"]["perplexity"]["kl_mean"] > 0
     tasks = result["tasks"]
     assert tasks["generator_version"] == task_suite.GENERATOR_VERSION and len(tasks["prompts_sha256"]) == 64
-    assert result["summary"]["q4r.tasks.niah_single.384"] == by["q4r"]["tasks"]["niah_single"]["384"]["score"]
+    assert result["summary"]["q4r.tasks.niah_single.768"] == by["q4r"]["tasks"]["niah_single"]["768"]["score"]
     answers = json.loads((record / "answers.json").read_text())
     assert set(answers) == set(labels) and all(len(a) == 2 for a in answers.values())
     # a second run skips the record; --check holds the bounds

@@ -155,7 +155,10 @@ def test_a_killed_worker_fails_only_its_run_and_a_rerun_redoes_exactly_it(tmp_pa
 
     status = invoke("status", manifest, "--json")
     states = {row["run"]: row["state"] for row in json.loads(status.stdout)}
-    assert states == {**{f"t/{i}": "done" for i in IDS}, "t/slow": "pending"}   # the attempt never swapped in
+    # the attempt never swapped in, but its staging directory says it started and died: failed, not pending
+    assert states == {**{f"t/{i}": "done" for i in IDS}, "t/slow": "failed"}
+    report = invoke("report", manifest, "--json")
+    assert {row["run"]: row["status"] for row in json.loads(report.stdout)}["t/slow"] == "failed"
 
     # (shorter, to keep the test quick: the other runs' records still match and are kept)
     rerun = invoke("run", manifest, "--set", "targets.t.runs.slow.generate.max_new_tokens=2")
@@ -189,8 +192,9 @@ def test_status_and_report_read_the_sweep(tmp_path, monkeypatch, tiny_model):  #
 
     pivot = json.loads(invoke("report", tmp_path / "runs" / "sw", "--json", "--pivot", "seed", "--metric", "new_tokens",
                               "--csv", tmp_path / "p.csv").stdout)
-    assert pivot == [{"generate.cache_kind": "fp32", "new_tokens @ seed=0": 24, "new_tokens @ seed=1": 24}]
-    assert (tmp_path / "p.csv").read_text().splitlines()[0] == "generate.cache_kind,new_tokens @ seed=0,new_tokens @ seed=1"
+    assert pivot == [{"runs": "t/s.cache_kind-fp32", "generate.cache_kind": "fp32", "new_tokens @ seed=0": 24,
+                      "new_tokens @ seed=1": 24}]
+    assert (tmp_path / "p.csv").read_text().splitlines()[0] == "runs,generate.cache_kind,new_tokens @ seed=0,new_tokens @ seed=1"
     table = invoke("report", manifest)
     assert table.exit_code == 0 and "generate.cache_kind" in table.output and "decode_tok_s_median" in table.output
     bad = invoke("report", manifest, "--pivot", "temperature")

@@ -4,6 +4,7 @@ and a bad run is caught before anything is written (preflight)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -108,6 +109,9 @@ def test_record_without_a_hash_is_redone(setup):
     env = json.loads((records / "a" / "env.json").read_text())
     del env["run_hash"]   # as an older caramba wrote it
     (records / "a" / "env.json").write_text(json.dumps(env))
+    done = json.loads((records / "a" / DONE).read_text())   # an intact record, only without the hash
+    done["files"]["env.json"] = hashlib.sha256((records / "a" / "env.json").read_bytes()).hexdigest()
+    (records / "a" / DONE).write_text(json.dumps(done))
     r = invoke("run", manifest, "--run", "a")
     assert r.exit_code == 0 and "no run hash" in r.output and "redoing" in r.output
     assert "run_hash" in json.loads((records / "a" / "env.json").read_text())

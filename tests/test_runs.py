@@ -68,7 +68,12 @@ def test_done_is_written_last(tmp_path, monkeypatch):
     run.finish()
     assert renamed == ["manifest.yaml", "env.json", "result.json", "DONE"]
     assert run.is_done()
-    assert (run.path / "DONE").read_text().strip().endswith("+00:00")
+    done = json.loads((run.path / "DONE").read_text())
+    assert done["finished_utc"].endswith("+00:00")
+    import hashlib
+
+    assert done["files"] == {name: hashlib.sha256((run.path / name).read_bytes()).hexdigest()
+                             for name in ("manifest.yaml", "env.json", "result.json")}
 
 
 def test_crash_before_finish_leaves_an_incomplete_run_that_is_redone(tmp_path):

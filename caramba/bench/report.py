@@ -5,9 +5,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 from pathlib import Path
 
-from caramba.runs import atomic_write_text
+from caramba.runs import DONE, RecordError, atomic_write_text, entry_kind, read_record_json, record_damage, record_status
 
 CELL_KEY = ("impl", "prompt_len", "batch_size", "cache_kind", "decode_plan")
 COMPARED = ("ttft_s", "decode_tok_s", "decode_p50_ms", "decode_p99_ms", "peak_rss_mb", "cache_bytes")
@@ -75,6 +76,8 @@ def load_rows(run_dir: Path) -> list[dict]:
         raise ValueError(f"{result_file} is not valid JSON ({e})") from None
     if not isinstance(result, dict):
         raise ValueError(f"{result_file} is not a run result (a JSON object with cells or a summary)")
+    if os.path.lexists(run_dir / DONE) and (damage := record_damage(run_dir)) is not None:
+        raise ValueError(f"{run_dir} is a damaged record, its numbers are not shown: {damage}")
     if "cells" in result:
         cells = result["cells"]
         if not (isinstance(cells, list) and all(isinstance(c, dict) for c in cells)):
@@ -129,8 +132,10 @@ def record_dirs(directory: Path) -> list[tuple[str, Path]]:
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} is not a directory of run records (runs/<manifest name>)")
     found = []
-    for target in sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        for run in sorted(p for p in target.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    # Not through links: a target that is a link is not read; a run that is one is listed (blocked).
+    for target in sorted(p for p in directory.iterdir() if _kind(p) == "directory" and not p.name.startswith(".")):
+        for run in sorted(p for p in target.iterdir()
+                          if _kind(p) in ("directory", "symbolic link") and not p.name.startswith(".")):
             found.append((f"{target.name}/{run.name}", run))
     if not found:
         raise FileNotFoundError(f"{directory} is not a run record (no result.json) and holds none "
@@ -138,23 +143,37 @@ def record_dirs(directory: Path) -> list[tuple[str, Path]]:
     return found
 
 
-def sweep_row(name: str, record: Path, params: dict | None = None) -> dict:
-    """One run as a row: {run, status, mode, params, metrics}. status: done, failed (an attempt
-    without DONE), pending (no record). params come from the record, else from the manifest."""
-    row = {"run": name, "status": "pending", "mode": None, "params": dict(params or {}), "metrics": {}}
-    if not record.is_dir():
-        return row
-    row["status"] = "done" if (record / "DONE").is_file() else "failed"
+def _kind(path: Path) -> str | None:
     try:
-        result = json.loads((record / "result.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return entry_kind(path)
+    except RecordError:
+        return None
+
+
+def sweep_row(name: str, record: Path, params: dict | None = None, digest: str | None = None,
+              mode: str | None = None) -> dict:
+    """One run as a row: {run, status, mode, params, metrics, detail}. status as caramba.runs.
+    record_status says: done, changed (made with other settings than `digest`, the manifest's),
+    damaged (its files no longer match DONE), blocked, failed (an attempt without DONE, or a
+    killed one) or pending. Only a done record's metrics are shown: an old or damaged record's
+    numbers are never reported as this run's. params come from the manifest when given, else
+    from the record."""
+    status = record_status(record, digest)
+    row = {"run": name, "status": status.state, "mode": mode, "params": dict(params or {}), "metrics": {},
+           "detail": status.detail}
+    if status.state != "done" and params is not None:
+        return row
+    try:
+        result = read_record_json(record)
+    except RecordError:
         return row
     if not isinstance(result, dict):
         return row
-    row["mode"] = result.get("mode")
-    if isinstance(result.get("params"), dict):
+    row["mode"] = result.get("mode") or mode
+    if params is None and isinstance(result.get("params"), dict):
         row["params"] = result["params"]
-    row["metrics"] = _metrics(result)
+    if status.state == "done":
+        row["metrics"] = _metrics(result)
     return row
 
 
@@ -190,23 +209,63 @@ def _median(values: list[float]) -> float:
 
 
 def flat_rows(rows: list[dict]) -> list[dict]:
-    """Rows with params and metrics as columns (for the table and CSV)."""
-    return [{"run": r["run"], "status": r["status"], "mode": r["mode"], **r["params"], **r["metrics"]} for r in rows]
+    """Rows with params and metrics as columns (for the table and CSV); `note` says why a run
+    that is not done shows no metrics."""
+    notes = any(r.get("detail") for r in rows)
+    return [{"run": r["run"], "status": r["status"], "mode": r["mode"], **r["params"], **r["metrics"],
+             **({"note": r.get("detail", "")} if notes else {})} for r in rows]
 
 
 def pivot(rows: list[dict], key: str, metric: str) -> list[dict]:
-    """One row per combination of the other params, one column per value of `key` holding `metric`."""
+    """One row per sweep and combination of the other params, one column per value of `key`
+    holding `metric` (empty where that run is not done). Two sweeps with the same params stay
+    two rows: a run goes to the first row of its target and params whose cell for its value is
+    still free, so rows never merge runs of different sweeps; `runs` names each row's runs."""
     if not any(key in r["params"] for r in rows):
         keys = sorted({k for r in rows for k in r["params"]})
         raise ValueError(f"--pivot {key!r} is not a matrix key of these runs; keys: {', '.join(keys) or 'none'}")
-    table: dict[str, dict] = {}
+    table: dict[str, list[tuple[dict, list[str]]]] = {}
     for r in rows:
         if key not in r["params"]:
             continue
         others = {k: v for k, v in r["params"].items() if k != key}
-        group = table.setdefault(json.dumps(others, sort_keys=True), dict(others))
-        group[f"{metric} @ {key}={_text(r['params'][key])}"] = r["metrics"].get(metric)
-    return list(table.values())
+        target = r["run"].split("/", 1)[0]
+        column = f"{metric} @ {key}={_text(r['params'][key])}"
+        groups = table.setdefault(json.dumps([target, others], sort_keys=True), [])
+        free = next((g for g in groups if column not in g[0]), None)
+        if free is None:
+            free = ({**others}, [])
+            groups.append(free)
+        free[0][column] = r["metrics"].get(metric)
+        free[1].append(r["run"])
+    return [{"runs": _common_name(names), **cells} for groups in table.values() for cells, names in groups]
+
+
+def _common_name(names: list[str]) -> str:
+    """What a row's runs share: their longest common prefix up to a '.' (the sweep's base id)."""
+    if len(names) == 1:
+        return names[0]
+    prefix = os.path.commonprefix(names)
+    cut = prefix.rfind(".")
+    return prefix[:cut] if cut > prefix.find("/") else prefix.rstrip(".-_") or names[0]
+
+
+def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """A GitHub-flavoured Markdown table (`|` and newlines in cells escaped)."""
+    columns = columns or list(dict.fromkeys(k for r in rows for k in r))
+
+    def cell(value) -> str:
+        if value is None:
+            text = ""
+        elif isinstance(value, float):
+            text = f"{value:.4g}"
+        else:
+            text = value if isinstance(value, str) else json.dumps(value)
+        return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
 
 
 def _text(value) -> str:

@@ -127,7 +127,7 @@ def _already_done(tasks: list[RunTask]) -> list[TaskResult]:
         if t.force or t.check:
             continue
         record = RunDir(t.manifest_name, t.target, t.run["id"], root=t.root)
-        if record.is_done() and record.recorded_hash() == t.digest:
+        if record.status(t.digest).state == "done":
             out.append(TaskResult(t.name, "skipped", message="already done"))
     return out
 

@@ -1,6 +1,8 @@
 """Where each run of a manifest stands, read from its record and lock without touching either:
-done, changed (a finished record made with other settings), running (its lock is held),
-failed (an attempt without DONE) or pending (no record)."""
+done, changed (a finished record made with other settings), damaged (DONE, but its files no
+longer match the digests DONE holds), blocked (an entry caramba will not use: a link, a FIFO, a
+file where the record belongs), running (its lock is held), failed (an attempt without DONE, or
+one whose worker was killed) or pending (no record). See caramba.runs.record_status."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from caramba.runs import RunDir
+from caramba.runs import RecordError, RunDir, entry_kind, record_status
 
-STATES = ("done", "changed", "running", "failed", "pending")
+STATES = ("done", "changed", "damaged", "blocked", "running", "failed", "pending")
 
 
 @dataclass
@@ -25,28 +27,17 @@ class RunState:
 def run_state(record: RunDir, digest: str, locks: set[tuple[int, int, int]] | None = None) -> RunState:
     """The state of one run's record; `locks` from held_locks() (read once for many runs)."""
     name = f"{record.final.parent.name}/{record.final.name}"
-    if lock_held(record.lock_path, locks):
-        return RunState(name, "running", record.final, f"pid {record.holder() or '?'}")
-    if record.is_done():
-        recorded = record.recorded_hash()
-        if recorded == digest:
-            return RunState(name, "done", record.final)
-        why = "no run hash (an older caramba)" if recorded is None else f"hash {recorded[:12]} -> {digest[:12]}"
-        return RunState(name, "changed", record.final, why)
-    if record.final.exists():
-        return RunState(name, "failed", record.final, _last_line(record.final / "log.txt"))
-    return RunState(name, "pending", record.final)
-
-
-def _last_line(log: Path) -> str:
     try:
-        with open(log, "rb") as file:
-            file.seek(max(0, os.fstat(file.fileno()).st_size - 4096))
-            lines = file.read().decode("utf-8", "replace").strip().splitlines()
-    except OSError:
-        return "no log"
-    failed = [line for line in lines if "FAILED" in line or "interrupted" in line]
-    return (failed or lines or ["empty log"])[-1][:200]
+        lock_kind = entry_kind(record.lock_path)
+    except RecordError as e:
+        return RunState(name, "blocked", record.final, str(e))
+    if lock_kind not in (None, "file"):
+        return RunState(name, "blocked", record.final, f"the lock {record.lock_path} is a {lock_kind}, not a lock file; "
+                                                      "remove it")
+    if lock_kind == "file" and lock_held(record.lock_path, locks):
+        return RunState(name, "running", record.final, f"pid {record.holder() or '?'}")
+    status = record_status(record.final, digest)
+    return RunState(name, status.state, record.final, status.detail)
 
 
 def held_locks() -> set[tuple[int, int, int]] | None:
@@ -73,7 +64,7 @@ def held_locks() -> set[tuple[int, int, int]] | None:
 def lock_held(path: Path, locks: set[tuple[int, int, int]] | None = None) -> bool:
     """Whether some process holds the run lock at `path`."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)   # a link is never a lock (and is not followed)
     except OSError:
         return False
     if locks is None:
@@ -81,7 +72,7 @@ def lock_held(path: Path, locks: set[tuple[int, int, int]] | None = None) -> boo
     if locks is not None:
         return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in locks
     try:   # no /proc/locks: probe with a shared lock, dropped at once
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
     except OSError:
         return False
     try:

@@ -28,7 +28,7 @@ from caramba.runners.eval import run_eval
 from caramba.runners.generate import run_generate
 from caramba.runners.preflight import preflight
 from caramba.runners.speculative import run_speculative
-from caramba.runs import RunDir, capture_env, library_versions, run_hash, runs_root
+from caramba.runs import RecordError, RunDir, capture_env, library_versions, read_record_json, run_hash, runs_root
 
 # mode -> runner(loaded model, the mode's settings, seed, record, console) -> result dict
 MODE_RUNNERS: dict[str, Callable] = {"generate": run_generate, "decode-bench": run_decode_bench,
@@ -44,6 +44,7 @@ class Outcome:
     check_failed: list[str] = field(default_factory=list)
     busy: list[str] = field(default_factory=list)   # being run by another process: left to it
     messages: dict[str, str] = field(default_factory=dict)   # why a run failed
+    checks: dict[str, list[str]] = field(default_factory=dict)   # why a run failed its check
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -141,6 +142,7 @@ class TaskResult:
     ended: float = 0.0
     pid: int = 0
     dispatched: float = 0.0  # time.time() in the driver when its task was handed over (0: not kept)
+    checks: list[str] = field(default_factory=list)   # why it failed its check (--check)
 
 
 def make_tasks(manifest: Manifest, runs: list[ResolvedRun], force: bool, check: bool, run_info: dict,
@@ -171,12 +173,12 @@ def execute(task: RunTask, models: dict, console: Console) -> TaskResult:
                  outcome, console)
         finally:
             record.release()
-    except (UserError, RunError, ValueError) as e:   # bad input found late: this run fails, the sweep goes on
-        outcome.failed.append(name)
+    except (UserError, RunError, ValueError, OSError) as e:   # found late (input, a record entry, the disk):
+        outcome.failed.append(name)                            # this run fails, the sweep goes on
         outcome.messages[name] = str(e)
     status = "failed" if name in outcome.failed else "skipped" if name in outcome.skipped else "done"
     return TaskResult(name, status, check_failed=name in outcome.check_failed, message=outcome.messages.get(name, ""),
-                      started=started, ended=time.time(), pid=os.getpid())
+                      started=started, ended=time.time(), pid=os.getpid(), checks=outcome.checks.get(name, []))
 
 
 def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool, console: Console,
@@ -201,16 +203,20 @@ def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool
             params = f" {escape(format_params(r.run.params))}" if r.run.params else ""
             console.print(f"would {_plan(record, digest, force)} {name} ({r.run.mode}){params} on {escape(r.model.source)} -> {escape(str(record.final))}", soft_wrap=True)
             continue
-        if not record.try_lock():
-            unchecked = "; not checked" if check else ""
-            console.print(f"[yellow]skip {name}: another process (pid {record.holder() or '?'}) is running it "
-                          f"({escape(str(record.lock_path))}){unchecked}[/yellow]", soft_wrap=True)
-            outcome.busy.append(name)
-            continue
         started = time.monotonic()
         try:
+            if not record.try_lock():
+                unchecked = "; not checked" if check else ""
+                console.print(f"[yellow]skip {name}: another process (pid {record.holder() or '?'}) is running it "
+                              f"({escape(str(record.lock_path))}){unchecked}[/yellow]", soft_wrap=True)
+                outcome.busy.append(name)
+                continue
             _one(r, name, record, digest, force, check, resolved_run_yaml(manifest, r.target, r.run.id), run_info,
                  models, outcome, console)
+        except (RecordError, OSError) as e:   # an entry of this run's record, or the disk: this run fails
+            console.print(f"[red]failed[/red] {escape(name)}: {escape(str(e))}", soft_wrap=True)
+            outcome.failed.append(name)
+            outcome.messages[name] = str(e)
         finally:
             record.release()
             outcome.seconds[name] = time.monotonic() - started
@@ -223,30 +229,35 @@ def format_params(params: dict | None) -> str:
 
 
 def _plan(record: RunDir, digest: str, force: bool) -> str:
-    if not record.is_done():
-        return "run"
-    if record.recorded_hash() == digest:
+    status = record.status(digest)
+    if status.state == "done":
         return "redo (--force)" if force else "skip"
-    return "redo (settings changed since the record)"
+    return {"changed": "redo (settings changed since the record)", "damaged": f"redo (the record is damaged: {status.detail})",
+            "blocked": f"fail ({status.detail})"}.get(status.state, "run")
 
 
 def _one(r: ResolvedRun, name: str, record: RunDir, digest: str, force: bool, check: bool, resolved_yaml: str,
          run_info: dict, models: dict, outcome: Outcome, console: Console) -> None:
-    """One run, under its lock."""
-    if record.is_done():
-        recorded = record.recorded_hash()
-        if recorded == digest and not force:
-            console.print(f"[dim]skip {escape(name)}: already done ({escape(str(record.final))}); --force reruns it[/dim]", soft_wrap=True)
-            outcome.skipped.append(name)
-            if check:
-                _check(r, record, outcome, console)
-            return
-        if recorded != digest:
-            why = ("the record has no run hash (made by an older caramba)" if recorded is None
-                   else f"run hash {recorded[:12]} -> {digest[:12]}")
-            console.print(f"[yellow]{escape(name)}: settings changed since the record ({escape(why)}): redoing[/yellow]", soft_wrap=True)
+    """One run, under its lock. A record that is done and matches is skipped; one made with other
+    settings, or damaged (its files no longer match DONE's digests), is redone, said so."""
+    _notices(record, name, console)
+    status = record.status(digest)
+    if status.state == "done" and not force:
+        console.print(f"[dim]skip {escape(name)}: already done ({escape(str(record.final))}); --force reruns it[/dim]", soft_wrap=True)
+        outcome.skipped.append(name)
+        if check:
+            _check(r, record, outcome, console)
+        return
+    if status.state == "changed":
+        console.print(f"[yellow]{escape(name)}: settings changed since the record ({escape(status.detail)}): "
+                      "redoing[/yellow]", soft_wrap=True)
+    elif status.state == "damaged":
+        console.print(f"[yellow]{escape(name)}: the record is damaged ({escape(status.detail)}): redoing[/yellow]", soft_wrap=True)
+    elif status.state == "blocked":
+        raise RecordError(status.detail)
     console.rule(f"{name} ({r.run.mode})")
     record.begin(force=True)   # built aside: the finished record stays until the new one is complete
+    _notices(record, name, console)   # a .partial that was not caramba's directory, removed by begin()
     try:
         _run_one(r, record, resolved_yaml, digest, run_info, models, console)
     except UserError:
@@ -255,14 +266,14 @@ def _one(r: ResolvedRun, name: str, record: RunDir, digest: str, force: bool, ch
     except RunError as e:
         _fail(record, name, str(e), outcome, console)
     except (KeyboardInterrupt, SystemExit):
-        record.log("interrupted")
+        _try_log(record, "interrupted")
         where = record.abandon()
         if record.is_done():
             console.print(f"[yellow]{name} interrupted: the finished record {escape(str(record.final))} is kept; "
                           f"the attempt's log is in {escape(str(where))}[/yellow]", soft_wrap=True)
         raise
     except Exception as e:  # a failed run is reported and the manifest goes on
-        record.log(traceback.format_exc())
+        _try_log(record, traceback.format_exc())
         _fail(record, name, f"{type(e).__name__}: {e}", outcome, console)
     else:
         outcome.done.append(name)
@@ -271,9 +282,33 @@ def _one(r: ResolvedRun, name: str, record: RunDir, digest: str, force: bool, ch
             _check(r, record, outcome, console)
 
 
+def _try_log(record: RunDir, text: str) -> None:
+    try:
+        record.log(text)
+    except RecordError:   # a full or read-only disk: the failure is reported without its log
+        pass
+
+
+def _notices(record: RunDir, name: str, console: Console) -> None:
+    for notice in record.notices:
+        console.print(f"[yellow]{escape(name)}: {escape(notice)}[/yellow]", soft_wrap=True)
+    record.notices.clear()
+
+
 def _check(r: ResolvedRun, record: RunDir, outcome: Outcome, console: Console) -> None:
     name = f"{r.target}/{r.run.id}"
-    result = json.loads((record.final / "result.json").read_text())
+    try:
+        result = read_record_json(record.final)
+    except RecordError as e:   # the record went bad after it was verified: a failed check, not a crash
+        problems = [str(e)]
+        result = None
+    if result is not None and not isinstance(result, dict):
+        problems, result = [f"{record.final / 'result.json'} is not a JSON object"], None
+    if result is None:
+        outcome.check_failed.append(name)
+        outcome.checks[name] = problems
+        console.print(f"[red]check failed[/red] {escape(name)}: {escape(problems[0])}", soft_wrap=True)
+        return
     if r.run.expect is None:
         digest = output_sha256(result)
         hint = f"; its output_sha256 is {digest}" if digest else ""
@@ -282,6 +317,7 @@ def _check(r: ResolvedRun, record: RunDir, outcome: Outcome, console: Console) -
     problems = check_expect(result, r.run.expect)
     if problems:
         outcome.check_failed.append(name)
+        outcome.checks[name] = problems
         console.print(f"[red]check failed[/red] {escape(name)} ({escape(str(record.final / 'result.json'))}):")
         for line in problems:
             console.print(f"  - {escape(line)}", highlight=False, soft_wrap=True)
@@ -329,7 +365,10 @@ def _model(spec: ModelSpec, models: dict) -> LoadedModel:
 
 
 def _fail(record: RunDir, name: str, message: str, outcome: Outcome, console: Console) -> None:
-    record.log(f"FAILED: {message}")
+    try:
+        record.log(f"FAILED: {message}")
+    except RecordError as e:   # the disk that failed the run may refuse the log too: say so, go on
+        message += f" ({e})"
     where = record.abandon()
     kept = f"; the finished record {record.final} is kept" if record.is_done() else ""
     console.print(f"[red]failed[/red] {escape(name)}: {escape(message)} (log: {escape(str(where / 'log.txt'))}{kept})", soft_wrap=True)

@@ -16,6 +16,7 @@ from caramba.manifest import ResolvedRun
 from caramba.model import native
 from caramba.model.zoo import CACHE_FORMAT, cache_root, file_sha256, inspect_source, resolve_device, resolve_source
 from caramba.prompting import encode_prompt
+from caramba.runners.resources import check_memory, check_runs_dir
 from caramba.runs import LOCK, OLD, STAGING, runs_root
 from caramba.tokenizer import Tokenizer
 
@@ -26,6 +27,7 @@ _FILE_ROOM = 64
 
 def preflight(manifest_name: str, runs: list[ResolvedRun], root: str | Path | None = None) -> None:
     """Raise UserError (exit 2) on the first run that cannot succeed."""
+    check_runs_dir(manifest_name, runs, root)   # a writable directory with room for the records
     tokenizers: dict[str, Tokenizer] = {}
     checked: set[str] = set()   # eval prompt settings already generated once (a sweep repeats them)
     for r in runs:
@@ -54,6 +56,7 @@ def preflight(manifest_name: str, runs: list[ResolvedRun], root: str | Path | No
         if text is not None and not Path(text).is_file():
             section = "bench" if r.run.mode == "decode-bench" else "autotune"
             raise UserError(f"{where}: {section}.text: {text} is not a file")
+    check_memory(runs)   # weights + KV cache + activations against MemAvailable
 
 
 def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked: set[str] | None = None) -> None:

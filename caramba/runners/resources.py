@@ -1,0 +1,199 @@
+"""Preflight's resource checks: the runs directory (a writable directory with room for the
+records a manifest will write) and memory (what each run will hold against what the machine has).
+Both run before any record is written, so a run that cannot fit exits 2 naming the field to
+change instead of failing after earlier runs were recorded.
+
+Estimates, said plainly: a record is its manifest, env.json, log and DONE (16 KiB) plus
+result.json (~64 bytes per generated token: id, text, per-token timing; ~2 KiB and the samples per
+bench cell; plots). Memory is the weights (the model's parameter count at the width `weights`
+and `dtype` give), the KV cache (the cache's own bytes_per_token, on a storage-free meta model,
+times max_seq_len and the rows decoded at once) and a bound for activations (one layer's working
+set for a prefill of the widest batch, plus the batch's logits). Refused only when that sum is
+over MemAvailable: a bound, not a measurement.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from caramba.errors import UserError
+from caramba.infer.tasks import DEFAULT_TASKS
+from caramba.manifest import ResolvedRun
+from caramba.runs import entry_kind, record_status, runs_root
+
+KIB, MIB, GIB = 1024, 1024**2, 1024**3
+_BASE_RECORD = 16 * KIB
+_PLOTS = 3 * 150 * KIB
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_WEIGHT_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32}   # llama.cpp blocks: scale + 32 values
+
+
+# ---- the runs directory ------------------------------------------------------------------------
+
+def check_runs_dir(manifest_name: str, runs: list[ResolvedRun], root: str | Path | None = None) -> None:
+    """UserError (exit 2) when the runs directory is not a directory, cannot be written, holds
+    something other than directories on the way to the records, or has less room than the
+    records of `runs` need."""
+    base = runs_root(root)
+    named = "" if root else "$CARAMBA_RUNS_DIR, " if os.environ.get("CARAMBA_RUNS_DIR") else ""
+    where = f"{named}the runs directory"
+    existing = base
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():   # the runs root, or the first part of its path that exists, is not a directory
+        kind = entry_kind(existing)
+        raise UserError(f"{where} {base}: {existing} is a {kind}, not a directory; set CARAMBA_RUNS_DIR to a "
+                        "directory (or remove it)")
+    if not os.access(existing, os.W_OK | os.X_OK):   # EROFS too: access() reports a read-only filesystem
+        ro = " (a read-only filesystem)" if _read_only(existing) else ""
+        raise UserError(f"{where} {base}: {existing} is not writable{ro}; make it writable or set CARAMBA_RUNS_DIR "
+                        "to a directory that is")
+    for part in {base / manifest_name, *(base / manifest_name / r.target for r in runs)}:
+        kind = entry_kind(part) if os.path.lexists(part) else None
+        if kind not in (None, "directory"):
+            raise UserError(f"{part} is a {kind}, not a directory of records; caramba will not follow or replace "
+                            "it: remove it and run again")
+    need = sum(record_bytes(r) * (2 if _has_record(base / manifest_name / r.target / r.run.id) else 1) for r in runs)
+    free = shutil.disk_usage(existing).free
+    if need > free:
+        raise UserError(f"{where} {base} has {_size(free)} free; the {len(runs)} run(s) need about {_size(need)} for "
+                        "their records (a redo is built beside the record it replaces); free some space or set "
+                        "CARAMBA_RUNS_DIR to a disk with room")
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
+def _has_record(final: Path) -> bool:
+    return record_status(final).state in ("done", "damaged", "failed")
+
+
+def record_bytes(r: ResolvedRun) -> int:
+    """About how many bytes the record of `r` takes (see the module's docstring)."""
+    s = r.run.settings
+    if r.run.mode in ("generate", "speculative"):
+        rows = len(s.prompts) * max(1, getattr(s, "num_return_sequences", 1))
+        return _BASE_RECORD + sum(4 * len(p) for p in s.prompts) + rows * (1 * KIB + 64 * s.max_new_tokens)
+    if r.run.mode == "decode-bench":
+        cells = len(s.prompt_lens) * len(s.batch_sizes) * len(s.cache_kinds) * len(s.decode_plans)
+        cells *= 2 if s.reference == "hf" else 1
+        return _BASE_RECORD + cells * (2 * KIB + 24 * s.repeats * s.new_tokens) + (_PLOTS if s.plots else 0)
+    if r.run.mode == "eval":   # per candidate its scores; answers.json: every answer of every cache
+        caches = len(s.candidates) + 1
+        answers = len(s.tasks.names or DEFAULT_TASKS) * len(s.tasks.lengths) * s.tasks.samples if s.tasks else 0
+        return _BASE_RECORD + caches * (8 * KIB + answers * (512 + 64 * 128))
+    return _BASE_RECORD + 64 * KIB   # cache-autotune: candidates, gates, timings
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB" if n >= MIB else f"{n / KIB:.0f} KiB"
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+def mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * KIB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(runs: list[ResolvedRun], configs: dict | None = None, available: int | None = None) -> None:
+    """UserError (exit 2) naming the run and the field to lower when a CPU run's estimated
+    memory (weights + KV cache + activations) is over what the machine has available.
+    `configs`: model source -> ModelConfig (filled from inspect_source, once per source)."""
+    from caramba.model.zoo import inspect_source
+
+    configs = {} if configs is None else configs
+    available = mem_available() if available is None else available
+    if available is None:
+        return
+    for r in runs:
+        if r.model.device not in ("cpu", "auto"):
+            continue   # an accelerator's memory is its own; caramba does not size it here
+        if r.model.source not in configs:
+            configs[r.model.source] = inspect_source(r.model.source)
+        need = run_memory(r, configs)
+        total = sum(v for v, _ in need.values())
+        if total <= available:
+            continue
+        part, (size, field) = max(need.items(), key=lambda kv: kv[1][0])
+        parts = ", ".join(f"{name} {_size(v)}" for name, (v, _) in need.items())
+        hint = ""
+        if part != "weights" and r.run.mode not in ("decode-bench", "eval"):   # KV and activations grow with max_seq_len
+            per_slot = (need["KV cache"][0] + need["activations"][0]) / r.run.settings.max_seq_len
+            fits = int((available - need["weights"][0]) / per_slot) if available > need["weights"][0] else 0
+            section = _section(r.run.mode)
+            hint = f" (at this batch, about {section}.max_seq_len={fits} fits)" if fits >= 2 else ""
+        raise UserError(f"run {r.target}/{r.run.id}: needs about {_size(total)} of memory ({parts}), more than the "
+                        f"{_size(available)} this machine has available (MemAvailable); the {part} is the largest: "
+                        f"lower {field}{hint}")
+
+
+def run_memory(r: ResolvedRun, configs: dict) -> dict[str, tuple[int, str]]:
+    """{part: (bytes, the field that sizes it)} for the weights, KV cache and activations of `r`."""
+    cfg = configs[r.model.source]
+    s, section = r.run.settings, _section(r.run.mode)
+    elem = _DTYPE_BYTES.get(r.model.dtype, 4)
+    params, kv_per_token = _shape_costs(cfg, r.model.dtype)
+    weights = params * _WEIGHT_BYTES.get(r.model.weights, elem)
+    if r.model.weights in ("native", "native_i16"):
+        weights = params * 1.2   # a GGUF's own blocks: at most ~8.5 bits a weight, plus the fp32 norms
+    if r.run.mode == "decode-bench":
+        length = max(s.prompt_lens) + s.new_tokens
+        batch = max(s.batch_sizes)
+        field, seq_field = f"{section}.batch_sizes", f"{section}.prompt_lens"
+        weights *= 2 if s.reference == "hf" else 1   # transformers' copy of the model beside ours
+    elif r.run.mode == "eval":   # one sample at a time: the baseline's cache and one candidate's
+        lengths = [max(s.tasks.lengths) + 256] if s.tasks else []    # + the question and answer
+        if s.perplexity:
+            p = s.perplexity
+            lengths.append(p.ctx if p.protocol == "chunks" else (p.max_tokens or 1024))
+        length, batch = max(lengths), 2 if s.tasks else len(s.candidates) + 1   # perplexity holds every cache
+        field = seq_field = f"{section}.tasks.lengths" if s.tasks else f"{section}.perplexity.max_tokens"
+    else:
+        length, batch = s.max_seq_len, s.batch_size
+        if r.run.mode in ("generate", "speculative"):
+            contrastive = (s.top_k or 1) if s.penalty_alpha is not None else 1   # top_k candidates a step
+            batch *= max(s.num_beams, contrastive)
+        field, seq_field = f"{section}.batch_size", f"{section}.max_seq_len"
+    kv = kv_per_token * batch * length   # an fp32 cache: the largest kind a run can ask for
+    width = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + 2 * cfg.intermediate_size + 4 * cfg.dim
+    activations = batch * length * width * 4 + batch * cfg.vocab_size * 4 * 2
+    return {"KV cache": (int(kv), f"{seq_field} or {field}"), "weights": (int(weights), "model.dtype or model.weights"),
+            "activations": (int(activations), f"{field} or {seq_field}")}
+
+
+def _section(mode: str) -> str:
+    return {"decode-bench": "bench", "cache-autotune": "autotune"}.get(mode, mode)
+
+
+_SHAPES: dict = {}
+
+
+def _shape_costs(cfg, dtype: str) -> tuple[int, int]:
+    """(parameter count, fp32 KV bytes per token for one row) of a config, from a storage-free
+    model on the meta device and its cache's own bytes_per_token."""
+    key = (repr(cfg), dtype)
+    if key not in _SHAPES:
+        import torch
+
+        from caramba.model.transformer import Transformer
+
+        with torch.device("meta"):
+            model = Transformer(cfg)
+            params = sum(p.numel() for p in model.parameters())
+            bytes_per_token = model.new_cache(1, 1, "fp32").bytes_per_token()
+        _SHAPES[key] = (params, bytes_per_token)
+    return _SHAPES[key]
