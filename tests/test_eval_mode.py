@@ -243,3 +243,14 @@ def test_frontier_marks_the_pareto_optimal_candidates_within_comparable_runs(tmp
     assert next(r for r in rows if r["cache"] == "q4_0")["task_avg@2048"] == 0.5
     pytest.importorskip("matplotlib")
     assert plot_frontier(tmp_path / "f.png", rows).stat().st_size > 1000
+
+
+def test_a_new_task_generator_makes_an_eval_record_stale(monkeypatch, long_tiny, tmp_path):
+    """Other generators write other prompts: the record of an eval with tasks is not reused."""
+    import caramba.runners as runners
+    from caramba.manifest.loader import load_manifest
+
+    (run,) = load_manifest(eval_manifest(tmp_path, long_tiny, SECTION)).iter_runs()
+    before = runners.run_hash(runners.run_identity(run))
+    monkeypatch.setattr(runners, "GENERATOR_VERSION", runners.GENERATOR_VERSION + 1)
+    assert runners.run_hash(runners.run_identity(run)) != before

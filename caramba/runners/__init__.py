@@ -20,6 +20,7 @@ import caramba
 from caramba.errors import RunError, UserError
 from caramba.expect import check as check_expect
 from caramba.expect import output_sha256
+from caramba.infer.tasks import GENERATOR_VERSION
 from caramba.manifest import Manifest, ModelSpec, ResolvedRun, Run, resolved_run_yaml
 from caramba.model.zoo import LoadedModel, load_model
 from caramba.runners.autotune import run_cache_autotune
@@ -55,15 +56,18 @@ NOT_IDENTITY = {"expect", "notes", "model", "draft", "params"}
 
 def run_identity(r: ResolvedRun) -> dict:
     """What a run's record must match to be reused: the run's own fields (mode, seed, settings),
-    its resolved model (and draft) spec and the caramba version. Nothing of other runs, so
-    editing one run never redoes another."""
-    return {
+    its resolved model (and draft) spec and the caramba version (and an eval's task generator).
+    Nothing of other runs, so editing one run never redoes another."""
+    identity = {
         "target": r.target,
         "run": r.run.model_dump(mode="json", exclude=NOT_IDENTITY),
         "model": r.model.model_dump(mode="json"),
         "draft": r.draft.model_dump(mode="json") if r.draft is not None else None,
         "caramba_version": caramba.__version__,
     }
+    if r.run.mode == "eval" and r.run.eval.tasks is not None:   # other generators write other prompts
+        identity["task_generator_version"] = GENERATOR_VERSION
+    return identity
 
 
 def command_line(manifest_path: str, only: list[str], overrides: list[str], force: bool, check: bool) -> str:
