@@ -254,3 +254,18 @@ def test_a_new_task_generator_makes_an_eval_record_stale(monkeypatch, long_tiny,
     before = runners.run_hash(runners.run_identity(run))
     monkeypatch.setattr(runners, "GENERATOR_VERSION", runners.GENERATOR_VERSION + 1)
     assert runners.run_hash(runners.run_identity(run)) != before
+
+
+def test_batched_answers_equal_one_sample_at_a_time(loaded):
+    """Left-padded rows of different context and question lengths, some stopping early: each row
+    answers as it does alone (greedy on the tiny model, whose logits are far from ties)."""
+    samples = task_suite.make_samples("niah_single", LENGTH, 3, 0, loaded.tokenizer, chat=True)
+    samples += task_suite.make_samples("niah_multivalue", 1100, 2, 1, loaded.tokenizer, chat=True)
+    assert len({len(s.context_ids) for s in samples}) > 1 and len({len(s.question_ids) for s in samples}) > 1
+    q8, fp32 = Candidate("q8", CachePolicy.build("q8_0", qblock=8)), Candidate("fp32", CachePolicy.build("fp32"))
+    eos = [int(loaded.tokenizer.eos_token_id)] if loaded.tokenizer.eos_token_id is not None else []
+    alone, _ = answer_tasks(loaded.model, loaded.tokenizer, samples, [q8], fp32, eos_ids=eos, batch_size=1)
+    batched, _ = answer_tasks(loaded.model, loaded.tokenizer, samples, [q8], fp32, eos_ids=eos, batch_size=4)
+    for a, b in zip(alone, batched):
+        assert [x.output_ids for x in a.answers] == [x.output_ids for x in b.answers]
+        assert [x.steps for x in a.answers] == [x.steps for x in b.answers]

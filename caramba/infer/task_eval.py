@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from caramba.cache import CachePolicy, KVCache, LayerKVCache
+from caramba.infer.padding import left_pad
 from caramba.infer.state import DecodeState
 from caramba.infer.tasks import TaskSample, score
 
@@ -52,8 +53,8 @@ class Answer:
     text: str
     score: float
     prefill_s: float     # the candidate's own work before its first answer token (question; own: context)
-    decode_s: float      # the answer's decode steps after the first token
-    steps: int           # decode steps taken (tokens after the first)
+    decode_s: float      # the answer's decode steps after the first token (a batch's: shared by its rows)
+    steps: int           # decode steps this row took (tokens after the first)
 
 
 @dataclass
@@ -106,23 +107,31 @@ def store_context(source: KVCache, target: KVCache, dtype: torch.dtype = torch.f
 
 def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Sequence[Candidate],
                  baseline: Candidate, *, prefill: str = "shared", q_chunk: int | None = 512,
-                 eos_ids: Sequence[int] = (), on_answer: Callable[[str, Answer], None] | None = None,
-                 ) -> tuple[list[CandidateAnswers], float]:
+                 eos_ids: Sequence[int] = (), batch_size: int = 1,
+                 on_answer: Callable[[str, Answer], None] | None = None) -> tuple[list[CandidateAnswers], float]:
     """Every candidate's answers (the baseline's last) to every sample, and the seconds spent
-    prefilling contexts through the baseline. See the module doc for the protocol."""
+    prefilling contexts through the baseline. Samples run `batch_size` at a time, left-padded:
+    each row attends to its own tokens only (DecodeState's holes), so a row answers as it would
+    alone, up to float rounding. See the module doc for the protocol."""
     if prefill not in PREFILLS:
         raise ValueError(f"prefill={prefill!r}: choose one of {', '.join(PREFILLS)}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
     if prefill == "shared" and model.config.attention == "decoupled":
         prefill = "own"   # a decoupled cache's three streams have no shared-context copy yet
-    everyone = [*candidates, baseline]
-    results = [CandidateAnswers(c, model.new_cache(1, 1, c.policy).bytes_per_token()) for c in everyone]
+    results = [CandidateAnswers(c, model.new_cache(1, 1, c.policy).bytes_per_token()) for c in [*candidates, baseline]]
     context_s = 0.0
     stops = set(eos_ids)
-    for sample in samples:
-        slots = len(sample.context_ids) + len(sample.question_ids) + sample.max_new_tokens
-        base = DecodeState(model, model.new_cache(1, slots, baseline.policy), q_chunk)
+    pad = next(iter(stops), 0)
+    device = model.device
+    for first in range(0, len(samples), batch_size):
+        group = samples[first : first + batch_size]
+        context = left_pad([s.context_ids for s in group], pad, device=device)
+        question = left_pad([s.question_ids for s in group], pad, device=device)
+        slots = context[0].shape[1] + question[0].shape[1] + max(s.max_new_tokens for s in group)
+        base = DecodeState(model, model.new_cache(len(group), slots, baseline.policy), q_chunk)
         t0 = time.perf_counter()
-        _feed(base, sample.context_ids, baseline.window)
+        _feed(base, *context, baseline.window)
         context_s += time.perf_counter() - t0
         for result in results:
             c = result.candidate
@@ -130,45 +139,59 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
             if c is baseline:
                 state = base
             else:
-                state = DecodeState(model, model.new_cache(1, slots, c.policy), q_chunk)
+                state = DecodeState(model, model.new_cache(len(group), slots, c.policy), q_chunk)
                 if prefill == "shared":
                     store_context(base.cache, state.cache, model.dtype)
-                    state.next_pos += base.cache.length
+                    state.next_pos = base.next_pos.clone()
+                    state.slot_mask = None if base.slot_mask is None else base.slot_mask.clone()
                 else:
-                    _feed(state, sample.context_ids, c.window)
-            answer = _answer(state, tokenizer, sample, c.window, stops, time.perf_counter() - t0)
-            result.answers.append(answer)
-            if on_answer is not None:
-                on_answer(c.label, answer)
+                    _feed(state, *context, c.window)
+            for answer in _answer(state, tokenizer, group, question, c.window, stops, time.perf_counter() - t0):
+                result.answers.append(answer)
+                if on_answer is not None:
+                    on_answer(c.label, answer)
     return results, context_s
 
 
-def _feed(state: DecodeState, ids: list[int], window: int | None) -> torch.Tensor:
+def _feed(state: DecodeState, tokens: torch.Tensor, mask: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Feed [B, T] left-padded tokens -> each row's next-token logits [B, V]."""
     state.cache.window = window
-    tokens = torch.tensor([ids], dtype=torch.long, device=state.model.device)
-    return state.prefill(tokens)
+    return state.prefill(tokens, None if bool(mask.all()) else mask)
 
 
 @torch.inference_mode()
-def _answer(state: DecodeState, tokenizer, sample: TaskSample, window: int | None, stops: set[int],
-            spent: float) -> Answer:
-    """Greedy: feed the question, then one token at a time until an end-of-reply id or the budget."""
+def _answer(state: DecodeState, tokenizer, group: Sequence[TaskSample], question: tuple[torch.Tensor, torch.Tensor],
+            window: int | None, stops: set[int], spent: float) -> list[Answer]:
+    """Greedy: feed the questions, then one token per row until its end-of-reply id or budget; a
+    finished row's later slots are holes. The batch's seconds are shared equally among its rows."""
+    B = len(group)
     t0 = time.perf_counter()
-    logits = _feed(state, sample.question_ids, window)
+    logits = _feed(state, *question, window)
     prefill_s = spent + time.perf_counter() - t0
-    out: list[int] = []
+    outputs: list[list[int]] = [[] for _ in range(B)]
+    active = torch.ones(B, dtype=torch.bool, device=logits.device)
+    steps = [0] * B
     t0 = time.perf_counter()
-    steps = 0
     while True:
-        token = int(logits[0].argmax())
-        if token in stops:
+        tokens = logits.argmax(dim=-1)
+        for row, token in enumerate(tokens.tolist()):
+            if not active[row]:
+                continue
+            if token in stops:
+                active[row] = False
+                continue
+            outputs[row].append(token)
+            if len(outputs[row]) == group[row].max_new_tokens:
+                active[row] = False
+            else:
+                steps[row] += 1
+        if not bool(active.any()):
             break
-        out.append(token)
-        if len(out) == sample.max_new_tokens:
-            break
-        logits = state.step(torch.tensor([token], device=state.model.device))
-        steps += 1
+        logits = state.step(tokens, None if bool(active.all()) else active)
     decode_s = time.perf_counter() - t0
-    text = tokenizer.decode(out, skip_special_tokens=True)
-    return Answer(sample.task, sample.length, sample.index, out, text, score(text, sample.answers),
-                  prefill_s, decode_s, steps)
+    answers = []
+    for sample, out, n in zip(group, outputs, steps):
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        answers.append(Answer(sample.task, sample.length, sample.index, out, text, score(text, sample.answers),
+                              prefill_s / B, decode_s / B, n))
+    return answers

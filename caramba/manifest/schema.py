@@ -289,6 +289,8 @@ class TaskSettings(_Model):
     prefill: Literal["shared", "own"] = Field("shared", description="shared: the context is prefilled once and each "
                                               "candidate stores it in its kinds; own: each candidate prefills it")
     q_chunk: int = Field(512, ge=1, description="tokens per prefill forward")
+    batch_size: int = Field(8, ge=1, description="samples answered together (left-padded rows; each answers as "
+                                                 "it would alone, up to float rounding)")
 
     @field_validator("names")
     @classmethod

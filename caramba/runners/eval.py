@@ -122,14 +122,15 @@ def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidat
     task = bar.add_task(f"tasks ({len(samples)} samples x {everyone} caches)", total=len(samples) * everyone)
     answered = lambda _label, _answer: bar.advance(task)   # noqa: E731
     results, context_s = answer_tasks(model, tok, samples, candidates, baseline, prefill=s.prefill,
-                                      q_chunk=s.q_chunk, eos_ids=list(tok.stop_token_ids), on_answer=answered)
+                                      q_chunk=s.q_chunk, eos_ids=list(tok.stop_token_ids), batch_size=s.batch_size,
+                                      on_answer=answered)
     bar.remove_task(task)
     for r in results:
         rows[r.candidate.label].update(task_metrics(r))
     if record.path is not None:   # every answer, for a reader who wants to see what a score came from
         record.write_json("answers.json", {r.candidate.label: r.to_dict()["answers"] for r in results})
     return {"names": list(s.names or task_suite.DEFAULT_TASKS), "lengths": s.lengths, "samples": s.samples,
-            "seed": s.seed, "chat": s.chat, "prefill": s.prefill, "q_chunk": s.q_chunk,
+            "seed": s.seed, "chat": s.chat, "prefill": s.prefill, "q_chunk": s.q_chunk, "batch_size": s.batch_size,
             "generator_version": task_suite.GENERATOR_VERSION, "prompts_sha256": task_suite.samples_digest(samples),
             "context_prefill_s": context_s}
 

@@ -155,12 +155,12 @@ def run_memory(r: ResolvedRun, configs: dict) -> dict[str, tuple[int, str]]:
         batch = max(s.batch_sizes)
         field, seq_field = f"{section}.batch_sizes", f"{section}.prompt_lens"
         weights *= 2 if s.reference == "hf" else 1   # transformers' copy of the model beside ours
-    elif r.run.mode == "eval":   # one sample at a time: the baseline's cache and one candidate's
+    elif r.run.mode == "eval":   # a batch of samples at a time: the baseline's cache and one candidate's
         lengths = [max(s.tasks.lengths) + 256] if s.tasks else []    # + the question and answer
         if s.perplexity:
             p = s.perplexity
             lengths.append(p.ctx if p.protocol == "chunks" else (p.max_tokens or 1024))
-        length, batch = max(lengths), 2 if s.tasks else len(s.candidates) + 1   # perplexity holds every cache
+        length, batch = max(lengths), 2 * s.tasks.batch_size if s.tasks else len(s.candidates) + 1   # perplexity: every cache
         field = seq_field = f"{section}.tasks.lengths" if s.tasks else f"{section}.perplexity.max_tokens"
     else:
         length, batch = s.max_seq_len, s.batch_size
