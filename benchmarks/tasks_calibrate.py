@@ -78,21 +78,21 @@ def main() -> None:
     model, tok = loaded.model, loaded.tokenizer
     stops = set(tok.stop_token_ids)
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
-    rows, table = [], {}
+    rows, cells = [], {}
     for mode in args.chat:
         for length in args.lengths:
-            for task in args.tasks:
-                samples = make_samples(task, length, args.n, args.seed, tok, chat=mode == "chat")
-                scores, seconds = [], []
-                for s in samples:
+            samples = {t: make_samples(t, length, args.n, args.seed, tok, chat=mode == "chat") for t in args.tasks}
+            for i in range(args.n):   # sample i of every task, then i + 1: a cut-short run covers every task
+                for task in args.tasks:
+                    s = samples[task][i]
                     text, dt = answer(model, tok, s, stops)
-                    scores.append(score(text, s.answers, s.metric))
-                    seconds.append(dt)
+                    got = score(text, s.answers, s.metric)
+                    cells.setdefault((mode, task, length), []).append((got, dt))
                     rows.append(dict(mode=mode, task=task, length=length, index=s.index, answers=s.answers,
-                                     prediction=text, score=scores[-1], seconds=dt, prompt=len(s.prompt_ids)))
-                    print(f"{mode} {length} {task} #{s.index}: {scores[-1]:.2f} {dt:.1f}s {text[:100]!r} "
+                                     prediction=text, score=got, seconds=dt, prompt=len(s.prompt_ids)))
+                    print(f"{mode} {length} {task} #{s.index}: {got:.2f} {dt:.1f}s {text[:100]!r} "
                           f"<- {s.answers}", flush=True)
-                table[(mode, task, length)] = (sum(scores) / len(scores), sum(seconds) / len(seconds))
+    table = {k: (sum(g for g, _ in v) / len(v), sum(d for _, d in v) / len(v)) for k, v in cells.items()}
     print("\n| mode | task | " + " | ".join(f"{n} score (s/sample)" for n in args.lengths) + " |")
     print("|---|---|" + "---|" * len(args.lengths))
     for mode in args.chat:
