@@ -249,6 +249,7 @@ def _make_sample(spec: TaskSpec, length: int, seed: int, index: int, tokenizer, 
         return len(ctx_ids) + len(q_ids), sample
 
     memo: dict[int, tuple[int, TaskSample]] = {}
+    cap = _max_units(spec, length)
 
     def tokens(units: int) -> int:
         if units > cap:   # more units than the task can draw: never fits
@@ -256,8 +257,6 @@ def _make_sample(spec: TaskSpec, length: int, seed: int, index: int, tokenizer, 
         if units not in memo:
             memo[units] = measure(units)
         return memo[units][0]
-
-    cap = _max_units(spec, length)
 
     lo = _min_units(spec)
     if tokens(lo) > target:
@@ -304,9 +303,13 @@ def _render(tokenizer, parts: _Parts, chat: bool) -> tuple[str, str]:
         return parts.head, parts.question + parts.prefix
     user = parts.head + parts.question
     try:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
+        # tokenize=False: HF tokenizers return ids without it (caramba's ignores it)
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                                 tokenize=False)
     except Exception as e:   # no template, or one that refuses the message
         raise ValueError(f"chat=True needs the tokenizer's chat template: {e}") from None
+    if not isinstance(rendered, str):
+        raise ValueError(f"chat=True: the tokenizer's apply_chat_template gave {type(rendered).__name__}, not text")
     at = rendered.find(user)
     if at < 0:
         raise ValueError("chat=True: the tokenizer's chat template rewrites the user message, so the context "
