@@ -3,6 +3,7 @@ in memory (one token per byte, ChatML template): fast, and a real `tokenizers` p
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 
@@ -53,7 +54,8 @@ def parts(tok, s: TaskSample) -> tuple[str, str]:
 def test_suite_covers_rulers_generated_categories():
     assert isinstance(GENERATOR_VERSION, int)
     assert set(DEFAULT_TASKS) <= set(task_names())
-    for name in ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe"):
+    for name in ("niah_single", "niah_single_essay", "niah_multikey_essay", "niah_multivalue_essay",
+                 "niah_multiquery_essay", "vt", "cwe", "fwe"):
         assert name in DEFAULT_TASKS
     # both haystacks of every retrieval kind
     for kind in ("single", "multikey", "multivalue", "multiquery"):
@@ -192,7 +194,8 @@ def test_vt_answers_are_the_chain_holding_the_asked_value(tok, samples):
         assert sorted(n for n, v in holds.items() if v == value) == sorted(s.answers)
         assert len(s.answers) == tasks.TASKS["vt"].num_hops + 1
         # the one-shot example before it carries its own answer
-        assert re.search(r"they are: [A-Z]{3}( [A-Z]{3}){4}\n", context)
+        hops = tasks.TASKS["vt"].num_hops
+        assert re.search(rf"they are: [A-Z]{{3}}( [A-Z]{{3}}){{{hops}}}\n", context)
 
 
 @pytest.mark.parametrize("length", [LENGTH, 8000])   # RULER's two frequency regimes (below / from 4096)
@@ -280,3 +283,24 @@ def test_the_answers_themselves_score_one_and_the_prompt_alone_less(tok, samples
         assert score(" ".join(s.answers), s.answers) == 1.0
         _, question = parts(tok, s)
         assert score(question, s.answers) == 0.0
+
+
+# ---- settings ----------------------------------------------------------------------------------
+
+
+def test_task_settings_shape_the_prompt(tok, monkeypatch):
+    """Other TaskSpec settings (as benchmarks/tasks_calibrate.py --variant makes them) take effect."""
+    for name, base, changes in (("vt_bare", "vt", dict(examples=0, num_hops=2, num_chains=2)),
+                                ("cwe_few", "cwe", dict(examples=0, num_common=3, freq_common=20, freq_rare=2))):
+        monkeypatch.setitem(tasks.TASKS, name, dataclasses.replace(tasks.TASKS[base], name=name, **changes))
+    for s in make_samples("vt_bare", LENGTH, 2, 0, tok, chat=False):
+        context, question = parts(tok, s)
+        assert context.count("Memorize and track") == 1 and len(s.answers) == 3
+        assert len(re.findall(r"^VAR [A-Z]{5} = \d+$", context, re.M)) == 2   # the asked chain and a distractor
+        assert "3 variables are assigned the value" in question
+    for s in make_samples("cwe_few", LENGTH, 2, 0, tok, chat=False):
+        context, question = parts(tok, s)
+        counts = Counter(re.findall(r"\d+\. ([\w-]+)", context))
+        assert context.count("Below is a numbered list") == 1 and len(s.answers) == 3
+        assert {counts[a] for a in s.answers} == {20} and set(counts.values()) == {20, 2}
+        assert "the 3 most common words" in question

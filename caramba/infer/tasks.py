@@ -33,7 +33,6 @@ there for completeness. Scores are fractions in [0, 1] (RULER prints percent).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import random
@@ -96,7 +95,23 @@ def _word_pool() -> tuple[str, ...]:
 
 
 WORDS = _word_pool()
-KEY_WORDS = tuple(f"{a}-{n}" for a in ADJECTIVES for n in NOUNS)   # RULER's adjective-noun keys
+
+
+def _key_words() -> tuple[str, ...]:
+    """RULER's adjective-noun keys, from adjectives that end no other adjective and nouns that
+    start no other noun ("rusty-owl" is not inside "trusty-owl", nor "cabin-x" in "cabinet-x")."""
+    nouns = [n for n in dict.fromkeys(NOUNS) if n not in _prefixes(NOUNS)]
+    adjectives = [a for a in dict.fromkeys(ADJECTIVES) if a[::-1] not in _prefixes([b[::-1] for b in ADJECTIVES])]
+    return tuple(f"{a}-{n}" for a in adjectives for n in nouns)
+
+
+def _prefixes(words) -> set[str]:
+    """The words that begin another word (in sorted order, such a word's successor starts with it)."""
+    ordered = sorted(set(words))
+    return {a for a, b in zip(ordered, ordered[1:]) if b.startswith(a)}
+
+
+KEY_WORDS = _key_words()
 
 
 # ---- the task table ----------------------------------------------------------------------------
@@ -118,7 +133,10 @@ class TaskSpec:
     num_chains: int = 1            # vt: chains (the first is asked for, the rest distract)
     num_hops: int = 4              # vt: assignments after the first in a chain
     num_common: int = 10           # cwe: words asked for
+    freq_common: int = 0           # cwe: times each common word appears (0: RULER's, 6 below 4096 tokens, else 30)
+    freq_rare: int = 0             # cwe: times each other word appears (0: RULER's, 1 below 4096 tokens, else 3)
     alpha: float = 2.0             # fwe: Zipf exponent
+    examples: int = 1              # vt: solved examples before the task; cwe: 0 or 1 (RULER: 1)
     metric: str = "all"            # RULER's string_match_all
 
 
@@ -137,12 +155,17 @@ _SPECS = (
     _niah("niah_multivalue_essay", 64, haystack="essay", num_values=4),
     _niah("niah_multiquery", 64, num_keys=4, num_queries=4),
     _niah("niah_multiquery_essay", 64, haystack="essay", num_keys=4, num_queries=4),
-    TaskSpec("vt", "vt", 30),
+    TaskSpec("vt", "vt", 30, num_hops=2),   # RULER: 4 hops; SmolLM2-135M finds 2 (docs/eval.md)
     TaskSpec("cwe", "cwe", 120),
     TaskSpec("fwe", "fwe", 50),
 )
 TASKS: dict[str, TaskSpec] = {s.name: s for s in _SPECS}
-DEFAULT_TASKS: tuple[str, ...] = tuple(s.name for s in _SPECS)
+# RULER's suite of generated tasks: single needles in both haystacks (and a uuid), the multi-needle
+# tasks in real text as RULER has them; the noise and needles-only variants are there by name.
+DEFAULT_TASKS: tuple[str, ...] = (
+    "niah_single", "niah_single_essay", "niah_single_uuid_essay", "niah_multikey_essay", "niah_multivalue_essay",
+    "niah_multiquery_essay", "vt", "cwe", "fwe",
+)
 
 
 def task_names() -> tuple[str, ...]:
@@ -185,7 +208,12 @@ class _Parts:
     answers: list[str]
 
 
-def make_samples(task: str, length: int, n: int, seed: int, tokenizer, *, chat: bool,
+# SmolLM2-135M-Instruct answered better (never worse) through its chat template than with RULER's
+# plain prompts, and stops at its end-of-turn token instead of rambling to the budget (docs/eval.md).
+DEFAULT_CHAT = True
+
+
+def make_samples(task: str, length: int, n: int, seed: int, tokenizer, *, chat: bool = DEFAULT_CHAT,
                  text_path: str | None = None) -> list[TaskSample]:
     """n samples of `task` fitted to `length` tokens (prompt + answer budget), module doc.
 
@@ -221,8 +249,11 @@ def _make_sample(spec: TaskSpec, length: int, seed: int, index: int, tokenizer, 
         return len(ctx_ids) + len(q_ids), sample
 
     memo: dict[int, tuple[int, TaskSample]] = {}
+    cap = _max_units(spec, length)
 
     def tokens(units: int) -> int:
+        if units > cap:   # more units than the task can draw: never fits
+            return target + 1
         if units not in memo:
             memo[units] = measure(units)
         return memo[units][0]
@@ -272,9 +303,13 @@ def _render(tokenizer, parts: _Parts, chat: bool) -> tuple[str, str]:
         return parts.head, parts.question + parts.prefix
     user = parts.head + parts.question
     try:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
+        # tokenize=False: HF tokenizers return ids without it (caramba's ignores it)
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                                 tokenize=False)
     except Exception as e:   # no template, or one that refuses the message
         raise ValueError(f"chat=True needs the tokenizer's chat template: {e}") from None
+    if not isinstance(rendered, str):
+        raise ValueError(f"chat=True: the tokenizer's apply_chat_template gave {type(rendered).__name__}, not text")
     at = rendered.find(user)
     if at < 0:
         raise ValueError("chat=True: the tokenizer's chat template rewrites the user message, so the context "
@@ -287,7 +322,6 @@ def _render(tokenizer, parts: _Parts, chat: bool) -> tuple[str, str]:
 # ---- haystacks and draws -----------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=4)
 def _essay_words(text_path: str | None) -> tuple[str, ...]:
     from caramba.infer.evaluate import corpus_text
 
@@ -354,6 +388,22 @@ def _min_units(spec: TaskSpec) -> int:
     return 64   # fwe: enough words that the top three counts differ from the fourth
 
 
+def _max_units(spec: TaskSpec, length: int) -> int:
+    if spec.kind == "cwe":   # distinct words: the list's, less the example's
+        return len(_cwe_pool(length)) - (20 if length < 4096 else 40)
+    return 1 << 40
+
+
+def _cwe_pool(length: int) -> tuple[str, ...]:
+    """cwe's words: single words up to CWE_SINGLE_WORDS_MAX tokens (their ~1200 fill about 20k
+    tokens at RULER's frequencies), adjective-noun pairs beyond (RULER too moves to a larger list).
+    Chosen by length, not by the count drawn, so the prompt grows smoothly while it is fitted."""
+    return WORDS if length <= CWE_SINGLE_WORDS_MAX else KEY_WORDS
+
+
+CWE_SINGLE_WORDS_MAX = 16384
+
+
 def _build_niah(spec: TaskSpec, rng: random.Random, units: int, *, length: int, essay: Sequence[str]) -> _Parts:
     taken: set[str] = set()
     keys = _draw_distinct(rng, spec.key_type, spec.num_keys, taken)
@@ -409,11 +459,12 @@ def _vt_text(rng: random.Random, spec: TaskSpec, units: int, letters: int) -> tu
 
 def _build_vt(spec: TaskSpec, rng: random.Random, units: int, *, length: int, essay: Sequence[str]) -> _Parts:
     head, question, prefix = VT
-    # RULER's one-shot example first: a short chain task (3-letter variables) with its answer.
-    ex_context, ex_vars, ex_value = _vt_text(rng, spec, VT_EXAMPLE_NOISE, 3)
-    ex_fill = dict(context=ex_context, query=ex_value, num_v=spec.num_hops + 1)
-    example = (head.format(**ex_fill) + question.format(**ex_fill) + prefix.format(**ex_fill)
-               + " " + " ".join(ex_vars) + "\n")
+    example = ""
+    for _ in range(spec.examples):   # RULER's one-shot example: a short chain task (3-letter variables), solved
+        ex_context, ex_vars, ex_value = _vt_text(rng, spec, VT_EXAMPLE_NOISE, 3)
+        ex_fill = dict(context=ex_context, query=ex_value, num_v=spec.num_hops + 1)
+        example += (head.format(**ex_fill) + question.format(**ex_fill) + prefix.format(**ex_fill)
+                    + " " + " ".join(ex_vars) + "\n")
     context, variables, value = _vt_text(rng, spec, units, 5)
     fill = dict(context=context, query=value, num_v=spec.num_hops + 1)
     return _Parts(example + head.format(**fill), question.format(**fill), prefix.format(**fill), variables)
@@ -432,14 +483,15 @@ def _build_cwe(spec: TaskSpec, rng: random.Random, units: int, *, length: int, e
     # RULER's settings: below 4096 tokens the common words appear 6 times and the rest once (its
     # example: 20 words, 3 and 1); from 4096 on, 30 and 3 (example: 40 words, 10 and 3).
     (ex_words, ex_c, ex_r), (freq_c, freq_r) = ((20, 3, 1), (6, 1)) if length < 4096 else ((40, 10, 3), (30, 3))
-    pool = WORDS if units + ex_words <= len(WORDS) else KEY_WORDS   # long lists: adjective-noun pairs
+    freq_c, freq_r = spec.freq_common or freq_c, spec.freq_rare or freq_r
+    pool = _cwe_pool(length)
     drawn = rng.sample(pool, units + ex_words)
     words, example_words = drawn[:units], drawn[units:]   # disjoint: copying the example earns nothing
     head, question, prefix = CWE
     fill = dict(num_cw=spec.num_common)
     ex_answer = " ".join(f"{i + 1}. {w}" for i, w in enumerate(example_words[:spec.num_common]))
     example = (head.format(context=_cwe_list(rng, example_words, spec.num_common, ex_c, ex_r), **fill)
-               + question.format(**fill) + prefix.format(**fill) + " " + ex_answer + "\n")
+               + question.format(**fill) + prefix.format(**fill) + " " + ex_answer + "\n") if spec.examples else ""
     context = _cwe_list(rng, words, spec.num_common, freq_c, freq_r)
     return _Parts(example + head.format(context=context, **fill), question.format(**fill), prefix.format(**fill),
                   words[:spec.num_common])
