@@ -8,6 +8,7 @@ section to `Run`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 import typing
@@ -15,10 +16,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator,
+                      model_validator)
 
 from caramba.autotune.select import AutotuneSettings
 from caramba.infer.config import DraftConfig, GenerateConfig, SpeculativeConfig
+from caramba.manifest.yaml_lines import yaml11_note
 from caramba.model import quant
 from caramba.options import options_of
 
@@ -52,6 +55,29 @@ Prompt = Annotated[str, Field(min_length=1)]
 class _Model(BaseModel):
     # NaN and inf pass every `ge`/`le` check (or fail later mid-run); no manifest float means them.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_coercion(cls, value: Any, info: ValidationInfo) -> Any:
+        """Booleans are true/false only: pydantic would take the string 'yes' (a string in YAML
+        1.2) as True, and True as the number 1 (`max_new_tokens: true`)."""
+        kinds = _plain_types(cls.model_fields[info.field_name].annotation)
+        if bool in kinds and str not in kinds and isinstance(value, str):
+            note = yaml11_note(value) or ": write true or false"
+            raise ValueError(f"{value!r} is not a boolean{note}")
+        if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
+            raise ValueError(f"{str(value).lower()} is a boolean, not a number; write a number")
+        return value
+
+
+def _plain_types(annotation: Any) -> set[Any]:
+    """The plain types an annotation admits (bool | None -> {bool, NoneType}); Annotated unwrapped."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _plain_types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_plain_types(a) for a in typing.get_args(annotation)))
+    return {annotation} if isinstance(annotation, type) else set()
 
 
 class ModelSpec(_Model):
@@ -99,6 +125,13 @@ def option_fields(config: type, *, keys: bool = False, defaults: dict[str, Any] 
     return fields
 
 
+@functools.cache
+def _option_names(config: type, keys: bool = False) -> tuple[str, ...]:
+    """The names option_fields gives: once per config (validating a run builds its engine config,
+    and building fields each time cost a sweep of 10,000 runs most of its validation)."""
+    return tuple(option_fields(config, keys=keys))
+
+
 def _engine_error(error: Exception) -> ValueError:
     """An engine config's error as a manifest error: without the config's name (the location says where)."""
     message = str(error)
@@ -114,7 +147,7 @@ class _GenerateSection(_Model):
 
     def engine_config(self, seed: int | None = None, eos_token_id: int | list[int] | None = None) -> GenerateConfig:
         """The engine config of these settings (the manifest's option keys are its flat names)."""
-        options = {name: getattr(self, name) for name in option_fields(GenerateConfig)}
+        options = {name: getattr(self, name) for name in _option_names(GenerateConfig)}
         return GenerateConfig(**options, seed=seed, eos_token_id=eos_token_id)
 
     @model_validator(mode="after")
@@ -175,7 +208,7 @@ class _SpeculativeSection(GenerateSettings):  # type: ignore[misc, valid-type]
     baseline: bool = True  # also decode the prompts plainly in the same run and record the speedup
 
     def engine_config(self, seed: int | None = None, eos_token_id: int | list[int] | None = None) -> SpeculativeConfig:
-        options = {name: getattr(self, name) for name in option_fields(SpeculativeConfig)}
+        options = {name: getattr(self, name) for name in _option_names(SpeculativeConfig)}
         return SpeculativeConfig(**options, seed=seed, eos_token_id=eos_token_id)
 
 
@@ -191,7 +224,7 @@ class _AutotuneSection(_Model):
     text: str | None = None   # gate text file; default: caramba's bundled corpus
 
     def engine_settings(self) -> AutotuneSettings:
-        return AutotuneSettings(**{key: getattr(self, key) for key in option_fields(AutotuneSettings, keys=True)})
+        return AutotuneSettings(**{key: getattr(self, key) for key in _option_names(AutotuneSettings, keys=True)})
 
     @model_validator(mode="after")
     def _engine_accepts(self) -> Any:
