@@ -42,9 +42,12 @@ def _errors_as_exit_codes():
     except CarambaError as e:
         err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)  # user text is not markup
         raise typer.Exit(e.exit_code) from None
-    except KeyboardInterrupt:
-        err.print("[yellow]interrupted[/yellow]: completed runs are kept; unfinished ones have no DONE marker")
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as e:   # Ctrl-C, or SIGTERM/SIGHUP during `caramba run` (caramba.executors.signals)
+        from caramba.executors.signals import exit_code
+
+        how = f"terminated by {e.args[0]}" if getattr(e, "signum", None) else "interrupted"
+        err.print(f"[yellow]{how}[/yellow]: completed runs are kept; unfinished ones have no DONE marker")
+        raise typer.Exit(exit_code(e)) from None
     except typer.Exit:
         raise
     except Exception as e:
@@ -85,7 +88,9 @@ def run(
     stop the others, and a summary table ends the sweep. With --check, every selected run's
     result (fresh, or the DONE record being skipped) is compared with the run's `expect:` block;
     a drift is printed and the exit code is 1."""
-    with _errors_as_exit_codes():
+    from caramba.executors.signals import interrupt_on_signals
+
+    with _errors_as_exit_codes(), interrupt_on_signals():
         from caramba.executors import require
         from caramba.runners import command_line, run_manifest
 

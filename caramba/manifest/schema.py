@@ -49,6 +49,9 @@ def _safe_id(value: str) -> str:
 
 
 SafeId = Annotated[str, AfterValidator(_safe_id)]
+# Rows decoded at once: past this a batch is a typo (its cache and activations grow with it; the
+# memory preflight sizes what a run needs against the machine).
+MAX_BATCH = 1024
 Prompt = Annotated[str, Field(min_length=1)]
 
 
@@ -145,6 +148,15 @@ class _GenerateSection(_Model):
 
     prompts: list[Prompt] = Field(min_length=1)
 
+    @field_validator("stop_sequences", check_fields=False)
+    @classmethod
+    def _no_empty_stop(cls, stops: list) -> list:
+        for i, stop in enumerate(stops):
+            if not stop:   # '' matches after any token: every row would end after its first
+                raise ValueError(f"stop_sequences[{i}] is empty, which would end every generation after one "
+                                 "token; remove it (or give the text that should end a reply)")
+        return stops
+
     def engine_config(self, seed: int | None = None, eos_token_id: int | list[int] | None = None) -> GenerateConfig:
         """The engine config of these settings (the manifest's option keys are its flat names)."""
         options = {name: getattr(self, name) for name in _option_names(GenerateConfig)}
@@ -167,7 +179,7 @@ GenerateSettings = create_model(
     **option_fields(GenerateConfig),
     chat=(bool, Field(False, description="render prompts through the model's chat template")),
     system_prompt=(str | None, Field(None, description="the system message (with chat: true)")),
-    batch_size=(int, Field(1, ge=1, description="prompts run in batches of this many, left-padded")),
+    batch_size=(int, Field(1, ge=1, le=MAX_BATCH, description="prompts run in batches of this many, left-padded")),
     stream=(bool, Field(True, description="print tokens as they come when running interactively")))
 
 
@@ -175,7 +187,7 @@ class BenchSettings(_Model):
     """Settings of a `decode-bench` run: a grid of cells, each warmed up and repeated."""
 
     prompt_lens: list[Annotated[int, Field(ge=1)]] = Field([128, 512, 2048], min_length=1)
-    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field([1], min_length=1)
+    batch_sizes: list[Annotated[int, Field(ge=1, le=MAX_BATCH)]] = Field([1], min_length=1)
     cache_kinds: list[str] = Field(["fp32"], min_length=1)
     # Decode plans: "none", "auto", "chunk=N" (fixed q_chunk), "window=W" or "chunk=N,window=W"
     # (a window changes outputs), e.g. ["none", "chunk=512"]. See docs/decode-plans.md.
