@@ -82,13 +82,16 @@ def test_a_set_value_reads_as_yaml_1_2_too():
 
 
 @pytest.mark.parametrize("line, message", [
-    ("max_new_tokens: 1:30", "(got '1:30'); manifests are YAML 1.2, where 1:30 is the string '1:30', not a base-60"),
+    ("max_new_tokens: 1:30", "'1:30' is a string, not a number; manifests are YAML 1.2, where 1:30 is the string "
+                             "'1:30', not a base-60"),
     ("cache_kind: no", "'no' is not a valid cache_kind; valid cache_kind values: fp32"),
     ("stream: yes", "'yes' is not a boolean; manifests are YAML 1.2, where yes is the string 'yes'"),
     ("chat: on", "'on' is not a boolean; manifests are YAML 1.2"),
     ("stream: 'false'", "'false' is not a boolean: write true or false"),
     ("max_seq_len: true", "true is a boolean, not a number; write a number"),
-    ("top_k: yes", "(got 'yes'); manifests are YAML 1.2, where yes is the string 'yes', not a boolean"),
+    ("top_k: yes", "'yes' is a string, not a number; manifests are YAML 1.2, where yes is the string 'yes'"),
+    ("max_seq_len: '017'", "'017' is a string, not a number: write the number without quotes"),
+    ("stream: 1", "1 is a number, not a boolean: write true or false"),
 ])
 def test_yaml_1_1_spellings_are_refused_with_their_line(tmp_path, line, message):
     text = manifest_with(line).replace("          max_new_tokens: 4\n", "") if "max_new_tokens" in line \

@@ -63,11 +63,17 @@ class _Model(BaseModel):
     @classmethod
     def _no_bool_coercion(cls, value: Any, info: ValidationInfo) -> Any:
         """Booleans are true/false only: pydantic would take the string 'yes' (a string in YAML
-        1.2) as True, and True as the number 1 (`max_new_tokens: true`)."""
+        1.2) or the number 1 as True, True as the number 1 (`max_new_tokens: true`), and the
+        strings '017' or '1_000' as numbers."""
         kinds = _plain_types(cls.model_fields[info.field_name].annotation)
         if bool in kinds and str not in kinds and isinstance(value, str):
             note = yaml11_note(value) or ": write true or false"
             raise ValueError(f"{value!r} is not a boolean{note}")
+        if bool in kinds and not kinds & {int, float} and isinstance(value, (int, float)) and not isinstance(value, bool):
+            raise ValueError(f"{value!r} is a number, not a boolean: write true or false")
+        if isinstance(value, str) and str not in kinds and kinds & {int, float}:
+            note = yaml11_note(value) or ": write the number without quotes"
+            raise ValueError(f"{value!r} is a string, not a number{note}")
         if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
             raise ValueError(f"{str(value).lower()} is a boolean, not a number; write a number")
         return value
