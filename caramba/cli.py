@@ -447,7 +447,10 @@ def convert_dba(
         calibration = ids[:calib_tokens] if calib_text is not None else ids[CALIBRATION_START:][:calib_tokens]
         if calib_tokens and len(calibration) < min(calib_tokens, 64):
             raise UserError(f"the calibration text has only {len(calibration)} usable tokens; give a longer --calib-text")
-        conv = convert_loaded(loaded, sem_dim, geo_dim, out_dir, calibration)
+        phases = {"calibrate": f"calibration pass ({len(calibration)} tokens)", "layers": "SVD of each layer's heads",
+                  "write": f"writing {out_dir}"}
+        with _progress(err) as progress:
+            conv = convert_loaded(loaded, sem_dim, geo_dim, out_dir, calibration, on_step=progress(phases))
         cfg = conv.config
         out.print(f"[green]wrote[/green] {escape(str(out_dir))}: sem_dim={cfg.sem_dim}, geo_dim={cfg.geo_dim} per head, "
                   f"{len(calibration)} calibration tokens, SVD keeps {conv.sem_energy:.1%} of the semantic forms' energy")
@@ -457,6 +460,26 @@ def convert_dba(
             std, _ = _cache_bytes_per_token(loaded.model.config, kind, qblock)
             sizes.append(f"{kind}{f' (qblock {qblock})' if qblock != 32 else ''} {dba} (standard {std})")
         out.print("cache bytes/token (all layers, batch 1): " + ", ".join(sizes))
+
+
+@contextmanager
+def _progress(console: Console):
+    """progress(descriptions) -> an on_step(phase, done, total) callback drawing one rich bar per
+    phase, with elapsed time, for commands that would otherwise be silent for minutes."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        tasks: dict[str, int] = {}
+
+        def for_phases(descriptions: dict[str, str]):
+            def step(phase: str, done: int, total: int) -> None:
+                if phase not in tasks:
+                    tasks[phase] = bar.add_task(descriptions.get(phase, phase), total=total)
+                bar.update(tasks[phase], completed=done, total=total)
+            return step
+
+        yield for_phases
 
 
 def _cache_bytes_per_token(cfg, kind: str, qblock: int | None = None) -> tuple[int, int]:

@@ -404,3 +404,15 @@ def test_sigterm_ends_a_serial_run_as_ctrl_c_does(tmp_path, tiny_model):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 143 and "terminated by SIGTERM" in out, out
     assert not (runs / "sw" / "t" / "slow" / DONE).exists() and not lock_held(slow.lock_path)
+
+
+# ---- progress on long commands ----------------------------------------------------------------
+
+def test_convert_dba_reports_each_phase(tmp_path, tiny_model):
+    text = tmp_path / "calib.txt"
+    text.write_text("calibration text for the whitening statistics, long enough. " * 8)
+    result = invoke("convert-dba", "--model", tiny_model, "--out", tmp_path / "dba", "--sem-dim", 2, "--geo-dim", 4,
+                    "--calib-text", text, "--calib-tokens", 64)
+    assert result.exit_code == 0, result.output
+    for phase in ("calibration pass (64 tokens)", "SVD of each layer's heads", "2/2", f"writing {tmp_path / 'dba'}"):
+        assert phase in result.output, result.output

@@ -86,6 +86,8 @@ def _plain_types(annotation: Any) -> set[Any]:
         return _plain_types(typing.get_args(annotation)[0])
     if origin in (typing.Union, types.UnionType):
         return set().union(*(_plain_types(a) for a in typing.get_args(annotation)))
+    if origin is Literal:
+        return {type(choice) for choice in typing.get_args(annotation)}
     return {annotation} if isinstance(annotation, type) else set()
 
 
