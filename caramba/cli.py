@@ -42,9 +42,12 @@ def _errors_as_exit_codes():
     except CarambaError as e:
         err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)  # user text is not markup
         raise typer.Exit(e.exit_code) from None
-    except KeyboardInterrupt:
-        err.print("[yellow]interrupted[/yellow]: completed runs are kept; unfinished ones have no DONE marker")
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as e:   # Ctrl-C, or SIGTERM/SIGHUP during `caramba run` (caramba.executors.signals)
+        from caramba.executors.signals import exit_code
+
+        how = f"terminated by {e.args[0]}" if getattr(e, "signum", None) else "interrupted"
+        err.print(f"[yellow]{how}[/yellow]: completed runs are kept; unfinished ones have no DONE marker")
+        raise typer.Exit(exit_code(e)) from None
     except typer.Exit:
         raise
     except Exception as e:
@@ -87,7 +90,9 @@ def run(
     result (fresh, or the DONE record being skipped) is compared with the run's `expect:` block;
     a drift is printed and the exit code is 1. --junit-xml PATH writes every selected run as a
     JUnit testcase (CI systems show each run as a test)."""
-    with _errors_as_exit_codes():
+    from caramba.executors.signals import interrupt_on_signals
+
+    with _errors_as_exit_codes(), interrupt_on_signals():
         from caramba.executors import require
         from caramba.runners import command_line, run_manifest
 
@@ -583,7 +588,10 @@ def convert_dba(
         calibration = ids[:calib_tokens] if calib_text is not None else ids[CALIBRATION_START:][:calib_tokens]
         if calib_tokens and len(calibration) < min(calib_tokens, 64):
             raise UserError(f"the calibration text has only {len(calibration)} usable tokens; give a longer --calib-text")
-        conv = convert_loaded(loaded, sem_dim, geo_dim, out_dir, calibration)
+        phases = {"calibrate": f"calibration pass ({len(calibration)} tokens)", "layers": "SVD of each layer's heads",
+                  "write": f"writing {out_dir}"}
+        with _progress(err) as progress:
+            conv = convert_loaded(loaded, sem_dim, geo_dim, out_dir, calibration, on_step=progress(phases))
         cfg = conv.config
         out.print(f"[green]wrote[/green] {escape(str(out_dir))}: sem_dim={cfg.sem_dim}, geo_dim={cfg.geo_dim} per head, "
                   f"{len(calibration)} calibration tokens, SVD keeps {conv.sem_energy:.1%} of the semantic forms' energy")
@@ -593,6 +601,26 @@ def convert_dba(
             std, _ = _cache_bytes_per_token(loaded.model.config, kind, qblock)
             sizes.append(f"{kind}{f' (qblock {qblock})' if qblock != 32 else ''} {dba} (standard {std})")
         out.print("cache bytes/token (all layers, batch 1): " + ", ".join(sizes))
+
+
+@contextmanager
+def _progress(console: Console):
+    """progress(descriptions) -> an on_step(phase, done, total) callback drawing one rich bar per
+    phase, with elapsed time, for commands that would otherwise be silent for minutes."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        tasks: dict[str, int] = {}
+
+        def for_phases(descriptions: dict[str, str]):
+            def step(phase: str, done: int, total: int) -> None:
+                if phase not in tasks:
+                    tasks[phase] = bar.add_task(descriptions.get(phase, phase), total=total)
+                bar.update(tasks[phase], completed=done, total=total)
+            return step
+
+        yield for_phases
 
 
 def _cache_bytes_per_token(cfg, kind: str, qblock: int | None = None) -> tuple[int, int]:

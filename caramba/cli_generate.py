@@ -16,7 +16,6 @@ import typing
 from typing import Any, Optional
 
 import typer
-import yaml
 from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
@@ -81,6 +80,7 @@ def generate(prompt: str, model: str, dtype: str, device: str, weights: str, see
              options: dict[str, Any], out: Console, err: Console) -> None:
     """Build the one-run manifest, validate it, run it and print the result."""
     from caramba.manifest.overrides import apply_overrides
+    from caramba.manifest.yaml_lines import parse_value
     from caramba.manifest.schema import Manifest
     from caramba.model.zoo import inspect_source, load_model, resolve_device
     from caramba.runners import MODE_RUNNERS
@@ -88,7 +88,7 @@ def generate(prompt: str, model: str, dtype: str, device: str, weights: str, see
     given = {k: v for k, v in options.items() if v is not None and v != []}
     for name, (annotation, _) in {**GENERATE_OPTIONS, **DRAFT_OPTIONS}.items():
         if name in given and _cli_type(annotation) == "yaml":
-            given[name] = yaml.safe_load(given[name])
+            given[name] = parse_value(given[name], flag(name))
     if system is not None and not chat:
         raise UserError("--system needs --chat")
     drafting = [n for n in given if n in DRAFT_OPTIONS]

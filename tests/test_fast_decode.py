@@ -605,8 +605,11 @@ def test_everything_else_takes_the_torch_path(case, taken):
         if case == "hooked":                                   # contrastive search reads the norm's output
             model.norm.register_forward_hook(lambda *_: None)
         cache = model.new_cache(1, 16, kind)
-        if case == "ring cache":                               # its storage order is not slot order
-            cache = RingKVCache.build(model, 1, window=8, max_write=4, spec="q4_0")
+        if case == "ring cache":                               # wrapping: its storage order is no longer slot order
+            cache = RingKVCache.build(model, 1, window=2, max_write=3, spec="q4_0")
+            model.fast_decode = False
+            model(torch.tensor([[5, 6, 7]]), cache=cache)      # 3 of its 5 slots: every forward below wraps
+            model.fast_decode = True
         cache = model.new_cache(1, 40, kind) if case == "long prefill" else cache
         model(torch.arange(fast_decode.MAX_ROWS + 1)[None] if case == "long prefill" else torch.tensor([[1, 2, 3]]), cache=cache)
         if case != "long prefill":
@@ -697,3 +700,29 @@ def test_thread_choice_moves_to_one_thread_when_that_is_faster_and_backs_off_whe
     assert gaps and all(b > a for a, b in zip(gaps, gaps[1:]))
     pinned = fast_decode.ThreadChoice(fixed=2)
     assert {pinned.next() for _ in range(100)} == {2}
+
+
+@pytest.mark.parametrize("kind", ["fp32", "q8_0"])
+def test_a_sliding_window_ring_takes_the_step_until_it_wraps(kind, taken):
+    """`--local-window W` decodes through a ring of W + max_write slots. Until the ring first wraps
+    its storage order is slot order and the step (the window as a mask) is exact; after, the torch
+    path. Logits and cache equal the torch path's all along, across the wrap."""
+    from caramba.cache.ring import RingKVCache
+
+    model = make_model(seed=21)
+    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(22))
+    steps = torch.randint(0, 97, (10,), generator=torch.Generator().manual_seed(23)).tolist()
+    window, max_write = 5, 5                                   # capacity 10: the 6th step writes slot 10
+    out = []
+    for fast in (False, True):
+        model.fast_decode = False                              # the same prefill for both
+        with torch.inference_mode():
+            cache = RingKVCache.build(model, 1, window=window, max_write=max_write, spec=kind)
+            logits = [model(ids, cache=cache)[:, -1:]]
+            model.fast_decode = fast
+            for t in steps:
+                logits.append(model(torch.tensor([[t]]), cache=cache))
+        out.append(torch.cat(logits, 1))
+    assert len(taken) == window + max_write - ids.shape[1]   # slots 5..9 by the step, 10.. by torch
+    bound = tol.forward(out[0], model.config)
+    torch.testing.assert_close(out[1], out[0], atol=bound["atol"], rtol=0)   # q8_0: both paths quantize alike

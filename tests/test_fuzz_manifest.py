@@ -165,3 +165,63 @@ def test_plan_commands_answer_any_store_and_never_touch_a_file_outside_runs(work
         assert store.read_bytes() == content and sorted(p.name for p in outside.iterdir()) == before, result.output
     elif command[1] != "clear":  # reading never moves or rewrites
         assert store.read_bytes() == content and not list(outside.glob("*.corrupt-*"))
+
+
+# ---- YAML 1.2 scalars: each written as a plain scalar, with the value the core schema gives it --
+# (built with its meaning, so the expected value comes from the generator, not from a resolver)
+decimal_ints = st.builds(lambda sign, zeros, n: (f"{sign}{'0' * zeros}{n}", -n if sign == "-" else n),
+                         st.sampled_from(["", "+", "-"]), st.integers(0, 3), st.integers(0, 2**70))
+radix_ints = st.one_of(st.integers(0, 2**40).map(lambda n: (f"0o{n:o}", n)),
+                       st.integers(0, 2**40).map(lambda n: (f"0x{n:x}", n)), st.integers(0, 2**40).map(lambda n: (f"0x{n:X}", n)))
+floats_12 = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False).map(lambda x: (repr(x), x)),
+    st.builds(lambda m, e: (f"{m}e{e}", float(f"{m}e{e}")), st.integers(0, 999), st.integers(-30, 30)),
+    st.sampled_from([(".inf", float("inf")), ("-.Inf", float("-inf")), ("+.INF", float("inf")), (".5", 0.5), ("1.", 1.0)]))
+# What YAML 1.1 reads as a bool, a base-60 number, a date, an int with '_' or a binary: strings in 1.2.
+strings_12 = st.one_of(
+    st.sampled_from("y Y yes Yes YES n N no No NO on On ON off Off OFF".split()),
+    st.builds(lambda h, m, s: f"{h}:{m:02d}" + (f":{s:02d}" if s is not None else ""),
+              st.integers(0, 99), st.integers(0, 59), st.none() | st.integers(0, 59)),
+    st.dates().map(str), st.integers(1000, 99999).map(lambda n: f"{n // 1000}_{n % 1000:03d}"),
+    st.integers(0, 255).map(lambda n: f"0b{n:b}"))
+bools_12 = st.sampled_from([("true", True), ("True", True), ("TRUE", True), ("false", False), ("False", False),
+                            ("FALSE", False)])
+nulls_12 = st.sampled_from([("~", None), ("null", None), ("Null", None), ("NULL", None), ("", None)])
+
+
+@FUZZ
+@given(case=st.one_of(decimal_ints, radix_ints, floats_12, bools_12, nulls_12, strings_12.map(lambda s: (s, s))))
+def test_plain_scalars_read_as_yaml_1_2(case):
+    from caramba.manifest.yaml_lines import parse_yaml
+
+    text, expected = case
+    value = parse_yaml(f"a: {text}\n", "m.yaml")[0]["a"]
+    assert type(value) is type(expected) and value == expected, (text, value, expected)
+
+
+@FUZZ
+@given(case=st.one_of(decimal_ints, floats_12, bools_12, strings_12.map(lambda s: (s, s))),
+       field=st.sampled_from(["seed", "generate.max_new_tokens", "generate.stream", "generate.temperature",
+                              "generate.cache_kind"]))
+def test_a_scalar_in_any_field_is_its_yaml_1_2_value_or_an_error_naming_its_line(case, field):
+    text, expected = case
+    data = copy.deepcopy(BASE)
+    run = data["targets"][0]["runs"][0]
+    *parents, leaf = field.split(".")
+    node = run
+    for key in parents:
+        node = node[key]
+    node[leaf] = "@@"
+    source = yaml.safe_dump(data, sort_keys=False).replace("'@@'", text)
+    line = next(n for n, row in enumerate(source.splitlines(), 1) if f"{leaf}: {text}" in row)
+    try:
+        m = parse_manifest(source, "m.yaml")
+    except UserError as e:
+        assert f"m.yaml:{line}: targets[0].runs[0].{field}: " in str(e), (text, str(e))
+        return
+    got = m.targets[0].runs[0]
+    for key in field.split("."):
+        got = getattr(got, key)
+    assert not isinstance(expected, str) or field.endswith("cache_kind"), (text, got)   # a string never became a number or bool
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731 (an exact 2.0 fits an int field)
+    assert got == expected and (type(got) is type(expected) or number(got) and number(expected)), (text, got)

@@ -132,7 +132,8 @@ def test_an_invalid_value_names_the_matrix_line_and_the_expanded_run(tmp_path):
     ("matrix: {seed: [0, 1]}\nexclude: [{generate.cache_kind: fp32}]\n", "is not a matrix key", "exclude:"),
     ("matrix: {seed: [0]}\nexclude: [{seed: 0}]\n", "drops every combination", "exclude:"),
     ("matrix: {seed: [0]}\nparams: {seed: 0}\n", "gets its params from the matrix", "params:"),
-    ("matrix:\n  seed: [2001-01-01]\n", "is not plain data", "seed: [2001"),
+    # YAML 1.2 has no implicit timestamps: a plain 2001-01-01 is a string; an explicit tag is a date
+    ("matrix:\n  seed: [!!timestamp 2001-01-01]\n", "is not plain data", "seed: [!!timestamp"),
 ])
 def test_matrix_errors_name_their_line(tmp_path, tail, expected, at):
     path = sweep(tmp_path, tail)
@@ -149,12 +150,18 @@ def test_too_many_runs_are_refused_before_they_are_built(tmp_path, monkeypatch):
         load_manifest(path)
 
 
-def test_set_reaches_every_expanded_run_and_a_matrix_value_wins(tmp_path):
+def test_set_reaches_every_expanded_run_and_a_swept_key_is_refused(tmp_path):
     path = sweep(tmp_path, "matrix: {seed: [0, 1], generate.max_new_tokens: [3]}\n")
-    runs = runs_of(path, ["targets.t.runs.sweep.generate.temperature=0.5",
-                          "targets.t.runs.sweep.generate.max_new_tokens=30"])
+    runs = runs_of(path, ["targets.t.runs.sweep.generate.temperature=0.5"])
     swept = [r for rid, r in runs.items() if rid != "plain"]
     assert [(r.run.generate.temperature, r.run.generate.max_new_tokens) for r in swept] == [(0.5, 3), (0.5, 3)]
+    for text in ("targets.t.runs.sweep.generate.max_new_tokens=30", "targets.t.runs.sweep.generate={prompts: [a]}"):
+        with pytest.raises(UserError) as error:   # the matrix would overwrite it in every run: never silently
+            load_manifest(path, [text])
+        assert str(error.value).startswith(f"--set {text}: 'generate.max_new_tokens' is swept by run 'sweep'")
+        assert f"m.yaml:{line_of(path, 'matrix: {seed')}" in str(error.value)
+        assert "--set targets.t.runs.sweep.matrix.generate.max_new_tokens=[...]" in str(error.value)
+    assert runs_of(path, ["targets.t.runs.sweep.matrix.seed=[4]"])   # the sweep's own values may be set
     with pytest.raises(UserError) as error:   # a --set error in an expanded run says where it came from
         load_manifest(path, ["targets.t.runs.sweep.generate.top_p=7"])
     assert "(from --set targets.t.runs.sweep.generate.top_p=7) (matrix run sweep.seed-0.max_new_tokens-3)" in str(error.value)

@@ -49,6 +49,8 @@ def run_gates(model, tokenizer, text_ids: Sequence[int], candidates: Sequence[Ca
                                                s.cache_quality_prompt_len, on_step=text_step), policies)
     haystack = build_haystack(tokenizer, list(text_ids), s.cache_quality_needle_len, s.cache_quality_needle_depth)
     info = {"code": haystack.code, "context_tokens": len(haystack.ids), "depth_tokens": haystack.depth_tokens}
+    if on_step:   # the bar (and its clock) shows while the needle's long prefills run
+        on_step("needle", 0, 1)
     try:
         answer = baseline_answer(model, haystack.ids, baseline, haystack.answer_len)
     except Exception as e:  # no reference answer: every candidate fails the needle gate

@@ -37,8 +37,9 @@ class Executor(ABC):
         """Names of the runs in progress, when the executor knows; None: read their locks."""
         return None
 
-    def cancel(self) -> None:
-        """Drop the tasks not started; interrupt the running ones (their records keep no DONE)."""
+    def cancel(self) -> str | None:
+        """Drop the tasks not started; interrupt the running ones (their records keep no DONE).
+        Returns what the user must still do, if anything (e.g. the scancel command)."""
 
     def close(self) -> None:
         """Release workers and connections."""
@@ -80,7 +81,7 @@ def run_sweep(executor: Executor, tasks: list[RunTask], console: Console) -> Swe
     began = time.monotonic()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn())
-    interrupted = False
+    interrupted: KeyboardInterrupt | None = None
     with Progress(*columns, console=console, transient=False) as progress:
         bar = progress.add_task(_counts(outcome, 0, len(tasks)), total=len(tasks))
         try:
@@ -105,17 +106,20 @@ def run_sweep(executor: Executor, tasks: list[RunTask], console: Console) -> Swe
                 running = _running(executor, pending.values())
                 progress.update(bar, completed=len(outcome.results),
                                 description=_counts(outcome, running, len(pending) - running))
-        except KeyboardInterrupt:
-            interrupted = True
-            progress.console.print(f"[yellow]interrupted: cancelling {len(pending)} unfinished run(s)[/yellow]")
-            executor.cancel()
+        except KeyboardInterrupt as e:   # Ctrl-C, SIGTERM or SIGHUP (caramba.executors.signals)
+            interrupted = e
+            how = f"terminated by {e.args[0]}" if getattr(e, "signum", None) else "interrupted"
+            progress.console.print(f"[yellow]{how}: cancelling {len(pending)} unfinished run(s)[/yellow]")
+            note = executor.cancel()
+            if note:
+                progress.console.print(f"[yellow]{escape(note)}[/yellow]", soft_wrap=True)
             outcome.cancelled = list(pending)
         finally:
             executor.close()
     outcome.wall_s = time.monotonic() - began
     print_summary(outcome, tasks, console, executor.name)
-    if interrupted:
-        raise KeyboardInterrupt
+    if interrupted is not None:
+        raise interrupted
     return outcome
 
 

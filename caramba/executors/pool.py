@@ -27,6 +27,13 @@ def core_shares(jobs: int) -> list[list[int]]:
 
 
 def _worker(cores: list[int], tasks, results) -> None:
+    from caramba.executors.signals import SIGNALS, raise_interrupted
+
+    for signum in SIGNALS:   # a hang-up of the terminal, or the driver's terminate(), stops the run as Ctrl-C does
+        signal.signal(signum, raise_interrupted)
+    # The driver's cancel() sends SIGINT: heard even when the sweep was started with SIGINT ignored
+    # (a shell without job control runs background jobs so, and children inherit it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cores)
@@ -115,6 +122,7 @@ class PoolExecutor(Executor):
         return set(self._current.values())
 
     def cancel(self) -> None:
+        self._left = 0   # nothing more to replace a stopped worker for
         for process, _ in self._workers.values():   # a worker interrupted mid-run abandons its record
             if process.is_alive():
                 os.kill(process.pid, signal.SIGINT)

@@ -90,7 +90,17 @@ class SlurmExecutor(Executor):
                 time.sleep(0.1)
         return out
 
-    def cancel(self) -> None:
+    def cancel(self) -> str | None:
+        """Local tasks are stopped; tasks on a Slurm cluster are left to `scancel`: they may sit
+        in the queue for hours, and cancelling them is the user's call (and needs the controller,
+        which a terminal hang-up may not reach). The command is returned for the driver to print."""
         self._waiting = []
-        for job in self._jobs:
-            job.cancel(check=False)
+        if self.cluster != "slurm":
+            for job in self._jobs:
+                job.cancel(check=False)
+            return None
+        ids = sorted({str(job.job_id).split("_")[0] for job in self._jobs})
+        if not ids:
+            return None
+        return (f"{len(self._jobs)} Slurm task(s) are still queued or running and write their records when done; "
+                f"to stop them: scancel {' '.join(ids)}")

@@ -6,12 +6,12 @@ Every problem becomes a UserError whose message has one line per problem in the 
 
 from __future__ import annotations
 
+import copy
 import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from caramba.errors import UserError
@@ -20,8 +20,8 @@ from caramba.manifest.hints import did_you_mean, format_loc
 from caramba.manifest.matrix import expand_matrices
 from caramba.manifest.overrides import apply_overrides
 from caramba.manifest.schema import Manifest, annotation_at
-from caramba.manifest.substitution import substitute_vars
-from caramba.manifest.yaml_lines import MAX_BYTES, Locations, parse_yaml
+from caramba.manifest.substitution import escape_vars, substitute_vars
+from caramba.manifest.yaml_lines import MAX_BYTES, Locations, dump_yaml, parse_yaml, yaml11_note
 
 
 def load_manifest(path: str | Path, overrides: Sequence[str] = ()) -> Manifest:
@@ -109,19 +109,33 @@ def resolved_manifest_yaml(manifest: Manifest) -> str:
     for target_data, target in zip(data["targets"], manifest.targets):
         for run_data, run in zip(target_data["runs"], target.runs):
             run_data["model"] = manifest.model_for(run).model_dump(mode="json")
-    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+    return dump_yaml(escape_vars(data))
 
 
 def resolved_run_yaml(manifest: Manifest, target: str, run_id: str) -> str:
     """resolved_manifest_yaml of the one run (a record's manifest.yaml): loading it gives that
     run again, with its params; a sweep's records do not each repeat the whole sweep."""
-    owner = next(t for t in manifest.targets if t.name == target)
-    run = next(r for r in owner.runs if r.id == run_id)
+    owner, run, data = _run_index(manifest)[target, run_id]
     run_data = {**run.model_dump(mode="json"), "model": manifest.model_for(run).model_dump(mode="json")}
-    data = manifest.model_dump(mode="json", exclude={"targets"})
+    data = copy.deepcopy(data)
     data["targets"] = [{**owner.model_dump(mode="json", exclude={"runs"}), "runs": [run_data]}]
     data = {key: data[key] for key in Manifest.model_fields}   # in schema order, as resolved_manifest_yaml
-    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+    return dump_yaml(escape_vars(data))
+
+
+_INDEXES: list[tuple[Manifest, dict]] = []   # the last manifests asked about: a sweep asks once per run
+
+
+def _run_index(manifest: Manifest) -> dict[tuple[str, str], tuple]:
+    """(target, run id) -> (target, run, the manifest's data without targets), built once per
+    manifest: a lookup per run keeps writing a 10,000-run sweep's tasks linear."""
+    for known, index in _INDEXES:
+        if known is manifest:
+            return index
+    top = manifest.model_dump(mode="json", exclude={"targets"})
+    index = {(t.name, r.id): (t, r, top) for t in manifest.targets for r in t.runs}
+    _INDEXES[:] = [*_INDEXES[-3:], (manifest, index)]
+    return index
 
 
 def _describe(problem: dict[str, Any], locations: Locations) -> str:
@@ -142,8 +156,8 @@ def _describe(problem: dict[str, Any], locations: Locations) -> str:
         )
     elif kind == "value_error":  # our own validators: the message already says what to do
         message = problem["msg"].removeprefix("Value error, ")
-    else:
-        message = f"{problem['msg']} (got {_short(problem['input'])})"
+    else:   # a 1:30 or an `on` that YAML 1.1 (and an editor's highlighting) reads otherwise says so
+        message = f"{problem['msg']} (got {_short(problem['input'])}){yaml11_note(problem['input'])}"
     return f"{locations.where(loc)}: {format_loc(loc)}: {message}"
 
 

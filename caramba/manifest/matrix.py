@@ -66,11 +66,13 @@ def expand_matrices(data: dict[str, Any], locations: Locations) -> dict[str, Any
                 raise UserError(f"{locations.where(loc)}: {format_loc(loc)}: a run with a matrix gets its params "
                                 "from the matrix; remove params:")
             combos = _combinations(run, base, locations)
+            _check_overrides(run, combos, base, locations, target.get("name", t))
             total += len(combos)
             if total > MAX_RUNS:
                 raise _too_many(locations, base)
-            for combo, lines in combos:
-                expanded.append((j, *_apply(run, combo, lines, base, locations)))
+            ids = _run_ids(run.get("id"), [combo for combo, _ in combos])
+            for (combo, lines), run_id in zip(combos, ids):
+                expanded.append((j, *_apply(run, combo, lines, run_id, base, locations)))
         target["runs"] = [run for _, run, _, _ in expanded]
         _move_locations(locations, t, expanded)
     return data
@@ -138,7 +140,23 @@ def _combinations(run: dict, base: Loc, locations: Locations) -> list[tuple[dict
     return combos
 
 
-def _apply(run: dict, combo: dict[str, Any], lines: dict[str, Loc], base: Loc,
+def _check_overrides(run: dict, combos: list, base: Loc, locations: Locations, target: Any) -> None:
+    """A --set below the run on a path the sweep sets would be overwritten by every combination:
+    refused, naming the key, instead of listed in records as an override that never applied."""
+    swept = {key: lines[key] for combo, lines in combos for key in combo}
+    for path, text in locations.overrides:
+        if path[:len(base)] != base or len(path) == len(base) or path[len(base)] in SWEEP_KEYS:
+            continue
+        below = ".".join(map(str, path[len(base):]))
+        for key, given in swept.items():
+            if below == key or below.startswith(key + ".") or key.startswith(below + "."):
+                raise UserError(
+                    f"--set {text}: {key!r} is swept by run {run.get('id')!r}'s matrix ({locations.where(given)}), "
+                    f"which sets it in every run it makes; change the sweep's values instead, e.g. --set "
+                    f"targets.{target}.runs.{run.get('id')}.matrix.{key}=[...]")
+
+
+def _apply(run: dict, combo: dict[str, Any], lines: dict[str, Loc], run_id: str, base: Loc,
            locations: Locations) -> tuple[dict, list[tuple[Loc, Loc]], str]:
     """A copy of `run` with the combination's values set, its id and params; the moved lines."""
     new = {k: copy.deepcopy(v) for k, v in run.items() if k not in SWEEP_KEYS}
@@ -147,7 +165,7 @@ def _apply(run: dict, combo: dict[str, Any], lines: dict[str, Loc], base: Loc,
         label = f"{locations.where(lines[key])}: matrix key {key!r} in run {run.get('id')!r}"
         path = set_path(new, key.split("."), copy.deepcopy(value), label, root=base)
         moved.append((path[len(base):], lines[key]))
-    new["id"] = _run_id(run.get("id"), combo)
+    new["id"] = run_id
     new["params"] = copy.deepcopy(combo)
     note = f"matrix run {new['id']}"
     return new, moved, note
@@ -161,14 +179,20 @@ def _move_locations(locations: Locations, t: int, expanded: list) -> None:
     old_lines = {loc: line for loc, line in locations.lines.items() if loc[:n] == prefix and len(loc) > n}
     for loc in old_lines:
         del locations.lines[loc]
+    # Each old run's lines below it, without its sweep keys (an expanded run has none): a run a
+    # matrix makes copies its base run's few lines, not the matrix's values (linear in the runs).
+    by_run: dict[int, list[tuple[Loc, int]]] = {}
+    for loc, line in old_lines.items():
+        if len(loc) == n + 1 or loc[n + 1] not in SWEEP_KEYS:
+            by_run.setdefault(loc[n], []).append((loc[n + 1:], line))
     old_overrides = locations.overrides
     locations.overrides = [(p, s) for p, s in old_overrides if not (p[:n] == prefix and len(p) > n)]
     for k, (j, _run, moved, note) in enumerate(expanded):
-        for loc, line in old_lines.items():
-            if loc[n] == j and not any(loc[n + 1:][:len(path)] == path for path, _ in moved):
-                locations.lines[prefix + (k,) + loc[n + 1:]] = line
+        for below, line in by_run.get(j, ()):
+            if not any(below[1:][:len(path)] == path for path, _ in moved):
+                locations.lines[prefix + (k,) + below] = line
         for path, given in moved:
-            line = locations.line_of(given)
+            line = _line_in(old_lines, given)
             if line is not None:
                 locations.lines[prefix + (k,) + path] = line
         for p, s in old_overrides:   # a --set below the run, unless a matrix value replaced it
@@ -179,25 +203,67 @@ def _move_locations(locations: Locations, t: int, expanded: list) -> None:
             locations.notes[prefix + (k,)] = note
 
 
-def _run_id(base: Any, combo: dict[str, Any]) -> str:
-    leaves = [key.rsplit(".", 1)[-1] for key in combo]
-    parts = []
-    for key, leaf in zip(combo, leaves):
-        label = leaf if leaves.count(leaf) == 1 else key.replace(".", "_")
-        parts.append(f"{label}-{_slug(combo[key])}")
-    text = ".".join([str(base), *parts])
-    if len(text) > 120:   # a readable head and a hash that keeps it unique and fit for a directory name
-        text = text[:100].rstrip(".-") + "-" + _digest(combo)
-    return text
+def _line_in(lines: dict[Loc, int], loc: Loc) -> int | None:
+    while loc and loc not in lines:   # the closest enclosing value's line, as Locations.line_of
+        loc = loc[:-1]
+    return lines.get(loc)
 
 
-def _slug(value: Any) -> str:
+def _run_ids(base: Any, combos: list[dict[str, Any]]) -> list[str]:
+    """One id per combination: the base id and a `.key-value` part per key. Values that differ
+    get parts that differ: a path's last component, or as many components as tell it apart
+    (models/a/x and models/b/x: a_x, b_x), else a hash."""
+    slugs: dict[str, dict[str, str]] = {}   # key -> value (as JSON) -> its slug
+    for key in dict.fromkeys(k for combo in combos for k in combo):
+        values = {_json(combo[key]): combo[key] for combo in combos if key in combo}
+        slugs[key] = _distinct_slugs(values)
+    ids = []
+    for combo in combos:
+        leaves = [key.rsplit(".", 1)[-1] for key in combo]
+        parts = []
+        for key, leaf in zip(combo, leaves):
+            label = leaf if leaves.count(leaf) == 1 else key.replace(".", "_")
+            parts.append(f"{label}-{slugs[key][_json(combo[key])]}")
+        text = ".".join([str(base), *parts])
+        if len(text) > 120:   # a readable head and a hash that keeps it unique and fit for a directory name
+            text = text[:100].rstrip(".-") + "-" + _digest(combo)
+        ids.append(text)
+    return ids
+
+
+def _distinct_slugs(values: dict[str, Any]) -> dict[str, str]:
+    """value (as JSON) -> slug, with different values never sharing a slug."""
+    slugs = {text: _slug(value) for text, value in values.items()}
+    for components in range(2, 6):   # paths that end alike: more of each path, from the end
+        clashing = _clashes(slugs)
+        if not clashing:
+            return slugs
+        for text in clashing:
+            if isinstance(values[text], str):
+                slugs[text] = _slug(values[text], components)
+    for text in _clashes(slugs):   # still alike (a/b and a/b/, 'a b' and 'a_b'): a hash tells them apart
+        slugs[text] = f"{slugs[text][:31]}-{_digest(values[text])[:8]}"
+    return slugs
+
+
+def _clashes(slugs: dict[str, str]) -> list[str]:
+    count: dict[str, int] = {}
+    for slug in slugs.values():
+        count[slug] = count.get(slug, 0) + 1
+    return [text for text, slug in slugs.items() if count[slug] > 1]
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _slug(value: Any, components: int = 1) -> str:
     if isinstance(value, bool) or value is None:
         return json.dumps(value)
     if isinstance(value, (int, float)):
         return str(value)
     if isinstance(value, str):
-        tail = value.rstrip("/").rsplit("/", 1)[-1] or value   # a model path: its last part
+        tail = "_".join(value.rstrip("/").split("/")[-components:]) or value   # a model path: its last part(s)
         slug = _UNSAFE.sub("_", tail).strip("._") or "x"
         return slug[:40] if slug == tail else slug[:31] + "-" + _digest(value)[:8]
     if isinstance(value, list) and value and isinstance(value[0], (str, int, float)):   # e.g. prompts: its first, and a hash

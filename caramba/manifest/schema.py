@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 import types
 import typing
@@ -16,11 +17,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator,
+                      model_validator)
 
 from caramba.autotune.select import AutotuneSettings
 from caramba.infer.config import CacheConfig, DraftConfig, GenerateConfig, SpeculativeConfig
 from caramba.infer.plan import DecodePlan
+from caramba.manifest.yaml_lines import yaml11_note
 from caramba.model import quant
 from caramba.options import options_of
 
@@ -48,12 +51,46 @@ def _safe_id(value: str) -> str:
 
 
 SafeId = Annotated[str, AfterValidator(_safe_id)]
+# Rows decoded at once: past this a batch is a typo (its cache and activations grow with it; the
+# memory preflight sizes what a run needs against the machine).
+MAX_BATCH = 1024
 Prompt = Annotated[str, Field(min_length=1)]
 
 
 class _Model(BaseModel):
     # NaN and inf pass every `ge`/`le` check (or fail later mid-run); no manifest float means them.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_coercion(cls, value: Any, info: ValidationInfo) -> Any:
+        """Booleans are true/false only: pydantic would take the string 'yes' (a string in YAML
+        1.2) or the number 1 as True, True as the number 1 (`max_new_tokens: true`), and the
+        strings '017' or '1_000' as numbers."""
+        kinds = _plain_types(cls.model_fields[info.field_name].annotation)
+        if bool in kinds and str not in kinds and isinstance(value, str):
+            note = yaml11_note(value) or ": write true or false"
+            raise ValueError(f"{value!r} is not a boolean{note}")
+        if bool in kinds and not kinds & {int, float} and isinstance(value, (int, float)) and not isinstance(value, bool):
+            raise ValueError(f"{value!r} is a number, not a boolean: write true or false")
+        if isinstance(value, str) and str not in kinds and kinds & {int, float}:
+            note = yaml11_note(value) or ": write the number without quotes"
+            raise ValueError(f"{value!r} is a string, not a number{note}")
+        if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
+            raise ValueError(f"{str(value).lower()} is a boolean, not a number; write a number")
+        return value
+
+
+def _plain_types(annotation: Any) -> set[Any]:
+    """The plain types an annotation admits (bool | None -> {bool, NoneType}); Annotated unwrapped."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _plain_types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_plain_types(a) for a in typing.get_args(annotation)))
+    if origin is Literal:
+        return {type(choice) for choice in typing.get_args(annotation)}
+    return {annotation} if isinstance(annotation, type) else set()
 
 
 class ModelSpec(_Model):
@@ -101,6 +138,13 @@ def option_fields(config: type, *, keys: bool = False, defaults: dict[str, Any] 
     return fields
 
 
+@functools.cache
+def _option_names(config: type, keys: bool = False) -> tuple[str, ...]:
+    """The names option_fields gives: once per config (validating a run builds its engine config,
+    and building fields each time cost a sweep of 10,000 runs most of its validation)."""
+    return tuple(option_fields(config, keys=keys))
+
+
 def _engine_error(error: Exception) -> ValueError:
     """An engine config's error as a manifest error: without the config's name (the location says where)."""
     message = str(error)
@@ -114,9 +158,18 @@ class _GenerateSection(_Model):
 
     prompts: list[Prompt] = Field(min_length=1)
 
+    @field_validator("stop_sequences", check_fields=False)
+    @classmethod
+    def _no_empty_stop(cls, stops: list) -> list:
+        for i, stop in enumerate(stops):
+            if not stop:   # '' matches after any token: every row would end after its first
+                raise ValueError(f"stop_sequences[{i}] is empty, which would end every generation after one "
+                                 "token; remove it (or give the text that should end a reply)")
+        return stops
+
     def engine_config(self, seed: int | None = None, eos_token_id: int | list[int] | None = None) -> GenerateConfig:
         """The engine config of these settings (the manifest's option keys are its flat names)."""
-        options = {name: getattr(self, name) for name in option_fields(GenerateConfig)}
+        options = {name: getattr(self, name) for name in _option_names(GenerateConfig)}
         return GenerateConfig(**options, seed=seed, eos_token_id=eos_token_id)
 
     @model_validator(mode="after")
@@ -136,7 +189,7 @@ GenerateSettings = create_model(
     **option_fields(GenerateConfig),
     chat=(bool, Field(False, description="render prompts through the model's chat template")),
     system_prompt=(str | None, Field(None, description="the system message (with chat: true)")),
-    batch_size=(int, Field(1, ge=1, description="prompts run in batches of this many, left-padded")),
+    batch_size=(int, Field(1, ge=1, le=MAX_BATCH, description="prompts run in batches of this many, left-padded")),
     stream=(bool, Field(True, description="print tokens as they come when running interactively")))
 
 
@@ -144,7 +197,7 @@ class BenchSettings(_Model):
     """Settings of a `decode-bench` run: a grid of cells, each warmed up and repeated."""
 
     prompt_lens: list[Annotated[int, Field(ge=1)]] = Field([128, 512, 2048], min_length=1)
-    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field([1], min_length=1)
+    batch_sizes: list[Annotated[int, Field(ge=1, le=MAX_BATCH)]] = Field([1], min_length=1)
     cache_kinds: list[str] = Field(["fp32"], min_length=1)
     # Decode plans: "none", "auto", "chunk=N" (fixed q_chunk), "window=W" or "chunk=N,window=W"
     # (a window changes outputs), e.g. ["none", "chunk=512"]. See docs/decode-plans.md.
@@ -177,7 +230,7 @@ class _SpeculativeSection(GenerateSettings):  # type: ignore[misc, valid-type]
     baseline: bool = True  # also decode the prompts plainly in the same run and record the speedup
 
     def engine_config(self, seed: int | None = None, eos_token_id: int | list[int] | None = None) -> SpeculativeConfig:
-        options = {name: getattr(self, name) for name in option_fields(SpeculativeConfig)}
+        options = {name: getattr(self, name) for name in _option_names(SpeculativeConfig)}
         return SpeculativeConfig(**options, seed=seed, eos_token_id=eos_token_id)
 
 
@@ -193,7 +246,7 @@ class _AutotuneSection(_Model):
     text: str | None = None   # gate text file; default: caramba's bundled corpus
 
     def engine_settings(self) -> AutotuneSettings:
-        return AutotuneSettings(**{key: getattr(self, key) for key in option_fields(AutotuneSettings, keys=True)})
+        return AutotuneSettings(**{key: getattr(self, key) for key in _option_names(AutotuneSettings, keys=True)})
 
     @model_validator(mode="after")
     def _engine_accepts(self) -> Any:

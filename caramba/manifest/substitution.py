@@ -2,6 +2,7 @@
 
 A string that is exactly `${name}` takes the var's typed value (so `max_new_tokens: ${n}` gets an
 int); inside a longer string the var is written as text. Values of `vars` are taken literally.
+`$${` is a literal `${` (a prompt may say `$${name}` to mean the text `${name}`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from caramba.manifest.hints import did_you_mean, format_loc
 from caramba.manifest.yaml_lines import Loc, Locations
 
 _REFERENCE = re.compile(r"\$\{([^}]*)\}")
+# `$${` (an escaped `${`) or a reference; scanning both in one pass keeps `$${a}` from matching `${a}`.
+_TOKEN = re.compile(r"\$(\$\{)|\$\{([^}]*)\}")
 
 
 def substitute_vars(data: dict[str, Any], locations: Locations) -> dict[str, Any]:
@@ -35,7 +38,9 @@ def substitute_vars(data: dict[str, Any], locations: Locations) -> dict[str, Any
             return variables[whole[1]]
 
         def replace(match: re.Match[str]) -> str:
-            name = match[1]
+            if match[1]:
+                return match[1]   # `$${` -> `${`
+            name = match[2]
             if name in variables:
                 return _as_text(variables[name])
             defined = f"defined vars: {', '.join(variables)}" if variables else "no vars are defined"
@@ -45,12 +50,26 @@ def substitute_vars(data: dict[str, Any], locations: Locations) -> dict[str, Any
             )
             return match[0]
 
-        return _REFERENCE.sub(replace, value)
+        return _TOKEN.sub(replace, value)
 
     result = {key: value if key == "vars" else substitute(value, (key,)) for key, value in data.items()}
     if problems:
         raise UserError("\n".join(problems))
     return result
+
+
+def escape_vars(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` (substituted) with every `${` written `$${` outside `vars`, so that reading it back
+    (a record's manifest.yaml) gives the same strings instead of substituting them again."""
+
+    def escape(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: escape(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [escape(item) for item in value]
+        return value.replace("${", "$${") if isinstance(value, str) else value
+
+    return {key: value if key == "vars" else escape(value) for key, value in data.items()}
 
 
 def _as_text(value: Any) -> str:

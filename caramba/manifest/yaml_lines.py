@@ -4,11 +4,17 @@ pyyaml's plain `safe_load` drops positions, so we compose the node tree ourselve
 Python data from it, recording the line of every mapping key and sequence item under its path,
 e.g. ('targets', 0, 'runs', 0, 'generate', 'temperature') -> 14. Validation errors then point at
 the line to edit.
+
+Plain scalars are read by the YAML 1.2 core schema, not pyyaml's YAML 1.1 one: `017` is 17 (not
+octal 15; `0o17` is octal), `1:30` is the string '1:30' (not sexagesimal 90), `yes`/`no`/`on`/`off`
+are strings (only true/false are booleans), `2024-01-01` is a string (no timestamps), `1e3` is
+a float. Merge keys (`<<: *base`) are kept, one per mapping.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +25,75 @@ from caramba.errors import UserError
 Loc = tuple[str | int, ...]
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class CoreLoader(yaml.SafeLoader):
+    """pyyaml's safe loader with the YAML 1.2 core schema's implicit types (yaml.org/spec/1.2.2
+    section 10.3.2) in place of YAML 1.1's; explicit tags (!!int "017") behave the same way."""
+
+    yaml_implicit_resolvers: dict = {}
+
+
+def _core_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    sign, digits = (-1, text[1:]) if text.startswith("-") else (1, text.lstrip("+"))
+    for prefix, base in (("0o", 8), ("0x", 16)):
+        if digits.startswith(prefix):
+            return sign * int(digits[2:], base)
+    return sign * int(digits, 10)   # leading zeros are decimal: 017 is 17
+
+
+def _core_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
+    text = loader.construct_scalar(node).lower()
+    if text.lstrip("+-") == ".inf":
+        return float("-inf") if text.startswith("-") else float("inf")
+    return float("nan") if text == ".nan" else float(text)
+
+
+for _tag, _pattern, _first in (
+        ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
+        ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", "-+0123456789"),
+        ("float", r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.nan|\.NaN|\.NAN",
+         "-+0123456789."),
+        ("null", r"~|null|Null|NULL|", ["~", "n", "N", ""]),
+        ("merge", r"<<", "<")):
+    CoreLoader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(rf"^(?:{_pattern})$"), list(_first))
+CoreLoader.add_constructor("tag:yaml.org,2002:int", _core_int)
+
+
+# libyaml's emitter when pyyaml has it: a 10,000-run sweep writes a manifest.yaml per run.
+_SafeDumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+class CoreDumper(_SafeDumper):  # type: ignore[misc, valid-type]
+    """pyyaml's safe dumper, quoting every string that YAML 1.2 or YAML 1.1 would read as another
+    type ('1e3', 'yes', '017'), so a record's manifest.yaml reads back the same in both."""
+
+
+for _first, _resolvers in CoreLoader.yaml_implicit_resolvers.items():
+    for _tag, _regexp in _resolvers:
+        CoreDumper.add_implicit_resolver(_tag, _regexp, [_first])
+
+
+def dump_yaml(data: Any) -> str:
+    return yaml.dump(data, Dumper=CoreDumper, sort_keys=False, allow_unicode=True)
+CoreLoader.add_constructor("tag:yaml.org,2002:float", _core_float)
+# What YAML 1.1 would have read differently: named in errors about such a string.
+_YAML11_BOOL = re.compile(r"y|Y|yes|Yes|YES|n|N|no|No|NO|on|On|ON|off|Off|OFF")
+_YAML11_SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
+
+
+def yaml11_note(value: object) -> str:
+    """'' or a note for a string that YAML 1.1 (and many editors' highlighting) reads otherwise."""
+    if not isinstance(value, str):
+        return ""
+    if _YAML11_BOOL.fullmatch(value):
+        return (f"; manifests are YAML 1.2, where {value} is the string {value!r}, not a boolean: "
+                "write true or false")
+    if _YAML11_SEXAGESIMAL.fullmatch(value):
+        return (f"; manifests are YAML 1.2, where {value} is the string {value!r}, not a base-60 number: "
+                "write the number itself")
+    return ""
 
 # What a manifest may cost, checked on the composed node graph before any Python data is built:
 # an alias is a reference, so 400 bytes of `&a [*b, *b, ...]` expand to billions of values (the
@@ -72,7 +147,7 @@ def parse_yaml(text: str, source: str) -> tuple[Any, Locations]:
                         f"({MAX_BYTES >> 20} MiB); put long texts in files the manifest names")
     loader = None
     try:
-        loader = yaml.SafeLoader(text)  # its reader already rejects characters YAML does not allow
+        loader = CoreLoader(text)  # its reader already rejects characters YAML does not allow
         node = loader.get_single_node()
         lines: dict[Loc, int] = {}
         data = None
@@ -148,7 +223,7 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     return []
 
 
-def _build(loader: yaml.SafeLoader, node: yaml.Node, path: Loc, lines: dict[Loc, int], source: str) -> Any:
+def _build(loader: CoreLoader, node: yaml.Node, path: Loc, lines: dict[Loc, int], source: str) -> Any:
     if isinstance(node, yaml.MappingNode):
         _reject_duplicate_keys(loader, node, source)
         loader.flatten_mapping(node)  # resolves '<<' merge keys; later keys win
@@ -167,11 +242,17 @@ def _build(loader: yaml.SafeLoader, node: yaml.Node, path: Loc, lines: dict[Loc,
     return loader.construct_object(node, deep=True)
 
 
-def _reject_duplicate_keys(loader: yaml.SafeLoader, node: yaml.MappingNode, source: str) -> None:
+def _reject_duplicate_keys(loader: CoreLoader, node: yaml.MappingNode, source: str) -> None:
     # pyyaml keeps the last of duplicate keys silently; in a manifest that hides a mistake.
     first_line: dict[Any, int] = {}
+    merge_line = None
     for key_node, _ in node.value:
         if key_node.tag == _MERGE_TAG:
+            line = key_node.start_mark.line + 1
+            if merge_line is not None:
+                raise UserError(f"{source}:{line}: a second '<<' merge key in one mapping (the first is on line "
+                                f"{merge_line}); merge several mappings with one key: <<: [*first, *second]")
+            merge_line = line
             continue
         key = loader.construct_object(key_node, deep=True)
         line = key_node.start_mark.line + 1

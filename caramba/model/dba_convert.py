@@ -26,6 +26,7 @@ by sqrt((sem_dim + geo_dim) / head_dim) so every score keeps its value.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -105,9 +106,11 @@ def _unwhiten(m: torch.Tensor, L: torch.Tensor, diagonal: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def convert_state(cfg: ModelConfig, state: dict[str, torch.Tensor], sem_dim: int, geo_dim: int,
-                  moments: list[torch.Tensor] | None = None) -> Conversion:
+                  moments: list[torch.Tensor] | None = None,
+                  on_layer: Callable[[int, int], None] | None = None) -> Conversion:
     """The decoupled model (config + Transformer state dict) from a standard one's.
-    moments: per layer E[x x^T] of the attention input (input_moments), or None."""
+    moments: per layer E[x x^T] of the attention input (input_moments), or None.
+    on_layer(done, total) is called after each layer (the SVDs take minutes on a big model)."""
     check_dims(cfg, sem_dim, geo_dim)
     H, KVH, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     G, half = H // KVH, D // 2
@@ -145,24 +148,34 @@ def convert_state(cfg: ModelConfig, state: dict[str, torch.Tensor], sem_dim: int
             out[p + "attn.wqkv.bias"] = w[:, -1].to(dtype).contiguous()
             w = w[:, :-1]
         out[p + "attn.wqkv.weight"] = w.to(dtype).contiguous()
+        if on_layer is not None:
+            on_layer(i + 1, cfg.n_layers)
     new_cfg = dataclasses.replace(cfg, attention="decoupled", sem_dim=sem_dim, geo_dim=geo_dim, extra=dict(cfg.extra))
     return Conversion(new_cfg, out, sum(kept) / len(kept))
 
 
-def convert_loaded(loaded, sem_dim: int, geo_dim: int, out, calibration: list[int] | None) -> Conversion:
+def convert_loaded(loaded, sem_dim: int, geo_dim: int, out, calibration: list[int] | None,
+                   on_step: Callable[[str, int, int], None] | None = None) -> Conversion:
     """Convert a LoadedModel (caramba.model.zoo), whitening with the attention inputs over the
     `calibration` token ids (None: diagonal, from the norm weights), and write it as a caramba
-    directory at `out` (atomically), loadable with load_model(out)."""
+    directory at `out` (atomically), loadable with load_model(out). on_step(phase, done, total)
+    reports progress: "calibrate" (the forward pass), "layers" (the SVDs), "write"."""
     from caramba.model.native import save_native
 
+    step = on_step or (lambda phase, done, total: None)
     model = loaded.model
     check_dims(model.config, sem_dim, geo_dim)
     moments = None
     if calibration:
+        step("calibrate", 0, 1)
         moments = input_moments(model, torch.tensor([calibration], device=model.device))
+        step("calibrate", 1, 1)
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    conv = convert_state(model.config, state, sem_dim, geo_dim, moments)
+    conv = convert_state(model.config, state, sem_dim, geo_dim, moments,
+                         on_layer=lambda done, total: step("layers", done, total))
     conv.config.extra = {"converted_from": loaded.source, "source_sha256": loaded.content_hash,
                          "calibration_tokens": len(calibration or []), **conv.summary()}
+    step("write", 0, 1)
     save_native(out, conv.config, conv.state, loaded.tokenizer)
+    step("write", 1, 1)
     return conv

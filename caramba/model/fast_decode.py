@@ -31,6 +31,7 @@ from torch.nn.modules import module as torch_module
 
 from caramba import kernels
 from caramba.cache.layer import KVCache, LayerKVCache
+from caramba.cache.ring import RingKVCache, RingLayerKVCache
 from caramba.cache.kinds import KVCacheKind
 from caramba.cache.streams import ChannelQuantStream, FloatStream, QuantStream
 from caramba.model import quant
@@ -242,7 +243,7 @@ def _cache_layout(cache) -> _Layout | None:
 
 
 def _scan_layout(cache) -> _Layout | None:
-    if any(type(layer) is not LayerKVCache for layer in cache.layers):
+    if any(type(layer) not in (LayerKVCache, RingLayerKVCache) for layer in cache.layers):
         return None
     streams = []
     H, D = cache.layers[0].n_kv_heads, cache.layers[0].k_stream.head_dim
@@ -300,7 +301,12 @@ def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causa
         return False
     if mask is not None and (causal or mask.dtype != torch.bool or tuple(mask.shape) != (B, 1, T, cache.length + T)):
         return False
-    if type(cache) is not KVCache or torch.is_grad_enabled() and model.norm.weight.requires_grad:
+    if type(cache) not in (KVCache, RingKVCache) or torch.is_grad_enabled() and model.norm.weight.requires_grad:
+        return False
+    # A sliding window's ring holds slot s at s % capacity: until it first wraps, storage order is
+    # slot order and the step (which writes slot `length` and reads slots below it, masked by the
+    # window) is exact. After that it would need ring addressing in decode_step.c: the torch path.
+    if type(cache) is RingKVCache and cache.length + T > cache.capacity:
         return False
     layout = _cache_layout(cache)
     if layout is None or (layout.heads, layout.head_dim) != (model.config.n_kv_heads, model.config.head_dim) \

@@ -2,8 +2,8 @@
 record is written, so a bad run 5 exits 2 (naming the run and the field) instead of failing
 mid-manifest with runs 1-4 half-done.
 
-Cheap on purpose: model sources are resolved, not loaded; a tokenizer is loaded (once per
-source) only for the modes whose prompts must fit the cache; weights are never read here.
+Cheap on purpose: model sources are resolved, not loaded; each source's config and tokenizer
+are read once (a GGUF parsed once), whatever the number of runs; weights are never read here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 
 from caramba.errors import UserError
 from caramba.manifest import ResolvedRun
-from caramba.model import native
+from caramba.model import gguf_loader, native, quant
+from caramba.model.config import ModelConfig
 from caramba.model.zoo import CACHE_FORMAT, cache_root, file_sha256, inspect_source, resolve_device, resolve_source
 from caramba.prompting import encode_prompt
 from caramba.runners.resources import check_memory, check_runs_dir
@@ -26,48 +27,62 @@ _FILE_ROOM = 64
 
 
 def preflight(manifest_name: str, runs: list[ResolvedRun], root: str | Path | None = None) -> None:
-    """Raise UserError (exit 2) on the first run that cannot succeed."""
+    """Raise UserError (exit 2) on the first run that cannot succeed. Linear in the runs: each
+    model source is inspected (a GGUF parsed) once, each prompt list tokenized once per model."""
     check_runs_dir(manifest_name, runs, root)   # a writable directory with room for the records
-    tokenizers: dict[str, Tokenizer] = {}
+    sources = _Sources()
+    devices: set[str] = set()
+    limits = _limits(runs_root(root).absolute())
     checked: set[str] = set()   # eval prompt settings already generated once (a sweep repeats them)
     for r in runs:
         where = f"run {r.target}/{r.run.id}"
-        _check_path_lengths(manifest_name, r, where, root)
+        _check_path_lengths(manifest_name, r, where, root, limits)
         for field, spec in (("model", r.model), ("draft", r.draft)):
             if spec is None:
                 continue
             try:
-                inspect_source(spec.source)   # the config too, not only the path: one error up front
-                resolve_device(spec.device)
+                path = sources.path(spec.source)
+                sources.config(spec.source)   # the config too, not only the path: one error up front
+                if spec.device not in devices:
+                    resolve_device(spec.device)
+                    devices.add(spec.device)
             except UserError as e:
                 raise UserError(f"{where}: {field}: {e}") from None
+            if spec.weights in quant.NATIVE_ACT and not path.is_file():
+                raise UserError(f"{where}: {field}.weights: '{spec.weights}' keeps a GGUF file's own blocks, but "
+                                f"{field}.source {spec.source!r} is not a .gguf; use weights q8_0 or q4_0 (they "
+                                "quantize any source) or fp32")
+            _check_vocabulary(spec.source, sources, where, field)
         if r.run.mode in ("generate", "speculative"):
-            _check_prompts_fit(r, where, _tokenizer(r.model.source, tokenizers))
+            _check_batch(r, where)
+            _check_prompts_fit(r, where, sources)
             if r.draft is not None:
-                target, draft = _tokenizer(r.model.source, tokenizers), _tokenizer(r.draft.source, tokenizers)
+                target, draft = sources.tokenizer(r.model.source), sources.tokenizer(r.draft.source)
                 if draft.vocab_size != target.vocab_size:
                     raise UserError(f"{where}: draft.source {r.draft.source!r} has a vocabulary of {draft.vocab_size} "
                                     f"tokens, the model {target.vocab_size}; speculative decoding needs a draft with "
                                     "the same tokenizer")
         if r.run.mode == "eval":
-            check_eval(r, where, _tokenizer(r.model.source, tokenizers), checked)
+            check_eval(r, where, sources.tokenizer(r.model.source), checked, sources.config(r.model.source))
         settings = r.run.settings
         text = getattr(settings, "text", None)
         if text is not None and not Path(text).is_file():
             section = "bench" if r.run.mode == "decode-bench" else "autotune"
             raise UserError(f"{where}: {section}.text: {text} is not a file")
-    check_memory(runs)   # weights + KV cache + activations against MemAvailable
+    configs = {spec.source: sources.config(spec.source) for r in runs for spec in (r.model, r.draft) if spec is not None}
+    check_memory(runs, configs)   # weights + KV cache + activations against MemAvailable
 
 
-def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked: set[str] | None = None) -> None:
+def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked: set[str] | None = None,
+               config=None) -> None:
     """An eval's texts, candidate streams and context lengths against the model, and its task
     samples generated once at n=1 (a length too short for a task is found here, not mid-run)."""
     from caramba.runners.eval import perplexity_ids, task_samples
 
-    tok = tok or _tokenizer(r.model.source, {})
+    tok = tok or _Sources().tokenizer(r.model.source)
     checked = set() if checked is None else checked
     s = r.run.eval
-    config = inspect_source(r.model.source)
+    config = config or inspect_source(r.model.source)
     for field, text in (("perplexity.text", s.perplexity and s.perplexity.text), ("tasks.text", s.tasks and s.tasks.text)):
         if text and not Path(text).is_file():
             raise UserError(f"{where}: eval.{field}: {text} is not a file")
@@ -94,10 +109,104 @@ def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked
         raise UserError(f"{where}: {e}") from None
 
 
-def _check_path_lengths(manifest_name: str, r: ResolvedRun, where: str, root) -> None:
+class _Sources:
+    """What preflight knows of each model source, found once: its path, config and tokenizer
+    (a GGUF's from the same parse as its config, or from the converted copy load_model keeps)."""
+
+    def __init__(self) -> None:
+        self._paths: dict[str, Path] = {}
+        self._configs: dict[str, ModelConfig] = {}
+        self._tokenizers: dict[str, Tokenizer] = {}
+        self._readers: dict[str, object] = {}   # a GGUF's reader, until its tokenizer is built
+        self._encoded: dict[tuple, list[int]] = {}
+        self._largest: dict[str, int] = {}
+        self._copies: dict[str, Path | None] = {}
+
+    def path(self, source: str) -> Path:
+        if source not in self._paths:
+            self._paths[source] = resolve_source(source)
+        return self._paths[source]
+
+    def config(self, source: str) -> ModelConfig:
+        if source not in self._configs:
+            path = self.path(source)
+            converted = self._converted(source)
+            if path.is_dir() or converted is not None:   # a GGUF's converted copy holds its config
+                self._configs[source] = inspect_source(source if path.is_dir() else str(converted))
+            else:
+                try:
+                    reader = gguf_loader.open_gguf(path)
+                    self._configs[source] = gguf_loader.config_from_gguf(reader)
+                except ValueError as e:
+                    raise UserError(f"cannot load model {source!r}: {e}") from None
+                self._readers[source] = reader
+        return self._configs[source]
+
+    def tokenizer(self, source: str) -> Tokenizer:
+        """The tokenizer of a model source, without its weights."""
+        if source not in self._tokenizers:
+            path = self.path(source)
+            try:
+                if path.is_dir():
+                    if not native.is_native_dir(path) and not (path / "tokenizer.json").is_file():
+                        raise ValueError(f"{path} has no tokenizer.json; save the tokenizer next to the weights "
+                                         "(transformers: tokenizer.save_pretrained(dir), for a fast tokenizer)")
+                    self._tokenizers[source] = Tokenizer.from_dir(path)
+                elif self._converted(source) is not None:
+                    self._tokenizers[source] = Tokenizer.from_dir(self._converted(source))
+                else:
+                    self.config(source)   # the same parse gives the tokenizer
+                    self._tokenizers[source] = Tokenizer.from_gguf(path, reader=self._readers[source])
+            except ValueError as e:
+                raise UserError(f"cannot load the tokenizer of model '{source}': {e}") from None
+            self._readers.pop(source, None)
+        return self._tokenizers[source]
+
+    def largest_id(self, source: str) -> int:
+        if source not in self._largest:
+            vocab = self.tokenizer(source).backend.get_vocab(with_added_tokens=True)
+            self._largest[source] = max(vocab.values(), default=-1)
+        return self._largest[source]
+
+    def _converted(self, source: str) -> Path | None:
+        """A GGUF's converted copy (as load_model keeps it), when there is one."""
+        if source not in self._copies:
+            path = self.path(source)
+            copy = None if path.is_dir() else cache_root() / f"{file_sha256(path)[:24]}-v{CACHE_FORMAT}"
+            self._copies[source] = copy if copy is not None and (copy / "model.safetensors").is_file() else None
+        return self._copies[source]
+
+    def prompt_lengths(self, source: str, s) -> list[int]:
+        """Token counts of a run's prompts as the engine will see them; a sweep's runs share them."""
+        key = (source, tuple(s.prompts), s.chat, s.system_prompt)
+        if key not in self._encoded:
+            tok = self.tokenizer(source)
+            self._encoded[key] = [len(encode_prompt(tok, p, s.chat, s.system_prompt)) for p in s.prompts]
+        return self._encoded[key]
+
+
+def _check_vocabulary(source: str, sources: _Sources, where: str, field: str) -> None:
+    """Every id the tokenizer can produce must have an embedding row: a tokenizer from other
+    weights would fail mid-run with an IndexError on the first id past the model's vocabulary."""
+    rows = sources.config(source).vocab_size
+    largest = sources.largest_id(source)
+    if largest >= rows:
+        raise UserError(f"{where}: {field}.source {source!r}: its tokenizer has ids up to {largest}, but the model "
+                        f"has {rows} embedding rows (vocab_size {rows}); the tokenizer belongs to other weights: "
+                        "use the tokenizer saved with this model")
+
+
+def _check_batch(r: ResolvedRun, where: str) -> None:
+    s, section = r.run.settings, r.run.mode
+    if s.batch_size > len(s.prompts):
+        raise UserError(f"{where}: {section}.batch_size={s.batch_size} is more than its {len(s.prompts)} prompt(s); "
+                        f"a batch holds at most every prompt: set batch_size to {len(s.prompts)} or less")
+
+
+def _check_path_lengths(manifest_name: str, r: ResolvedRun, where: str, root, limits: tuple[int, int]) -> None:
     """Names the filesystem would refuse (over NAME_MAX bytes, or a path over PATH_MAX)."""
     base = runs_root(root).absolute()
-    name_max, path_max = _limits(base)
+    name_max, path_max = limits
     longest = f".{r.run.id}{max(STAGING, OLD, LOCK, key=len)}"   # the longest name a run puts on disk
     for field, name, on_disk in (("name", manifest_name, manifest_name), ("targets[].name", r.target, r.target),
                                  ("id", r.run.id, longest)):
@@ -123,26 +232,7 @@ def _limits(path: Path) -> tuple[int, int]:
         return 255, 4096
 
 
-def _tokenizer(source: str, cache: dict[str, Tokenizer]) -> Tokenizer:
-    """The tokenizer of a model source, without its weights."""
-    if source not in cache:
-        path = resolve_source(source)
-        try:
-            if path.is_dir():
-                if not native.is_native_dir(path) and not (path / "tokenizer.json").is_file():
-                    raise ValueError(f"{path} has no tokenizer.json; save the tokenizer next to the weights "
-                                     "(transformers: tokenizer.save_pretrained(dir), for a fast tokenizer)")
-                cache[source] = Tokenizer.from_dir(path)
-            else:  # a GGUF: its converted copy (as load_model keeps it) holds the tokenizer, else parse the file
-                converted = cache_root() / f"{file_sha256(path)[:24]}-v{CACHE_FORMAT}"
-                from_dir = (converted / "model.safetensors").is_file()
-                cache[source] = Tokenizer.from_dir(converted) if from_dir else Tokenizer.from_gguf(path)
-        except ValueError as e:
-            raise UserError(f"cannot load the tokenizer of model '{source}': {e}") from None
-    return cache[source]
-
-
-def _check_prompts_fit(r: ResolvedRun, where: str, tok: Tokenizer) -> None:
+def _check_prompts_fit(r: ResolvedRun, where: str, sources: _Sources) -> None:
     """Each batch's widest prompt plus max_new_tokens must fit the cache (max_seq_len), by the
     engine's own rule: sampling/greedy and speculative decoding cache every token but the last
     (prompt + N - 1 slots), beam and contrastive search all of them (prompt + N)."""
@@ -150,7 +240,7 @@ def _check_prompts_fit(r: ResolvedRun, where: str, tok: Tokenizer) -> None:
     search = r.run.mode == "generate" and (s.num_beams > 1 or s.penalty_alpha is not None)
     if r.run.mode == "generate" and not search and s.decode_local_window is not None:
         return   # a sliding window decodes through a ring buffer: not bounded by max_seq_len
-    lengths = [len(encode_prompt(tok, p, s.chat, s.system_prompt)) for p in s.prompts]
+    lengths = sources.prompt_lengths(r.model.source, s)
     for start in range(0, len(lengths), s.batch_size):
         batch = lengths[start : start + s.batch_size]
         width = max(batch)   # prompts of a batch are left-padded to its widest
