@@ -224,6 +224,11 @@ def record_status(final: Path, digest: str | None = None) -> RecordStatus:
         kind = entry_kind(final)
     except RecordError as e:
         return RecordStatus("blocked", str(e))
+    lock = final.parent / f".{final.name}{LOCK}"
+    lock_kind = entry_kind(lock) if _lexists(lock) else None
+    if lock_kind not in (None, "file"):
+        return RecordStatus("blocked", f"the lock {lock} is {_describe(lock, lock_kind)}, not a lock file; caramba "
+                                       "will not open it: remove it and run again")
     staging = final.parent / f".{final.name}{STAGING}"
     if kind is None:
         if _lexists(staging):   # an attempt that died mid-run (a killed worker): no record, but not pending

@@ -159,8 +159,9 @@ def run_memory(r: ResolvedRun, configs: dict) -> dict[str, tuple[int, str]]:
     kv = kv_per_token * batch * length   # an fp32 cache: the largest kind a run can ask for
     width = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + 2 * cfg.intermediate_size + 4 * cfg.dim
     activations = batch * length * width * 4 + batch * cfg.vocab_size * 4 * 2
-    return {"KV cache": (int(kv), f"{seq_field} or {field}"), "weights": (int(weights), "model.dtype or model.weights"),
-            "activations": (int(activations), f"{field} or {seq_field}")}
+    sized_by = f"{seq_field} or {field}" if batch > 1 else seq_field   # at batch 1 the length is what to lower
+    return {"KV cache": (int(kv), sized_by), "weights": (int(weights), "model.dtype or model.weights"),
+            "activations": (int(activations), sized_by)}
 
 
 def _section(mode: str) -> str:
