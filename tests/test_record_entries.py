@@ -450,3 +450,16 @@ def test_done_lists_the_digest_of_every_file_it_vouches_for(world):
     assert set(done["files"]) == {"manifest.yaml", "env.json", "result.json"}
     for name, digest in done["files"].items():
         assert hashlib.sha256((records / "a" / name).read_bytes()).hexdigest() == digest
+
+
+def test_report_of_a_records_directory_never_reads_through_a_link(world):
+    manifest, records, outside = world
+    assert invoke("run", manifest).exit_code == 0
+    shutil.copytree(records / "b", outside / "elsewhere")   # a finished-looking record outside runs/
+    shutil.rmtree(records / "b")
+    (records / "b").symlink_to(outside / "elsewhere", target_is_directory=True)
+    before = snapshot(outside)
+    rows = {r["run"]: r for r in json.loads(invoke("report", records.parent, "--json").stdout)}
+    assert rows["t/b"]["status"] == "blocked" and rows["t/b"]["metrics"] == {} and rows["t/b"]["mode"] is None
+    assert rows["t/a"]["status"] == "done" and rows["t/a"]["metrics"]
+    assert snapshot(outside) == before

@@ -161,8 +161,8 @@ def sweep_row(name: str, record: Path, params: dict | None = None, digest: str |
     status = record_status(record, digest)
     row = {"run": name, "status": status.state, "mode": mode, "params": dict(params or {}), "metrics": {},
            "detail": status.detail}
-    if status.state != "done" and params is not None:
-        return row
+    if status.state in ("blocked", "pending") or (status.state != "done" and params is not None):
+        return row   # a blocked record path may be a link out of runs/: never read through it
     try:
         result = read_record_json(record)
     except RecordError:
