@@ -195,6 +195,17 @@ def test_lock_and_record_files_are_opened_without_following_links(tmp_path):
     assert outside.read_bytes() == CANARY
 
 
+def test_a_lock_that_is_a_hard_link_to_a_file_outside_is_never_truncated(world):
+    manifest, records, outside = world
+    records.mkdir(parents=True)
+    os.link(outside / "canary.txt", records / ".b.lock")   # same filesystem: lstat sees a plain file
+    r = invoke("run", manifest)
+    assert r.exit_code == 1 and "failed t/b" in r.output and "hard link" in flat(r.output), r.output
+    assert (outside / "canary.txt").read_bytes() == CANARY
+    assert (records / "a" / DONE).is_file() and (records / "c" / DONE).is_file()
+    assert states(manifest)["t/b"] == "blocked"
+
+
 # ---- damaged records ----------------------------------------------------------------------------
 
 def _truncate(path: Path, outside: Path) -> None:
