@@ -429,6 +429,36 @@ def test_a_disk_that_fills_mid_run_fails_that_run_by_path_and_the_others_go_on(w
     assert again.exit_code == 0 and "1 done, 2 skipped" in again.output, again.output
 
 
+def test_a_read_only_target_directory_fails_its_runs_by_path_and_the_others_go_on(tmp_path, monkeypatch, tmpfs,
+                                                                                  tiny_model):  # noqa: F811
+    """EROFS after preflight: the runs directory is writable, one target's directory is a
+    read-only bind mount (root ignores chmod; a mount is what makes it read-only for root)."""
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("CARAMBA_RUNS_DIR", str(runs))
+    manifest = tmp_path / "m.yaml"
+    run = '{id: r, mode: generate, generate: {prompts: ["hi"], max_new_tokens: 3, temperature: 0.0, stream: false}}'
+    manifest.write_text(f"version: 1\nname: ro\ndefaults:\n  model: {{source: \"{tiny_model}\"}}\ntargets:\n"
+                        f"  - {{type: experiment, name: frozen, runs: [{run}]}}\n"
+                        f"  - {{type: experiment, name: open, runs: [{run}]}}\n")
+    frozen = runs / "ro" / "frozen"
+    frozen.mkdir(parents=True)
+    tmpfs("1m")   # skips (with the reason) where this process cannot mount
+    ok, why = _mount("--bind", str(frozen), str(frozen))
+    assert ok, why
+    try:
+        ok, why = _mount("-o", "remount,bind,ro", str(frozen))
+        assert ok, why
+        r = invoke("run", manifest)
+    finally:
+        subprocess.run(["umount", str(frozen)], capture_output=True, timeout=30)
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    text = flat(r.output)
+    assert "failed frozen/r" in text and "Read-only file system" in text and str(frozen) in text, text
+    assert (runs / "ro" / "open" / "r" / DONE).is_file() and "1 done, 0 skipped, 1 failed" in text
+    again = invoke("run", manifest)   # writable again: nothing was left that blocks the redo
+    assert again.exit_code == 0 and "1 done, 1 skipped" in again.output, again.output
+
+
 # ---- memory -------------------------------------------------------------------------------------
 
 def test_a_run_too_big_for_memory_exits_2_naming_the_field(world, monkeypatch):
