@@ -404,11 +404,14 @@ def _report_sweep(source: Path, fmt, pivot_key, metric, csv_file, plot, x_key, o
     try:
         if source.is_file():
             m = _load(source, overrides)
-            rows = [sweep_row(f"{r.target}/{r.run.id}", RunDir(m.name, r.target, r.run.id).final, r.run.params,
-                              run_hash(run_identity(r)), r.run.mode)
-                    for r in m.iter_runs()]
+            records = [(f"{r.target}/{r.run.id}", RunDir(m.name, r.target, r.run.id).final, r.run.params,
+                        run_hash(run_identity(r)), r.run.mode) for r in m.iter_runs()]
         else:
-            rows = [sweep_row(name, path) for name, path in record_dirs(source)]
+            records = [(name, path, None, None, None) for name, path in record_dirs(source)]
+        rows = [sweep_row(*record) for record in records]
+        if any(r["mode"] == "eval" for r in rows) and not pivot_key:
+            done = [(row["run"], record[1]) for row, record in zip(rows, records) if row["status"] == "done"]
+            return _report_frontier(source, rows, done, fmt, csv_file, plot)
         metrics = list(dict.fromkeys(k for r in rows for k in r["metrics"]))
         chosen = metric or (metrics[0] if metrics else None)
         if (pivot_key or plot) and chosen is None:
@@ -449,6 +452,58 @@ def _report_sweep(source: Path, fmt, pivot_key, metric, csv_file, plot, x_key, o
     for r in table_rows:
         table.add_row(*(escape(_cell(r.get(col))) for col in columns))
     out.print(table)
+    return None
+
+
+def _report_frontier(source: Path, rows: list[dict], done: list[tuple[str, Path]], fmt: str,
+                     csv_file: Optional[Path], plot: Optional[Path]) -> str | None:
+    """Eval runs: the runs' status, then one row per candidate of the finished records that match
+    the manifest, the Pareto-optimal ones marked. Returns the markdown with --format markdown."""
+    from rich.table import Table
+
+    from caramba.bench.frontier import frontier_rows, plot_frontier, quality_key
+    from caramba.bench.report import markdown_table, write_csv
+
+    front = frontier_rows(done)
+    if plot is not None:
+        if not front:
+            raise UserError("no finished eval run has candidates to plot yet")
+        try:
+            plot_frontier(plot, front)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        err.print(f"plot: {escape(str(plot))}")
+    if csv_file is not None:
+        try:
+            write_csv(csv_file, front)
+        except OSError as e:
+            raise UserError(f"--csv {csv_file}: {e.strerror}") from None
+        err.print(f"csv: {escape(str(csv_file))}")
+    if fmt == "json":
+        print(json_text({"runs": rows, "frontier": front}, indent=2))
+        return None
+    keys = list(dict.fromkeys(k for r in rows for k in r["params"]))
+    status = [{"run": r["run"], "status": r["status"], "mode": r["mode"], **{k: r["params"].get(k) for k in keys}}
+              for r in rows]
+    lengths = list(dict.fromkeys(k for r in front for k in r if k.startswith("task_avg@")))
+    columns = ["run", "cache", "policy", "bytes_per_token", "bytes_ratio", "task_avg", *lengths, "ppl_ratio", "kl_mean",
+               "decode_tok_s", *(["bench_decode_tok_s"] if any("bench_decode_tok_s" in r for r in front) else [])]
+    ordered = [{"pareto": "*" if r["pareto"] else "", **{c: r.get(c) for c in columns}}
+               for r in sorted(front, key=lambda r: (r["group"], r["bytes_per_token"], r["run"]))]
+    title = (f"quality-cost frontier ({len(front)} candidates; * = Pareto-optimal by bytes/token and "
+             f"{quality_key(front) or 'no common quality metric'})")
+    if fmt == "markdown":
+        text = f"### caramba report: {source}\n\n" + markdown_table(status)
+        return text + (f"\n\n{title}\n\n" + markdown_table(ordered) if front else "")
+    for heading, table_rows in ((f"{source}: {len(rows)} run(s)", status), (title, ordered)):
+        if not table_rows:
+            continue
+        table = Table(title=escape(heading), title_justify="left")
+        for col in table_rows[0]:
+            table.add_column("" if col == "pareto" else escape(col), overflow="fold")
+        for r in table_rows:
+            table.add_row(*(escape(_cell(v)) for v in r.values()))
+        out.print(table)
     return None
 
 
@@ -595,6 +650,8 @@ def eval_cache(
     rotate_values: Annotated[bool, _candidate_option("rotate_values")] = _candidate_default("rotate_values"),
     cache_fp16_prefix_layers: Annotated[int, _candidate_option("cache_fp16_prefix_layers")] = \
         _candidate_default("cache_fp16_prefix_layers"),
+    perplexity: Annotated[bool, typer.Option("--perplexity/--no-perplexity",
+                                             help="Score the text's perplexity (--protocol).")] = True,
     protocol: Annotated[str, typer.Option(help="decode: prefill --prompt-len tokens, then score token by token "
                                                "through the cache; chunks: llama-perplexity's non-overlapping "
                                                "--ctx windows, each scored on its second half.")] = "decode",
@@ -602,97 +659,41 @@ def eval_cache(
     prompt_len: Annotated[int, typer.Option(min=1, help="Tokens prefilled before token-by-token scoring (decode).")] = 256,
     max_tokens: Annotated[Optional[int], typer.Option(min=2, help="Use only the text's first N tokens "
                                                       "(default: 1024 for decode, the whole text for chunks).")] = None,
+    tasks: Annotated[Optional[str], typer.Option(help="Long-context tasks to answer: 'all' or a comma list "
+                                                      "(niah_single,vt,...; docs/eval.md).")] = None,
+    lengths: Annotated[str, typer.Option(help="Context lengths of --tasks in the model's tokens, comma-separated.")] = "1024,2048",
+    samples: Annotated[int, typer.Option(min=1, help="Samples per task and length.")] = 8,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the task samples.")] = 0,
+    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field below the run, e.g. eval.tasks.prefill=own.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
-    """Score a text through the KV cache: NLL/PPL of each candidate cache, and
-    KL(baseline || candidate) and top-1 agreement against the baseline cache.
+    """Score candidate KV caches against a baseline cache: a text's NLL/PPL, KL(baseline ||
+    candidate) and top-1 agreement, and with --tasks the long-context task suite (RULER's
+    retrieval, tracing and aggregation tasks), as a one-run `mode: eval` manifest.
 
     --protocol decode (default): the first --prompt-len tokens are prefilled; each later token is
     fed one at a time through the cache, as generation does. --protocol chunks --ctx 512: as
     llama.cpp's perplexity tool, with the PPL's standard error. Candidates: each --cache-kind and
-    --cache-policy (default q8_0)."""
+    --cache-policy (default q8_0). `caramba eval --tasks all --no-perplexity` runs the task suite."""
     with _errors_as_exit_codes():
-        from rich.progress import Progress
-        from rich.table import Table
+        from caramba.cli_eval import check_flags, eval_manifest, run_eval_command
 
-        from caramba.cache import CachePolicy
-        from caramba.infer.config import CacheConfig
-        from caramba.infer.evaluate import adds_bos, corpus_text, evaluate_cache, evaluate_chunks
-        from caramba.model.zoo import load_model
-        from caramba.options import OptionError
-
-        if text is not None and not text.is_file():
-            raise UserError(f"--text {text}: no such file")
-        if protocol not in ("decode", "chunks"):
-            raise UserError(f"--protocol {protocol!r}: choose decode or chunks")
-        if protocol == "chunks" and ctx % 2:
-            raise UserError(f"--ctx {ctx}: must be even (windows are scored on their second half)")
-        specs = [("kind", k) for k in cache_kind or []] + [("policy", p) for p in cache_policy or []]
-        try:   # the shared settings against their definitions (CacheConfig), named as flags
-            CacheConfig(qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys, rotate_values=rotate_values,
-                        fp16_prefix_layers=cache_fp16_prefix_layers)
-        except OptionError as e:
-            raise UserError(f"--{e.name.replace('_', '-')} {e.value!r}: {e.why}") from None
-        try:
-            shared = dict(qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys, rotate_values=rotate_values,
-                          fp16_prefix_layers=cache_fp16_prefix_layers)
-            candidates = [CachePolicy.build(kind=v, **shared) if how == "kind" else CachePolicy.build(policy=v, **shared)
-                          for how, v in specs or [("kind", "q8_0")]]
-            base = CachePolicy.build(baseline)
-        except ValueError as e:
-            raise UserError(f"--cache-kind/--cache-policy/--baseline: {e}") from None
-        loaded = load_model(model, dtype, device, progress=not as_json, weights=weights)
-        try:   # stream names against the model: k/v (standard) or k_sem/k_geo/v (decoupled)
-            for policy in [base, *candidates]:
-                policy.check_streams(loaded.model.config.attention == "decoupled")
-        except ValueError as e:
-            raise UserError(f"--cache-policy/--baseline: {e}") from None
-        chunks = protocol == "chunks"
-        tok = loaded.tokenizer
-        # chunks: the text as llama.cpp tokenizes it, with BOS when the model adds one
-        bos = tok.bos_token_id if chunks and adds_bos(tok) else None
-        ids = tok.encode(corpus_text(text), add_special_tokens=chunks)
-        if max_tokens is None and not chunks:
-            max_tokens = 1024
-        if max_tokens is not None:
-            ids = ids[:max_tokens]
-        if chunks and len(ids) < ctx:
-            raise UserError(f"--ctx {ctx}: the text has only {len(ids)} tokens (after --max-tokens); "
-                            f"use a smaller --ctx or a longer text")
-        if not chunks and len(ids) < prompt_len + 2:
-            raise UserError(f"--prompt-len {prompt_len}: the text has only {len(ids)} tokens (after --max-tokens); "
-                            f"use a shorter prompt or a longer text")
-        with Progress(transient=True, disable=as_json) as bar:
-            task = bar.add_task("scoring", total=len(ids) // ctx if chunks else len(ids) - prompt_len)
-            step = lambda done, total: bar.update(task, completed=done)   # noqa: E731
-            if chunks:
-                results = evaluate_chunks(loaded.model, ids, candidates, base, ctx, bos, on_step=step)
-            else:
-                results = evaluate_cache(loaded.model, ids, candidates, base, prompt_len, on_step=step)
-        n_scored = results[0].n_scored
-        setup = ({"ctx": ctx, "n_chunks": len(ids) // ctx, "bos": bos} if chunks else {"prompt_len": prompt_len})
-        if as_json:
-            print(json_text({"model": {"source": model, "sha256": loaded.content_hash, "dtype": dtype,
-                               "weights": weights},
-                              "text": str(text) if text else "caramba/data/corpus.txt", "n_tokens": len(ids),
-                              "protocol": protocol, **setup, "baseline": base.describe(),
-                              "results": [r.to_dict() for r in results]}))
-            return
-        r0 = results[0]
-        if chunks:
-            title = (f"{len(ids) // ctx} windows of {ctx} tokens, {n_scored} tokens scored (second halves); "
-                     f"baseline {base.describe()} PPL {r0.baseline_ppl:.4f} +/- {r0.baseline_ppl_stderr:.5f}")
-        else:
-            title = (f"{n_scored} tokens scored after a {prompt_len}-token prompt; "
-                     f"baseline {base.describe()} PPL {r0.baseline_ppl:.4f}")
-        table = Table(title=title)
-        for col in ("cache", "bytes/token", "PPL", "dNLL", "mean KL", "max KL", "top-1 agree"):
-            table.add_column(col)
-        for r in results:
-            ppl = f"{r.ppl:.4f}" + (f" +/- {r.ppl_stderr:.5f}" if r.ppl_stderr is not None else "")
-            table.add_row(r.policy, str(r.bytes_per_token), ppl, f"{r.dnll:+.5f}", f"{r.kl_mean:.2e}",
-                          f"{r.kl_max:.2e}", f"{r.top1_agreement:.4f}")
-        out.print(table)
+        shared = dict(qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys, rotate_values=rotate_values,
+                      cache_fp16_prefix_layers=cache_fp16_prefix_layers)
+        check_flags(text, protocol, ctx, shared, cache_kind or [], cache_policy or [], baseline)
+        if not perplexity and tasks is None:
+            raise UserError("--no-perplexity leaves nothing to score: add --tasks all (or a list of tasks)")
+        ppl = {"protocol": protocol, "ctx": ctx, "prompt_len": prompt_len, "max_tokens": max_tokens,
+               "text": str(text) if text else None} if perplexity else None
+        task_settings = None
+        if tasks is not None:
+            names = None if tasks.strip() == "all" else [t.strip() for t in tasks.split(",") if t.strip()]
+            task_settings = {"names": names, "lengths": _int_list(lengths, "--lengths"), "samples": samples,
+                             "seed": seed, "text": str(text) if text else None}
+        manifest = eval_manifest({"source": model, "dtype": dtype, "device": device, "weights": weights},
+                                 cache_kind or [], cache_policy or [], baseline, shared, ppl, task_settings,
+                                 overrides or [])
+        run_eval_command(manifest, as_json, out, err)
 
 
 @app.command()

@@ -1,7 +1,8 @@
 """`expect:` blocks: what a run's result must still show when CI re-runs a manifest (--check).
 
 A bound is `NAME OP NUMBER` with OP one of >=, <=, >, <, ==. NAME is a key of result.json's
-`summary`, a top-level key, or a dotted path (`summary.decode_tok_s_median`). The output hash is
+`summary` (an eval's are dotted: `q4_0.tasks.niah_single.2048`), a top-level key, or a dotted
+path (`summary.decode_tok_s_median`). The output hash is
 the sha256 of the generated ids of every prompt, in order, as compact JSON.
 """
 
@@ -33,6 +34,9 @@ def output_sha256(result: dict[str, Any]) -> str | None:
 
 
 def lookup(result: dict[str, Any], name: str) -> Any:
+    summary = result.get("summary") if isinstance(result.get("summary"), dict) else {}
+    if name in summary:   # an eval's dotted names (q4_0.tasks.niah_single.2048) are summary keys
+        return summary[name]
     if "." in name:
         value: Any = result
         for part in name.split("."):
@@ -40,7 +44,7 @@ def lookup(result: dict[str, Any], name: str) -> Any:
                 return None
             value = value[part]
         return value
-    return result.get("summary", {}).get(name, result.get(name))
+    return result.get(name)
 
 
 def check(result: dict[str, Any], expect) -> list[str]:

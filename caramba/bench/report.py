@@ -196,6 +196,8 @@ def _metrics(result: dict) -> dict:
                 if _number(part.get(key)):
                     out[f"chosen_{key}"] = part[key]
         return {k: v for k, v in out.items() if v is not None}
+    if mode == "eval":   # each candidate's headline numbers (the frontier table has the rest)
+        return {k: v for k, v in summary.items() if k.rpartition(".")[2] in ("task_avg", "ppl_ratio") and _number(v)}
     keys = MODE_METRICS.get(mode, ())
     return {k: summary[k] for k in keys if _number(summary.get(k))}
 

@@ -150,13 +150,21 @@ class LayerKVCache(StreamLayerCache):
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append k, v [B, kv_heads, T, head_dim]; return every cached K and V in k's dtype
         (dequantized, and with the key and value rotations undone)."""
-        end = self._append(k, v)
-        keys, values = self.k_stream.read(end, k.dtype), self.v_stream.read(end, v.dtype)
+        return self.contents(self._append(k, v), k.dtype)
+
+    def contents(self, end: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of slots [0, end) as values [B, KVH, end, D], rotations undone: what another
+        cache stores in its own kind when it takes this one's context (caramba.infer.task_eval)."""
+        keys, values = self.k_stream.read(end, dtype), self.v_stream.read(end, dtype)
         if self.rotation is not None:
-            keys = keys @ self.unrotation.to(k.dtype)
+            keys = keys @ self.unrotation.to(dtype)
         if self.v_rotation is not None:
-            values = values @ self.v_rotation.to(v.dtype)
+            values = values @ self.v_rotation.to(dtype)
         return keys, values
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append k, v [B, KVH, T, D] values (stored in this cache's kinds) without attending."""
+        self._append(k, v)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """Append k, v and attend q [B, H, T, D] over everything cached -> [B, H, T, Dv].

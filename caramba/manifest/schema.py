@@ -8,6 +8,7 @@ section to `Run`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import types
 import typing
@@ -18,11 +19,12 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from caramba.autotune.select import AutotuneSettings
-from caramba.infer.config import DraftConfig, GenerateConfig, SpeculativeConfig
+from caramba.infer.config import CacheConfig, DraftConfig, GenerateConfig, SpeculativeConfig
+from caramba.infer.plan import DecodePlan
 from caramba.model import quant
 from caramba.options import options_of
 
-Mode = Literal["generate", "decode-bench", "speculative", "cache-autotune"]
+Mode = Literal["generate", "decode-bench", "speculative", "cache-autotune", "eval"]
 MODES: tuple[str, ...] = typing.get_args(Mode)
 # The settings section each mode reads (a mode whose section has its own name is left out).
 MODE_SECTIONS: dict[str, str] = {"decode-bench": "bench", "cache-autotune": "autotune"}
@@ -208,6 +210,136 @@ CacheAutotuneSettings = create_model(
     **option_fields(AutotuneSettings, keys=True))
 
 
+# The cache settings an eval candidate takes: CacheConfig's (not its size or budget, which the
+# eval sizes per sample) and the sliding window. Derived from their one definition.
+CANDIDATE_CACHE_OPTIONS = ("cache_kind", "cache_policy", "qblock", "residual_len", "rotate_keys", "rotate_values",
+                           "cache_fp16_prefix_layers")
+_LABEL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class _CandidateSection(_Model):
+    name: str | None = Field(None, description="the candidate's label in the result (default: from its settings)")
+
+    @field_validator("name")
+    @classmethod
+    def _label(cls, name: str | None) -> str | None:
+        if name is not None and not _LABEL.fullmatch(name):
+            raise ValueError(f"{name!r}: a candidate name is letters, digits and '_' (it names metrics, "
+                             "e.g. 'q4_rot.tasks.niah_single.2048 >= 0.8' in expect:)")
+        return name
+
+    def cache_config(self) -> CacheConfig:
+        opts = {o.name: o.attr for o in options_of(CacheConfig)}
+        return CacheConfig(**{opts[name]: getattr(self, name) for name in CANDIDATE_CACHE_OPTIONS})
+
+    def policy(self):
+        """The CachePolicy (caramba.cache) these settings build."""
+        return self.cache_config().spec()
+
+    @property
+    def label(self) -> str:
+        """The given name, or the policy's short description as a metric-safe word (q4_0_rotate_keys)."""
+        if self.name is not None:
+            return self.name
+        policy = self.policy()
+        text = re.sub(r"\W+", "_", policy.describe(decoupled=bool({"k_sem", "k_geo"} & set(policy.named)))).strip("_")
+        return text + (f"_window{self.decode_local_window}" if self.decode_local_window else "")
+
+    @model_validator(mode="after")
+    def _engine_accepts(self) -> Any:
+        if self.cache_kind == "auto":
+            raise ValueError("cache_kind: auto is not a candidate: name a kind (mode: cache-autotune picks one)")
+        try:
+            self.cache_config()
+        except (ValueError, TypeError) as e:
+            raise _engine_error(e) from None
+        return self
+
+
+_CACHE_OPTION_FIELDS = option_fields(CacheConfig)
+EvalCandidate = create_model(
+    "EvalCandidate", __base__=_CandidateSection, __module__=__name__,
+    __doc__="One KV cache an eval scores: every cache setting a generate run takes, and a name.",
+    **{name: _CACHE_OPTION_FIELDS[name] for name in CANDIDATE_CACHE_OPTIONS},
+    decode_local_window=option_fields(DecodePlan)["decode_local_window"])
+
+
+class PerplexitySettings(_Model):
+    """Scoring a text through each cache (caramba.infer.evaluate: the protocols of `caramba eval`)."""
+
+    protocol: Literal["decode", "chunks"] = Field("decode", description="decode: prefill prompt_len tokens, then "
+                                                  "score token by token; chunks: llama-perplexity's windows of ctx")
+    prompt_len: int = Field(256, ge=1, description="decode: tokens prefilled before token-by-token scoring")
+    ctx: int = Field(512, ge=4, multiple_of=2, description="chunks: window size (llama-perplexity -c)")
+    max_tokens: int | None = Field(None, ge=2, description="the text's first N tokens (default: 1024 for decode, "
+                                                           "the whole text for chunks)")
+    text: str | None = Field(None, description="text file to score (default: caramba's bundled corpus)")
+
+
+class TaskSettings(_Model):
+    """Long-context tasks (caramba.infer.tasks, RULER's generated categories), answered greedily."""
+
+    names: list[str] | None = Field(None, min_length=1, description="tasks to run (default: the whole suite)")
+    lengths: list[Annotated[int, Field(ge=64)]] = Field([1024, 2048], min_length=1,
+                                                        description="context lengths in the model's tokens")
+    samples: int = Field(8, ge=1, description="samples per task and length")
+    seed: int = Field(0, ge=0, description="the samples' seed: same seed, same prompts")
+    chat: bool = Field(True, description="render prompts with the model's chat template")
+    text: str | None = Field(None, description="the essay haystack's text file (default: caramba's bundled corpus)")
+    prefill: Literal["shared", "own"] = Field("shared", description="shared: the context is prefilled once and each "
+                                              "candidate stores it in its kinds; own: each candidate prefills it")
+    q_chunk: int = Field(512, ge=1, description="tokens per prefill forward")
+    batch_size: int = Field(8, ge=1, description="samples answered together (left-padded rows; each answers as "
+                                                 "it would alone, up to float rounding)")
+
+    @field_validator("names")
+    @classmethod
+    def _known_tasks(cls, names: list[str] | None) -> list[str] | None:
+        from caramba.infer.tasks import task_names
+
+        known = task_names()
+        for name in names or []:
+            if name not in known:
+                hint = difflib.get_close_matches(name, known, n=1)
+                raise ValueError(f"unknown task {name!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                                 + f" (tasks: {', '.join(known)})")
+        duplicate = _first_duplicate(names or [])
+        if duplicate is not None:
+            raise ValueError(f"task {duplicate!r} is listed twice")
+        return names
+
+    @field_validator("lengths")
+    @classmethod
+    def _distinct_lengths(cls, lengths: list[int]) -> list[int]:
+        if len(set(lengths)) != len(lengths):
+            raise ValueError("a context length is listed twice")
+        return lengths
+
+
+class EvalSettings(_Model):
+    """Settings of an `eval` run: candidate caches against a baseline, scored on a text's
+    perplexity and/or long-context tasks (docs/eval.md)."""
+
+    candidates: list[EvalCandidate] = Field(min_length=1)   # type: ignore[valid-type]
+    baseline: EvalCandidate = Field(default_factory=lambda: EvalCandidate())  # type: ignore[valid-type]
+    perplexity: PerplexitySettings | None = None
+    tasks: TaskSettings | None = None
+
+    @model_validator(mode="after")
+    def _something_to_score(self) -> EvalSettings:
+        if self.perplexity is None and self.tasks is None:
+            raise ValueError("an eval scores perplexity: and/or tasks:; give one of them (e.g. tasks: {})")
+        labels = [c.label for c in self.candidates] + [self.baseline.label]
+        duplicate = _first_duplicate(labels)
+        if duplicate is not None:
+            raise ValueError(f"two candidates (or a candidate and the baseline) are both labelled {duplicate!r}; "
+                             "give one of them a name:")
+        if self.perplexity is not None and any(c.decode_local_window for c in [*self.candidates, self.baseline]):
+            raise ValueError("perplexity scores full-attention caches; a candidate with decode_local_window "
+                             "is scored on tasks only: drop perplexity: or the window")
+        return self
+
+
 class Expect(_Model):
     """What a run's result must show for `caramba run --check` (CI reproducibility)."""
 
@@ -234,6 +366,7 @@ class Run(_Model):
     bench: BenchSettings | None = None
     speculative: SpeculativeSettings | None = None
     autotune: CacheAutotuneSettings | None = None
+    eval: EvalSettings | None = None
     expect: Expect | None = None
     notes: str | None = None
     # A sweep's values for this run (set by matrix expansion, caramba.manifest.matrix; None otherwise).

@@ -20,10 +20,12 @@ import caramba
 from caramba.errors import RunError, UserError
 from caramba.expect import check as check_expect
 from caramba.expect import output_sha256
+from caramba.infer.tasks import GENERATOR_VERSION
 from caramba.manifest import Manifest, ModelSpec, ResolvedRun, Run, resolved_run_yaml
 from caramba.model.zoo import LoadedModel, load_model
 from caramba.runners.autotune import run_cache_autotune
 from caramba.runners.decode_bench import run_decode_bench
+from caramba.runners.eval import run_eval
 from caramba.runners.generate import run_generate
 from caramba.runners.preflight import preflight
 from caramba.runners.speculative import run_speculative
@@ -31,7 +33,8 @@ from caramba.runs import RecordError, RunDir, capture_env, library_versions, rea
 
 # mode -> runner(loaded model, the mode's settings, seed, record, console) -> result dict
 MODE_RUNNERS: dict[str, Callable] = {"generate": run_generate, "decode-bench": run_decode_bench,
-                                     "speculative": run_speculative, "cache-autotune": run_cache_autotune}  # speculative also takes draft=LoadedModel
+                                     "speculative": run_speculative, "cache-autotune": run_cache_autotune,
+                                     "eval": run_eval}  # speculative also takes draft=LoadedModel
 
 
 @dataclass
@@ -53,15 +56,18 @@ NOT_IDENTITY = {"expect", "notes", "model", "draft", "params"}
 
 def run_identity(r: ResolvedRun) -> dict:
     """What a run's record must match to be reused: the run's own fields (mode, seed, settings),
-    its resolved model (and draft) spec and the caramba version. Nothing of other runs, so
-    editing one run never redoes another."""
-    return {
+    its resolved model (and draft) spec and the caramba version (and an eval's task generator).
+    Nothing of other runs, so editing one run never redoes another."""
+    identity = {
         "target": r.target,
         "run": r.run.model_dump(mode="json", exclude=NOT_IDENTITY),
         "model": r.model.model_dump(mode="json"),
         "draft": r.draft.model_dump(mode="json") if r.draft is not None else None,
         "caramba_version": caramba.__version__,
     }
+    if r.run.mode == "eval" and r.run.eval.tasks is not None:   # other generators write other prompts
+        identity["task_generator_version"] = GENERATOR_VERSION
+    return identity
 
 
 def command_line(manifest_path: str, only: list[str], overrides: list[str], force: bool, check: bool) -> str:

@@ -29,6 +29,7 @@ def preflight(manifest_name: str, runs: list[ResolvedRun], root: str | Path | No
     """Raise UserError (exit 2) on the first run that cannot succeed."""
     check_runs_dir(manifest_name, runs, root)   # a writable directory with room for the records
     tokenizers: dict[str, Tokenizer] = {}
+    checked: set[str] = set()   # eval prompt settings already generated once (a sweep repeats them)
     for r in runs:
         where = f"run {r.target}/{r.run.id}"
         _check_path_lengths(manifest_name, r, where, root)
@@ -48,12 +49,49 @@ def preflight(manifest_name: str, runs: list[ResolvedRun], root: str | Path | No
                     raise UserError(f"{where}: draft.source {r.draft.source!r} has a vocabulary of {draft.vocab_size} "
                                     f"tokens, the model {target.vocab_size}; speculative decoding needs a draft with "
                                     "the same tokenizer")
+        if r.run.mode == "eval":
+            check_eval(r, where, _tokenizer(r.model.source, tokenizers), checked)
         settings = r.run.settings
         text = getattr(settings, "text", None)
         if text is not None and not Path(text).is_file():
             section = "bench" if r.run.mode == "decode-bench" else "autotune"
             raise UserError(f"{where}: {section}.text: {text} is not a file")
     check_memory(runs)   # weights + KV cache + activations against MemAvailable
+
+
+def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked: set[str] | None = None) -> None:
+    """An eval's texts, candidate streams and context lengths against the model, and its task
+    samples generated once at n=1 (a length too short for a task is found here, not mid-run)."""
+    from caramba.runners.eval import perplexity_ids, task_samples
+
+    tok = tok or _tokenizer(r.model.source, {})
+    checked = set() if checked is None else checked
+    s = r.run.eval
+    config = inspect_source(r.model.source)
+    for field, text in (("perplexity.text", s.perplexity and s.perplexity.text), ("tasks.text", s.tasks and s.tasks.text)):
+        if text and not Path(text).is_file():
+            raise UserError(f"{where}: eval.{field}: {text} is not a file")
+    for i, c in enumerate([*s.candidates, s.baseline]):
+        try:
+            c.policy().check_streams(config.attention == "decoupled")
+        except ValueError as e:
+            field = f"candidates[{i}]" if i < len(s.candidates) else "baseline"
+            raise UserError(f"{where}: eval.{field}: {e}") from None
+    try:
+        if s.tasks is not None:
+            limit = config.max_position_embeddings
+            past = [n for n in s.tasks.lengths if n > limit]
+            if past:
+                raise UserError(f"eval.tasks.lengths: {', '.join(map(str, past))} past the model's trained context "
+                                f"of {limit} tokens; use lengths <= {limit}")
+            key = f"{r.model.source}\0{s.tasks.model_dump_json()}"
+            if key not in checked:
+                task_samples(tok, s.tasks.model_copy(update={"samples": 1}))
+                checked.add(key)
+        if s.perplexity is not None:
+            perplexity_ids(tok, s.perplexity)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
 
 
 def _check_path_lengths(manifest_name: str, r: ResolvedRun, where: str, root) -> None:

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from caramba.errors import UserError
+from caramba.infer.tasks import DEFAULT_TASKS
 from caramba.manifest import ResolvedRun
 from caramba.runs import entry_kind, runs_root
 
@@ -83,6 +84,10 @@ def record_bytes(r: ResolvedRun) -> int:
         cells = len(s.prompt_lens) * len(s.batch_sizes) * len(s.cache_kinds) * len(s.decode_plans)
         cells *= 2 if s.reference == "hf" else 1
         return _BASE_RECORD + cells * (2 * KIB + 24 * s.repeats * s.new_tokens) + (_PLOTS if s.plots else 0)
+    if r.run.mode == "eval":   # per candidate its scores; answers.json: every answer of every cache
+        caches = len(s.candidates) + 1
+        answers = len(s.tasks.names or DEFAULT_TASKS) * len(s.tasks.lengths) * s.tasks.samples if s.tasks else 0
+        return _BASE_RECORD + caches * (8 * KIB + answers * (512 + 64 * 128))
     return _BASE_RECORD + 64 * KIB   # cache-autotune: candidates, gates, timings
 
 
@@ -126,7 +131,7 @@ def check_memory(runs: list[ResolvedRun], configs: dict | None = None, available
         part, (size, field) = max(need.items(), key=lambda kv: kv[1][0])
         parts = ", ".join(f"{name} {_size(v)}" for name, (v, _) in need.items())
         hint = ""
-        if part != "weights" and r.run.mode != "decode-bench":   # KV and activations grow with max_seq_len
+        if part != "weights" and r.run.mode not in ("decode-bench", "eval"):   # KV and activations grow with max_seq_len
             per_slot = (need["KV cache"][0] + need["activations"][0]) / r.run.settings.max_seq_len
             fits = int((available - need["weights"][0]) / per_slot) if available > need["weights"][0] else 0
             section = _section(r.run.mode)
@@ -150,6 +155,13 @@ def run_memory(r: ResolvedRun, configs: dict) -> dict[str, tuple[int, str]]:
         batch = max(s.batch_sizes)
         field, seq_field = f"{section}.batch_sizes", f"{section}.prompt_lens"
         weights *= 2 if s.reference == "hf" else 1   # transformers' copy of the model beside ours
+    elif r.run.mode == "eval":   # a batch of samples at a time: the baseline's cache and one candidate's
+        lengths = [max(s.tasks.lengths) + 256] if s.tasks else []    # + the question and answer
+        if s.perplexity:
+            p = s.perplexity
+            lengths.append(p.ctx if p.protocol == "chunks" else (p.max_tokens or 1024))
+        length, batch = max(lengths), 2 * s.tasks.batch_size if s.tasks else len(s.candidates) + 1   # perplexity: every cache
+        field = seq_field = f"{section}.tasks.lengths" if s.tasks else f"{section}.perplexity.max_tokens"
     else:
         length, batch = s.max_seq_len, s.batch_size
         if r.run.mode in ("generate", "speculative"):

@@ -1,0 +1,126 @@
+"""`caramba eval`: a one-run `mode: eval` manifest built from flags, run by the manifest's runner.
+
+The flags name what a manifest's `eval:` section says: candidates (--cache-kind, --cache-policy
+and the cache settings they share), the baseline, the perplexity protocol and the tasks
+(--tasks, --lengths, --samples). `--set` reaches anything else below the run
+(`--set eval.tasks.prefill=own`). Nothing is written under runs/: the table, or --json, is
+printed. A manifest with `mode: eval` does the same and keeps a record.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from rich.console import Console
+
+from caramba.errors import UserError
+from caramba.runs import json_text
+
+# Cache settings every candidate shares, as flags (CacheConfig's names).
+SHARED_CACHE_OPTIONS = ("qblock", "residual_len", "rotate_keys", "rotate_values", "cache_fp16_prefix_layers")
+
+
+class _Transient:
+    """A run record that keeps nothing: `caramba eval` prints its result instead."""
+
+    path = None
+
+    def log(self, message: str) -> None:
+        pass
+
+
+def check_flags(text: Path | None, protocol: str, ctx: int, shared: dict[str, Any], kinds: list[str],
+                policies: list[str], baseline: str) -> None:
+    """The flags' own errors, each naming its flag, before a manifest is built."""
+    from caramba.cache import CachePolicy
+    from caramba.infer.config import CacheConfig
+    from caramba.options import OptionError, options_of
+
+    if text is not None and not text.is_file():
+        raise UserError(f"--text {text}: no such file")
+    if protocol not in ("decode", "chunks"):
+        raise UserError(f"--protocol {protocol!r}: choose decode or chunks")
+    if protocol == "chunks" and ctx % 2:
+        raise UserError(f"--ctx {ctx}: must be even (windows are scored on their second half)")
+    attrs = {o.name: o.attr for o in options_of(CacheConfig)}
+    try:
+        CacheConfig(**{attrs[name]: value for name, value in shared.items()})
+    except OptionError as e:
+        raise UserError(f"--{e.name.replace('_', '-')} {e.value!r}: {e.why}") from None
+    policy_args = {attrs[name]: value for name, value in shared.items()}
+    try:
+        for kind in kinds:
+            CachePolicy.build(kind=kind, **policy_args)
+        for policy in policies:
+            CachePolicy.build(policy=policy, **policy_args)
+        CachePolicy.build(baseline)
+    except ValueError as e:
+        raise UserError(f"--cache-kind/--cache-policy/--baseline: {e}") from None
+
+
+def eval_manifest(model: dict[str, str], kinds: list[str], policies: list[str], baseline: str,
+                  shared: dict[str, Any], perplexity: dict[str, Any] | None, tasks: dict[str, Any] | None,
+                  overrides: list[str]):
+    """The one-run manifest of these flags, validated."""
+    from caramba.manifest.overrides import apply_overrides
+    from caramba.manifest.schema import Manifest
+
+    candidates = [{"cache_kind": k, **shared} for k in kinds]
+    candidates += [{"cache_policy": p, **shared} for p in policies]
+    candidates = candidates or [{"cache_kind": "q8_0", **shared}]
+    # A candidate of the baseline's own kind (to see what --weights costs, say) keeps its name; the baseline is renamed.
+    same = any(c.get("cache_kind") == baseline and not c.get("cache_policy") for c in candidates)
+    section = {"candidates": candidates, "baseline": {"cache_kind": baseline, **({"name": "baseline"} if same else {})},
+               "perplexity": perplexity, "tasks": tasks}
+    data = {"version": 1, "name": "eval", "defaults": {"model": model},
+            "targets": [{"type": "experiment", "name": "cli", "runs": [{"id": "eval", "mode": "eval", "eval": section}]}]}
+    apply_overrides(data, [f"targets.0.runs.0.{o.strip()}" for o in overrides])
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as e:
+        raise UserError("; ".join(f"{'.'.join(str(p) for p in problem['loc'][4:]) or 'eval'}: "
+                                  f"{problem['msg'].removeprefix('Value error, ')}"
+                                  for problem in e.errors(include_url=False))) from None
+
+
+# The runner's field names as this command's flags, in its error messages.
+_FLAG_NAMES = {"eval.perplexity.prompt_len=": "--prompt-len ", "eval.perplexity.ctx=": "--ctx ",
+               "eval.perplexity.max_tokens": "--max-tokens", "eval.perplexity.text": "--text",
+               "eval.tasks.lengths": "--lengths", "eval.tasks.text": "--text"}
+
+
+def _as_flags(message: str) -> str:
+    for field, flag in _FLAG_NAMES.items():
+        message = message.replace(field, flag)
+    return message
+
+
+def run_eval_command(manifest, as_json: bool, out: Console, err: Console) -> None:
+    from caramba.model.zoo import load_model, resolve_device
+    from caramba.runners.eval import run_eval
+    from caramba.runners.preflight import check_eval
+
+    (resolved,) = list(manifest.iter_runs())
+    resolve_device(resolved.model.device)
+    try:
+        check_eval(resolved, "eval")
+    except UserError as e:
+        raise UserError(_as_flags(str(e).removeprefix("eval: "))) from None
+    m = resolved.model
+    loaded = load_model(m.source, m.dtype, m.device, progress=not as_json, weights=m.weights)
+    console = Console(quiet=True) if as_json else out   # --json: stdout holds the one object
+    result = run_eval(loaded, resolved.run.eval, resolved.run.seed, _Transient(), console)
+    if not as_json:
+        return
+    model = {"source": m.source, "path": str(loaded.path), "sha256": loaded.content_hash, "dtype": m.dtype,
+             "weights": m.weights}
+    ppl = result.get("perplexity")
+    legacy = {}
+    if ppl is not None:   # the shape `caramba eval --json` has printed since before mode: eval
+        rows = [r for r in result["candidates"] if r["label"] != result["baseline"]]
+        legacy = {**ppl, "baseline": next(r["policy"] for r in result["candidates"] if r["label"] == result["baseline"]),
+                  "results": [{"policy": r["policy"], "bytes_per_token": r["bytes_per_token"], "protocol": ppl["protocol"],
+                               **r["perplexity"]} for r in rows]}
+    print(json_text({**result, **legacy, "model": model}))

@@ -1,0 +1,215 @@
+"""`mode: eval`: candidate KV caches against a baseline, on a text's perplexity and on
+long-context tasks; one result row per candidate (docs/eval.md).
+
+Every candidate sees exactly the same token ids: the perplexity text is tokenized once, and
+the task samples are generated once from (task, length, seed, generator version) and recorded
+with their sha256, so a record says which prompts its scores come from.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import Progress
+from rich.table import Table
+
+from caramba.errors import UserError
+from caramba.infer import tasks as task_suite
+from caramba.infer.evaluate import adds_bos, corpus_text, evaluate_cache, evaluate_chunks
+from caramba.infer.task_eval import Candidate, CandidateAnswers, answer_tasks
+from caramba.manifest.schema import EvalSettings, PerplexitySettings, TaskSettings
+from caramba.model.zoo import LoadedModel
+from caramba.runs import RunDir
+
+
+def candidates_of(settings: EvalSettings) -> tuple[list[Candidate], Candidate]:
+    def build(c) -> Candidate:
+        return Candidate(c.label, c.policy(), c.decode_local_window)
+    return [build(c) for c in settings.candidates], build(settings.baseline)
+
+
+def perplexity_ids(tokenizer, settings: PerplexitySettings) -> tuple[list[int], int | None]:
+    """The scored text's ids (cut to max_tokens) and, for chunks, the BOS id each window starts with."""
+    chunks = settings.protocol == "chunks"
+    bos = tokenizer.bos_token_id if chunks and adds_bos(tokenizer) else None   # as llama.cpp tokenizes it
+    ids = tokenizer.encode(corpus_text(settings.text), add_special_tokens=chunks)
+    limit = settings.max_tokens if settings.max_tokens is not None else (None if chunks else 1024)
+    ids = ids[:limit] if limit is not None else ids
+    if chunks and len(ids) < settings.ctx:
+        raise UserError(f"eval.perplexity.ctx={settings.ctx}: the text has only {len(ids)} tokens (after max_tokens); "
+                        "use a smaller ctx or a longer text")
+    if not chunks and len(ids) < settings.prompt_len + 2:
+        raise UserError(f"eval.perplexity.prompt_len={settings.prompt_len}: the text has only {len(ids)} tokens "
+                        "(after max_tokens); use a shorter prompt_len or a longer text")
+    return ids, bos
+
+
+def task_samples(tokenizer, settings: TaskSettings) -> list:
+    """Every (task, length) cell's samples, in order; a setting the generators refuse is exit 2."""
+    samples = []
+    for name in settings.names or task_suite.DEFAULT_TASKS:
+        for length in settings.lengths:
+            try:
+                samples += task_suite.make_samples(name, length, settings.samples, settings.seed, tokenizer,
+                                                   chat=settings.chat, text_path=settings.text)
+            except ValueError as e:
+                raise UserError(f"eval.tasks ({name} at {length} tokens): {e}") from None
+    return samples
+
+
+def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, record: RunDir,
+             console: Console) -> dict[str, Any]:
+    model, tok = loaded.model, loaded.tokenizer
+    candidates, baseline = candidates_of(settings)
+    decoupled = model.config.attention == "decoupled"
+    for c in [*candidates, baseline]:
+        try:
+            c.policy.check_streams(decoupled)
+        except ValueError as e:
+            raise UserError(f"eval candidate {c.label}: {e}") from None
+    rows = {c.label: {"label": c.label, "policy": c.policy.describe(decoupled), "window": c.window,
+                      "bytes_per_token": model.new_cache(1, 1, c.policy).bytes_per_token()}
+            for c in [*candidates, baseline]}
+    result: dict[str, Any] = {"mode": "eval", "baseline": baseline.label}
+    ppl_ids = perplexity_ids(tok, settings.perplexity) if settings.perplexity is not None else None
+    samples = task_samples(tok, settings.tasks) if settings.tasks is not None else []
+    with Progress(console=console, transient=True) as bar:
+        if ppl_ids is not None:
+            result["perplexity"] = _perplexity(model, settings.perplexity, *ppl_ids, candidates, baseline, rows, bar)
+        if samples:
+            result["tasks"] = _tasks(model, tok, settings.tasks, samples, candidates, baseline, rows, record, bar)
+    base_bytes = rows[baseline.label]["bytes_per_token"]
+    for row in rows.values():
+        row["bytes_ratio"] = row["bytes_per_token"] / base_bytes
+    result["candidates"] = list(rows.values())
+    result["summary"] = summary(result["candidates"])
+    console.print(results_table(result))
+    record.log(f"eval: {len(candidates)} candidate(s) against {baseline.label}")
+    return result
+
+
+def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, candidates: list[Candidate],
+                baseline: Candidate, rows: dict, bar: Progress) -> dict:
+    chunks = s.protocol == "chunks"
+    task = bar.add_task(f"perplexity ({s.protocol})", total=len(ids) // s.ctx if chunks else len(ids) - s.prompt_len)
+    step = lambda done, total: bar.update(task, completed=done)   # noqa: E731
+    policies = [c.policy for c in candidates]
+    t0 = time.perf_counter()
+    if chunks:
+        results = evaluate_chunks(model, ids, policies, baseline.policy, s.ctx, bos, on_step=step)
+    else:
+        results = evaluate_cache(model, ids, policies, baseline.policy, s.prompt_len, on_step=step)
+    seconds = time.perf_counter() - t0
+    bar.remove_task(task)
+    for c, r in zip(candidates, results):
+        rows[c.label]["perplexity"] = {k: v for k, v in r.to_dict().items() if k not in ("policy", "bytes_per_token",
+                                                                                      "protocol")}
+    r0 = results[0]
+    rows[baseline.label]["perplexity"] = {"n_scored": r0.n_scored, "nll": r0.baseline_nll, "ppl": r0.baseline_ppl,
+                                          "ppl_stderr": r0.baseline_ppl_stderr, "ppl_ratio": 1.0, "dnll": 0.0,
+                                          "kl_mean": 0.0, "kl_max": 0.0, "top1_agreement": 1.0}
+    setup = {"ctx": s.ctx, "n_chunks": len(ids) // s.ctx, "bos": bos} if chunks else {"prompt_len": s.prompt_len}
+    return {"protocol": s.protocol, "text": s.text or "caramba/data/corpus.txt", "n_tokens": len(ids), **setup,
+            "seconds": seconds}
+
+
+def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidate], baseline: Candidate,
+           rows: dict, record: RunDir, bar: Progress) -> dict:
+    everyone = len(candidates) + 1
+    task = bar.add_task(f"tasks ({len(samples)} samples x {everyone} caches)", total=len(samples) * everyone)
+    answered = lambda _label, _answer: bar.advance(task)   # noqa: E731
+    results, context_s = answer_tasks(model, tok, samples, candidates, baseline, prefill=s.prefill,
+                                      q_chunk=s.q_chunk, eos_ids=list(tok.stop_token_ids), batch_size=s.batch_size,
+                                      on_answer=answered)
+    bar.remove_task(task)
+    for r in results:
+        rows[r.candidate.label].update(task_metrics(r))
+    if record.path is not None:   # every answer, for a reader who wants to see what a score came from
+        record.write_json("answers.json", {r.candidate.label: r.to_dict()["answers"] for r in results})
+    return {"names": list(s.names or task_suite.DEFAULT_TASKS), "lengths": s.lengths, "samples": s.samples,
+            "seed": s.seed, "chat": s.chat, "prefill": s.prefill, "q_chunk": s.q_chunk, "batch_size": s.batch_size,
+            "generator_version": task_suite.GENERATOR_VERSION, "prompts_sha256": task_suite.samples_digest(samples),
+            "context_prefill_s": context_s}
+
+
+def task_metrics(r: CandidateAnswers) -> dict:
+    """A candidate's task scores per cell, their average (every cell weighs the same), the
+    average per length, and what answering cost."""
+    cells = r.cells()
+    flat = [(length, cell["score"]) for per_task in cells.values() for length, cell in per_task.items()]
+    lengths = sorted({length for length, _ in flat})
+    by_length = {str(n): _mean([v for length, v in flat if length == n]) for n in lengths}
+    prefill_s = sum(a.prefill_s for a in r.answers)
+    decode_s = sum(a.decode_s for a in r.answers)
+    return {"tasks": {name: {str(n): cell for n, cell in per.items()} for name, per in cells.items()},
+            "task_avg": _mean([v for _, v in flat]), "task_avg_by_length": by_length,
+            "prefill_s": prefill_s, "decode_s": decode_s, "decode_tok_s": r.decode_tok_s()}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+# Per candidate, the numbers `expect:` bounds name as LABEL.NAME (e.g. q4_0.task_avg >= 0.5,
+# q4_0.tasks.niah_single.2048 >= 0.8).
+SUMMARY_KEYS = ("bytes_per_token", "bytes_ratio", "task_avg", "decode_tok_s")
+PERPLEXITY_KEYS = ("ppl", "ppl_ratio", "dnll", "kl_mean", "kl_max", "top1_agreement")
+
+
+def summary(rows: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for row in rows:
+        label = row["label"]
+        for key in SUMMARY_KEYS:
+            if row.get(key) is not None:
+                out[f"{label}.{key}"] = row[key]
+        for key in PERPLEXITY_KEYS:
+            if row.get("perplexity", {}).get(key) is not None:
+                out[f"{label}.{key}"] = row["perplexity"][key]
+        for name, per in row.get("tasks", {}).items():
+            for length, cell in per.items():
+                out[f"{label}.tasks.{name}.{length}"] = cell["score"]
+    return out
+
+
+def results_table(result: dict) -> Table:
+    rows = result["candidates"]
+    table = Table(title=_title(result), title_justify="left")
+    columns = ["cache", "bytes/token", "vs baseline"]
+    tasks = result.get("tasks")
+    if tasks:
+        columns += ["task avg", *(f"@{n}" for n in tasks["lengths"]), "decode tok/s"]
+    if result.get("perplexity"):
+        columns += ["PPL", "PPL ratio", "mean KL", "top-1 agree"]
+    for col in columns:
+        table.add_column(col, justify="left" if col == "cache" else "right")
+    for row in rows:
+        cells = [row["label"], str(row["bytes_per_token"]), f"{row['bytes_ratio']:.3f}"]
+        if tasks:
+            cells += [f"{row['task_avg']:.3f}", *(f"{row['task_avg_by_length'].get(str(n), float('nan')):.3f}"
+                                                  for n in tasks["lengths"]),
+                      f"{row['decode_tok_s']:.1f}" if row.get("decode_tok_s") else ""]
+        if result.get("perplexity"):
+            p = row["perplexity"]
+            stderr = f" +/- {p['ppl_stderr']:.5f}" if p.get("ppl_stderr") is not None else ""
+            cells += [f"{p['ppl']:.4f}{stderr}", f"{p['ppl_ratio']:.4f}", f"{p['kl_mean']:.2e}", f"{p['top1_agreement']:.4f}"]
+        table.add_row(*(escape(c) for c in cells))
+    return table
+
+
+def _title(result: dict) -> str:
+    parts = [f"eval against {result['baseline']}"]
+    ppl = result.get("perplexity")
+    if ppl is not None:
+        n_scored = result["candidates"][0]["perplexity"]["n_scored"]
+        parts.append(f"{ppl['n_chunks']} windows of {ppl['ctx']} tokens, {n_scored} tokens scored (second halves)"
+                     if ppl["protocol"] == "chunks" else
+                     f"{n_scored} tokens scored after a {ppl['prompt_len']}-token prompt")
+    tasks = result.get("tasks")
+    if tasks is not None:
+        parts.append(f"{len(tasks['names'])} tasks x {len(tasks['lengths'])} lengths x {tasks['samples']} samples "
+                     f"(95% intervals in result.json), prefill {tasks['prefill']}")
+    return escape("; ".join(parts))

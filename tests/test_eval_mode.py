@@ -1,0 +1,271 @@
+"""`mode: eval` end to end on a tiny model, and the task engine (caramba.infer.task_eval) under it:
+records, resume, sweeps, --check bounds, errors before anything runs, and the shared-prefill
+protocol against its definition."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from caramba.cache import CachePolicy
+from caramba.infer import tasks as task_suite
+from caramba.infer.task_eval import Candidate, answer_tasks, store_context, wilson
+from caramba.model.zoo import load_model
+from test_cli import invoke, write_tiny_model
+
+LENGTH = 768   # tokens of a task context: bytes of the tiny model's byte-level tokenizer
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tmp_path_factory) -> Path:
+    """The CLI tests' tiny byte-level model, with room for contexts of a few thousand tokens."""
+    d = write_tiny_model(tmp_path_factory.mktemp("tiny-long") / "model")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def loaded(long_tiny):
+    return load_model(str(long_tiny), progress=False)
+
+
+def eval_manifest(tmp_path: Path, model: Path, section: str, extra: str = "") -> Path:
+    path = tmp_path / "e.yaml"
+    path.write_text(f"""\
+version: 1
+name: ev
+defaults:
+  model: {{source: "{model}"}}
+targets:
+  - type: experiment
+    name: t
+    runs:
+      - id: kv
+        mode: eval
+{extra}        eval:
+{section}""")
+    return path
+
+
+SECTION = f"""\
+          candidates: [{{cache_kind: q8_0, qblock: 8}}, {{cache_kind: q4_0, qblock: 8, rotate_keys: true, name: q4r}}]
+          perplexity: {{prompt_len: 16, max_tokens: 64}}
+          tasks: {{names: [niah_single], lengths: [{LENGTH}], samples: 2}}
+"""
+
+
+def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkeypatch, long_tiny):
+    monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
+    manifest = eval_manifest(tmp_path, long_tiny, SECTION, extra="""\
+        expect:
+          metrics: ["q4r.bytes_ratio < 0.3", "fp32.tasks.niah_single.768 >= 0", "q8_0_qblock_8.kl_mean >= 0"]
+""")
+    r = invoke("run", manifest)
+    assert r.exit_code == 0, r.output
+    record = tmp_path / "runs" / "ev" / "t" / "kv"
+    assert (record / "DONE").is_file()
+    result = json.loads((record / "result.json").read_text())
+    labels = [c["label"] for c in result["candidates"]]
+    assert labels == ["q8_0_qblock_8", "q4r", "fp32"] and result["baseline"] == "fp32"
+    by = {c["label"]: c for c in result["candidates"]}
+    assert by["fp32"]["bytes_ratio"] == 1.0 and by["q4r"]["bytes_per_token"] < by["q8_0_qblock_8"]["bytes_per_token"]
+    for c in result["candidates"]:
+        cell = c["tasks"]["niah_single"][str(LENGTH)]
+        assert cell["n"] == 2 and 0 <= cell["ci_low"] <= cell["score"] <= cell["ci_high"] <= 1
+        assert c["decode_s"] >= 0 and c["perplexity"]["n_scored"] == 48
+    assert by["fp32"]["perplexity"]["kl_mean"] == 0 and by["q4r"]["perplexity"]["kl_mean"] > 0
+    tasks = result["tasks"]
+    assert tasks["generator_version"] == task_suite.GENERATOR_VERSION and len(tasks["prompts_sha256"]) == 64
+    assert result["summary"]["q4r.tasks.niah_single.768"] == by["q4r"]["tasks"]["niah_single"]["768"]["score"]
+    answers = json.loads((record / "answers.json").read_text())
+    assert set(answers) == set(labels) and all(len(a) == 2 for a in answers.values())
+    # a second run skips the record; --check holds the bounds
+    again = invoke("run", manifest, "--check")
+    assert again.exit_code == 0 and "skip" in again.output and "check ok" in again.output, again.output
+    # a bound the result breaks fails the check, naming the metric
+    broken = invoke("run", manifest, "--check", "--set", "targets.t.runs.kv.expect.metrics=['q4r.bytes_ratio > 0.9']")
+    assert broken.exit_code != 0 and "q4r.bytes_ratio" in broken.output
+
+
+def test_same_prompts_for_every_candidate_and_reproducible_from_the_record(tmp_path, monkeypatch, long_tiny):
+    monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
+    sweep = SECTION + """\
+        matrix:
+          eval.tasks.prefill: [shared, own]
+"""
+    manifest = eval_manifest(tmp_path, long_tiny, sweep)
+    r = invoke("run", manifest)
+    assert r.exit_code == 0, r.output
+    runs = sorted((tmp_path / "runs" / "ev" / "t").iterdir())
+    results = [json.loads((d / "result.json").read_text()) for d in runs if not d.name.startswith(".")]
+    assert len(results) == 2
+    digests = {r["tasks"]["prompts_sha256"] for r in results}
+    assert len(digests) == 1   # the same samples whatever the protocol
+    # and the digest is what the generators give again for the recorded settings
+    tok = load_model(str(long_tiny), progress=False).tokenizer
+    again = task_suite.make_samples("niah_single", LENGTH, 2, 0, tok, chat=True)
+    assert task_suite.samples_digest(again) == digests.pop()
+    report = invoke("report", manifest)
+    assert report.exit_code == 0 and "frontier" in report.output and "q4r" in report.output, report.output
+
+
+@pytest.mark.parametrize("section, message", [
+    ("          candidates: [{cache_kind: q8_0}]\n", "perplexity: and/or tasks:"),
+    ("          candidates: [{cache_kind: auto}]\n          tasks: {}\n", "not a candidate"),
+    ("          candidates: [{cache_kind: q8_0}, {cache_kind: q8_0}]\n          tasks: {}\n", "both labelled"),
+    ("          candidates: [{cache_kind: q8_0}]\n          tasks: {names: [niah_singel]}\n", "did you mean"),
+    ("          candidates: [{cache_kind: q8_0, name: 'a-b'}]\n          tasks: {}\n", "candidate name"),
+    ("          candidates: [{cache_kind: q8_0, decode_local_window: 64}]\n          perplexity: {}\n", "window"),
+    ("          candidates: [{cache_kind: q8_0}]\n          tasks: {lengths: [999999]}\n", "trained context"),
+    ("          candidates: [{cache_kind: q8_0}]\n          tasks: {lengths: [64], names: [niah_single]}\n",
+     "eval.tasks"),
+    ("          candidates: [{cache_kind: q8_0}]\n          perplexity: {text: /nonexistent.txt}\n", "not a file"),
+])
+def test_bad_eval_settings_exit_2_before_anything_runs(tmp_path, monkeypatch, long_tiny, section, message):
+    monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
+    r = invoke("run", eval_manifest(tmp_path, long_tiny, section))
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert "Traceback" not in r.output and not (tmp_path / "runs" / "ev").exists()
+
+
+def test_cli_eval_runs_the_task_suite(long_tiny):
+    r = invoke("eval", "--model", long_tiny, "--tasks", "niah_single", "--lengths", str(LENGTH), "--samples", "1",
+               "--no-perplexity", "--cache-kind", "q8_0", "--qblock", "8", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert [c["label"] for c in out["candidates"]] == ["q8_0_qblock_8", "fp32"] and "perplexity" not in out
+    assert invoke("eval", "--model", long_tiny, "--no-perplexity").exit_code == 2
+    bad = invoke("eval", "--model", long_tiny, "--tasks", "nope", "--no-perplexity")
+    assert bad.exit_code == 2 and "unknown task" in bad.output
+
+
+# ---- the engine -----------------------------------------------------------------------------
+
+def _samples(loaded, n=2):
+    return task_suite.make_samples("niah_single", LENGTH, n, 0, loaded.tokenizer, chat=True)
+
+
+def test_a_baseline_kind_candidate_answers_exactly_as_the_baseline(loaded):
+    """shared prefill stores the baseline's own values again: the same kind answers bit for bit alike."""
+    fp32 = CachePolicy.build("fp32")
+    results, _ = answer_tasks(loaded.model, loaded.tokenizer, _samples(loaded), [Candidate("copy", fp32)],
+                              Candidate("fp32", fp32))
+    copy, base = results
+    assert [a.output_ids for a in copy.answers] == [a.output_ids for a in base.answers]
+    assert all(a.output_ids for a in base.answers)
+
+
+@torch.inference_mode()
+def test_answers_equal_a_cache_free_greedy_reference(loaded):
+    """The greedy answer through the cache (context, then question, then one token at a time) is
+    what re-running the whole sequence without a cache picks at every step."""
+    model = loaded.model
+    (sample,) = _samples(loaded, 1)
+    results, _ = answer_tasks(model, loaded.tokenizer, [sample], [], Candidate("fp32", CachePolicy.build("fp32")),
+                              q_chunk=100)
+    ids = sample.context_ids + sample.question_ids
+    expected = []
+    for _ in range(len(results[0].answers[0].output_ids)):
+        logits = model(torch.tensor([ids + expected]))[0, -1]
+        expected.append(int(logits.argmax()))
+    assert results[0].answers[0].output_ids == expected
+
+
+@torch.inference_mode()
+def test_shared_prefill_quantizes_the_baselines_values(loaded):
+    """A candidate's stored context is the baseline's K/V written in its kinds: layer 0's keys
+    (computed from embeddings alone, so equal under either protocol) quantize to the same codes
+    as a prefill through the candidate's own cache, and later layers read the baseline's values."""
+    model = loaded.model
+    (sample,) = _samples(loaded, 1)
+    ids = torch.tensor([sample.context_ids])
+    q8 = CachePolicy.build("q8_0", qblock=8)
+    base, own, shared = (model.new_cache(1, ids.shape[1], p) for p in (CachePolicy.build("fp32"), q8, q8))
+    model(ids, cache=base, last_only=True)
+    model(ids, cache=own, last_only=True)
+    store_context(base, shared)
+    assert shared.length == own.length == ids.shape[1]
+    assert torch.equal(shared.layers[0].k, own.layers[0].k) and torch.equal(shared.layers[0].v, own.layers[0].v)
+    k_base, _ = base.layers[-1].contents(base.length)
+    k_shared, _ = shared.layers[-1].contents(shared.length)
+    step = k_base.abs().amax() / 127   # q8_0: at most half a step of the block's scale off, bounded by the largest
+    assert (k_shared - k_base).abs().max() <= step
+
+
+def test_wilson_interval():
+    assert wilson(1.0, 8)[1] == 1.0 and 0.6 < wilson(1.0, 8)[0] < 0.7   # all 8 right: not a zero-width interval
+    low, high = wilson(0.5, 100)
+    assert math.isclose(low, 0.4038, abs_tol=1e-3) and math.isclose(high, 0.5962, abs_tol=1e-3)
+    with pytest.raises(ValueError):
+        wilson(0.5, 0)
+
+
+# ---- the frontier ---------------------------------------------------------------------------
+
+def _record(path: Path, result: dict) -> tuple[str, Path]:
+    path.mkdir(parents=True)
+    (path / "result.json").write_text(json.dumps(result))
+    (path / "DONE").write_text("")
+    return path.name, path
+
+
+def _candidate(label, nbytes, avg, policy=None, tok_s=10.0):
+    return {"label": label, "policy": policy or label, "bytes_per_token": nbytes, "bytes_ratio": nbytes / 100,
+            "task_avg": avg, "task_avg_by_length": {"2048": avg}, "decode_tok_s": tok_s,
+            "perplexity": {"ppl_ratio": 1 + (1 - avg), "kl_mean": 1 - avg}}
+
+
+def test_frontier_marks_the_pareto_optimal_candidates_within_comparable_runs(tmp_path):
+    from caramba.bench.frontier import frontier_rows, plot_frontier
+
+    tasks = {"prompts_sha256": "a" * 64}
+    eval_a = _record(tmp_path / "a", {"mode": "eval", "baseline": "fp32", "tasks": tasks, "candidates": [
+        _candidate("fp32", 100, 0.9), _candidate("q8_0", 50, 0.9), _candidate("q4_0", 25, 0.5),
+        _candidate("bad", 60, 0.4), _candidate("tie", 50, 0.9)]})
+    other = _record(tmp_path / "b", {"mode": "eval", "baseline": "fp32", "tasks": {"prompts_sha256": "b" * 64},
+                                     "candidates": [_candidate("nf4", 25, 0.1)]})
+    bench = _record(tmp_path / "c", {"mode": "decode-bench", "cells": [
+        {"impl": "caramba", "cache_kind": "q8_0", "prompt_len": 512, "decode_tok_s": 99.0},
+        {"impl": "caramba", "cache_kind": "q8_0", "prompt_len": 2048, "decode_tok_s": 42.0}]})
+    unfinished = tmp_path / "d"
+    unfinished.mkdir()
+    (unfinished / "result.json").write_text(json.dumps({"mode": "eval", "candidates": [_candidate("x", 1, 1.0)]}))
+    rows = frontier_rows([eval_a, other, bench, ("d", unfinished)])
+    pareto = {r["cache"]: r["pareto"] for r in rows}
+    # fp32 is beaten by q8_0 (fewer bytes, same score); "bad" by q8_0; the tie at 50 bytes dominates neither
+    assert pareto == {"fp32": False, "q8_0": True, "q4_0": True, "bad": False, "tie": True, "nf4": True}
+    assert next(r for r in rows if r["cache"] == "q8_0")["bench_decode_tok_s"] == 42.0
+    assert next(r for r in rows if r["cache"] == "q4_0")["task_avg@2048"] == 0.5
+    pytest.importorskip("matplotlib")
+    assert plot_frontier(tmp_path / "f.png", rows).stat().st_size > 1000
+
+
+def test_a_new_task_generator_makes_an_eval_record_stale(monkeypatch, long_tiny, tmp_path):
+    """Other generators write other prompts: the record of an eval with tasks is not reused."""
+    import caramba.runners as runners
+    from caramba.manifest.loader import load_manifest
+
+    (run,) = load_manifest(eval_manifest(tmp_path, long_tiny, SECTION)).iter_runs()
+    before = runners.run_hash(runners.run_identity(run))
+    monkeypatch.setattr(runners, "GENERATOR_VERSION", runners.GENERATOR_VERSION + 1)
+    assert runners.run_hash(runners.run_identity(run)) != before
+
+
+def test_batched_answers_equal_one_sample_at_a_time(loaded):
+    """Left-padded rows of different context and question lengths, some stopping early: each row
+    answers as it does alone (greedy on the tiny model, whose logits are far from ties)."""
+    samples = task_suite.make_samples("niah_single", LENGTH, 3, 0, loaded.tokenizer, chat=True)
+    samples += task_suite.make_samples("niah_multivalue", 1100, 2, 1, loaded.tokenizer, chat=True)
+    assert len({len(s.context_ids) for s in samples}) > 1 and len({len(s.question_ids) for s in samples}) > 1
+    q8, fp32 = Candidate("q8", CachePolicy.build("q8_0", qblock=8)), Candidate("fp32", CachePolicy.build("fp32"))
+    eos = [int(loaded.tokenizer.eos_token_id)] if loaded.tokenizer.eos_token_id is not None else []
+    alone, _ = answer_tasks(loaded.model, loaded.tokenizer, samples, [q8], fp32, eos_ids=eos, batch_size=1)
+    batched, _ = answer_tasks(loaded.model, loaded.tokenizer, samples, [q8], fp32, eos_ids=eos, batch_size=4)
+    for a, b in zip(alone, batched):
+        assert [x.output_ids for x in a.answers] == [x.output_ids for x in b.answers]
+        assert [x.steps for x in a.answers] == [x.steps for x in b.answers]
