@@ -504,3 +504,16 @@ def test_report_of_a_records_directory_never_reads_through_a_link(world):
     assert rows["t/b"]["status"] == "blocked" and rows["t/b"]["metrics"] == {} and rows["t/b"]["mode"] is None
     assert rows["t/a"]["status"] == "done" and rows["t/a"]["metrics"]
     assert snapshot(outside) == before
+
+
+def test_a_run_killed_before_its_swap_is_failed_in_status_and_both_reports(world):
+    manifest, records, outside = world
+    assert invoke("run", manifest, "--run", "a").exit_code == 0
+    attempt = RunDir("rec", "t", "b")
+    attempt.begin()   # the worker starts b ...
+    attempt.log("loading model")
+    attempt.release()   # ... and is killed: no swap, only .b.partial is left
+    assert states(manifest) == {"t/a": "done", "t/b": "failed", "t/c": "pending"}
+    for source in (manifest, records.parent):
+        rows = {r["run"]: r["status"] for r in json.loads(invoke("report", source, "--json").stdout)}
+        assert rows["t/b"] == "failed" and rows["t/a"] == "done", rows
