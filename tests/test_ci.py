@@ -6,8 +6,6 @@ message as the failure; `caramba report --format markdown` appends to $GITHUB_ST
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import shlex
 import shutil
 import subprocess
