@@ -517,3 +517,30 @@ def test_a_run_killed_before_its_swap_is_failed_in_status_and_both_reports(world
     for source in (manifest, records.parent):
         rows = {r["run"]: r["status"] for r in json.loads(invoke("report", source, "--json").stdout)}
         assert rows["t/b"] == "failed" and rows["t/a"] == "done", rows
+
+
+def test_a_speculative_runs_draft_model_counts_in_its_memory(tiny_model):  # noqa: F811
+    from caramba.manifest import parse_manifest
+    from caramba.model.zoo import inspect_source
+
+    text = f"""\
+version: 1
+name: m
+defaults:
+  model: {{source: "{tiny_model}"}}
+targets:
+  - type: experiment
+    name: t
+    runs:
+      - id: plain
+        mode: speculative
+        speculative: {{prompts: ["hi"], max_new_tokens: 4, draft: prompt_lookup, max_seq_len: 64}}
+      - id: drafted
+        mode: speculative
+        draft: {{source: "{tiny_model}"}}
+        speculative: {{prompts: ["hi"], max_new_tokens: 4, draft: model, max_seq_len: 64}}
+"""
+    plain, drafted = parse_manifest(text, "m.yaml").iter_runs()
+    configs = {str(tiny_model): inspect_source(str(tiny_model))}
+    a, b = resources.run_memory(plain, configs), resources.run_memory(drafted, configs)
+    assert b["weights"][0] == 2 * a["weights"][0] and b["KV cache"][0] == 2 * a["KV cache"][0]

@@ -122,6 +122,8 @@ def check_memory(runs: list[ResolvedRun], configs: dict | None = None, available
             continue   # an accelerator's memory is its own; caramba does not size it here
         if r.model.source not in configs:
             configs[r.model.source] = inspect_source(r.model.source)
+        if r.draft is not None and r.draft.source not in configs:
+            configs[r.draft.source] = inspect_source(r.draft.source)
         need = run_memory(r, configs)
         total = sum(v for v, _ in need.values())
         if total <= available:
@@ -170,6 +172,10 @@ def run_memory(r: ResolvedRun, configs: dict) -> dict[str, tuple[int, str]]:
     width = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + 2 * cfg.intermediate_size + 4 * cfg.dim
     activations = batch * length * width * 4 + batch * cfg.vocab_size * 4 * 2
     sized_by = f"{seq_field} or {field}" if batch > 1 else seq_field   # at batch 1 the length is what to lower
+    if r.draft is not None:   # a speculative run's draft model: its weights and its own cache beside the target's
+        d_params, d_kv = _shape_costs(configs[r.draft.source], r.draft.dtype)
+        weights += d_params * _WEIGHT_BYTES.get(r.draft.weights, _DTYPE_BYTES.get(r.draft.dtype, 4))
+        kv += d_kv * batch * length
     return {"KV cache": (int(kv), sized_by), "weights": (int(weights), "model.dtype or model.weights"),
             "activations": (int(activations), sized_by)}
 
