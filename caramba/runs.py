@@ -224,6 +224,13 @@ def record_status(final: Path, digest: str | None = None) -> RecordStatus:
         kind = entry_kind(final)
     except RecordError as e:
         return RecordStatus("blocked", str(e))
+    lock = final.parent / f".{final.name}{LOCK}"
+    lock_kind = entry_kind(lock) if _lexists(lock) else None
+    if lock_kind not in (None, "file"):
+        return RecordStatus("blocked", f"the lock {lock} is {_describe(lock, lock_kind)}, not a lock file; caramba "
+                                       "will not open it: remove it and run again")
+    if lock_kind == "file" and _links(lock) > 1:
+        return RecordStatus("blocked", f"the lock {lock} is a hard link to another file; remove it and run again")
     staging = final.parent / f".{final.name}{STAGING}"
     if kind is None:
         if _lexists(staging):   # an attempt that died mid-run (a killed worker): no record, but not pending
@@ -296,6 +303,13 @@ def _last_line(log: Path) -> str:
     lines = data[-4096:].decode("utf-8", "replace").strip().splitlines()
     failed = [line for line in lines if "FAILED" in line or "interrupted" in line]
     return (failed or lines or ["empty log"])[-1][:200]
+
+
+def _links(path: Path) -> int:
+    try:
+        return os.lstat(path).st_nlink
+    except OSError:
+        return 1
 
 
 def _lexists(path: Path) -> bool:
@@ -407,9 +421,14 @@ class RunDir:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK, 0o666)
         except OSError as e:
             raise RecordError(f"cannot open the lock {self.lock_path}: {e.strerror}") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):   # swapped in between the look and the open
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):   # swapped in between the look and the open
             os.close(fd)
             raise RecordError(f"the lock {self.lock_path} is not a regular file; remove it and run again")
+        if st.st_nlink > 1:   # a hard link to a file elsewhere: writing the pid would truncate that file
+            os.close(fd)
+            raise RecordError(f"the lock {self.lock_path} is a hard link ({st.st_nlink} names for one file), not a "
+                              "lock file; caramba will not write it: remove it and run again")
         if fcntl is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from caramba.runs import DONE, RecordError, atomic_write_text, entry_kind, read_record_json, record_damage, record_status
+from caramba.runs import DONE, STAGING, RecordError, atomic_write_text, entry_kind, read_record_json, record_damage, record_status
 
 CELL_KEY = ("impl", "prompt_len", "batch_size", "cache_kind", "decode_plan")
 COMPARED = ("ttft_s", "decode_tok_s", "decode_p50_ms", "decode_p99_ms", "peak_rss_mb", "cache_bytes")
@@ -134,9 +134,11 @@ def record_dirs(directory: Path) -> list[tuple[str, Path]]:
     found = []
     # Not through links: a target that is a link is not read; a run that is one is listed (blocked).
     for target in sorted(p for p in directory.iterdir() if _kind(p) == "directory" and not p.name.startswith(".")):
-        for run in sorted(p for p in target.iterdir()
-                          if _kind(p) in ("directory", "symbolic link") and not p.name.startswith(".")):
-            found.append((f"{target.name}/{run.name}", run))
+        runs = {p.name: p for p in target.iterdir()
+                if _kind(p) in ("directory", "symbolic link") and not p.name.startswith(".")}
+        for p in target.glob(f".*{STAGING}"):   # a worker killed mid-attempt left only its staging directory
+            runs.setdefault(p.name[1:-len(STAGING)], target / p.name[1:-len(STAGING)])
+        found += [(f"{target.name}/{name}", runs[name]) for name in sorted(runs)]
     if not found:
         raise FileNotFoundError(f"{directory} is not a run record (no result.json) and holds none "
                                 f"(expected {directory}/<target>/<run id>/result.json)")
@@ -161,8 +163,8 @@ def sweep_row(name: str, record: Path, params: dict | None = None, digest: str |
     status = record_status(record, digest)
     row = {"run": name, "status": status.state, "mode": mode, "params": dict(params or {}), "metrics": {},
            "detail": status.detail}
-    if status.state != "done" and params is not None:
-        return row
+    if status.state in ("blocked", "pending") or (status.state != "done" and params is not None):
+        return row   # a blocked record path may be a link out of runs/: never read through it
     try:
         result = read_record_json(record)
     except RecordError:

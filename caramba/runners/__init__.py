@@ -180,6 +180,9 @@ def execute(task: RunTask, models: dict, console: Console) -> TaskResult:
     except (UserError, RunError, ValueError, OSError) as e:   # found late (input, a record entry, the disk):
         outcome.failed.append(name)                            # this run fails, the sweep goes on
         outcome.messages[name] = str(e)
+    except Exception as e:   # anything else is this run's failure too, never a worker's traceback
+        outcome.failed.append(name)
+        outcome.messages[name] = f"{type(e).__name__}: {e}"
     status = "failed" if name in outcome.failed else "skipped" if name in outcome.skipped else "done"
     return TaskResult(name, status, check_failed=name in outcome.check_failed, message=outcome.messages.get(name, ""),
                       started=started, ended=time.time(), pid=os.getpid(), checks=outcome.checks.get(name, []))

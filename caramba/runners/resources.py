@@ -21,7 +21,7 @@ from pathlib import Path
 from caramba.errors import UserError
 from caramba.infer.tasks import DEFAULT_TASKS
 from caramba.manifest import ResolvedRun
-from caramba.runs import entry_kind, record_status, runs_root
+from caramba.runs import entry_kind, runs_root
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
 _BASE_RECORD = 16 * KIB
@@ -55,11 +55,13 @@ def check_runs_dir(manifest_name: str, runs: list[ResolvedRun], root: str | Path
         if kind not in (None, "directory"):
             raise UserError(f"{part} is a {kind}, not a directory of records; caramba will not follow or replace "
                             "it: remove it and run again")
-    need = sum(record_bytes(r) * (2 if _has_record(base / manifest_name / r.target / r.run.id) else 1) for r in runs)
+    # Each run's new record (a redo's is built beside the old one, which already has its room);
+    # runs that turn out to be skipped are counted too: an over-estimate by design, never a guess low.
+    need = sum(record_bytes(r) for r in runs)
     free = shutil.disk_usage(existing).free
     if need > free:
         raise UserError(f"{where} {base} has {_size(free)} free; the {len(runs)} run(s) need about {_size(need)} for "
-                        "their records (a redo is built beside the record it replaces); free some space or set "
+                        "their records; free some space or set "
                         "CARAMBA_RUNS_DIR to a disk with room")
 
 
@@ -68,10 +70,6 @@ def _read_only(path: Path) -> bool:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except (OSError, AttributeError):
         return False
-
-
-def _has_record(final: Path) -> bool:
-    return record_status(final).state in ("done", "damaged", "failed")
 
 
 def record_bytes(r: ResolvedRun) -> int:
@@ -124,6 +122,8 @@ def check_memory(runs: list[ResolvedRun], configs: dict | None = None, available
             continue   # an accelerator's memory is its own; caramba does not size it here
         if r.model.source not in configs:
             configs[r.model.source] = inspect_source(r.model.source)
+        if r.draft is not None and r.draft.source not in configs:
+            configs[r.draft.source] = inspect_source(r.draft.source)
         need = run_memory(r, configs)
         total = sum(v for v, _ in need.values())
         if total <= available:
@@ -171,8 +171,13 @@ def run_memory(r: ResolvedRun, configs: dict) -> dict[str, tuple[int, str]]:
     kv = kv_per_token * batch * length   # an fp32 cache: the largest kind a run can ask for
     width = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + 2 * cfg.intermediate_size + 4 * cfg.dim
     activations = batch * length * width * 4 + batch * cfg.vocab_size * 4 * 2
-    return {"KV cache": (int(kv), f"{seq_field} or {field}"), "weights": (int(weights), "model.dtype or model.weights"),
-            "activations": (int(activations), f"{field} or {seq_field}")}
+    sized_by = f"{seq_field} or {field}" if batch > 1 else seq_field   # at batch 1 the length is what to lower
+    if r.draft is not None:   # a speculative run's draft model: its weights and its own cache beside the target's
+        d_params, d_kv = _shape_costs(configs[r.draft.source], r.draft.dtype)
+        weights += d_params * _WEIGHT_BYTES.get(r.draft.weights, _DTYPE_BYTES.get(r.draft.dtype, 4))
+        kv += d_kv * batch * length
+    return {"KV cache": (int(kv), sized_by), "weights": (int(weights), "model.dtype or model.weights"),
+            "activations": (int(activations), sized_by)}
 
 
 def _section(mode: str) -> str:
