@@ -269,3 +269,33 @@ def test_batched_answers_equal_one_sample_at_a_time(loaded):
     for a, b in zip(alone, batched):
         assert [x.output_ids for x in a.answers] == [x.output_ids for x in b.answers]
         assert [x.steps for x in a.answers] == [x.steps for x in b.answers]
+
+
+def test_an_interrupted_sweep_resumes_with_exactly_the_unfinished_eval_runs(tmp_path, monkeypatch, long_tiny):
+    """Ctrl-C in the middle of a task sweep: the finished run keeps its record, the interrupted one
+    has none, and the next `caramba run` skips the first and redoes the second."""
+    import caramba.runners.eval as eval_runner
+
+    monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
+    manifest = eval_manifest(tmp_path, long_tiny, SECTION + """\
+        matrix:
+          eval.tasks.seed: [0, 1]
+""")
+    real = eval_runner.answer_tasks
+
+    tok = load_model(str(long_tiny), progress=False).tokenizer
+    seed_1 = task_suite.samples_digest(task_suite.make_samples("niah_single", LENGTH, 2, 1, tok, chat=True))
+
+    def interrupt_seed_1(model, tokenizer, samples, *args, **kwargs):
+        if task_suite.samples_digest(samples) == seed_1:
+            raise KeyboardInterrupt
+        return real(model, tokenizer, samples, *args, **kwargs)
+    monkeypatch.setattr(eval_runner, "answer_tasks", interrupt_seed_1)
+    r = invoke("run", manifest)
+    assert r.exit_code == 130, r.output
+    records = tmp_path / "runs" / "ev" / "t"
+    assert (records / "kv.seed-0" / "DONE").is_file() and not (records / "kv.seed-1" / "DONE").exists()
+    monkeypatch.setattr(eval_runner, "answer_tasks", real)
+    resumed = invoke("run", manifest)
+    assert resumed.exit_code == 0 and "skip t/kv.seed-0" in resumed.output, resumed.output
+    assert (records / "kv.seed-1" / "DONE").is_file()
