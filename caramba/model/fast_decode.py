@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from caramba import kernels
+from caramba import kernels, threads
 from caramba.cache.layer import KVCache, LayerKVCache
 from caramba.cache.kinds import KVCacheKind
 from caramba.cache.streams import ChannelQuantStream, FloatStream, QuantStream
@@ -322,7 +322,8 @@ class ThreadChoice:
     `interval` steps it tries the count it is not using, keeps whichever was faster (a running
     mean of recent steps of as many token rows against the trial: a verify of 9 tokens takes longer
     than a step of one), and doubles the interval each time the trial loses, up to MAX_INTERVAL,
-    so a settled choice costs almost nothing. `fixed` pins a count."""
+    so a settled choice costs almost nothing. `fixed` (or CARAMBA_THREADS) pins a count; the
+    count it adapts from is torch's, which caramba.threads sets from the cores free."""
 
     FIRST_INTERVAL, MAX_INTERVAL = 16, 1024
 
@@ -335,8 +336,9 @@ class ThreadChoice:
 
     def next(self, rows: int = 1) -> int:
         """The thread count for a step of `rows` token rows."""
-        wanted = torch.get_num_threads() if self.fixed is None else self.fixed
-        if self.fixed is not None or wanted == 1:
+        fixed = self.fixed if self.fixed is not None else threads.explicit()    # CARAMBA_THREADS pins it too
+        wanted = torch.get_num_threads() if fixed is None else fixed
+        if fixed is not None or wanted == 1:
             return wanted
         if self.current not in (1, wanted):      # first step, or torch's count changed
             self.current, self.means = wanted, {}
