@@ -33,7 +33,7 @@ SAMPLE_S = 0.05      # the idle-time window: long enough for /proc/stat's 10 ms 
 REUSE_S = 2.0        # a choice this young is reused
 FREE_AT = 0.75       # free cores are the CPUs' idle fractions summed, rounded up from .75: a thread
                      # sharing a core that another process keeps a third busy still stalls barriers
-SPINCOUNT = "10000"  # GOMP_SPINCOUNT caramba sets when the user set no wait policy (see bound_spinning)
+SPINCOUNT = "1000"   # GOMP_SPINCOUNT caramba sets when the user set no wait policy (see bound_spinning)
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,11 @@ def bound_spinning() -> dict:
     loaded, and the C kernels share torch's libgomp (same soname, loaded by `import torch`), so
     this must run before torch is imported: caramba/__init__.py calls it. Returns (and keeps, for
     record()) what was done. A spinning waiter holds its core while the peer it waits for, pushed
-    off its own core by another process, could have run there; libgomp's default (300000 spins, a
-    few ms) made a step with two threads 6x slower than one thread with one core busy."""
+    off its own core by another process, could have run there: with libgomp's default (300000
+    spins, milliseconds) two threads decoded 0.13-0.15x as fast as one on a loaded 2-core machine,
+    with 1000 (libgomp's own bound once it has more threads than CPUs) 0.94-1.4x
+    (docs/decode-speed.md, "Under contention").
+    """
     if _wait:
         return _wait
     mine = {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ}
