@@ -15,8 +15,9 @@ for bit, completes per-channel groups, and keeps the streams' rings and their bo
 torch path does (kv_stream.c). Everything else takes the torch path, which stays the reference
 (tests compare the two): per-channel values, ring-buffer caches, fp16/bf16 caches, and a step
 that must first refill a per-channel group a rollback went into. `model.fast_decode = False` or
-CARAMBA_KERNELS=0 turns it off. The thread count adapts to a busy machine (ThreadChoice;
-`model.decode_threads = ThreadChoice(fixed=n)` pins it).
+CARAMBA_KERNELS=0 turns it off. The thread count starts from torch's, which a Generator sets
+from the cores free (caramba.threads), and adapts to a busy machine (ThreadChoice;
+`model.decode_threads = ThreadChoice(fixed=n)` or CARAMBA_THREADS=n pins it).
 """
 
 from __future__ import annotations
