@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from caramba.errors import UserError
+
 ENV = "CARAMBA_THREADS"
 SAMPLE_S = 0.05      # the idle-time window: long enough for /proc/stat's 10 ms ticks to average
 REUSE_S = 2.0        # a choice this young is reused
@@ -58,6 +60,10 @@ class Choice:
 
 _last: Choice | None = None
 _wait: dict = {}
+
+
+class ThreadsError(UserError, ValueError):
+    """A bad CARAMBA_THREADS: the CLI prints it and exits 2."""
 
 
 def bound_spinning() -> dict:
@@ -101,7 +107,7 @@ def explicit() -> int | None:
     except ValueError:
         n = 0
     if n < 1:
-        raise ValueError(f"{ENV} must be a positive integer or 'auto', got {raw!r}: "
+        raise ThreadsError(f"{ENV} must be a positive integer or 'auto', got {raw!r}: "
                          f"set it to e.g. {ENV}=1, or unset it to use the free cores")
     return n
 

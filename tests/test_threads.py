@@ -14,6 +14,7 @@ import torch
 
 from caramba import threads
 from caramba.bench.busy import busy_core
+from caramba.errors import UserError
 from caramba.infer.config import GenerateConfig
 from caramba.infer.generate import Generator
 from caramba.model import fast_decode
@@ -59,7 +60,7 @@ def test_caramba_threads_wins_over_a_busy_core(all_cores, monkeypatch):
 @pytest.mark.parametrize("raw", ["0", "-1", "two", "1.5"])
 def test_a_bad_caramba_threads_names_the_variable(monkeypatch, raw):
     monkeypatch.setenv(threads.ENV, raw)
-    with pytest.raises(ValueError, match="CARAMBA_THREADS must be a positive integer or 'auto'"):
+    with pytest.raises(UserError, match="CARAMBA_THREADS must be a positive integer or .auto."):
         threads.choose()
 
 
