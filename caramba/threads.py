@@ -53,7 +53,7 @@ class Choice:
     def as_record(self) -> dict:
         out = asdict(self)
         out.pop("at")
-        out["idle"] = [round(v, 3) for v in self.idle]
+        out["cpus"], out["idle"] = list(self.cpus), [round(v, 3) for v in self.idle]   # JSON-shaped
         out["free_cores"] = None if self.free_cores is None else round(self.free_cores, 3)
         return out
 
