@@ -7,8 +7,8 @@ Each thread mode runs through the Generator as a user's generation does: `1` and
 CARAMBA_THREADS=1 / =2 (forced), `auto` is the default (caramba.threads picks from the cores free
 when the generation starts, the C step's ThreadChoice adapts from there). Each is timed quiet and
 with a process spinning on the last CPU (caramba.bench.busy), in alternating order, `--repeats`
-rounds; medians are printed, with the ratio to the quiet 1-thread median of the same worker (the
-goal: `auto` with one core busy >= 0.9x of that, decode and prefill alike).
+rounds; medians are printed, with the ratio to the 1-thread median of the same worker in the same
+state, busy or not (the goal: `auto` with one core busy >= 0.9x of that, decode and prefill alike).
 
 `--spincounts` runs one worker process per OpenMP wait bound (libgomp reads GOMP_SPINCOUNT once,
 when it loads): `caramba` (caramba's default, caramba.threads.SPINCOUNT), `libgomp` (libgomp's own
@@ -136,7 +136,7 @@ def find_llama_bench():
         f32 = root / "models" / (llamacpp.embedded_gguf().stem + ".F32.gguf")
         if exe.exists():
             if not f32.exists() and (root / "build" / "bin" / "llama-quantize").exists():
-                f32 = llamacpp.f32_model(llamacpp.Tools(root, root, root / "build" / "bin"))
+                f32 = llamacpp.f32_model(llamacpp.Tools(root, root / "src", root / "build" / "bin"))
             if f32.exists():
                 return exe, f32
     return None
