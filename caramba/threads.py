@@ -34,7 +34,7 @@ ENV = "CARAMBA_THREADS"
 SAMPLE_S = 0.05      # the idle-time window: long enough for /proc/stat's 10 ms ticks to average
 REUSE_S = 2.0        # a choice this young is reused
 FREE_AT = 0.75       # free cores are the CPUs' idle fractions summed, rounded up from .75: a thread
-                     # sharing a core that another process keeps a third busy still stalls barriers
+                     # on a core another process keeps over a quarter busy still stalls barriers
 SPINCOUNT = "1000"   # GOMP_SPINCOUNT caramba sets when the user set no wait policy (see bound_spinning)
 
 
@@ -108,7 +108,7 @@ def explicit() -> int | None:
         n = 0
     if n < 1:
         raise ThreadsError(f"{ENV} must be a positive integer or 'auto', got {raw!r}: "
-                         f"set it to e.g. {ENV}=1, or unset it to use the free cores")
+                           f"set it to e.g. {ENV}=1, or unset it to use the free cores")
     return n
 
 
