@@ -18,7 +18,7 @@ from caramba.errors import UserError
 from caramba.infer.config import GenerateConfig
 from caramba.infer.generate import Generator
 from caramba.model import fast_decode
-from tests.conftest import make_model
+from conftest import make_model
 
 CPUS = sorted(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(len(CPUS) < 2, reason="a busy core needs a second CPU to leave free")
