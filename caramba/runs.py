@@ -617,6 +617,7 @@ def capture_env(seed: int | None, device: str) -> dict[str, Any]:
         torch = None
     env["torch_version"] = torch.__version__ if torch else None
     env["torch_threads"] = torch.get_num_threads() if torch else None
+    env["threads"] = caramba.threads.record() if torch else None   # threads asked, used and why
     cuda = bool(torch and torch.cuda.is_available())
     env["cuda_version"] = torch.version.cuda if torch else None
     env["gpu"] = torch.cuda.get_device_name(0) if cuda else None

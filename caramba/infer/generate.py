@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from caramba import threads
 from caramba.cache import KVCache
 from caramba.cache.layer import CacheOverflowError
 from caramba.infer.config import GenerateConfig
@@ -69,6 +70,7 @@ class Generator:
         self.state: DecodeState | None = None         # cache, slot mask, positions, pending token
         self.seen: torch.Tensor | None = None         # [B, V] tokens in context (repetition penalty)
         self.history: History | None = None           # n-grams, token counts, tokens this turn
+        self.threads: threads.Choice | None = None     # CPU threads this session runs on (caramba.threads)
         if self.config.seed is not None:
             self.rng = torch.Generator(device=self.device).manual_seed(self.config.seed)
 
@@ -95,8 +97,13 @@ class Generator:
 
     def generate_iter(self, input_ids, attention_mask: torch.Tensor | None = None) -> Iterator:
         """Stream tokens: ints for a single row; for a batch, a list per step with None for
-        rows that have finished."""
+        rows that have finished. The input is checked and the threads chosen now, before the
+        caller's first next() (a benchmark's clock): that one runs the prefill."""
         tokens, mask = self._as_batch(input_ids, attention_mask)
+        self._cpu_threads()
+        return self._ids(tokens, mask)
+
+    def _ids(self, tokens: torch.Tensor, mask: torch.Tensor) -> Iterator:
         single = tokens.shape[0] == 1
         for step_tokens, active in self._steps(tokens, mask):
             ids = [t if a else None for t, a in zip(step_tokens.tolist(), active.tolist())]
@@ -109,6 +116,7 @@ class Generator:
         tokens, mask = self._as_batch(input_ids, attention_mask)
         B = tokens.shape[0]
         sequences: list[list[int]] = [[] for _ in range(B)]
+        self._cpu_threads()
         t0 = time.perf_counter()
         t_first = None
         steps = 0
@@ -129,9 +137,24 @@ class Generator:
 
     def _steps(self, tokens: torch.Tensor, mask: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield (tokens [B], active [B]) per generated position; inactive rows are padding."""
-        cfg = self.config
         B = tokens.shape[0]
         state = self._start_turn(B)
+        if self._cpu_threads() is None:
+            yield from self._turn(state, tokens, mask)
+            return
+        with threads.applied(self.threads):     # prefill and steps alike; torch's count restored after
+            yield from self._turn(state, tokens, mask)
+
+    def _cpu_threads(self) -> threads.Choice | None:
+        """The CPU thread count of this session, chosen once from the cores free when it starts
+        (caramba.threads; ~50 ms of sampling, taken before run() starts its clock); None on a GPU."""
+        if self.threads is None and self.device.type == "cpu":
+            self.threads = threads.choose()
+        return self.threads
+
+    def _turn(self, state: DecodeState, tokens: torch.Tensor, mask: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.config
+        B = tokens.shape[0]
         n_input = tokens.shape[1]
         tokens, mask = state.with_pending(tokens, mask)  # the last turn's final token goes in first
         T = tokens.shape[1]

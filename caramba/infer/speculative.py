@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from caramba import threads
 from caramba.cache.layer import CacheOverflowError
 from caramba.infer.drafts import (
     ModelDraft, PromptLookupDraft, check_vocab, int8_self_draft, layer_skip_draft,
@@ -102,6 +103,7 @@ class SpeculativeGenerator:
         self.rows: DecodeState | None = None   # the target's decoding state after the last call
         self.plan = None                     # the decode plan (ResolvedPlan) of the last call
         self.rng: torch.Generator | None = None
+        self.threads: threads.Choice | None = None    # CPU threads of the last run (caramba.threads)
 
     def _make_draft(self, draft_model):
         cfg = self.config
@@ -140,7 +142,15 @@ class SpeculativeGenerator:
     def run(self, input_ids, attention_mask: torch.Tensor | None = None,
             on_token: Callable[[int, int], None] | None = None) -> SpeculativeResult:
         """Generate; per-row tokens, finish reasons, timings and stats (also kept in .stats).
-        on_token(row, token_id) is called as tokens are accepted (for streaming)."""
+        on_token(row, token_id) is called as tokens are accepted (for streaming). On a CPU it runs
+        on the threads caramba.threads chooses (kept in .threads), chosen before the clock starts."""
+        if self.target.device.type != "cpu":
+            return self._run(input_ids, attention_mask, on_token)
+        self.threads = threads.choose()
+        with threads.applied(self.threads):
+            return self._run(input_ids, attention_mask, on_token)
+
+    def _run(self, input_ids, attention_mask: torch.Tensor | None, on_token) -> SpeculativeResult:
         cfg = self.config
         rows = as_rows(input_ids, attention_mask)
         B, device = len(rows), self.target.device

@@ -15,8 +15,9 @@ for bit, completes per-channel groups, and keeps the streams' rings and their bo
 torch path does (kv_stream.c). Everything else takes the torch path, which stays the reference
 (tests compare the two): per-channel values, ring-buffer caches, fp16/bf16 caches, and a step
 that must first refill a per-channel group a rollback went into. `model.fast_decode = False` or
-CARAMBA_KERNELS=0 turns it off. The thread count adapts to a busy machine (ThreadChoice;
-`model.decode_threads = ThreadChoice(fixed=n)` pins it).
+CARAMBA_KERNELS=0 turns it off. The thread count starts from torch's, which a Generator sets
+from the cores free (caramba.threads), and adapts to a busy machine (ThreadChoice;
+`model.decode_threads = ThreadChoice(fixed=n)` or CARAMBA_THREADS=n pins it).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from caramba import kernels
+from caramba import kernels, threads
 from caramba.cache.layer import KVCache, LayerKVCache
 from caramba.cache.ring import RingKVCache, RingLayerKVCache
 from caramba.cache.kinds import KVCacheKind
@@ -328,7 +329,8 @@ class ThreadChoice:
     `interval` steps it tries the count it is not using, keeps whichever was faster (a running
     mean of recent steps of as many token rows against the trial: a verify of 9 tokens takes longer
     than a step of one), and doubles the interval each time the trial loses, up to MAX_INTERVAL,
-    so a settled choice costs almost nothing. `fixed` pins a count."""
+    so a settled choice costs almost nothing. `fixed` (or CARAMBA_THREADS) pins a count; the
+    count it adapts from is torch's, which caramba.threads sets from the cores free."""
 
     FIRST_INTERVAL, MAX_INTERVAL = 16, 1024
 
@@ -341,8 +343,9 @@ class ThreadChoice:
 
     def next(self, rows: int = 1) -> int:
         """The thread count for a step of `rows` token rows."""
-        wanted = torch.get_num_threads() if self.fixed is None else self.fixed
-        if self.fixed is not None or wanted == 1:
+        fixed = self.fixed if self.fixed is not None else threads.explicit()    # CARAMBA_THREADS pins it too
+        wanted = torch.get_num_threads() if fixed is None else fixed
+        if fixed is not None or wanted == 1:
             return wanted
         if self.current not in (1, wanted):      # first step, or torch's count changed
             self.current, self.means = wanted, {}
