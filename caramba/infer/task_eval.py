@@ -20,6 +20,7 @@ not collapse to zero width when every sample scored 1 (or 0).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from caramba import threads
 from caramba.cache import CachePolicy, KVCache, LayerKVCache
 from caramba.infer.padding import left_pad
 from caramba.infer.state import DecodeState
@@ -62,6 +64,7 @@ class CandidateAnswers:
     candidate: Candidate
     bytes_per_token: int                              # the candidate's cache, batch 1, all layers
     answers: list[Answer] = field(default_factory=list)
+    threads: list[int | None] = field(default_factory=list)   # CPU threads each batch ran on (None: a GPU)
 
     def cells(self) -> dict[str, dict[int, dict]]:
         """task -> length -> {score, n, ci_low, ci_high}: the mean score of the cell's samples."""
@@ -126,31 +129,46 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
     device = model.device
     for first in range(0, len(samples), batch_size):
         group = samples[first : first + batch_size]
-        context = left_pad([s.context_ids for s in group], pad, device=device)
-        question = left_pad([s.question_ids for s in group], pad, device=device)
-        slots = context[0].shape[1] + question[0].shape[1] + max(s.max_new_tokens for s in group)
-        base = DecodeState(model, model.new_cache(len(group), slots, baseline.policy), q_chunk)
-        t0 = time.perf_counter()
-        _feed(base, *context, baseline.window)
-        context_s += time.perf_counter() - t0
+        # The cores free now (caramba.threads), chosen per batch: a long eval outlives the load it began in.
+        choice = threads.choose() if device.type == "cpu" else None
+        with threads.applied(choice) if choice is not None else contextlib.nullcontext():
+            context_s += _answer_group(model, tokenizer, group, results, baseline, prefill, q_chunk, stops, pad,
+                                       on_answer)
         for result in results:
-            c = result.candidate
-            t0 = time.perf_counter()
-            if c is baseline:
-                state = base
-            else:
-                state = DecodeState(model, model.new_cache(len(group), slots, c.policy), q_chunk)
-                if prefill == "shared":
-                    store_context(base.cache, state.cache, model.dtype)
-                    state.next_pos = base.next_pos.clone()
-                    state.slot_mask = None if base.slot_mask is None else base.slot_mask.clone()
-                else:
-                    _feed(state, *context, c.window)
-            for answer in _answer(state, tokenizer, group, question, c.window, stops, time.perf_counter() - t0):
-                result.answers.append(answer)
-                if on_answer is not None:
-                    on_answer(c.label, answer)
+            result.threads.append(choice.used if choice is not None else None)
     return results, context_s
+
+
+def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[CandidateAnswers], baseline: Candidate,
+                  prefill: str, q_chunk: int | None, stops: set[int], pad: int,
+                  on_answer: Callable[[str, Answer], None] | None) -> float:
+    """One batch of samples through every cache; returns the seconds of its shared context prefill."""
+    device = model.device
+    context = left_pad([s.context_ids for s in group], pad, device=device)
+    question = left_pad([s.question_ids for s in group], pad, device=device)
+    slots = context[0].shape[1] + question[0].shape[1] + max(s.max_new_tokens for s in group)
+    base = DecodeState(model, model.new_cache(len(group), slots, baseline.policy), q_chunk)
+    t0 = time.perf_counter()
+    _feed(base, *context, baseline.window)
+    context_s = time.perf_counter() - t0
+    for result in results:
+        c = result.candidate
+        t0 = time.perf_counter()
+        if c is baseline:
+            state = base
+        else:
+            state = DecodeState(model, model.new_cache(len(group), slots, c.policy), q_chunk)
+            if prefill == "shared":
+                store_context(base.cache, state.cache, model.dtype)
+                state.next_pos = base.next_pos.clone()
+                state.slot_mask = None if base.slot_mask is None else base.slot_mask.clone()
+            else:
+                _feed(state, *context, c.window)
+        for answer in _answer(state, tokenizer, group, question, c.window, stops, time.perf_counter() - t0):
+            result.answers.append(answer)
+            if on_answer is not None:
+                on_answer(c.label, answer)
+    return context_s
 
 
 def _feed(state: DecodeState, tokens: torch.Tensor, mask: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -8,6 +8,7 @@ with their sha256, so a record says which prompts its scores come from.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
+from caramba import threads
 from caramba.errors import UserError
 from caramba.infer import tasks as task_suite
 from caramba.infer.evaluate import adds_bos, corpus_text, evaluate_cache, evaluate_chunks
@@ -97,11 +99,13 @@ def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, c
     task = bar.add_task(f"perplexity ({s.protocol})", total=len(ids) // s.ctx if chunks else len(ids) - s.prompt_len)
     step = lambda done, total: bar.update(task, completed=done)   # noqa: E731
     policies = [c.policy for c in candidates]
+    choice = threads.choose() if model.device.type == "cpu" else None   # the cores free now (caramba.threads)
     t0 = time.perf_counter()
-    if chunks:
-        results = evaluate_chunks(model, ids, policies, baseline.policy, s.ctx, bos, on_step=step)
-    else:
-        results = evaluate_cache(model, ids, policies, baseline.policy, s.prompt_len, on_step=step)
+    with threads.applied(choice) if choice is not None else contextlib.nullcontext():
+        if chunks:
+            results = evaluate_chunks(model, ids, policies, baseline.policy, s.ctx, bos, on_step=step)
+        else:
+            results = evaluate_cache(model, ids, policies, baseline.policy, s.prompt_len, on_step=step)
     seconds = time.perf_counter() - t0
     bar.remove_task(task)
     for c, r in zip(candidates, results):
@@ -113,7 +117,7 @@ def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, c
                                           "kl_mean": 0.0, "kl_max": 0.0, "top1_agreement": 1.0}
     setup = {"ctx": s.ctx, "n_chunks": len(ids) // s.ctx, "bos": bos} if chunks else {"prompt_len": s.prompt_len}
     return {"protocol": s.protocol, "text": s.text or "caramba/data/corpus.txt", "n_tokens": len(ids), **setup,
-            "seconds": seconds}
+            "seconds": seconds, "threads": choice.used if choice is not None else None}
 
 
 def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidate], baseline: Candidate,
@@ -132,7 +136,7 @@ def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidat
     return {"names": list(s.names or task_suite.DEFAULT_TASKS), "lengths": s.lengths, "samples": s.samples,
             "seed": s.seed, "chat": s.chat, "prefill": s.prefill, "q_chunk": s.q_chunk, "batch_size": s.batch_size,
             "generator_version": task_suite.GENERATOR_VERSION, "prompts_sha256": task_suite.samples_digest(samples),
-            "context_prefill_s": context_s}
+            "context_prefill_s": context_s, "threads": sorted({n for n in results[0].threads if n is not None})}
 
 
 def task_metrics(r: CandidateAnswers) -> dict:
