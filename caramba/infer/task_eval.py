@@ -127,8 +127,11 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
     stops = set(eos_ids)
     pad = next(iter(stops), 0)
     device = model.device
-    for first in range(0, len(samples), batch_size):
-        group = samples[first : first + batch_size]
+    # Batches of samples of similar length: a row shorter than its batch's longest is padding the
+    # prefill computes anyway. The answers are put back in the samples' order at the end.
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].context_ids) + len(samples[i].question_ids))
+    for first in range(0, len(order), batch_size):
+        group = [samples[i] for i in order[first : first + batch_size]]
         # The cores free now (caramba.threads), chosen per batch: a long eval outlives the load it began in.
         choice = threads.choose() if device.type == "cpu" else None
         with threads.applied(choice) if choice is not None else contextlib.nullcontext():
@@ -136,6 +139,9 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
                                        on_answer)
         for result in results:
             result.threads.append(choice.used if choice is not None else None)
+    for result in results:
+        placed = dict(zip(order, result.answers))
+        result.answers = [placed[i] for i in range(len(samples))]
     return results, context_s
 
 
