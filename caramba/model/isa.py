@@ -9,6 +9,7 @@ fp32 summation order only.
 
     kernel_isa()           the level the products run with ('avx512vnni'), or why no C kernels run
     available('avx2')      whether this machine (CPU, OS, build) has a level
+    resolve('avx512')      the level a wish for one runs at here (itself or the best below it)
     with use_isa('avx2'):  run the products at a lower level for a while (tests, A/B timings)
     amx()                  AMX tiles usable: the CPU has them and the OS let this process use them
 """
@@ -55,6 +56,12 @@ def available(level: str) -> bool:
     _check_level(level)
     lib = quant.library()
     return bool(lib and lib.isa_available(level.encode()))
+
+
+def resolve(level: str) -> str:
+    """The level a wish for `level` runs at here: itself, or the best level below it available."""
+    _check_level(level)
+    return next(name for name in reversed(LEVELS[: LEVELS.index(level) + 1]) if name == "scalar" or available(name))
 
 
 def amx() -> bool:
