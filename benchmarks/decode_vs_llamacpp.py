@@ -64,14 +64,20 @@ def llama_bench(tools: llamacpp.Tools, model: Path, tokens: int, threads: int) -
     return float(rows[0]["avg_ts"]), command
 
 
+CPU_TOK_S: list[float] = []   # caramba_decode's tokens per second of this process's CPU time, run by run
+
+
 @torch.inference_mode()
 def caramba_decode(model, prompt: torch.Tensor, tokens: int) -> float:
-    """tok/s of `tokens` greedy single-token decode steps after the prompt's prefill."""
+    """tok/s of `tokens` greedy single-token decode steps after the prompt's prefill (wall clock;
+    per CPU second, all threads, appended to CPU_TOK_S: what a descheduled thread does not spend,
+    so an A/B of kernels survives a busy machine better)."""
     cache = model.new_cache(1, prompt.shape[1] + tokens + 1)
     tok = model(prompt, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(tokens):
         tok = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)
+    CPU_TOK_S.append(tokens / (time.process_time() - c0))
     return tokens / (time.perf_counter() - t0)
 
 
@@ -87,6 +93,8 @@ def main() -> None:
                     help="also time caramba with its one-call decode step off (model.fast_decode = False)")
     ap.add_argument("--isa", default=None, help="comma-separated instruction set levels to time caramba at "
                     f"({', '.join(isa.LEVELS)}; default: the one chosen)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="also give caramba's tokens per CPU second (process time, all threads) per level")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -121,6 +129,7 @@ def main() -> None:
                         continue
                     with isa.use_isa(v):
                         rows[w][f"isa {v}"].append(caramba_decode(models[w].model, prompt, args.tokens))
+                        rows[w].setdefault(f"cpu {v}", []).append(CPU_TOK_S[-1])
                 if levels[0] is not None:
                     rows[w]["caramba"] = rows[w][f"isa {levels[0]}"]
                 if args.torch_path:
@@ -141,6 +150,8 @@ def main() -> None:
     chosen = {v: isa.resolve(v) for v in levels if v}   # what each level ran at (a fallback where it is missing)
     extra = " caramba, torch path tok/s |" if args.torch_path else ""
     extra += "".join(f" caramba at {v}{'' if chosen[v] == v else f' (ran {chosen[v]})'} tok/s |" for v in levels[1:] if v)
+    cpu_levels = [v for v in levels if v] if args.cpu_time else []
+    extra += "".join(f" caramba at {v}, tok per CPU s |" for v in cpu_levels)
     first = "" if levels[0] is None else f" at {levels[0]}" + ("" if chosen[levels[0]] == levels[0] else f" (ran {chosen[levels[0]]})")
     print(f"| format | caramba weights | caramba{first} tok/s | llama.cpp tok/s | caramba / llama.cpp |{extra}")
     print("|---|---|---|---|---|" + "---|" * extra.count("|"))
@@ -152,6 +163,7 @@ def main() -> None:
             ratio = f"{c / lc:.2f}x" if lc else "-"
             tp = f" {statistics.median(rows[w]['torch path']):.1f} |" if args.torch_path else ""
             tp += "".join(f" {statistics.median(rows[w][f'isa {v}']):.1f} |" for v in levels[1:] if v)
+            tp += "".join(f" {statistics.median(rows[w][f'cpu {v}']):.1f} |" for v in cpu_levels)
             print(f"| {f} | {w} | {c:.1f} | {f'{lc:.1f}' if lc else '-'} | {ratio} |{tp}")
             choice = getattr(models[w].model, "decode_threads", None)   # the C step's adaptive thread count
             if choice is not None and choice.current not in (None, args.threads):
@@ -160,7 +172,8 @@ def main() -> None:
             table.append({"format": f, "caramba_weights": w, "caramba_tok_s": c, "llamacpp_tok_s": lc,
                           "caramba_runs": rows[w]["caramba"], "llamacpp_runs": llama_runs[f],
                           "torch_path_runs": rows[w]["torch path"],
-                          "isa_runs": {v: rows[w][f"isa {v}"] for v in levels if v}})
+                          "isa_runs": {v: rows[w][f"isa {v}"] for v in levels if v},
+                          "isa_cpu_tok_s": {v: rows[w].get(f"cpu {v}", []) for v in levels if v}})
     if args.json:
         Path(args.json).write_text(json.dumps({
             "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "torch": torch.__version__,
