@@ -28,10 +28,9 @@ ENV = "CARAMBA_ISA"
 _warned = False
 
 
-def _libraries(load: bool = True) -> list:
-    """The loaded libraries that carry cpu_isa.c (quant_gemv's first: it is what kernel_isa names)."""
-    libs = [quant.library() if load else quant.library._lib, fast_decode.library() if load else fast_decode.library._lib]
-    return [lib for lib in libs if lib is not None]
+def _libraries() -> list:
+    """The libraries that carry cpu_isa.c, loaded (quant_gemv's first: it is what kernel_isa names)."""
+    return [lib for lib in (quant.library(), fast_decode.library()) if lib is not None]
 
 
 def _check_env(lib) -> None:
