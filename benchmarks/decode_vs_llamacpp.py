@@ -16,7 +16,12 @@ searched block scales: caramba.model.quant). Runs alternate
 sides alike; the table gives medians, with the load average before and after.
 
     .venv/bin/python benchmarks/decode_vs_llamacpp.py [--threads 2] [--tokens 64] [--repeats 5]
-        [--formats F32,Q8_0,Q4_0,Q4_1] [--sdist FILE] [--no-llamacpp] [--torch-path] [--json out.json]
+        [--formats F32,Q8_0,Q4_0,Q4_1] [--sdist FILE] [--no-llamacpp] [--torch-path] [--isa LEVELS]
+        [--json out.json]
+
+--isa avx2,avx512vnni times caramba's quantized products at each of these instruction set levels
+(caramba.model.isa; each level the machine lacks falls back, and the table says to what), in the
+same alternation: an A/B of the kernels on one machine. The first level fills the ratio column.
 
 --torch-path adds caramba with its one-call decode step off (caramba.model.fast_decode), the
 torch-op path every step took before it, in the same alternation.
@@ -45,7 +50,7 @@ import torch  # noqa: E402
 
 import llamacpp  # noqa: E402  (benchmarks/llamacpp.py)
 from caramba.cache import kernel as cache_kernel  # noqa: E402
-from caramba.model import fast_decode, fused, quant  # noqa: E402
+from caramba.model import fast_decode, fused, isa, quant  # noqa: E402
 from caramba.model.zoo import load_model  # noqa: E402
 
 def llama_bench(tools: llamacpp.Tools, model: Path, tokens: int, threads: int) -> tuple[float, list[str]]:
@@ -59,14 +64,20 @@ def llama_bench(tools: llamacpp.Tools, model: Path, tokens: int, threads: int) -
     return float(rows[0]["avg_ts"]), command
 
 
+CPU_TOK_S: list[float] = []   # caramba_decode's tokens per second of this process's CPU time, run by run
+
+
 @torch.inference_mode()
 def caramba_decode(model, prompt: torch.Tensor, tokens: int) -> float:
-    """tok/s of `tokens` greedy single-token decode steps after the prompt's prefill."""
+    """tok/s of `tokens` greedy single-token decode steps after the prompt's prefill (wall clock;
+    per CPU second, all threads, appended to CPU_TOK_S: what a descheduled thread does not spend,
+    so an A/B of kernels survives a busy machine better)."""
     cache = model.new_cache(1, prompt.shape[1] + tokens + 1)
     tok = model(prompt, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(tokens):
         tok = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)
+    CPU_TOK_S.append(tokens / (time.process_time() - c0))
     return tokens / (time.perf_counter() - t0)
 
 
@@ -80,6 +91,10 @@ def main() -> None:
     ap.add_argument("--no-llamacpp", action="store_true", help="caramba only (no llama.cpp build or runs)")
     ap.add_argument("--torch-path", action="store_true",
                     help="also time caramba with its one-call decode step off (model.fast_decode = False)")
+    ap.add_argument("--isa", default=None, help="comma-separated instruction set levels to time caramba at "
+                    f"({', '.join(isa.LEVELS)}; default: the one chosen)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="also give caramba's tokens per CPU second (process time, all threads) per level")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -87,6 +102,10 @@ def main() -> None:
     if unknown:
         ap.error(f"--formats: unknown {', '.join(unknown)}; use {', '.join(llamacpp.CARAMBA_WEIGHTS)}")
     torch.set_num_threads(args.threads)
+    levels = [v.strip() for v in args.isa.split(",")] if args.isa else [None]
+    bad = [v for v in levels if v is not None and v not in isa.LEVELS]
+    if bad:
+        ap.error(f"--isa: unknown {', '.join(bad)}; use {', '.join(isa.LEVELS)}")
 
     tools = None if args.no_llamacpp else llamacpp.build(["llama-bench", "llama-quantize"], args.sdist)
     ggufs = {} if tools is None else llamacpp.models(tools, formats)
@@ -96,7 +115,7 @@ def main() -> None:
     prompt = torch.tensor([tokenizer.encode("The history of the lighthouse begins with")])
 
     load_before = os.getloadavg()
-    rows = {w: {"caramba": [], "torch path": []} for w in kinds}
+    rows = {w: {"caramba": [], "torch path": [], **{f"isa {v}": [] for v in levels if v}} for w in kinds}
     llama_runs = {f: [] for f in formats}
     commands = {}
     for w in kinds:   # warm-up: kernel builds, first-touch of the weights
@@ -104,7 +123,15 @@ def main() -> None:
     for _ in range(args.repeats):
         for f in formats:
             for w in llamacpp.CARAMBA_WEIGHTS[f]:
-                rows[w]["caramba"].append(caramba_decode(models[w].model, prompt, args.tokens))
+                for v in levels:
+                    if v is None:
+                        rows[w]["caramba"].append(caramba_decode(models[w].model, prompt, args.tokens))
+                        continue
+                    with isa.use_isa(v):
+                        rows[w][f"isa {v}"].append(caramba_decode(models[w].model, prompt, args.tokens))
+                        rows[w].setdefault(f"cpu {v}", []).append(CPU_TOK_S[-1])
+                if levels[0] is not None:
+                    rows[w]["caramba"] = rows[w][f"isa {levels[0]}"]
                 if args.torch_path:
                     models[w].model.fast_decode = False
                     rows[w]["torch path"].append(caramba_decode(models[w].model, prompt, args.tokens))
@@ -117,12 +144,17 @@ def main() -> None:
     print(f"SmolLM2-135M batch-1 decode, {args.tokens} tokens x {args.repeats} alternating repeats, "
           f"{args.threads} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}; "
           f"kernels: decode step {fast_decode.status()}, weights {quant.status()}, decode ops {fused.status()}, "
-          f"kv {cache_kernel.status()}")
+          f"kv {cache_kernel.status()}, quantized products at {isa.kernel_isa()} (caramba.model.isa)")
     print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
           f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} (on {os.cpu_count()} CPUs)")
+    chosen = {v: isa.resolve(v) for v in levels if v}   # what each level ran at (a fallback where it is missing)
     extra = " caramba, torch path tok/s |" if args.torch_path else ""
-    print(f"| format | caramba weights | caramba tok/s | llama.cpp tok/s | caramba / llama.cpp |{extra}")
-    print("|---|---|---|---|---|" + ("---|" if args.torch_path else ""))
+    extra += "".join(f" caramba at {v}{'' if chosen[v] == v else f' (ran {chosen[v]})'} tok/s |" for v in levels[1:] if v)
+    cpu_levels = [v for v in levels if v] if args.cpu_time else []
+    extra += "".join(f" caramba at {v}, tok per CPU s |" for v in cpu_levels)
+    first = "" if levels[0] is None else f" at {levels[0]}" + ("" if chosen[levels[0]] == levels[0] else f" (ran {chosen[levels[0]]})")
+    print(f"| format | caramba weights | caramba{first} tok/s | llama.cpp tok/s | caramba / llama.cpp |{extra}")
+    print("|---|---|---|---|---|" + "---|" * extra.count("|"))
     table = []
     for f in formats:
         lc = statistics.median(llama_runs[f]) if llama_runs[f] else None
@@ -130,6 +162,8 @@ def main() -> None:
             c = statistics.median(rows[w]["caramba"])
             ratio = f"{c / lc:.2f}x" if lc else "-"
             tp = f" {statistics.median(rows[w]['torch path']):.1f} |" if args.torch_path else ""
+            tp += "".join(f" {statistics.median(rows[w][f'isa {v}']):.1f} |" for v in levels[1:] if v)
+            tp += "".join(f" {statistics.median(rows[w][f'cpu {v}']):.1f} |" for v in cpu_levels)
             print(f"| {f} | {w} | {c:.1f} | {f'{lc:.1f}' if lc else '-'} | {ratio} |{tp}")
             choice = getattr(models[w].model, "decode_threads", None)   # the C step's adaptive thread count
             if choice is not None and choice.current not in (None, args.threads):
@@ -137,12 +171,14 @@ def main() -> None:
                       "two measured slower on this machine just then)")
             table.append({"format": f, "caramba_weights": w, "caramba_tok_s": c, "llamacpp_tok_s": lc,
                           "caramba_runs": rows[w]["caramba"], "llamacpp_runs": llama_runs[f],
-                          "torch_path_runs": rows[w]["torch path"]})
+                          "torch_path_runs": rows[w]["torch path"],
+                          "isa_runs": {v: rows[w][f"isa {v}"] for v in levels if v},
+                          "isa_cpu_tok_s": {v: rows[w].get(f"cpu {v}", []) for v in levels if v}})
     if args.json:
         Path(args.json).write_text(json.dumps({
             "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "torch": torch.__version__,
             "loadavg_before": load_before, "loadavg_after": load_after, "kernels": quant.status(),
-            "decode_step": fast_decode.status(),
+            "decode_step": fast_decode.status(), "kernel_isa": isa.kernel_isa(), "isa_levels": chosen,
             "llamacpp_commands": commands, "rows": table}, indent=2))
 
 

@@ -621,6 +621,7 @@ def capture_env(seed: int | None, device: str) -> dict[str, Any]:
     cuda = bool(torch and torch.cuda.is_available())
     env["cuda_version"] = torch.version.cuda if torch else None
     env["gpu"] = torch.cuda.get_device_name(0) if cuda else None
+    env["kernel_isa"] = __import__("caramba.model.isa", fromlist=["isa"]).kernel_isa() if torch else None
     return env
 
 

@@ -41,7 +41,8 @@ SOURCE = Path(__file__).with_name("decode_step.c")
 MAX_ROWS = 16        # beyond this the torch path's GEMMs win
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {"decode_step": ([_I] + [_P] * 6 + [_I] * 10 + [_P] * 4 + [_F, _I], _I),
-               "quantize_kv": ([_I, _P, _I, _I, _I, _P, _P], None), "kv_nf4_tables": ([_P, _P], None)}
+               "quantize_kv": ([_I, _P, _I, _I, _I, _P, _P], None), "kv_nf4_tables": ([_P, _P], None),
+               **quant.ISA_SIGNATURES}
 library = kernels.Library(SOURCE, _SIGNATURES, "decode steps run through torch's ops")
 
 # decode_step.c's cache stream kinds (kv_stream.c)

@@ -59,7 +59,12 @@ _SIGNATURES = {
     "quantize_activations_i16": ([_P, _I, _I, _P, _P], None),
     "split_activations": ([_P, _I, _I, _P, _P], None),
     "embed_rows_q8_0": ([_P, ctypes.c_long, _P, _P, ctypes.c_long, _I, _P], ctypes.c_long),
+    "block_sums": ([_I, _P, _P, _I, _P], None),
 }
+# cpu_isa.c's exports, in every library that includes quant_gemv.c (caramba.model.isa reads them)
+ISA_SIGNATURES = {"isa_name": ([], ctypes.c_char_p), "isa_set": ([ctypes.c_char_p], _I),
+                  "isa_available": ([ctypes.c_char_p], _I), "isa_env_error": ([], _I), "isa_amx": ([], _I)}
+_SIGNATURES.update(ISA_SIGNATURES)
 # library(): the loaded GEMV kernels, or None (CARAMBA_KERNELS=0, no compiler, failed build: one warning).
 library = kernels.Library(SOURCE, _SIGNATURES, "quantized weights multiply")
 

@@ -1,0 +1,90 @@
+"""Which instruction set the quantized weight products run with (cpu_isa.c), for records and tests.
+
+The C libraries that multiply block-quantized weights (quant_gemv.c, and decode_step.c which
+includes it) each choose a level once, when they load: the best the CPU, the OS and the build
+all have, or the one CARAMBA_ISA asks for (a level the machine lacks falls back to the best one
+below it, never above). Levels, slowest first: scalar (the portable reference), avx2, avxvnni,
+avx512, avx512vnni. Every vector level's outputs are bit-identical to avx2's; scalar differs by
+fp32 summation order only.
+
+    kernel_isa()           the level the products run with ('avx512vnni'), or why no C kernels run
+    available('avx2')      whether this machine (CPU, OS, build) has a level
+    resolve('avx512')      the level a wish for one runs at here (itself or the best below it)
+    with use_isa('avx2'):  run the products at a lower level for a while (tests, A/B timings)
+    amx()                  AMX tiles usable: the CPU has them and the OS let this process use them
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import contextmanager
+from typing import Iterator
+
+from caramba.model import fast_decode, quant
+
+LEVELS = ("scalar", "avx2", "avxvnni", "avx512", "avx512vnni")
+ENV = "CARAMBA_ISA"
+_warned = False
+
+
+def _libraries() -> list:
+    """The libraries that carry cpu_isa.c, loaded (quant_gemv's first: it is what kernel_isa names)."""
+    return [lib for lib in (quant.library(), fast_decode.library()) if lib is not None]
+
+
+def _check_env(lib) -> None:
+    global _warned
+    if lib.isa_env_error() and not _warned:
+        _warned = True
+        warnings.warn(f"{ENV}={os.environ.get(ENV)!r} is not an instruction set level; use one of "
+                      f"{', '.join(LEVELS)} (running at {lib.isa_name().decode()})", stacklevel=3)
+
+
+def kernel_isa() -> str:
+    """The level the quantized products run at, or 'eager (<why>)' where no C kernels load."""
+    libs = _libraries()
+    if not libs:
+        return f"eager ({quant.status()})"
+    _check_env(libs[0])
+    return libs[0].isa_name().decode()
+
+
+def available(level: str) -> bool:
+    """Whether this CPU, its OS and the kernel build all have `level` (False without kernels)."""
+    _check_level(level)
+    lib = quant.library()
+    return bool(lib and lib.isa_available(level.encode()))
+
+
+def resolve(level: str) -> str:
+    """The level a wish for `level` runs at here: itself, or the best level below it available."""
+    _check_level(level)
+    return next(name for name in reversed(LEVELS[: LEVELS.index(level) + 1]) if name == "scalar" or available(name))
+
+
+def amx() -> bool:
+    """AMX tiles usable here (asks the OS's leave once: arch_prctl(ARCH_REQ_XCOMP_PERM))."""
+    lib = quant.library()
+    return bool(lib and lib.isa_amx())
+
+
+def _check_level(level: str) -> None:
+    if level not in LEVELS:
+        raise ValueError(f"instruction set level {level!r} is not one of {', '.join(LEVELS)}")
+
+
+@contextmanager
+def use_isa(level: str) -> Iterator[str]:
+    """Run the products at `level` (or the best level below it the machine has) inside the block;
+    yields the level in force. Not while a product runs on another thread."""
+    _check_level(level)
+    libs = _libraries()
+    before = [lib.isa_name() for lib in libs]
+    try:
+        for lib in libs:
+            lib.isa_set(level.encode())
+        yield libs[0].isa_name().decode() if libs else f"eager ({quant.status()})"
+    finally:
+        for lib, name in zip(libs, before):
+            lib.isa_set(name)
