@@ -7,7 +7,6 @@ short message on stderr; set CARAMBA_DEBUG=1 to see the traceback of an unexpect
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import os
 import sys
@@ -402,7 +401,7 @@ def report(
 def _report_sweep(source: Path, fmt, pivot_key, metric, csv_file, plot, x_key, overrides) -> str | None:
     from rich.table import Table
 
-    from caramba.bench.report import flat_rows, markdown_table, pivot, plot_sweep, record_dirs, sweep_row, write_csv
+    from caramba.bench.report import flat_rows, markdown_table, pivot, plot_sweep, record_dirs, sweep_row
     from caramba.runners import run_hash, run_identity
     from caramba.runs import RunDir
 
@@ -434,11 +433,7 @@ def _report_sweep(source: Path, fmt, pivot_key, metric, csv_file, plot, x_key, o
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None
     if csv_file is not None:
-        try:
-            write_csv(csv_file, table_rows)
-        except OSError as e:
-            raise UserError(f"--csv {csv_file}: {e.strerror}") from None
-        err.print(f"csv: {escape(str(csv_file))}")
+        _write_csv(csv_file, table_rows)
     if fmt == "json":
         print(json_text(table_rows if pivot_key else rows, indent=2))
         return None
@@ -460,6 +455,16 @@ def _report_sweep(source: Path, fmt, pivot_key, metric, csv_file, plot, x_key, o
     return None
 
 
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    from caramba.bench.report import write_csv
+
+    try:
+        write_csv(path, rows)
+    except OSError as e:
+        raise UserError(f"--csv {path}: {e.strerror}") from None
+    err.print(f"csv: {escape(str(path))}")
+
+
 def _report_frontier(source: Path, rows: list[dict], done: list[tuple[str, Path]], fmt: str,
                      csv_file: Optional[Path], plot: Optional[Path]) -> str | None:
     """Eval runs: the runs' status, then one row per candidate of the finished records that match
@@ -467,7 +472,7 @@ def _report_frontier(source: Path, rows: list[dict], done: list[tuple[str, Path]
     from rich.table import Table
 
     from caramba.bench.frontier import frontier_rows, plot_frontier, quality_key
-    from caramba.bench.report import markdown_table, write_csv
+    from caramba.bench.report import markdown_table
 
     front = frontier_rows(done)
     if plot is not None:
@@ -479,11 +484,7 @@ def _report_frontier(source: Path, rows: list[dict], done: list[tuple[str, Path]
             raise UserError(str(e)) from None
         err.print(f"plot: {escape(str(plot))}")
     if csv_file is not None:
-        try:
-            write_csv(csv_file, front)
-        except OSError as e:
-            raise UserError(f"--csv {csv_file}: {e.strerror}") from None
-        err.print(f"csv: {escape(str(csv_file))}")
+        _write_csv(csv_file, front)
     if fmt == "json":
         print(json_text({"runs": rows, "frontier": front}, indent=2))
         return None

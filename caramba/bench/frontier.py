@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from caramba.bench.report import pyplot, save_figure
+
 QUALITY_KEYS = ("task_avg", "ppl_ratio", "kl_mean")
 
 
@@ -80,13 +82,7 @@ def mark_pareto(rows: list[dict]) -> None:
 def plot_frontier(path: Path, rows: list[dict]) -> Path:
     """Quality against bytes per token, the frontier as a line, decode tok/s as colour (PNG; needs
     matplotlib, the `plots` extra)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("plots need matplotlib: pip install 'caramba[plots]'") from None
+    plt = pyplot()
     key = quality_key(rows)
     if key is None:
         raise ValueError("no quality metric common to every candidate (task_avg or ppl_ratio) to plot")
@@ -107,14 +103,7 @@ def plot_frontier(path: Path, rows: list[dict]) -> Path:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("KV cache bytes per token (all layers)")
     ax.set_ylabel({"task_avg": "task average (RULER-style tasks)", "ppl_ratio": "PPL ratio to baseline"}[key])
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=130)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, ax, path, dpi=130)
 
 
 def _result(path: Path) -> dict | None:

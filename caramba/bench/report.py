@@ -23,15 +23,40 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
-def write_plots(directory: Path, rows: list[dict]) -> list[Path]:
-    """decode tok/s vs context and memory vs context, one line per (impl, cache kind, batch).
-    Needs matplotlib (the `plots` extra); returns [] without it."""
+def pyplot(required: bool = True):
+    """matplotlib's pyplot on the Agg backend; without matplotlib (the `plots` extra) a ValueError
+    saying how to get it, or None when not required."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        if required:
+            raise ValueError("plots need matplotlib: pip install 'caramba[plots]'") from None
+        return None
+    return plt
+
+
+def save_figure(fig, ax, path: Path, dpi: int = 120) -> Path:
+    """Grid, legend and layout, then the PNG written atomically (a reader never sees half of it)."""
+    import matplotlib.pyplot as plt
+
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def write_plots(directory: Path, rows: list[dict]) -> list[Path]:
+    """decode tok/s vs context and memory vs context, one line per (impl, cache kind, batch).
+    Needs matplotlib (the `plots` extra); returns [] without it."""
+    plt = pyplot(required=False)
+    if plt is None:
         return []
     series: dict[str, list[dict]] = {}
     for row in rows:
@@ -53,14 +78,7 @@ def write_plots(directory: Path, rows: list[dict]) -> list[Path]:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (prompt tokens)")
         ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        tmp = directory / f".{name}.tmp.png"
-        fig.savefig(tmp, dpi=120)
-        plt.close(fig)
-        tmp.replace(directory / name)
-        written.append(directory / name)
+        written.append(save_figure(fig, ax, directory / name))
     return written
 
 
@@ -277,13 +295,7 @@ def _text(value) -> str:
 def plot_sweep(path: Path, rows: list[dict], x: str, metric: str) -> Path:
     """`metric` against matrix key `x`, one line per combination of the other params (PNG; needs
     matplotlib, the `plots` extra)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("plots need matplotlib: pip install 'caramba[plots]'") from None
+    plt = pyplot()
     series: dict[str, list[tuple]] = {}
     for r in rows:
         if x in r["params"] and _number(r["metrics"].get(metric)):
@@ -302,11 +314,4 @@ def plot_sweep(path: Path, rows: list[dict], x: str, metric: str) -> Path:
         ax.set_xticks(range(len(values)), [_text(v) for v in values])
     ax.set_xlabel(x)
     ax.set_ylabel(metric)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, ax, path)
