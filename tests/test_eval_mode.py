@@ -67,6 +67,8 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
 """)
     r = invoke("run", manifest)
     assert r.exit_code == 0, r.output
+    # not a terminal (a CI log): progress comes as lines, the last at the whole
+    assert "perplexity (decode): 48/48" in r.output and "caches): 6/6" in r.output, r.output
     record = tmp_path / "runs" / "ev" / "t" / "kv"
     assert (record / "DONE").is_file()
     result = json.loads((record / "result.json").read_text())
