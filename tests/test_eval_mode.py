@@ -301,3 +301,20 @@ def test_an_interrupted_sweep_resumes_with_exactly_the_unfinished_eval_runs(tmp_
     resumed = invoke("run", manifest)
     assert resumed.exit_code == 0 and "skip t/kv.seed-0" in resumed.output, resumed.output
     assert (records / "kv.seed-1" / "DONE").is_file()
+
+
+def test_steps_print_a_line_per_tenth_where_the_bar_cannot_draw():
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from caramba.progress import Steps
+
+    out = io.StringIO()
+    with Progress(console=Console(file=out, force_terminal=False)) as bar:
+        steps = Steps(bar, "work", 20)
+        for _ in range(20):
+            steps.advance()
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("work:")]
+    assert [line.split()[1] for line in lines] == [f"{2 * i}/20" for i in range(1, 11)]

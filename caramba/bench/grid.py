@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.progress import Progress
 
+from caramba.progress import Steps
+
 from caramba.bench.measure import Cell, CellResult, measure_caramba, measure_hf, prompt_batch
 
 
@@ -40,17 +42,17 @@ def run_grid(model, text_ids: list[int], grid: Grid, hf_model=None, progress: bo
     cells = grid.cells()
     hf_cells = {(c.prompt_len, c.batch_size) for c in cells if c.batch_size == 1} if hf_model is not None else set()
     with Progress(console=Console(stderr=True), disable=not progress) as bar:  # stdout stays clean for --json
-        task = bar.add_task("decode-bench", total=len(cells) + len(hf_cells))
+        steps = Steps(bar, "decode-bench cells", len(cells) + len(hf_cells))
         hf_rates: dict[tuple[int, int], dict] = {}
         for L, B in sorted(hf_cells):
-            bar.update(task, description=f"hf ctx={L} batch={B}")
+            steps.describe(f"hf ctx={L} batch={B}")
             ref_cell = Cell(L, B, "hf-default", grid.new_tokens)
             ref = measure_hf(hf_model, ref_cell, prompt_batch(text_ids, L, B), grid.warmup, grid.repeats)
             hf_rates[(L, B)] = {**ref.summary(), "peak_rss_includes": "caramba and HF reference weights"}
             rows.append(hf_rates[(L, B)])
-            bar.advance(task)
+            steps.advance()
         for cell in cells:
-            bar.update(task, description=f"caramba {cell.label}")
+            steps.describe(f"caramba {cell.label}")
             result: CellResult = measure_caramba(model, cell, prompt_batch(text_ids, cell.prompt_len, cell.batch_size),
                                                  grid.warmup, grid.repeats)
             row = result.summary()
@@ -61,5 +63,5 @@ def run_grid(model, text_ids: list[int], grid: Grid, hf_model=None, progress: bo
                 row["decode_tok_s_vs_hf"] = row["decode_tok_s"] / ref["decode_tok_s"]
                 row["ttft_vs_hf"] = row["ttft_s"] / ref["ttft_s"]
             rows.append(row)
-            bar.advance(task)
+            steps.advance()
     return rows

@@ -51,6 +51,8 @@ def run_decode_bench(loaded: LoadedModel, settings: BenchSettings, seed: int | N
         record.log(f"warning: decode plans {', '.join(windows)} use sliding-window attention, which changes outputs")
         console.print(f"[yellow]warning: decode plans {', '.join(windows)} use sliding-window attention, "
                       "which changes outputs (cells show exact=False)[/yellow]")
+    if settings.reference == "hf":
+        console.print("[dim]loading the same weights through transformers (the reference)...[/dim]")
     hf = load_hf_reference(loaded) if settings.reference == "hf" else None
     rows = run_grid(loaded.model, bench_text_ids(loaded, settings.text), grid, hf_model=hf)
     write_csv(record.path / "cells.csv", rows)

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from caramba import threads
 from caramba.errors import UserError
+from caramba.progress import Steps
 from caramba.infer import tasks as task_suite
 from caramba.infer.evaluate import adds_bos, corpus_text, evaluate_cache, evaluate_chunks
 from caramba.infer.task_eval import Candidate, CandidateAnswers, answer_tasks
@@ -62,29 +63,6 @@ def task_samples(tokenizer, settings: TaskSettings) -> list:
     return samples
 
 
-class _Progress:
-    """A rich bar on a terminal; elsewhere (a CI log, a pipe), where the bar draws nothing, a line
-    at every tenth of the work, so a long eval is never silent."""
-
-    def __init__(self, bar: Progress, label: str, total: int) -> None:
-        self.bar, self.label, self.total = bar, label, max(total, 1)
-        self.task = bar.add_task(label, total=self.total)
-        self.done = self.shown = 0
-        self.start = time.perf_counter()
-
-    def update(self, done: int) -> None:
-        self.done = done
-        self.bar.update(self.task, completed=done)
-        console = self.bar.console
-        tenth = done * 10 // self.total
-        if not console.is_terminal and tenth > self.shown:
-            self.shown = tenth
-            console.print(f"{self.label}: {done}/{self.total} ({time.perf_counter() - self.start:.0f} s)")
-
-    def close(self) -> None:
-        self.bar.remove_task(self.task)
-
-
 def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, record: RunDir,
              console: Console) -> dict[str, Any]:
     model, tok = loaded.model, loaded.tokenizer
@@ -119,7 +97,7 @@ def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, reco
 def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, candidates: list[Candidate],
                 baseline: Candidate, rows: dict, bar: Progress) -> dict:
     chunks = s.protocol == "chunks"
-    progress = _Progress(bar, f"perplexity ({s.protocol})", len(ids) // s.ctx if chunks else len(ids) - s.prompt_len)
+    progress = Steps(bar, f"perplexity ({s.protocol})", len(ids) // s.ctx if chunks else len(ids) - s.prompt_len)
     step = lambda done, total: progress.update(done)   # noqa: E731
     policies = [c.policy for c in candidates]
     choice = threads.choose() if model.device.type == "cpu" else None   # the cores free now (caramba.threads)
@@ -146,8 +124,8 @@ def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, c
 def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidate], baseline: Candidate,
            rows: dict, record: RunDir, bar: Progress) -> dict:
     everyone = len(candidates) + 1
-    progress = _Progress(bar, f"tasks ({len(samples)} samples x {everyone} caches)", len(samples) * everyone)
-    answered = lambda _label, _answer: progress.update(progress.done + 1)   # noqa: E731
+    progress = Steps(bar, f"tasks ({len(samples)} samples x {everyone} caches)", len(samples) * everyone)
+    answered = lambda _label, _answer: progress.advance()   # noqa: E731
     results, context_s = answer_tasks(model, tok, samples, candidates, baseline, prefill=s.prefill,
                                       q_chunk=s.q_chunk, eos_ids=list(tok.stop_token_ids), batch_size=s.batch_size,
                                       on_answer=answered)
