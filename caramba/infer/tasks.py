@@ -260,8 +260,9 @@ def _make_sample(spec: TaskSpec, length: int, seed: int, index: int, tokenizer, 
 
     lo = _min_units(spec)
     if tokens(lo) > target:
+        least = tokens(lo) + spec.max_new_tokens
         raise ValueError(f"length={length} is too short for task {spec.name}: its smallest prompt takes {tokens(lo)} "
-                         f"tokens and the answer {spec.max_new_tokens}; give length >= {tokens(lo) + spec.max_new_tokens}")
+                         f"tokens and the answer {spec.max_new_tokens}; give length >= {least}")
     return memo[_largest_fitting(tokens, lo, target)][1]
 
 
