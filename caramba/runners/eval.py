@@ -135,7 +135,9 @@ def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidat
     if record.path is not None:   # every answer, for a reader who wants to see what a score came from
         record.write_json("answers.json", {r.candidate.label: r.to_dict()["answers"] for r in results})
     return {"names": list(s.names or task_suite.DEFAULT_TASKS), "lengths": s.lengths, "samples": s.samples,
-            "seed": s.seed, "chat": s.chat, "prefill": s.prefill, "q_chunk": s.q_chunk, "batch_size": s.batch_size,
+            "seed": s.seed, "chat": s.chat, "q_chunk": s.q_chunk, "batch_size": s.batch_size,
+            # what ran: a decoupled (DBA) model's three streams have no shared-context copy, so "own"
+            "prefill": "own" if model.config.attention == "decoupled" else s.prefill,
             "generator_version": task_suite.GENERATOR_VERSION, "prompts_sha256": task_suite.samples_digest(samples),
             "context_prefill_s": context_s, "threads": sorted({n for n in results[0].threads if n is not None})}
 
