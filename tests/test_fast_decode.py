@@ -702,6 +702,25 @@ def test_thread_choice_moves_to_one_thread_when_that_is_faster_and_backs_off_whe
     assert {pinned.next() for _ in range(100)} == {2}
 
 
+def test_thread_choice_ignores_steps_while_one_thread_is_asked(monkeypatch):
+    """caramba.threads sets torch's count per session: steps run at one thread while torch says 1
+    are no trial of the count in use (a crash once: such a step was compared with a mean never
+    taken), and when torch's count comes back the choice goes on where it was."""
+    asked = {"n": 2}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: asked["n"])
+    choice = fast_decode.ThreadChoice()
+    for _ in range(5):
+        n = choice.next(rows=4)
+        choice.took(n, 1.0, rows=4)
+    asked["n"] = 1
+    for rows in (1, 4, 9):                            # rows never timed at 2 threads too
+        assert choice.next(rows=rows) == 1
+        choice.took(1, 0.01, rows=rows)
+    assert choice.current == 2 and set(choice.means) == {4} and choice.means[4] == 1.0
+    asked["n"] = 2
+    assert choice.next(rows=4) == 2
+
+
 @pytest.mark.parametrize("kind", ["fp32", "q8_0"])
 def test_a_sliding_window_ring_takes_the_step_until_it_wraps(kind, taken):
     """`--local-window W` decodes through a ring of W + max_write slots. Until the ring first wraps

@@ -325,8 +325,10 @@ def test_draft_with_another_vocabulary_fails_preflight(tiny_model, tmp_path, mon
             "  - type: experiment\n    name: t\n    runs:\n"
             f"      - {{id: s, mode: speculative, draft: {{source: '{draft}'}}, speculative: {{prompts: [hi], draft: model}}}}\n")
     runs = list(parse_manifest(text).iter_runs())
-    real = pf._tokenizer
+    real = pf._Sources.tokenizer
     other = types.SimpleNamespace(vocab_size=100)   # a draft whose tokenizer is not the target's
-    monkeypatch.setattr(pf, "_tokenizer", lambda source, cache: other if source == str(draft) else real(source, cache))
+    monkeypatch.setattr(pf._Sources, "tokenizer", lambda self, source: other if source == str(draft) else real(self, source))
+    largest = pf._Sources.largest_id   # its ids fit the draft's own embedding rows: only the vocabularies differ
+    monkeypatch.setattr(pf._Sources, "largest_id", lambda self, source: 99 if source == str(draft) else largest(self, source))
     with pytest.raises(UserError, match=r"run t/s: draft.source .* vocabulary of 100 tokens, the model 259"):
         pf.preflight("m", runs)

@@ -341,12 +341,16 @@ class ThreadChoice:
         self.means: dict[int, float] = {}    # rows -> running mean of recent steps' seconds at `current`
         self.interval = self.FIRST_INTERVAL
         self.countdown = self.FIRST_INTERVAL
+        self.adapting = False                # whether the last next() chose (False: pinned, or one thread asked)
 
     def next(self, rows: int = 1) -> int:
         """The thread count for a step of `rows` token rows."""
         fixed = self.fixed if self.fixed is not None else threads.explicit()    # CARAMBA_THREADS pins it too
         wanted = torch.get_num_threads() if fixed is None else fixed
-        if fixed is not None or wanted == 1:
+        # Pinned, or one thread asked (caramba.threads sets torch's count per session): nothing to
+        # choose, and such a step's time says nothing about the counts being compared.
+        self.adapting = fixed is None and wanted > 1
+        if not self.adapting:
             return wanted
         if self.current not in (1, wanted):      # first step, or torch's count changed
             self.current, self.means = wanted, {}
@@ -357,7 +361,7 @@ class ThreadChoice:
 
     def took(self, threads: int, seconds: float, rows: int = 1) -> None:
         """Record a step's time at `threads`."""
-        if self.current is None or self.fixed is not None:
+        if self.current is None or not self.adapting:
             return
         mean = self.means.get(rows)
         if threads == self.current:
