@@ -41,6 +41,9 @@ class StreamLayerCache:
 
     streams: tuple
     configs: tuple[KVCacheTensorConfig, ...]
+    # Called by the attention before it attends, with (q, k, v, cos, sin, mask, causal): a press
+    # collecting what it scores with during a context prefill (caramba.press). None: nobody.
+    observer = None
 
     @property
     def quantized(self) -> bool:

@@ -53,6 +53,8 @@ class Attention(nn.Module):
             q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)             # [B, H, T, D], [B, KVH, T, D]
             v = qkv[:, self.n_heads + self.n_kv_heads :]                        # [B, KVH, T, D]
         if cache is not None:
+            if cache.observer is not None:   # a press watching the context prefill (caramba.press.observe)
+                cache.observer(q, k, v, cos, sin, mask, causal)
             y = cache.attend(q, k, v, mask, causal)                        # appends k, v; reads [0, S)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
