@@ -105,6 +105,7 @@ class LayerKVCache(StreamLayerCache):
             raise ValueError(f"k_dim={k_dim} and v_dim={v_dim} must divide into {n_kv_heads} heads")
         self.batch_size, self.max_seq_len, self.n_kv_heads = batch_size, max_seq_len, n_kv_heads
         self.k_cfg, self.v_cfg = k_cfg, v_cfg
+        self.k_dim, self.v_dim, self.device, self.dtype = k_dim, v_dim, device, dtype
         hk, hv = k_dim // n_kv_heads, v_dim // n_kv_heads
         self.k_stream = make_stream(batch_size, n_kv_heads, max_seq_len, hk, k_cfg, device, dtype, keys_major=True)
         self.v_stream = make_stream(batch_size, n_kv_heads, max_seq_len, hv, v_cfg, device, dtype)
@@ -164,6 +165,12 @@ class LayerKVCache(StreamLayerCache):
         if self.v_rotation is not None:
             values = values @ self.v_rotation.to(dtype)
         return keys, values
+
+    def like(self, batch_size: int, max_seq_len: int) -> LayerKVCache:
+        """An empty plain layer of this one's kinds and rotations with its own batch and slots."""
+        return LayerKVCache(batch_size, max_seq_len, self.k_dim, self.v_dim, self.k_cfg, self.v_cfg, self.device,
+                            self.n_kv_heads, rotate_keys=self.rotation is not None, dtype=self.dtype,
+                            rotate_values=self.v_rotation is not None)
 
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append k, v [B, KVH, T, D] values (stored in this cache's kinds) without attending."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from caramba.cache import KVCache
+from caramba.cache.evict import evict
 from caramba.cache.layer import CacheOverflowError
 from caramba.cache.ring import RingKVCache
 from caramba.infer.plan import DecodePlan, ResolvedPlan, has_residual_window, run_chunks
@@ -144,6 +145,21 @@ class DecodeState:
                 self._start_mask()
             self.slot_mask[:, :length] = valid[:, :length]
             self.slot_mask[:, length:] = False
+
+    @torch.inference_mode()
+    def press(self, kept: list[torch.Tensor], template: KVCache | None = None) -> None:
+        """Keep only the slots `kept` marks (per layer [B, KVH, cache.length], True = keep: a
+        press's choice, caramba.press) in a new cache of the template's kinds (default: this
+        cache's), with this cache's remaining room after them (caramba.cache.evict). Rows keep
+        their positions: the next token of each row is still at next_pos."""
+        if self.ring:
+            raise ValueError("a press needs a plain cache, not a sliding-window ring (drop decode_local_window)")
+        valid = self.valid_slots()
+        for i, mask in enumerate(kept):
+            if mask.dtype == torch.bool and mask.shape[-1:] == valid.shape[-1:] and bool((mask & ~valid[:, None, :]).any()):
+                raise ValueError(f"the kept mask of layer {i} keeps padding slots")
+        room = self.cache.max_seq_len - self.cache.length
+        self.cache, self.slot_mask = evict(self.cache, kept, template, room)
 
     @torch.inference_mode()
     def reorder(self, index: torch.Tensor) -> None:

@@ -1,0 +1,180 @@
+"""Eviction: a cache that keeps only some of another cache's slots (a press's choice, caramba.press).
+
+`evict` takes, per layer, a kept mask [B, KVH, S] over the source's slots and builds a new cache
+holding just those tokens, in slot order, stored in a template's kinds (the source's own, or a
+quantized candidate's: evict, then keep the survivors quantized), with `room` free slots after
+them for the tokens still to come. The allocation is the kept tokens plus that room: a press
+frees memory for real.
+
+Keys are stored after RoPE, so a survivor keeps its position; new tokens take their positions
+from the decoding state (DecodeState.next_pos), not from the slot they land in.
+
+Two layouts:
+- uniform (every layer and KV head of a row keeps as many tokens; rows may differ): plain
+  layers of W = the most any row keeps; a row keeping fewer has holes in front, which the
+  decoding state's slot mask marks like left padding. The fused C step reads it as it is.
+- ragged (per-layer budgets such as PyramidKV, per-head ones such as AdaKV): layer l holds
+  W_l slots, each head's survivors right-aligned with a per-head validity mask in front, and
+  maps the model's slot numbers (W + t for the t-th new token) to its own (W_l + t). These
+  layers attend through torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from caramba.cache.attend import attend_chunked
+from caramba.cache.layer import CHUNKED_MAX_T, KVCache, LayerKVCache
+
+__all__ = ["PressedKVCache", "PressedLayerKVCache", "evict", "kept_counts"]
+
+
+def kept_counts(kept: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[L, B, KVH] how many slots each layer, row and KV head keeps."""
+    return torch.stack([k.sum(dim=-1) for k in kept])
+
+
+@torch.inference_mode()
+def evict(source: KVCache, kept: Sequence[torch.Tensor], template: KVCache | None = None,
+          room: int = 0, dtype: torch.dtype = torch.float32) -> tuple[KVCache, torch.Tensor | None]:
+    """(cache, slot_mask): the source's kept slots (kept[l] [B, KVH, S], S = source.length) in the
+    template's kinds (default: the source's), with `room` free slots after them. slot_mask
+    [B, W + room] marks a uniform cache's real slots (None: all of them, or a ragged cache,
+    whose layers hold their own masks)."""
+    layers = source.layers
+    S, B = source.length, source.batch_size
+    template = source if template is None else template
+    if len(kept) != len(layers) or len(template.layers) != len(layers):
+        raise ValueError(f"evict needs one kept mask per layer ({len(layers)}); got {len(kept)} masks and a "
+                         f"template of {len(template.layers)} layers")
+    for i, (layer, mask) in enumerate(zip([*layers, *template.layers], [*kept, *kept])):
+        if type(layer) is not LayerKVCache:
+            raise ValueError(f"eviction needs standard attention caches; layer {i % len(layers)} is "
+                             f"{type(layer).__name__} (sliding-window rings, decoupled attention and pressed caches are not)")
+        if mask.dtype != torch.bool or tuple(mask.shape) != (B, layer.n_kv_heads, S):
+            raise ValueError(f"kept mask of layer {i % len(layers)} must be bool [{B}, {layer.n_kv_heads}, {S}]; "
+                             f"got {mask.dtype} {tuple(mask.shape)}")
+    counts = kept_counts(kept)                                   # [L, B, KVH]
+    uniform = bool((counts == counts[:1, :, :1]).all())
+    width = int(counts.max()) if counts.numel() else 0
+    built = []
+    for l, (src, tpl, mask) in enumerate(zip(layers, template.layers, kept)):
+        w = width if uniform else int(counts[l].max())
+        keys, values, valid = _gather(src, mask, S, w, dtype)
+        layer = tpl.like(B, w + room)
+        layer.extend(keys, values)
+        if not uniform:
+            layer = PressedLayerKVCache.adopt(layer, width - w, None if bool(valid.all()) else valid)
+        built.append(layer)
+    if not uniform:
+        return PressedKVCache(built), None
+    rows = counts[0, :, 0]                                       # [B]
+    if bool((rows == width).all()):
+        return KVCache(built), None
+    slot_mask = torch.zeros(B, width + room, dtype=torch.bool, device=rows.device)
+    slot_mask[:, :width] = torch.arange(width, device=rows.device)[None, :] >= (width - rows)[:, None]
+    return KVCache(built), slot_mask
+
+
+def _gather(layer: LayerKVCache, mask: torch.Tensor, S: int, width: int, dtype: torch.dtype):
+    """The kept slots of one layer, right-aligned in `width` slots per row and head: (keys
+    [B, KVH, width, D], values, valid [B, KVH, width]); the holes in front are zeros."""
+    keys, values = layer.contents(S, dtype)
+    slots = torch.arange(S, device=mask.device).expand_as(mask)
+    # Dropped slots sort first (-1), kept ones after in slot order: the last `width` columns are
+    # each head's survivors, right-aligned, behind as many dropped slots as it keeps fewer.
+    order, index = torch.sort(torch.where(mask, slots, -1), dim=-1, stable=True)
+    order, index = order[..., S - width:], index[..., S - width:]
+    valid = order >= 0
+    pick = index[..., None]
+    keys = keys.gather(2, pick.expand(-1, -1, -1, keys.shape[-1])) * valid[..., None]
+    values = values.gather(2, pick.expand(-1, -1, -1, values.shape[-1])) * valid[..., None]
+    return keys, values, valid
+
+
+class PressedLayerKVCache(LayerKVCache):
+    """A layer of a ragged pressed cache: its first `width` slots are the survivors (per head:
+    valid [B, KVH, width], None when every one is real), then new tokens. The model numbers
+    slots as the widest layer does; this layer's slot i is the model's slot i + offset."""
+
+    offset: int = 0
+    valid: torch.Tensor | None = None
+    width: int = 0
+
+    @classmethod
+    def adopt(cls, layer: LayerKVCache, offset: int, valid: torch.Tensor | None) -> PressedLayerKVCache:
+        layer.__class__ = cls   # same storage, the model's slot numbers mapped to its own
+        layer.offset, layer.valid, layer.width = offset, valid, layer.length
+        return layer
+
+    def truncate(self, n: int) -> None:
+        if n < self.width:
+            raise ValueError(f"cannot roll back into a pressed context ({self.width} survivors in this layer); "
+                             f"got {n}")
+        super().truncate(n)
+
+    def reset(self) -> None:
+        raise ValueError("a pressed cache cannot be reset; build a new cache")
+
+    def reorder(self, index: torch.Tensor) -> None:
+        super().reorder(index)
+        if self.valid is not None:
+            self.valid = self.valid[index]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               causal: bool) -> torch.Tensor:
+        """As LayerKVCache.attend, with the model's mask [B, 1, T, offset + end] (PressedKVCache
+        always gives one) mapped onto this layer's slots and each head's holes masked."""
+        B, H, T, _ = q.shape
+        if mask is None or causal:
+            raise ValueError("a pressed layer needs an explicit mask (PressedKVCache.attention_mask)")
+        end = self._append(k, v)
+        KVH = self.n_kv_heads
+        front = torch.ones(B, KVH, T, self.width, dtype=torch.bool, device=q.device) if self.valid is None \
+            else self.valid[:, :, None, :].expand(B, KVH, T, self.width)
+        tail = mask[..., self.offset + self.width:].expand(B, KVH, T, end - self.width)
+        layer_mask = torch.cat([front, tail], dim=-1)              # [B, KVH, T, end]
+        if self.rotation is not None:
+            q = q @ self.rotation.to(q.dtype)
+        if T <= CHUNKED_MAX_T:
+            out = attend_chunked(q, self.k_stream, self.v_stream, end, layer_mask)
+        else:
+            keys, values = self.k_stream.read(end, q.dtype), self.v_stream.read(end, q.dtype)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, keys, values, attn_mask=layer_mask.repeat_interleave(H // KVH, dim=1), enable_gqa=True)
+        return out if self.v_rotation is None else out @ self.v_rotation.to(out.dtype)
+
+
+class PressedKVCache(KVCache):
+    """Layers of different widths after a ragged press (PressedLayerKVCache); lengths, room and
+    masks are in the model's slot numbers: the widest layer's."""
+
+    def __init__(self, layers: list[PressedLayerKVCache]) -> None:
+        super().__init__(layers)
+
+    @property
+    def length(self) -> int:
+        first = self.layers[0]
+        return first.length + first.offset
+
+    @property
+    def max_seq_len(self) -> int:
+        first = self.layers[0]
+        return first.max_seq_len + first.offset
+
+    def truncate(self, n: int) -> None:
+        for layer in self.layers:
+            layer.truncate(n - layer.offset)
+
+    def attention_mask(self, B: int, T: int, slot_mask: torch.Tensor | None, device: torch.device,
+                       window: int | None = None, model_window: int | None = None) -> tuple[torch.Tensor, bool]:
+        if window is not None or self.window is not None or model_window is not None:
+            raise ValueError("a pressed cache with per-layer or per-head budgets has no sliding window")
+        mask, causal = super().attention_mask(B, T, slot_mask, device)
+        if mask is None:   # spelled out: each layer maps it onto its own slots
+            start = self.length
+            q_slot = torch.arange(start, start + T, device=device)[:, None]
+            mask = (torch.arange(start + T, device=device)[None, :] <= q_slot).expand(B, 1, T, start + T)
+        return mask, False

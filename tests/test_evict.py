@@ -1,0 +1,260 @@
+"""Eviction (caramba.cache.evict, DecodeState.press) against a reference that keeps the whole
+cache and masks the dropped slots in plain softmax attention: a pressed cache must decode exactly
+as the full cache would with those slots hidden, for uniform, per-row, per-layer and per-head
+budgets, in fp32 and quantized kinds, on the torch path and the fused C step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from caramba.cache import CachePolicy, KVCache, LayerKVCache
+from caramba.cache.evict import PressedKVCache
+from caramba.infer.state import DecodeState
+from caramba.model import fast_decode
+from conftest import make_model
+
+
+class MaskedLayer(LayerKVCache):
+    """The reference: every slot stays; dropped context slots are hidden per head in a plain
+    softmax(q k^T / sqrt(d)) v over the dequantized cache."""
+
+    hidden: torch.Tensor   # [B, KVH, S] True = dropped
+
+    def attend(self, q, k, v, mask, causal):
+        end = self._append(k, v)
+        keys, values = self.contents(end, q.dtype)                   # [B, KVH, end, D]
+        B, H, T, D = q.shape
+        G = H // self.n_kv_heads
+        keys, values = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
+        scores = q @ keys.transpose(-1, -2) / D**0.5                 # [B, H, T, end]
+        allowed = torch.ones(B, H, T, end, dtype=torch.bool)
+        if mask is not None:
+            allowed &= mask
+        if causal:
+            allowed &= torch.ones(T, end, dtype=torch.bool).tril(end - T)
+        S = self.hidden.shape[-1]
+        allowed[..., :S] &= ~self.hidden.repeat_interleave(G, 1)[:, :, None, :]
+        return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ values
+
+
+def reference_state(model, state: DecodeState, kept, policy=None) -> DecodeState:
+    """A copy of the state's context in a cache of `policy`, with the un-kept slots hidden."""
+    src = state.cache
+    target = model.new_cache(src.batch_size, src.max_seq_len, policy or "fp32")
+    for layer, mask in zip(target.layers, kept):
+        layer.extend(*src.layers[target.layers.index(layer)].contents(src.length))
+        layer.__class__ = MaskedLayer
+        layer.hidden = ~mask
+    ref = DecodeState(model, target)
+    ref.next_pos = state.next_pos.clone()
+    ref.slot_mask = None if state.slot_mask is None else state.slot_mask.clone()
+    return ref
+
+
+def decode(state: DecodeState, first: torch.Tensor, n: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Greedy: n steps from tokens `first` [B] -> (logits per step, tokens [B, n])."""
+    logits, tokens, t = [], [], first
+    for _ in range(n):
+        out = state.step(t)
+        logits.append(out)
+        t = out.argmax(-1)
+        tokens.append(t)
+    return logits, torch.stack(tokens, 1)
+
+
+def random_kept(L, B, KVH, S, counts, valid=None, seed=0):
+    """counts[l][b][h] random kept slots of each layer, row and head (among the valid ones)."""
+    g = torch.Generator().manual_seed(seed)
+    kept = torch.zeros(L, B, KVH, S, dtype=torch.bool)
+    for l in range(L):
+        for b in range(B):
+            for h in range(KVH):
+                pool = torch.arange(S) if valid is None else valid[b].nonzero().flatten()
+                pick = pool[torch.randperm(len(pool), generator=g)[: counts[l][b][h]]]
+                kept[l, b, h, pick] = True
+    return list(kept)
+
+
+def prefilled(model, B=1, S=24, room=12, lengths=None, policy=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.config.vocab_size, (B, S), generator=g)
+    mask = None
+    if lengths is not None:
+        mask = torch.arange(S)[None, :] >= torch.tensor([S - n for n in lengths])[:, None]
+    state = DecodeState(model, model.new_cache(B, S + room, policy or "fp32"))
+    logits = state.prefill(tokens, mask)
+    return state, logits.argmax(-1)
+
+
+def check_against_reference(model, state, first, kept, policy=None, steps=8, atol=2e-5):
+    ref = reference_state(model, state, kept, policy)
+    template = None if policy is None else model.new_cache(state.batch_size, 1, policy)
+    state.press(kept, template)
+    got, got_tokens = decode(state, first, steps)
+    want, want_tokens = decode(ref, first, steps)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=atol, rtol=1e-4)
+    assert torch.equal(got_tokens, want_tokens)
+    return state
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    m = make_model(seed=3, n_layers=3, n_heads=4, n_kv_heads=2)
+    m.fast_decode = False
+    return m
+
+
+def test_uniform_press_matches_masked_full_cache_and_frees_memory(model):
+    state, first = prefilled(model)
+    L, KVH = model.config.n_layers, model.config.n_kv_heads
+    kept = random_kept(L, 1, KVH, 24, [[[10] * KVH]] * L)
+    before = state.cache.nbytes
+    state = check_against_reference(model, state, first, kept)
+    assert type(state.cache) is KVCache and state.cache.length == 10 + 8
+    per_token = state.cache.bytes_per_token()
+    assert state.cache.nbytes == per_token * (10 + 12)          # kept tokens + the room for new ones
+    assert state.cache.nbytes < before
+    assert state.next_pos.tolist() == [24 + 8]                  # positions go on from the context's
+
+
+def test_press_keeps_positions_of_survivors(model):
+    """Keeping every slot changes nothing: the same logits as the unpressed cache, bit for bit."""
+    state, first = prefilled(model, S=16)
+    full, _ = prefilled(model, S=16)
+    L, KVH = model.config.n_layers, model.config.n_kv_heads
+    state.press([torch.ones(1, KVH, 16, dtype=torch.bool)] * L)
+    a, ta = decode(state, first, 6)
+    b, tb = decode(full, first, 6)
+    assert torch.equal(ta, tb)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
+
+
+def test_rows_keep_different_counts_as_holes_in_front(model):
+    lengths = [24, 15]
+    state, first = prefilled(model, B=2, lengths=lengths)
+    valid = state.valid_slots()
+    L, KVH = model.config.n_layers, model.config.n_kv_heads
+    kept = random_kept(L, 2, KVH, 24, [[[12] * KVH, [7] * KVH]] * L, valid)
+    state = check_against_reference(model, state, first, kept)
+    assert type(state.cache) is KVCache
+    assert state.slot_mask[:, :12].sum(1).tolist() == [12, 7]
+    assert state.slot_mask[1, :5].logical_not().all()
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "per_head", "both"])
+def test_ragged_budgets_match_masked_full_cache(model, layout):
+    L, KVH = model.config.n_layers, model.config.n_kv_heads
+    counts = {"per_layer": [[[16] * KVH], [[9] * KVH], [[4] * KVH]],
+              "per_head": [[[14, 5]], [[3, 12]], [[9, 9]]],
+              "both": [[[20, 2]], [[1, 6]], [[24, 24]]]}[layout]
+    state, first = prefilled(model)
+    kept = random_kept(L, 1, KVH, 24, counts)
+    state = check_against_reference(model, state, first, kept)
+    cache = state.cache
+    assert isinstance(cache, PressedKVCache)
+    widths = [max(c[0]) for c in counts]
+    assert [layer.max_seq_len for layer in cache.layers] == [w + 12 for w in widths]   # each layer its own room
+    assert cache.length == max(widths) + 8                                      # the model's slot numbers
+
+
+def test_ragged_budgets_with_padded_rows_and_a_question_chunk(model):
+    """Per-head budgets on a left-padded batch, then a multi-token feed (a question) before decoding."""
+    L, KVH = model.config.n_layers, model.config.n_kv_heads
+    state, _ = prefilled(model, B=2, lengths=[24, 18], room=20)
+    valid = state.valid_slots()
+    kept = random_kept(L, 2, KVH, 24, [[[10, 4], [6, 2]], [[3, 9], [5, 5]], [[7, 7], [1, 8]]], valid, seed=2)
+    ref = reference_state(model, state, kept)
+    state.press(kept)
+    question = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(9))
+    got = state.prefill(question)
+    want = ref.prefill(question)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    a, ta = decode(state, got.argmax(-1), 5)
+    b, tb = decode(ref, want.argmax(-1), 5)
+    assert torch.equal(ta, tb)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "nf4"])
+def test_survivors_stored_quantized_match_the_quantized_full_cache(model, kind):
+    """Per-token kinds quantize each token alone, so gathering then quantizing equals quantizing
+    then hiding: the pressed quantized cache decodes as the full quantized cache masked."""
+    policy = CachePolicy.build(kind)
+    L, KVH = model.config.n_layers, model.config.n_kv_heads
+    state, first = prefilled(model)
+    kept = random_kept(L, 1, KVH, 24, [[[11] * KVH]] * L, seed=4)
+    state = check_against_reference(model, state, first, kept, policy, atol=1e-4)
+    assert state.cache.layers[0].k_stream.quantized
+    assert state.cache.nbytes == state.cache.bytes_per_token() * (11 + 12) + _fixed(state.cache)
+
+
+def _fixed(cache) -> int:
+    """Bytes that do not grow with tokens (none for plain per-token kinds)."""
+    return cache.nbytes - cache.bytes_per_token() * cache.max_seq_len
+
+
+def test_per_channel_keys_regroup_survivors():
+    """KIVI keys (per-channel groups along tokens) are requantized over the survivors: the
+    pressed cache decodes close to the fp32 pressed cache (within 2-bit rounding), not garbage."""
+    model = make_model(seed=3, n_layers=2, n_heads=4, n_kv_heads=2)
+    model.fast_decode = False
+    L, KVH = 2, 2
+    kept = random_kept(L, 1, KVH, 40, [[[20] * KVH]] * L, seed=5)
+    a, first = prefilled(model, S=40)
+    b, _ = prefilled(model, S=40)
+    a.press(kept)
+    b.press(kept, model.new_cache(1, 1, CachePolicy.build("q4_0", {"k": "q4_1c"})))
+    la, _ = decode(a, first, 1)
+    lb, _ = decode(b, first, 1)
+    assert b.cache.layers[0].k_stream.spec.per_channel
+    assert (la[0] - lb[0]).abs().max() < 0.1 * la[0].abs().max()
+
+
+def test_press_on_the_c_step_equals_the_torch_path():
+    if fast_decode.library() is None:
+        pytest.skip(f"decode step kernel {fast_decode.status()}")
+    model = make_model(seed=3, n_layers=3, n_heads=4, n_kv_heads=2)
+    L, KVH = 3, 2
+    runs = {}
+    for fast in (True, False):
+        model.fast_decode = fast
+        state, first = prefilled(model, B=2, lengths=[24, 20])
+        kept = random_kept(L, 2, KVH, 24, [[[12] * KVH, [9] * KVH]] * L, state.valid_slots())
+        state.press(kept, model.new_cache(2, 1, CachePolicy.build("q8_0")))
+        calls = []
+        real = fast_decode.step
+        fast_decode.step = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:
+            logits, tokens = decode(state, first, 8)
+        finally:
+            fast_decode.step = real
+        assert bool(calls) == fast
+        runs[fast] = (logits, tokens)
+    assert torch.equal(runs[True][1], runs[False][1])
+    for a, b in zip(runs[True][0], runs[False][0]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_kept_masks_are_refused(model):
+    state, _ = prefilled(model, B=2, lengths=[24, 10])
+    L, KVH = model.config.n_layers, model.config.n_kv_heads
+    real = state.valid_slots()[:, None, :].expand(2, KVH, 24)
+    with pytest.raises(ValueError, match="one kept mask per layer"):
+        state.press([real] * (L - 1))
+    with pytest.raises(ValueError, match="must be bool"):
+        state.press([torch.ones(2, KVH, 23, dtype=torch.bool)] * L)
+    with pytest.raises(ValueError, match="padding"):
+        state.press([torch.ones(2, KVH, 24, dtype=torch.bool)] * L)
+
+
+def test_a_pressed_context_cannot_be_rolled_back_into(model):
+    state, first = prefilled(model)
+    L, KVH = model.config.n_layers, model.config.n_kv_heads
+    state.press(random_kept(L, 1, KVH, 24, [[[6, 3]], [[2, 2]], [[5, 1]]]))
+    decode(state, first, 3)
+    state.cache.truncate(state.cache.length - 2)       # the new tokens: fine
+    with pytest.raises(ValueError, match="pressed context"):
+        state.cache.truncate(2)
