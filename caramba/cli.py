@@ -295,6 +295,7 @@ def bench(
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1",
     cache_kinds: Annotated[str, typer.Option(help="KV cache kinds, comma-separated.")] = "fp32",
     decode_plans: Annotated[str, typer.Option(help="Decode plans, ';'-separated: none, auto, chunk=N, window=W, chunk=N,window=W.")] = "none",
+    presses: Annotated[str, typer.Option(help="KV presses, comma-separated: none, METHOD@RATIO, ada_METHOD@RATIO (e.g. none,snapkv@0.5).")] = "none",
     new_tokens: Annotated[int, typer.Option(help="Tokens generated per repeat (first = prefill).")] = 32,
     warmup: Annotated[int, typer.Option(help="Unmeasured runs per cell.")] = 1,
     repeats: Annotated[int, typer.Option(help="Measured runs per cell.")] = 3,
@@ -322,6 +323,7 @@ def bench(
                 prompt_lens=_int_list(prompt_lens, "--prompt-lens"), batch_sizes=_int_list(batch_sizes, "--batch-sizes"),
                 cache_kinds=[k.strip() for k in cache_kinds.split(",") if k.strip()], new_tokens=new_tokens,
                 decode_plans=[p.strip() for p in decode_plans.split(";") if p.strip()],
+                presses=[p.strip() for p in presses.split(",") if p.strip()],
                 warmup=warmup, repeats=repeats, reference=reference, text=str(text) if text else None,
             )
         except ValidationError as e:

@@ -1,4 +1,4 @@
-"""Run a decode-bench grid: every (prompt length, batch size, cache kind, decode plan) cell, for caramba and
+"""Run a decode-bench grid: every (prompt length, batch size, cache kind, decode plan, press) cell, for caramba and
 optionally the HF reference, with rich progress; rows come back as flat dicts."""
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ class Grid:
     warmup: int = 1
     repeats: int = 3
     decode_plans: Sequence[str] = ("none",)   # caramba.infer.plan.parse_plan's forms
+    presses: Sequence[str] = ("none",)        # caramba.press.PressConfig.parse's forms
 
     def cells(self) -> list[Cell]:
-        return [Cell(L, B, kind, self.new_tokens, plan)
-                for L, B, kind, plan in itertools.product(self.prompt_lens, self.batch_sizes, self.cache_kinds,
-                                                          self.decode_plans)]
+        return [Cell(L, B, kind, self.new_tokens, plan, press)
+                for L, B, kind, plan, press in itertools.product(self.prompt_lens, self.batch_sizes, self.cache_kinds,
+                                                                 self.decode_plans, self.presses)]
 
 
 def run_grid(model, text_ids: list[int], grid: Grid, hf_model=None, progress: bool = True) -> list[dict]:

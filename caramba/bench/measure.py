@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from caramba.infer import GenerateConfig, Generator
+from caramba.infer import CacheConfig, GenerateConfig, Generator
+from caramba.press import PressConfig
 from caramba.infer.plan import parse_plan, quiet_window
 
 
@@ -34,11 +35,13 @@ class Cell:
     cache_kind: str
     new_tokens: int
     decode_plan: str = "none"   # caramba.infer.plan.parse_plan's form: none, auto, chunk=N, window=W
+    press: str = "none"         # caramba.press.PressConfig.parse's form: none, snapkv@0.5, ada_tova@0.25
 
     @property
     def label(self) -> str:
         plan = "" if self.decode_plan == "none" else f" plan={self.decode_plan}"
-        return f"ctx={self.prompt_len} batch={self.batch_size} cache={self.cache_kind}{plan}"
+        press = "" if self.press == "none" else f" press={self.press}"
+        return f"ctx={self.prompt_len} batch={self.batch_size} cache={self.cache_kind}{plan}{press}"
 
 
 @dataclass
@@ -166,10 +169,11 @@ def timed_tokens(steps: Iterator, device: torch.device) -> tuple[float, list[flo
 
 
 def measure_caramba(model, cell: Cell, prompts: list[list[int]], warmup: int, repeats: int) -> CellResult:
-    plan = parse_plan(cell.decode_plan)
+    plan, press = parse_plan(cell.decode_plan), PressConfig.parse(cell.press)
     config = GenerateConfig(max_new_tokens=cell.new_tokens, temperature=0.0, eos_token_id=None,
                             max_seq_len=cell.prompt_len + cell.new_tokens, cache_kind=cell.cache_kind,
-                            decode_plan=plan.plan, decode_q_chunk=plan.q_chunk, decode_local_window=plan.local_window)
+                            decode_plan=plan.plan, decode_q_chunk=plan.q_chunk, decode_local_window=plan.local_window,
+                            cache=CacheConfig(kind=cell.cache_kind, press=press))
 
     def one() -> tuple[float, list[float], Generator]:
         with quiet_window():   # the runner warns once; cells carry exact=False

@@ -7,6 +7,7 @@
       cache        CacheConfig       how the KV cache stores K and V, or "auto" (the autotune picks)
         auto       AutoCacheConfig   the autotune's gates, speed rounds and plan store
           gates    GateSettings
+        press      PressConfig (caramba.press)               KV eviction after the prefill
       plan         DecodePlan (caramba.infer.plan)           chunked forwards, sliding windows
       beam         BeamConfig        beam search (caramba.infer.beam)
       contrastive  ContrastiveConfig contrastive search (caramba.infer.contrastive)
@@ -37,6 +38,7 @@ from caramba.cache.policy import ALL_STREAMS
 from caramba.options import OptionError, check_options, option, options_of
 from caramba.infer.drafts import DRAFT_KINDS
 from caramba.infer.plan import DecodePlan
+from caramba.press.config import PressConfig
 from caramba.infer.sampling import SamplingParams
 
 KIND_CHOICES = kind_names()          # the cache kind table's names and aliases (caramba.cache.kinds)
@@ -126,6 +128,7 @@ class CacheConfig:
     budget_mb: float | None = option(None, gt=0, name="cache_budget_mb",
                                      help="MiB for the whole cache; auto picks within it, a named kind must fit it")
     auto: AutoCacheConfig = field(default_factory=AutoCacheConfig)
+    press: PressConfig = field(default_factory=PressConfig)   # eviction after the prefill (caramba.press)
 
     def __post_init__(self) -> None:
         if str(self.kind).lower() != "auto":
@@ -164,7 +167,8 @@ class CacheConfig:
 
     def with_policy(self, policy: CachePolicy) -> CacheConfig:
         """These settings with `policy` in place of the kind (what `auto` resolves to)."""
-        return CacheConfig.of_policy(policy, max_seq_len=self.max_seq_len, budget_mb=self.budget_mb, auto=self.auto)
+        return CacheConfig.of_policy(policy, max_seq_len=self.max_seq_len, budget_mb=self.budget_mb, auto=self.auto,
+                                     press=self.press)
 
     def autotune_settings(self, batch_size: int = 1):
         """What caramba.autotune needs to resolve `auto` for this cache and batch."""
@@ -372,6 +376,13 @@ class GenerateConfig(_Composed):
         if self.beam.num_beams > 1 and s.top_k is not None:
             raise OptionError("top_k", s.top_k, "is not used by beam search (only by contrastive search); "
                               "drop top_k or num_beams")
+        press = self.cache.press
+        if press.active and searching:
+            raise OptionError("press", press.method, "(KV eviction) runs with greedy, sampled and speculative decoding, "
+                              "not beam or contrastive search; drop press or num_beams / penalty_alpha")
+        if press.active and self.plan.local_window is not None:
+            raise OptionError("press", press.method, "(KV eviction) and decode_local_window (a sliding window) are two "
+                              "ways of dropping tokens; use one of them")
         if searching and self.plan.local_window is not None:
             raise OptionError("decode_local_window", self.plan.local_window,
                               "(sliding-window attention) is not supported by beam or contrastive search; drop it "

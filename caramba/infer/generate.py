@@ -24,6 +24,7 @@ from caramba.infer.config import GenerateConfig
 from caramba.infer.padding import left_pad
 from caramba.infer.plan import ResolvedPlan, warn_window
 from caramba.infer.sampling import History, process_logits, select_tokens
+from caramba.infer.pressing import prefill_pressed
 from caramba.infer.state import DecodeState
 from caramba.infer.stops import StopChecker, pad_id_for
 
@@ -167,7 +168,11 @@ class Generator:
             self.history.add_context(tokens[:, T - n_input:], mask[:, T - n_input:])
 
         self._track_seen(tokens, mask)
-        logits = self._forward(tokens, mask)
+        if cfg.cache.press.active and state.cache.length == 0:
+            # The first turn's prompt is the context a press compresses; later turns add theirs whole.
+            logits = prefill_pressed(state, tokens, mask, cfg.cache.press)
+        else:
+            logits = self._forward(tokens, mask)
         active = torch.ones(B, dtype=torch.bool, device=self.device)
         self.stops.start(B)
         for step in range(cfg.max_new_tokens):

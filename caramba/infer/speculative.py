@@ -42,6 +42,7 @@ from caramba.infer.config import SpeculativeConfig
 from caramba.infer.generate import GenerationResult
 from caramba.infer.padding import as_rows, left_pad
 from caramba.infer.sampling import process_logits, select_tokens
+from caramba.infer.pressing import prefill_pressed
 from caramba.infer.state import DecodeState
 from caramba.infer.stops import StopChecker, pad_id_for
 
@@ -199,7 +200,10 @@ class SpeculativeGenerator:
 
         t0 = time.perf_counter()
         tokens, mask = left_pad(rows, self.pad_id, width, device)
-        logits = target.prefill(tokens, mask)
+        if cfg.cache.press.active:   # the target's context is pressed; the drafts keep their own caches whole
+            logits = prefill_pressed(target, tokens, mask, cfg.cache.press)
+        else:
+            logits = target.prefill(tokens, mask)
         first = select_tokens(process_logits(logits, sampling, seen), sampling, self.rng).tolist()
         for r in range(B):
             emit(r, [first[r]])

@@ -37,6 +37,7 @@ class DecodeState:
         self.next_pos = torch.zeros(B, dtype=torch.long, device=device)  # [B] real tokens cached = next position
         self.pending: torch.Tensor | None = None       # [B] a sampled token not yet in the cache
         self.pending_mask: torch.Tensor | None = None  # [B] which rows have one
+        self.kept_share: float | None = None           # after a press: the share of context entries kept
 
     @classmethod
     def for_config(cls, model, batch_size: int, config, slots: int | None = None) -> DecodeState:
@@ -159,6 +160,8 @@ class DecodeState:
             if mask.dtype == torch.bool and mask.shape[-1:] == valid.shape[-1:] and bool((mask & ~valid[:, None, :]).any()):
                 raise ValueError(f"the kept mask of layer {i} keeps padding slots")
         room = self.cache.max_seq_len - self.cache.length
+        real = valid.sum() * len(kept) * self.cache.layers[0].n_kv_heads
+        self.kept_share = float(sum(int(m.sum()) for m in kept) / max(int(real), 1))
         self.cache, self.slot_mask = evict(self.cache, kept, template, room)
 
     @torch.inference_mode()

@@ -31,7 +31,9 @@ import torch
 from caramba import threads
 from caramba.cache import CachePolicy, KVCache, LayerKVCache
 from caramba.infer.padding import left_pad
+from caramba.infer.pressing import observing_all, prefill_pressed
 from caramba.infer.state import DecodeState
+from caramba.press import PressConfig, kept_masks
 from caramba.infer.tasks import TaskSample, score
 
 PREFILLS = ("shared", "own")
@@ -44,6 +46,11 @@ class Candidate:
     label: str
     policy: CachePolicy
     window: int | None = None    # sliding-window span over the cache's slots: changes outputs
+    press: PressConfig | None = None   # KV eviction of the context before the question (caramba.press)
+
+    @property
+    def pressed(self) -> bool:
+        return self.press is not None and self.press.active
 
 
 @dataclass
@@ -65,6 +72,11 @@ class CandidateAnswers:
     bytes_per_token: int                              # the candidate's cache, batch 1, all layers
     answers: list[Answer] = field(default_factory=list)
     threads: list[int | None] = field(default_factory=list)   # CPU threads each batch ran on (None: a GPU)
+    kept: list[float] = field(default_factory=list)   # per batch: the share of context tokens a press kept
+
+    def kept_fraction(self) -> float:
+        """The share of context (layer, head, token) entries the cache kept: 1 without a press."""
+        return sum(self.kept) / len(self.kept) if self.kept else 1.0
 
     def cells(self) -> dict[str, dict[int, dict]]:
         """task -> length -> {score, n, ci_low, ci_high}: the mean score of the cell's samples."""
@@ -83,8 +95,10 @@ class CandidateAnswers:
         return steps / seconds if seconds > 0 else None
 
     def to_dict(self) -> dict:
+        press = self.candidate.press.describe() if self.candidate.pressed else None
         return {"label": self.candidate.label, "policy": self.candidate.policy.describe(),
-                "window": self.candidate.window, "bytes_per_token": self.bytes_per_token,
+                "window": self.candidate.window, "press": press, "kept_fraction": self.kept_fraction(),
+                "bytes_per_token": self.bytes_per_token,
                 "answers": [asdict(a) for a in self.answers]}
 
 
@@ -154,27 +168,48 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
     question = left_pad([s.question_ids for s in group], pad, device=device)
     slots = context[0].shape[1] + question[0].shape[1] + max(s.max_new_tokens for s in group)
     base = DecodeState(model, model.new_cache(len(group), slots, baseline.policy), q_chunk)
+    # Shared: the candidates' presses watch the one context prefill (observers of equal presses are shared).
+    presses = list(dict.fromkeys(r.candidate.press for r in results if r.candidate.pressed)) if prefill == "shared" else []
     t0 = time.perf_counter()
-    _feed(base, *context, baseline.window)
+    with observing_all(model, base.cache, presses) as seen:
+        _feed(base, *context, baseline.window)
     context_s = time.perf_counter() - t0
     for result in results:
         c = result.candidate
         t0 = time.perf_counter()
         if c is baseline:
             state = base
+        elif prefill == "shared":
+            state = _shared_context(model, base, c, slots, q_chunk, seen[presses.index(c.press)] if c.pressed else None)
         else:
             state = DecodeState(model, model.new_cache(len(group), slots, c.policy), q_chunk)
-            if prefill == "shared":
-                store_context(base.cache, state.cache, model.dtype)
-                state.next_pos = base.next_pos.clone()
-                state.slot_mask = None if base.slot_mask is None else base.slot_mask.clone()
+            if c.pressed:
+                mask = context[1]
+                prefill_pressed(state, context[0], None if bool(mask.all()) else mask, c.press)
             else:
                 _feed(state, *context, c.window)
+        if c.pressed:
+            result.kept.append(state.kept_share)
         for answer in _answer(state, tokenizer, group, question, c.window, stops, time.perf_counter() - t0):
             result.answers.append(answer)
             if on_answer is not None:
                 on_answer(c.label, answer)
     return context_s
+
+
+def _shared_context(model, base: DecodeState, c: Candidate, slots: int, q_chunk: int | None, seen) -> DecodeState:
+    """A candidate's state holding the baseline's context in its own kinds: stored whole, or
+    (with a press) only the survivors, chosen from the full-precision context."""
+    B = base.batch_size
+    state = DecodeState(model, base.cache, q_chunk)
+    state.next_pos = base.next_pos.clone()
+    state.slot_mask = None if base.slot_mask is None else base.slot_mask.clone()
+    if c.pressed:
+        state.press(kept_masks(base.cache, seen, c.press, base.valid_slots()), model.new_cache(B, 1, c.policy))
+    else:
+        state.cache = model.new_cache(B, slots, c.policy)
+        store_context(base.cache, state.cache, model.dtype)
+    return state
 
 
 def _feed(state: DecodeState, tokens: torch.Tensor, mask: torch.Tensor, window: int | None) -> torch.Tensor:

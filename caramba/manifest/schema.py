@@ -26,6 +26,7 @@ from caramba.infer.plan import DecodePlan
 from caramba.manifest.yaml_lines import yaml11_note
 from caramba.model import quant
 from caramba.options import options_of
+from caramba.press.config import PressConfig
 
 Mode = Literal["generate", "decode-bench", "speculative", "cache-autotune", "eval"]
 MODES: tuple[str, ...] = typing.get_args(Mode)
@@ -202,6 +203,9 @@ class BenchSettings(_Model):
     # Decode plans: "none", "auto", "chunk=N" (fixed q_chunk), "window=W" or "chunk=N,window=W"
     # (a window changes outputs), e.g. ["none", "chunk=512"]. See docs/decode-plans.md.
     decode_plans: list[str] = Field(["none"], min_length=1)
+    # KV eviction after each cell's prefill: "none" or METHOD@RATIO (ada_ prefix: AdaKV), e.g.
+    # ["none", "snapkv@0.5"]. See docs/kv-cache.md#presses.
+    presses: list[str] = Field(["none"], min_length=1)
     new_tokens: int = Field(32, ge=2)       # >= 2: the first token is prefill, the rest decode
     warmup: int = Field(1, ge=0)
     repeats: int = Field(3, ge=1)
@@ -215,6 +219,11 @@ class BenchSettings(_Model):
         from caramba.cache import KVCacheKind
 
         return [KVCacheKind.parse(kind).value for kind in kinds]
+
+    @field_validator("presses")
+    @classmethod
+    def _known_presses(cls, presses: list[str]) -> list[str]:
+        return [PressConfig.parse(text).describe() for text in presses]
 
     @field_validator("decode_plans")
     @classmethod
@@ -266,7 +275,7 @@ CacheAutotuneSettings = create_model(
 # The cache settings an eval candidate takes: CacheConfig's (not its size or budget, which the
 # eval sizes per sample) and the sliding window. Derived from their one definition.
 CANDIDATE_CACHE_OPTIONS = ("cache_kind", "cache_policy", "qblock", "residual_len", "rotate_keys", "rotate_values",
-                           "cache_fp16_prefix_layers")
+                           "cache_fp16_prefix_layers", *(o.name for o in options_of(PressConfig)))
 _LABEL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -283,7 +292,14 @@ class _CandidateSection(_Model):
 
     def cache_config(self) -> CacheConfig:
         opts = {o.name: o.attr for o in options_of(CacheConfig)}
-        return CacheConfig(**{opts[name]: getattr(self, name) for name in CANDIDATE_CACHE_OPTIONS})
+        press = {o.name: o.attr for o in options_of(PressConfig)}
+        return CacheConfig(**{opts[name]: getattr(self, name) for name in CANDIDATE_CACHE_OPTIONS if name in opts},
+                           press=PressConfig(**{attr: getattr(self, name) for name, attr in press.items()}))
+
+    def press_config(self) -> PressConfig | None:
+        """The candidate's press (caramba.press), or None without one."""
+        press = self.cache_config().press
+        return press if press.active else None
 
     def policy(self):
         """The CachePolicy (caramba.cache) these settings build."""
@@ -294,9 +310,10 @@ class _CandidateSection(_Model):
         """The given name, or the policy's short description as a metric-safe word (q4_0_rotate_keys)."""
         if self.name is not None:
             return self.name
-        policy = self.policy()
-        text = re.sub(r"\W+", "_", policy.describe(decoupled=bool({"k_sem", "k_geo"} & set(policy.named)))).strip("_")
-        return text + (f"_window{self.decode_local_window}" if self.decode_local_window else "")
+        policy, press = self.policy(), self.press_config()
+        text = policy.describe(decoupled=bool({"k_sem", "k_geo"} & set(policy.named)))
+        text += (f"_window{self.decode_local_window}" if self.decode_local_window else "")
+        return re.sub(r"\W+", "_", text + (f"_{press.describe()}" if press else "")).strip("_")
 
     @model_validator(mode="after")
     def _engine_accepts(self) -> Any:
@@ -390,6 +407,16 @@ class EvalSettings(_Model):
         if self.perplexity is not None and any(c.decode_local_window for c in [*self.candidates, self.baseline]):
             raise ValueError("perplexity scores full-attention caches; a candidate with decode_local_window "
                              "is scored on tasks only: drop perplexity: or the window")
+        if self.perplexity is not None and any(c.press_config() for c in self.candidates):
+            raise ValueError("perplexity scores every cached token; a candidate with a press (KV eviction) is scored "
+                             "on tasks only: drop perplexity: or the press")
+        if self.baseline.press_config() is not None:
+            raise ValueError("baseline: the baseline is the reference every candidate is compared with; it takes no "
+                             "press: give the press to a candidate")
+        for c in self.candidates:
+            if c.press_config() is not None and c.decode_local_window:
+                raise ValueError(f"candidate {c.label}: a press (KV eviction) and decode_local_window (a sliding "
+                                 "window) are two ways of dropping tokens; use one of them")
         return self
 
 

@@ -43,6 +43,25 @@ class PressConfig:
     def active(self) -> bool:
         return self.method is not None and self.ratio > 0
 
+    @classmethod
+    def parse(cls, text: str) -> PressConfig:
+        """'none', or METHOD@RATIO with an optional ada_ prefix (AdaKV): 'snapkv@0.5', 'ada_tova@0.75' --
+        the form describe() writes (decode-bench grids, CLI flags)."""
+        word = text.strip().lower()
+        if word in ("none", ""):
+            return cls()
+        method, at, ratio = word.partition("@")
+        adaptive = method.startswith("ada_")
+        method = method.removeprefix("ada_")
+        if not at or method not in METHODS:
+            raise ValueError(f"press {text!r}: write none or METHOD@RATIO (e.g. snapkv@0.5, ada_snapkv@0.5); "
+                             f"methods: {', '.join(METHODS)}")
+        try:
+            value = float(ratio)
+        except ValueError:
+            raise ValueError(f"press {text!r}: the ratio after @ must be a number in [0, 1), e.g. snapkv@0.5") from None
+        return cls(method=method, ratio=value, adaptive=adaptive)
+
     def describe(self) -> str:
         if not self.active:
             return "none"

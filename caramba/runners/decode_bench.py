@@ -45,7 +45,7 @@ def load_hf_reference(loaded: LoadedModel):
 
 def run_decode_bench(loaded: LoadedModel, settings: BenchSettings, seed: int | None, record: RunDir, console: Console) -> dict[str, Any]:
     grid = Grid(settings.prompt_lens, settings.batch_sizes, settings.cache_kinds, settings.new_tokens,
-                settings.warmup, settings.repeats, settings.decode_plans)
+                settings.warmup, settings.repeats, settings.decode_plans, settings.presses)
     windows = [p for p in settings.decode_plans if parse_plan(p).local_window is not None]
     if windows:
         record.log(f"warning: decode plans {', '.join(windows)} use sliding-window attention, which changes outputs")

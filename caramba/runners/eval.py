@@ -30,7 +30,7 @@ from caramba.runs import RunDir
 
 def candidates_of(settings: EvalSettings) -> tuple[list[Candidate], Candidate]:
     def build(c) -> Candidate:
-        return Candidate(c.label, c.policy(), c.decode_local_window)
+        return Candidate(c.label, c.policy(), c.decode_local_window, c.press_config())
     return [build(c) for c in settings.candidates], build(settings.baseline)
 
 
@@ -74,6 +74,7 @@ def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, reco
         except ValueError as e:
             raise UserError(f"eval candidate {c.label}: {e}") from None
     rows = {c.label: {"label": c.label, "policy": c.policy.describe(decoupled), "window": c.window,
+                      "press": c.press.describe() if c.pressed else None,
                       "bytes_per_token": model.new_cache(1, 1, c.policy).bytes_per_token()}
             for c in [*candidates, baseline]}
     result: dict[str, Any] = {"mode": "eval", "baseline": baseline.label}
@@ -132,6 +133,10 @@ def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidat
     progress.close()
     for r in results:
         rows[r.candidate.label].update(task_metrics(r))
+        if r.candidate.pressed:   # a press keeps a share of the context: its bytes per context token, measured
+            row = rows[r.candidate.label]
+            row["kept_fraction"] = r.kept_fraction()
+            row["bytes_per_token"] = round(row["bytes_per_token"] * row["kept_fraction"], 1)
     if record.path is not None:   # every answer, for a reader who wants to see what a score came from
         record.write_json("answers.json", {r.candidate.label: r.to_dict()["answers"] for r in results})
     return {"names": list(s.names or task_suite.DEFAULT_TASKS), "lengths": s.lengths, "samples": s.samples,

@@ -54,6 +54,11 @@ def preflight(manifest_name: str, runs: list[ResolvedRun], root: str | Path | No
                                 "quantize any source) or fp32")
             _check_vocabulary(spec.source, sources, where, field)
         if r.run.mode in ("generate", "speculative"):
+            press = getattr(r.run.settings, "press", None)
+            if press is not None and sources.config(r.model.source).attention == "decoupled":
+                raise UserError(f"{where}: {r.run.mode}.press: presses score standard attention's keys; this "
+                                "decoupled (DBA) model's three streams have none yet: drop press or use a "
+                                "standard-attention model")
             _check_batch(r, where)
             _check_prompts_fit(r, where, sources)
             if r.draft is not None:
@@ -64,6 +69,10 @@ def preflight(manifest_name: str, runs: list[ResolvedRun], root: str | Path | No
                                     "the same tokenizer")
         if r.run.mode == "eval":
             check_eval(r, where, sources.tokenizer(r.model.source), checked, sources.config(r.model.source))
+        if r.run.mode == "decode-bench" and any(p != "none" for p in r.run.bench.presses) \
+                and sources.config(r.model.source).attention == "decoupled":
+            raise UserError(f"{where}: bench.presses: presses score standard attention's keys; this decoupled (DBA) "
+                            "model's three streams have none yet: use presses: [none]")
         settings = r.run.settings
         text = getattr(settings, "text", None)
         if text is not None and not Path(text).is_file():
@@ -92,6 +101,10 @@ def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked
         except ValueError as e:
             field = f"candidates[{i}]" if i < len(s.candidates) else "baseline"
             raise UserError(f"{where}: eval.{field}: {e}") from None
+        if config.attention == "decoupled" and c.press_config() is not None:
+            raise UserError(f"{where}: eval.candidates[{i}].press: presses score standard attention's keys; this "
+                            "decoupled (DBA) model's three streams have none yet: drop the press or use a "
+                            "standard-attention model")
     try:
         if s.tasks is not None:
             limit = config.max_position_embeddings

@@ -1,0 +1,70 @@
+"""A press in a decoding state: prefill a context while the press watches, then keep what it chose.
+
+The context's tokens go through the model as in any prefill (DecodeState.prefill) with the
+press's observers on the cache (caramba.press.observing): queries of the last window, attention
+received, query statistics, whatever the method scores with. Then every layer's tokens are
+scored (caramba.press.kept_masks) and the cache is rebuilt with the survivors only
+(DecodeState.press, caramba.cache.evict), in the cache's own kinds or a template's. The logits
+the prefill returns were computed over the whole context: the first new token sees everything,
+the later ones the survivors (kvpress's protocol).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+from caramba.cache import KVCache
+from caramba.infer.state import DecodeState
+from caramba.press import PressConfig, kept_masks, observing
+
+
+def check_pressable(model, press: PressConfig) -> None:
+    """Refuse, before any work, a press the model cannot take."""
+    if model.config.attention == "decoupled":
+        raise ValueError(f"press={press.method}: presses score standard attention's keys; a decoupled (DBA) model's "
+                         "three streams have no press yet: drop press or use a standard-attention model")
+
+
+@torch.inference_mode()
+def prefill_pressed(state: DecodeState, tokens: torch.Tensor, mask: torch.Tensor | None, press: PressConfig,
+                    template: KVCache | None = None) -> torch.Tensor:
+    """Prefill tokens [B, T] (mask: which are real) and press the cache -> next-token logits [B, V]."""
+    check_pressable(state.model, press)
+    with observing(state.model, state.cache, press) as seen:
+        logits = state.prefill(tokens, mask)
+    state.press(kept_masks(state.cache, seen, press, state.valid_slots()), template)
+    return logits
+
+
+class _Both:
+    """Two observers of one layer, called in turn."""
+
+    def __init__(self, first, second) -> None:
+        self.first, self.second = first, second
+
+    def __call__(self, *args) -> None:
+        self.first(*args)
+        self.second(*args)
+
+
+@contextlib.contextmanager
+def observing_all(model, cache: KVCache, presses: Sequence[PressConfig]):
+    """One context prefill watched by several presses (an eval's candidates share the context
+    prefill) -> each press's observations, in order."""
+    for press in presses:
+        check_pressable(model, press)
+    with contextlib.ExitStack() as stack:
+        seen = []
+        for press in presses:
+            before = [layer.observer for layer in cache.layers]
+            seen.append(stack.enter_context(observing(model, cache, press)))
+            for layer, earlier in zip(cache.layers, before):
+                if earlier is not None:
+                    layer.observer = _Both(earlier, layer.observer)
+        yield seen
+
+
+__all__ = ["check_pressable", "observing_all", "prefill_pressed"]
