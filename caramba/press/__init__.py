@@ -1,5 +1,14 @@
-"""KV-cache presses: token eviction after prefill (caramba.press.config, docs/kv-cache.md#presses)."""
+"""KV-cache presses: token eviction after prefill (caramba.press.config, docs/kv-cache.md#presses).
+
+observing(model, cache, press) -> Observations: collect what the method scores with during a
+context prefill; kept_masks(cache, observations, press, valid) -> per layer [B, KVH, S] bool;
+press_masks(model, context_ids, press) does both on a fresh fp32 cache."""
 
 from caramba.press.config import METHODS, PressConfig
+from caramba.press.methods import Row, score
+from caramba.press.observe import Observations, observing
+from caramba.press.prefill import press_masks
+from caramba.press.select import kept_masks, n_kept, pyramid_budget
 
-__all__ = ["METHODS", "PressConfig"]
+__all__ = ["METHODS", "Observations", "PressConfig", "Row", "kept_masks", "n_kept", "observing", "press_masks",
+           "pyramid_budget", "score"]

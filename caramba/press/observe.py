@@ -1,0 +1,189 @@
+"""What a press scores with, collected while the context is prefilled (chunk by chunk).
+
+`observing(model, cache, press)` installs one observer per layer cache (the attention calls it
+before it attends, caramba.cache.layer.StreamLayerCache.observer) and yields `Observations`. Each
+layer keeps only what its method needs, never the [T, S] attention of the whole context:
+- snapkv / pyramidkv: the post-RoPE queries of the last `window_size` slots; tova: the last one;
+- observed_attention: the attention each key received, summed over every context query (softmax
+  in fp32 under the forward's own mask, from q and the cache's keys);
+- expected_attention: sums of the pre-RoPE queries and of their outer products (float64), from
+  each row's token n_sink on, so the mean and covariance need no list of queries;
+- streaming_llm, knorm, keydiff: nothing (they score the cached keys and values alone).
+
+Left padding: a padding query attends only to itself (caramba.cache.mask), so it adds attention
+to its own padding slot only, and a query's mask row counts the real slots it sees (its position
++ 1), which is how the query statistics skip padding and sinks without knowing the slot mask.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+
+from caramba.cache.layer import KVCache, LayerKVCache
+from caramba.model.rope import apply_rope, rope_inv_freq
+from caramba.press.config import PressConfig
+
+WINDOWED = {"snapkv": None, "pyramidkv": None, "tova": 1}   # None: press.window_size
+Q_BLOCK = 256   # queries per block of the observed attention: bounds its [H, block, S] scratch
+
+
+def window_of(press: PressConfig) -> int:
+    """How many of the last queries the method scores with (0: none)."""
+    if press.method not in WINDOWED:
+        return 0
+    return WINDOWED[press.method] or press.window_size
+
+
+class LayerObservation:
+    """One layer's observer: called with (q, k, v, cos, sin, mask, causal) of every chunk."""
+
+    def __init__(self, layer: LayerKVCache, press: PressConfig, n_heads: int) -> None:
+        self.layer, self.press, self.n_heads = layer, press, n_heads
+        self.length = 0                               # slots observed (this chunk's included)
+        self.window = window_of(press)
+        self.window_q: torch.Tensor | None = None     # [B, H, <=W, D] post-RoPE, last slots
+        self.attn_sum: torch.Tensor | None = None     # [B, H, max_seq_len] fp32
+        self.q_count: torch.Tensor | None = None      # [B] queries in the statistics
+        self.q_sum: torch.Tensor | None = None        # [B, H, D] float64, pre-RoPE
+        self.q_outer: torch.Tensor | None = None      # [B, H, D, D] float64
+        self.first_q: torch.Tensor | None = None      # [B, H, D] n_sink=0: the last self-only query
+        self.first_slot: torch.Tensor | None = None   # [B] its slot (-1: none yet)
+
+    @torch.no_grad()
+    def __call__(self, q, k, v, cos, sin, mask, causal) -> None:
+        start, T = self.layer.length, q.shape[2]      # called before the chunk is appended
+        if start != self.length:
+            raise RuntimeError(f"a press observer saw slots [{start}, {start + T}) after {self.length}: a forward "
+                               "ran past it (keep every context forward inside `observing`)")
+        self.length = start + T
+        if self.window:
+            q_win = q.float() if self.window_q is None else torch.cat([self.window_q, q.float()], dim=2)
+            self.window_q = q_win[:, :, -self.window:].clone()
+        if self.press.method == "observed_attention":
+            self._observe_attention(q, k, start, mask, causal)
+        elif self.press.method == "expected_attention":
+            self._observe_queries(q, cos, sin, start, mask, causal)
+
+    def _observe_attention(self, q, k, start, mask, causal) -> None:
+        B, H, T, D = q.shape
+        n = start + T
+        keys = k.float() if start == 0 else torch.cat([self.layer.contents(start)[0], k.float()], dim=2)
+        KVH = keys.shape[1]
+        if self.attn_sum is None:
+            self.attn_sum = torch.zeros(B, H, self.layer.max_seq_len, dtype=torch.float32, device=q.device)
+        qg = q.float().view(B, KVH, H // KVH, T, D)
+        for a in range(0, T, Q_BLOCK):
+            b = min(a + Q_BLOCK, T)
+            logits = qg[:, :, :, a:b] @ keys[:, :, None].transpose(-1, -2) / math.sqrt(D)   # [B, KVH, G, t, n]
+            allowed = _allowed(mask, causal, start, a, b, n, q.device)
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed[:, :, None], float("-inf"))
+            self.attn_sum[:, :, :n] += logits.softmax(dim=-1).sum(dim=3).view(B, H, n)
+
+    def _observe_queries(self, q, cos, sin, start, mask, causal) -> None:
+        B, H, T, D = q.shape
+        pre = (q if cos is None else apply_rope(q, cos, -sin)).double()   # the inverse rotation
+        seen = _seen(mask, causal, start, T, B, q.device)                 # [B, T] real slots each query sees
+        n_sink = self.press.n_sink
+        if self.q_sum is None:
+            self.q_count = torch.zeros(B, dtype=torch.long, device=q.device)
+            self.q_sum = torch.zeros(B, H, D, dtype=torch.float64, device=q.device)
+            self.q_outer = torch.zeros(B, H, D, D, dtype=torch.float64, device=q.device)
+            self.first_q = torch.zeros(B, H, D, dtype=torch.float64, device=q.device)
+            self.first_slot = torch.full((B,), -1, dtype=torch.long, device=q.device)
+        # A query that sees more than n_sink real slots is a real token at position >= n_sink; a
+        # padding query sees itself only. seen == 1 is also a row's first real token (position 0):
+        # with n_sink = 0 it counts, and under left padding it is the row's last self-only query.
+        take = seen > max(n_sink, 1)
+        w = pre * take[:, None, :, None]
+        self.q_count += take.sum(dim=1)
+        self.q_sum += w.sum(dim=2)
+        self.q_outer += torch.einsum("bhtd,bhte->bhde", w, pre)
+        if n_sink == 0:
+            alone = seen == 1
+            rows = alone.any(dim=1)
+            if bool(rows.any()):
+                last = (alone * torch.arange(1, T + 1, device=q.device)).argmax(dim=1)   # [B]
+                pick = pre[torch.arange(B, device=q.device), :, last]                   # [B, H, D]
+                self.first_q[rows] = pick[rows]
+                self.first_slot[rows] = start + last[rows]
+
+
+def _allowed(mask, causal, start, a, b, n, device) -> torch.Tensor | None:
+    """[B or 1, 1, t, n] which keys queries [a, b) of the chunk attend to (None: all)."""
+    if mask is not None:
+        return mask[:, :, a:b]
+    if not causal:
+        return None
+    q_slot = torch.arange(start + a, start + b, device=device)[:, None]
+    return (torch.arange(n, device=device)[None, :] <= q_slot)[None, None]
+
+
+def _seen(mask, causal, start, T, B, device) -> torch.Tensor:
+    """[B, T] how many slots each query of the chunk attends to (its own included)."""
+    if mask is not None:
+        return mask[:, 0].sum(dim=-1).expand(B, T)
+    if causal:
+        return (torch.arange(start + 1, start + T + 1, device=device))[None].expand(B, T)
+    return torch.full((B, T), start + T, device=device)
+
+
+class Observations:
+    """Every layer's observation of one context prefill, plus what scoring needs of the model."""
+
+    def __init__(self, layers: list[LayerObservation], press: PressConfig, inv_freq: torch.Tensor | None) -> None:
+        self.layers, self.press = layers, press
+        self.inv_freq = inv_freq      # [D/2] RoPE frequencies (expected_attention); None: no RoPE
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> LayerObservation:
+        return self.layers[i]
+
+
+def check_cache(cache: KVCache) -> None:
+    """A press needs plain layer caches in slot order (not a ring buffer, not DBA's streams)."""
+    if cache.window is not None:
+        raise ValueError(f"a press needs a cache without a sliding window (this one has window={cache.window})")
+    if cache.key_slots(cache.length + 1) is not None or not all(type(layer) is LayerKVCache for layer in cache.layers):
+        kinds = sorted({type(layer).__name__ for layer in cache.layers})
+        raise ValueError(f"a press scores plain K/V layer caches in slot order; this cache has {', '.join(kinds)} "
+                         "(decoupled/DBA and ring caches are not supported)")
+
+
+@contextmanager
+def observing(model, cache: KVCache, press: PressConfig):
+    """Observe the context prefill that follows into `cache` for `press` -> Observations.
+
+    Every forward of the context must run inside (the observers check that they saw every slot).
+    The model's C decode step, which a small chunk would take and which calls no observer, is
+    switched off meanwhile."""
+    if not isinstance(press, PressConfig):
+        raise TypeError(f"press must be a PressConfig, not {type(press).__name__}")
+    check_cache(cache)
+    if cache.length:
+        raise ValueError(f"observing needs an empty cache (it holds {cache.length} tokens): a press scores "
+                         "the whole context, from its first token")
+    cfg = model.config
+    inv_freq = rope_inv_freq(cfg).to(model.device) if cfg.positions == "rope" else None
+    layers = [LayerObservation(layer, press, cfg.n_heads) for layer in cache.layers]
+    had = model.__dict__.get("fast_decode", None)
+    model.fast_decode = False
+    for layer, obs in zip(cache.layers, layers):
+        layer.observer = obs
+    try:
+        yield Observations(layers, press, inv_freq)
+    finally:
+        for layer in cache.layers:
+            layer.observer = None
+        if had is None:
+            del model.fast_decode
+        else:
+            model.fast_decode = had
+
+
+__all__ = ["LayerObservation", "Observations", "check_cache", "observing", "window_of"]

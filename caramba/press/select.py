@@ -1,0 +1,177 @@
+"""Scores -> kept masks: which cached (layer, row, KV head, slot) a press keeps.
+
+Budgets are kvpress's: a row of L real tokens keeps n_kept = max(1, int(L * (1 - ratio))) per
+KV head (kvpress.utils.compute_n_kept); pyramidkv gives layer i its pyramid budget
+(PyramidKVPress.get_layer_budget); with `adaptive` (AdaKVPress) each head first keeps its best
+int(n_kept * alpha_safeguard) (at least 1), then the layer keeps its KVH * n_kept best scores over
+all heads together, so heads keep different counts. Ties break towards the later slot (kvpress
+leaves them to torch.topk, whose order among equal values is unspecified).
+
+Rows are scored alone: a row's real slots (the `valid` mask; rows are left-padded) are gathered in
+order, so a padded batch row keeps what the row alone keeps, and padding is never kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from caramba.cache.layer import KVCache
+from caramba.press.config import PressConfig
+from caramba.press.methods import Row, score
+from caramba.press.observe import LayerObservation, Observations, check_cache, window_of
+
+NEEDS_OBSERVATION = ("snapkv", "pyramidkv", "tova", "observed_attention", "expected_attention")
+
+
+def n_kept(length: int, ratio: float) -> int:
+    """Tokens a head keeps of `length` at compression `ratio` (kvpress's compute_n_kept)."""
+    if ratio >= 1.0:
+        return 0
+    return max(1, int(length * (1 - ratio)))
+
+
+def pyramid_budget(layer: int, n_layers: int, length: int, press: PressConfig) -> int:
+    """PyramidKV's tokens per head for `layer` of n_layers at a `length`-token context: budgets
+    fall linearly from the first layer to the last (steepness beta) and sum to what snapkv keeps;
+    where the pyramid does not fit, snapkv's budget (floored to 1). kvpress's formula, rounding
+    included (Python's round, half to even)."""
+    W = press.window_size
+    max_capacity = W + length * (1 - press.ratio)
+    min_num = (max_capacity - W) / press.beta
+    max_num = (max_capacity - W) * 2 - min_num
+    if max_num >= length - W:
+        max_num = length - W
+        min_num = (max_capacity - W) * 2 - max_num
+    if not (length >= max_num >= min_num >= W):
+        return max(1, round(length * (1 - press.ratio)))
+    steps = (max_num - min_num) / (n_layers - 1) if n_layers > 1 else 0.0
+    return round(max_num - layer * steps)
+
+
+def top(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """Bool mask of the n highest of scores' last dim; among equal scores the later index wins."""
+    order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :n]
+    last = scores.shape[-1] - 1
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, last - order, True)
+
+
+def adaptive(scores: torch.Tensor, n: int, alpha: float) -> torch.Tensor:
+    """AdaKV over one row's heads: scores [KVH, L], n per head on average -> kept [KVH, L]."""
+    n_safe = int(n * alpha)
+    if alpha > 0:
+        n_safe = max(1, n_safe) if n > 0 else 0
+    scores = scores.masked_fill(top(scores, n_safe), float("inf"))   # each head's safeguard
+    return top(scores.flatten(), scores.shape[0] * n).view(scores.shape)
+
+
+def layer_row(obs: LayerObservation, observations: Observations, b: int, slots: torch.Tensor,
+              keys: torch.Tensor, values: torch.Tensor, press: PressConfig) -> Row:
+    """Row b of one layer: its real slots' keys and values and its observation."""
+    row = Row(keys[b][:, slots], values[b][:, slots], obs.n_heads, inv_freq=observations.inv_freq)
+    if obs.window:
+        row.window_q = obs.window_q[b]
+    if press.method == "observed_attention":
+        row.attn_sum = obs.attn_sum[b][:, slots]
+    if press.method == "expected_attention":
+        row.q_mean, row.q_cov = query_statistics(obs, b, slots, press.n_sink)
+    return row
+
+
+def query_statistics(obs: LayerObservation, b: int, slots: torch.Tensor, n_sink: int):
+    """Row b's pre-RoPE query mean [H, D] and population covariance [H, D, D] (float64)."""
+    count, total, outer = int(obs.q_count[b]), obs.q_sum[b], obs.q_outer[b]
+    if n_sink == 0 and int(obs.first_slot[b]) == int(slots[0]):   # the row's first token (observe.py)
+        first = obs.first_q[b]
+        count, total, outer = count + 1, total + first, outer + first[:, :, None] * first[:, None, :]
+    if count != len(slots) - n_sink:
+        raise ValueError(f"row {b}: the press saw {count} context queries after the sinks, expected "
+                         f"{len(slots) - n_sink}; a pressed batch must be left-padded (real tokens last)")
+    mean = total / count
+    return mean, outer / count - mean[:, :, None] * mean[:, None, :]
+
+
+def check_row(press: PressConfig, b: int, length: int, tail_real: bool) -> None:
+    """A row too short for the method, or a window over padding: a clear error (kvpress asserts)."""
+    if press.method in ("streaming_llm", "expected_attention") and length <= press.n_sink:
+        raise ValueError(f"row {b} has {length} tokens; press {press.method} needs more than "
+                         f"press_sinks={press.n_sink}")
+    window = window_of(press)
+    if window and length <= window:
+        raise ValueError(f"row {b} has {length} tokens; press {press.method} needs more than its window of "
+                         f"{window} (press_window={press.window_size})" if window > 1 else
+                         f"row {b} has {length} tokens; press tova needs at least 2")
+    if window and not tail_real:
+        raise ValueError(f"row {b}: the last {window} slots are not all real tokens; a pressed batch must be "
+                         "left-padded (real tokens last)")
+
+
+def kept_masks(cache: KVCache, observations: Observations | None, press: PressConfig,
+               valid: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per layer, [B, KVH, S] bool (True = keep) for the S = cache.length slots the context filled.
+
+    observations: what `observing` collected over that prefill (None for knorm, keydiff and
+    streaming_llm, which score the cache alone). valid [B, >= S]: True where a slot is a real
+    token (DecodeState.valid_slots()); None: all are."""
+    check_cache(cache)
+    S, B = cache.length, cache.batch_size
+    device = cache.layers[0].k.device
+    valid = _check_valid(valid, B, S).to(device)
+    if press.active:
+        _check_press(press, observations, cache, S)
+    masks = []
+    for i, layer in enumerate(cache.layers):
+        keys, values = layer.contents(S)                                # dequantized, rotations undone
+        out = torch.zeros(B, layer.n_kv_heads, S, dtype=torch.bool, device=keys.device)
+        for b in range(B):
+            slots = valid[b].nonzero().flatten()
+            if not press.active or not len(slots):
+                out[b][:, slots] = True
+                continue
+            W = window_of(press)
+            check_row(press, b, len(slots), bool(valid[b, S - W:].all()) if W else True)
+            obs = observations[i] if observations is not None else None
+            row = layer_row(obs, observations, b, slots, keys, values, press) if obs is not None else \
+                Row(keys[b][:, slots], values[b][:, slots], 0)
+            scores = score(row, press)
+            n = pyramid_budget(i, len(cache.layers), len(slots), press) if press.method == "pyramidkv" \
+                else n_kept(len(slots), press.ratio)
+            kept = adaptive(scores, n, press.alpha_safeguard) if press.adaptive else top(scores, n)
+            out[b][:, slots] = kept
+        masks.append(out)
+    return masks
+
+
+def _check_valid(valid, B: int, S: int) -> torch.Tensor:
+    if valid is None:
+        return torch.ones(B, S, dtype=torch.bool)
+    if valid.dtype != torch.bool or valid.dim() != 2 or valid.shape[0] != B or valid.shape[1] < S:
+        raise ValueError(f"valid must be a bool tensor [batch={B}, >= {S} slots]; got {valid.dtype} "
+                         f"{list(valid.shape)}")
+    return valid[:, :S]
+
+
+def _check_press(press: PressConfig, observations, cache: KVCache, S: int) -> None:
+    if not isinstance(press, PressConfig):
+        raise TypeError(f"press must be a PressConfig, not {type(press).__name__}")
+    if press.method in ("snapkv", "pyramidkv") and press.kernel_size % 2 == 0:
+        raise ValueError(f"press_kernel={press.kernel_size} must be odd (the pooling keeps the length)")
+    if press.method not in NEEDS_OBSERVATION:
+        return
+    if observations is None:
+        raise ValueError(f"press {press.method} scores with what the prefill computed: prefill the context "
+                         "inside caramba.press.observing(model, cache, press) and pass its observations")
+    if observations.press.method != press.method or len(observations) != len(cache.layers):
+        raise ValueError(f"the observations were collected for press {observations.press.method} over "
+                         f"{len(observations)} layers, not {press.method} over {len(cache.layers)}")
+    if press.method == "expected_attention" and observations.press.n_sink != press.n_sink:
+        raise ValueError(f"the observations skipped {observations.press.n_sink} sinks, the press "
+                         f"{press.n_sink}: observe with the same press")
+    if window_of(observations.press) != window_of(press):
+        raise ValueError("the observations kept another window size than this press's: observe with the same press")
+    seen = {obs.length for obs in observations.layers}
+    if seen != {S}:
+        raise ValueError(f"the observers saw {sorted(seen)} slots but the cache holds {S}: the whole context "
+                         "must be prefilled inside `observing`, and nothing else")
+
+
+__all__ = ["adaptive", "kept_masks", "n_kept", "pyramid_budget", "top"]
