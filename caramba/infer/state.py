@@ -38,6 +38,7 @@ class DecodeState:
         self.pending: torch.Tensor | None = None       # [B] a sampled token not yet in the cache
         self.pending_mask: torch.Tensor | None = None  # [B] which rows have one
         self.kept_share: float | None = None           # after a press: the share of context entries kept
+        self.evicted = torch.zeros(B, dtype=torch.long, device=device)   # [B] tokens a press dropped
 
     @classmethod
     def for_config(cls, model, batch_size: int, config, slots: int | None = None) -> DecodeState:
@@ -134,11 +135,12 @@ class DecodeState:
         if self.ring:
             raise ValueError("rollback needs a plain cache (a ring buffer keeps only its last max_write slots)")
         valid = self.valid_slots()                                        # [B, L]
-        valid &= valid.long().cumsum(dim=1) <= n_keep.to(valid.device)[:, None]
+        slots = n_keep.to(valid.device) - self.evicted                    # a press's dropped tokens hold no slot
+        valid &= valid.long().cumsum(dim=1) <= slots[:, None]
         used = valid.any(dim=0).nonzero()
         length = int(used[-1]) + 1 if len(used) else 0
         self.cache.truncate(length)
-        self.next_pos = valid.sum(dim=1)
+        self.next_pos = valid.sum(dim=1) + self.evicted
         if bool(valid[:, :length].all()):
             self.slot_mask = None
         else:
@@ -163,12 +165,14 @@ class DecodeState:
         real = valid.sum() * len(kept) * self.cache.layers[0].n_kv_heads
         self.kept_share = float(sum(int(m.sum()) for m in kept) / max(int(real), 1))
         self.cache, self.slot_mask = evict(self.cache, kept, template, room)
+        # Tokens each row no longer holds a slot for: rollback counts tokens, the cache holds survivors.
+        self.evicted = self.evicted + self.next_pos - self.valid_slots().sum(dim=1)
 
     @torch.inference_mode()
     def reorder(self, index: torch.Tensor) -> None:
         """Rows become rows `index` [B'] of the old batch (B' may differ: beams, candidates)."""
         self.cache.reorder(index)
-        self.next_pos = self.next_pos[index]
+        self.next_pos, self.evicted = self.next_pos[index], self.evicted[index]
         if self.slot_mask is not None:
             self.slot_mask = self.slot_mask[index]
         if self.pending is not None:

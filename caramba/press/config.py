@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from caramba.options import check_options, option
+from caramba.options import OptionError, check_options, option
 
 METHODS = ("streaming_llm", "knorm", "snapkv", "tova", "observed_attention", "expected_attention", "pyramidkv",
            "keydiff")
@@ -38,6 +38,15 @@ class PressConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.method in ("snapkv", "pyramidkv") and self.kernel_size % 2 == 0:
+            raise OptionError("press_kernel", self.kernel_size, "must be odd (the pooling keeps each score's position)")
+
+    def min_context(self) -> int:
+        """The fewest context tokens this press can score: more than its window of queries."""
+        if not self.active:
+            return 0
+        return {"snapkv": self.window_size + 1, "pyramidkv": self.window_size + 1, "tova": 2,
+                "streaming_llm": self.n_sink + 1, "expected_attention": self.n_sink + 1}.get(self.method, 1)
 
     @property
     def active(self) -> bool:

@@ -15,6 +15,8 @@ from caramba.errors import UserError
 from caramba.manifest import ResolvedRun
 from caramba.model import gguf_loader, native, quant
 from caramba.model.config import ModelConfig
+from caramba.options import options_of
+from caramba.press.config import PressConfig
 from caramba.model.zoo import CACHE_FORMAT, cache_root, file_sha256, inspect_source, resolve_device, resolve_source
 from caramba.prompting import encode_prompt
 from caramba.runners.resources import check_memory, check_runs_dir
@@ -114,12 +116,25 @@ def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked
                                 f"of {limit} tokens; use lengths <= {limit}")
             key = f"{r.model.source}\0{s.tasks.model_dump_json()}"
             if key not in checked:
-                task_samples(tok, s.tasks.model_copy(update={"samples": 1}))
+                _check_press_contexts(task_samples(tok, s.tasks.model_copy(update={"samples": 1})), s.candidates)
                 checked.add(key)
         if s.perplexity is not None:
             perplexity_ids(tok, s.perplexity)
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
+
+
+def _check_press_contexts(samples: list, candidates: list) -> None:
+    """Every task context long enough for every candidate's press."""
+    for i, c in enumerate(candidates):
+        press = c.press_config()
+        if press is None or not samples:
+            continue
+        short = min(samples, key=lambda s: len(s.context_ids))
+        if len(short.context_ids) < press.min_context():
+            raise UserError(f"eval.candidates[{i}].press={press.method}: the {short.task} context at {short.length} "
+                            f"has {len(short.context_ids)} tokens; the press scores contexts of at least "
+                            f"{press.min_context()}: use longer lengths or a smaller press_window / press_sinks")
 
 
 class _Sources:
@@ -254,6 +269,13 @@ def _check_prompts_fit(r: ResolvedRun, where: str, sources: _Sources) -> None:
     if r.run.mode == "generate" and not search and s.decode_local_window is not None:
         return   # a sliding window decodes through a ring buffer: not bounded by max_seq_len
     lengths = sources.prompt_lengths(r.model.source, s)
+    press = PressConfig(**{o.attr: getattr(s, o.name) for o in options_of(PressConfig)})
+    if press.active:
+        short = min(lengths)
+        if short < press.min_context():
+            raise UserError(f"{where}: {section}.press={press.method}: prompt {lengths.index(short) + 1} has {short} "
+                            f"tokens; the press scores contexts of at least {press.min_context()} (its window or "
+                            "sinks plus one): use longer prompts or a smaller press_window / press_sinks")
     for start in range(0, len(lengths), s.batch_size):
         batch = lengths[start : start + s.batch_size]
         width = max(batch)   # prompts of a batch are left-padded to its widest
