@@ -39,14 +39,14 @@ def frontier_rows(records: list[tuple[str, Path]]) -> list[dict]:
         for c in result.get("candidates") or []:
             ppl = c.get("perplexity") or {}
             by_length = {f"task_avg@{n}": v for n, v in (c.get("task_avg_by_length") or {}).items()}
-            rows.append({"run": name, "group": group, "cache": c["label"], "policy": c.get("policy"),
+            rows.append({"run": name, "group": group, "cache": c["label"], "policy": c.get("policy"), "press": c.get("press"),
                          "baseline": c["label"] == result.get("baseline"),
                          "bytes_per_token": c.get("bytes_per_token"), "bytes_ratio": c.get("bytes_ratio"),
                          "task_avg": c.get("task_avg"), "ppl_ratio": ppl.get("ppl_ratio"), "kl_mean": ppl.get("kl_mean"),
                          **by_length, "decode_tok_s": c.get("decode_tok_s")})
     for row in rows:
-        if row["policy"] in bench:
-            row["bench_decode_tok_s"] = bench[row["policy"]]
+        if (row["policy"], row["press"]) in bench:
+            row["bench_decode_tok_s"] = bench[(row["policy"], row["press"])]
     for group in dict.fromkeys(r["group"] for r in rows):
         mark_pareto([r for r in rows if r["group"] == group])
     return rows
@@ -116,14 +116,15 @@ def _result(path: Path) -> dict | None:
     return result if isinstance(result, dict) else None
 
 
-def _bench_speeds(result: dict) -> dict[str, float]:
-    """cache kind -> median decode tok/s of its caramba cells at the longest context."""
+def _bench_speeds(result: dict) -> dict[tuple[str, str | None], float]:
+    """(cache kind, press or None) -> median decode tok/s of its caramba cells at the longest context."""
     cells = [c for c in result.get("cells") or [] if isinstance(c, dict) and c.get("impl", "caramba") == "caramba"]
+    press = lambda c: None if c.get("press", "none") == "none" else c["press"]   # noqa: E731
     out = {}
-    for kind in {c.get("cache_kind") for c in cells}:
-        mine = [c for c in cells if c.get("cache_kind") == kind and isinstance(c.get("decode_tok_s"), (int, float))]
+    for key in {(c.get("cache_kind"), press(c)) for c in cells}:
+        mine = [c for c in cells if (c.get("cache_kind"), press(c)) == key and isinstance(c.get("decode_tok_s"), (int, float))]
         if mine:
             longest = max(c["prompt_len"] for c in mine)
             speeds = sorted(c["decode_tok_s"] for c in mine if c["prompt_len"] == longest)
-            out[kind] = speeds[len(speeds) // 2]
+            out[key] = speeds[len(speeds) // 2]
     return out
