@@ -361,6 +361,9 @@ def test_unsupported_caches_are_refused(model):
     with pytest.raises(ValueError, match="ring caches are not supported|sliding window"):
         with observing(model, ring, press_of("knorm")):
             pass
+    dba = make_model(attention="decoupled", sem_dim=8, geo_dim=8)
+    with pytest.raises(ValueError, match="decoupled/DBA and ring caches are not supported"):
+        press_masks(dba, torch.arange(20)[None], press_of("knorm"))
     full = model.new_cache(1, 16)
     full.layers[0].length = full.layers[1].length = 3
     with pytest.raises(ValueError, match="needs an empty cache"):
