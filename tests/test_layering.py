@@ -11,12 +11,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "caramba"
 
-# The engine: models, caches, generation, presses and the shared helpers they run on.
+# The engine: models, caches, generation, presses, the shared helpers they run on and the hooks
+# the layers above fill in (caramba.resolvers).
 ENGINE = ("caramba.model", "caramba.cache", "caramba.infer", "caramba.press", "caramba.tokenizer",
-          "caramba.kernels", "caramba.threads", "caramba.options")
-# What builds on the engine; the engine never reaches up into it.
+          "caramba.kernels", "caramba.threads", "caramba.options", "caramba.resolvers")
+# What builds on the engine; the engine never reaches up into it. The package root counts too:
+# it wires the autotune in as the default cache resolver.
 ABOVE = ("caramba.autotune", "caramba.runners", "caramba.manifest", "caramba.cli", "caramba.cli_eval",
          "caramba.cli_generate", "caramba.bench", "caramba.executors")
+ROOT_PACKAGE = "caramba"
 
 
 def module_name(path: Path) -> str:
@@ -33,8 +36,19 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+def _dynamic_import(node: ast.AST) -> str | None:
+    """The module a `__import__("x")` or `importlib.import_module("x")` call names, if a literal."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)):
+        return None
+    func = node.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+    return node.args[0].value if name in ("__import__", "import_module") else None
+
+
 def _import_nodes(tree: ast.AST):
-    """Every Import/ImportFrom in the tree, at any depth, except under `if TYPE_CHECKING:`."""
+    """Every Import/ImportFrom in the tree, at any depth, except under `if TYPE_CHECKING:`; a
+    dynamic import of a literal name comes as an Import."""
     stack = [tree]
     while stack:
         node = stack.pop()
@@ -43,6 +57,8 @@ def _import_nodes(tree: ast.AST):
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
+        elif (dynamic := _dynamic_import(node)) is not None:
+            yield ast.Import(names=[ast.alias(name=dynamic)])
         stack.extend(ast.iter_child_nodes(node))
 
 
@@ -122,11 +138,20 @@ def test_type_checking_imports_are_not_edges(tmp_path):
     assert set(imports_of("caramba.x", src, {"caramba", "caramba.x", "caramba.y", "caramba.z"})) == {"caramba.z"}
 
 
+def test_dynamic_and_relative_imports_are_edges(tmp_path):
+    src = tmp_path / "caramba" / "p" / "x.py"
+    src.parent.mkdir(parents=True)
+    src.write_text("import importlib\nfrom . import y\nfrom .. import w\n"
+                   "def f():\n    importlib.import_module('caramba.z')\n    return __import__('caramba.v')\n")
+    known = {"caramba", "caramba.p", "caramba.p.x", "caramba.p.y", "caramba.w", "caramba.z", "caramba.v"}
+    assert imports_of("caramba.p.x", src, known) == {"caramba.p.y", "caramba.w", "caramba.z", "caramba.v"}
+
+
 @pytest.mark.parametrize("layer", ENGINE)
 def test_engine_imports_nothing_above_it(layer):
     graph = import_graph()
     bad = sorted(f"{mod} -> {dep}" for mod, deps in graph.items() if _within(mod, (layer,))
-                 for dep in deps if _within(dep, ABOVE))
+                 for dep in deps if _within(dep, ABOVE) or dep == ROOT_PACKAGE)
     assert not bad, "the engine imports from the layers above it:\n" + "\n".join(bad)
 
 
