@@ -40,8 +40,9 @@ try:
 except ImportError:  # Windows: no flock; runs are then not protected against a second process
     fcntl = None
 
-import caramba
+from caramba import threads
 from caramba.errors import RunError
+from caramba.version import __version__
 
 DONE = "DONE"
 LOG = "log.txt"
@@ -600,11 +601,11 @@ def capture_env(seed: int | None, device: str) -> dict[str, Any]:
     """What a reader needs to reproduce or compare a run, without personal data (no hostname)."""
     env: dict[str, Any] = {
         "timestamp_utc": utc_now(),
-        "caramba_version": caramba.__version__,
+        "caramba_version": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "logical_cores": os.cpu_count(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "seed": seed,
@@ -617,7 +618,7 @@ def capture_env(seed: int | None, device: str) -> dict[str, Any]:
         torch = None
     env["torch_version"] = torch.__version__ if torch else None
     env["torch_threads"] = torch.get_num_threads() if torch else None
-    env["threads"] = caramba.threads.record() if torch else None   # threads asked, used and why
+    env["threads"] = threads.record() if torch else None   # threads asked, used and why
     cuda = bool(torch and torch.cuda.is_available())
     env["cuda_version"] = torch.version.cuda if torch else None
     env["gpu"] = torch.cuda.get_device_name(0) if cuda else None
@@ -625,7 +626,7 @@ def capture_env(seed: int | None, device: str) -> dict[str, Any]:
     return env
 
 
-def _cpu_model() -> str | None:
+def cpu_model() -> str | None:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as file:
             for line in file:

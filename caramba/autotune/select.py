@@ -26,17 +26,17 @@ from caramba.autotune.plans import PlanStore, is_stale, key_id
 from caramba.autotune.speed import measure_speed
 from caramba.cache import CachePolicy
 from caramba.errors import UserError
-from caramba.infer.config import AutoCacheConfig, _Composed
+from caramba.infer.config import AutoCacheConfig, CacheConfig, Composed
 from caramba.infer.evaluate import corpus_text
 from caramba.options import option
-from caramba.runs import _cpu_model
+from caramba.runs import cpu_model
 
 MIB = 2**20
 Progress = Callable[[str, int, int], None]   # (phase, done, total); phases: text, needle, speed
 
 
 @dataclass(init=False, eq=True, repr=True)
-class AutotuneSettings(_Composed):
+class AutotuneSettings(Composed):
     """What the selection is for (budget, shape) and how it chooses (`tuning`: gates, speed, plans).
     Keywords are flat, by name or by the cache-autotune section's key (`speed_steps`, `gates`)."""
 
@@ -46,6 +46,12 @@ class AutotuneSettings(_Composed):
     batch_size: int = option(1, ge=1, help="rows the cache is sized and timed for")
     tuning: AutoCacheConfig = field(default_factory=AutoCacheConfig)
     speed_tie: float = 0.03            # within 3% of the fastest counts as a tie: fewer bytes wins
+
+    @classmethod
+    def for_cache(cls, cache: CacheConfig, batch_size: int = 1) -> AutotuneSettings:
+        """What resolving `cache_kind="auto"` for this cache and batch selects for."""
+        return cls(budget_mb=cache.budget_mb, max_seq_len=max(cache.max_seq_len, 2), batch_size=batch_size,
+                   tuning=cache.auto)
 
 
 @dataclass
@@ -85,7 +91,7 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":
-        return _cpu_model() or "unknown cpu"
+        return cpu_model() or "unknown cpu"
     return device.type
 
 

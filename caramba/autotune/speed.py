@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from caramba.bench.measure import _sync, prompt_batch
+from caramba.bench.measure import prompt_batch, sync_device
 from caramba.cache import CachePolicy, KVCache
 
 
@@ -66,9 +66,9 @@ def _filled(model, policy: CachePolicy, source: KVCache, batch_size: int, max_se
 def _decode_rate(model, cache: KVCache, first: torch.Tensor, steps: int) -> float:
     """Tokens per second over `steps` greedy decode steps from the cache's current length."""
     token = first
-    _sync(model.device)
+    sync_device(model.device)
     t0 = time.perf_counter()
     for _ in range(steps):
         token = model(token[:, None], cache=cache, last_only=True)[:, -1].argmax(-1)
-    _sync(model.device)
+    sync_device(model.device)
     return steps * token.shape[0] / (time.perf_counter() - t0)

@@ -151,7 +151,7 @@ def _proc_status_mb(field_name: str) -> float | None:
     return None
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -161,7 +161,7 @@ def timed_tokens(steps: Iterator, device: torch.device) -> tuple[float, list[flo
     t0 = time.perf_counter()
     stamps = []
     for _ in steps:
-        _sync(device)
+        sync_device(device)
         stamps.append(time.perf_counter())
     if not stamps:
         raise RuntimeError("the generator produced no tokens")
@@ -202,7 +202,7 @@ def measure_hf(hf_model, cell: Cell, prompts: list[list[int]], warmup: int, repe
         def put(self, value) -> None:
             self.calls += 1
             if self.calls > 1:  # the first put() is the prompt itself
-                _sync(device)
+                sync_device(device)
                 self.times.append(time.perf_counter())
 
         def end(self) -> None:

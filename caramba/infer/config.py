@@ -151,7 +151,8 @@ class CacheConfig:
     def spec(self) -> CachePolicy:
         """The CachePolicy these settings describe (what model.new_cache takes)."""
         if self.is_auto:
-            raise ValueError("cache_kind='auto' is resolved when the cache is built (caramba.infer.autocache)")
+            raise ValueError("cache_kind='auto' is resolved when the cache is built (the Generator's cache resolver, "
+                             "caramba.resolvers)")
         return CachePolicy.build(self.kind, self.policy, self.qblock, self.residual_len, self.rotate_keys,
                                  self.fp16_prefix_layers, self.rotate_values)
 
@@ -169,13 +170,6 @@ class CacheConfig:
         """These settings with `policy` in place of the kind (what `auto` resolves to)."""
         return CacheConfig.of_policy(policy, max_seq_len=self.max_seq_len, budget_mb=self.budget_mb, auto=self.auto,
                                      press=self.press)
-
-    def autotune_settings(self, batch_size: int = 1):
-        """What caramba.autotune needs to resolve `auto` for this cache and batch."""
-        from caramba.autotune.select import AutotuneSettings   # the autotune builds on infer, not the reverse
-
-        return AutotuneSettings(budget_mb=self.budget_mb, max_seq_len=max(self.max_seq_len, 2), batch_size=batch_size,
-                                tuning=self.auto)
 
     def check_budget(self, nbytes: int) -> None:
         """A named kind with a budget: the cache it builds must fit."""
@@ -246,7 +240,7 @@ class ConfigError(ValueError):
         self.detail = detail
 
 
-class _Composed:
+class Composed:
     """Flat access over a tree of frozen option dataclasses (see the module doc). A subclass is a
     dataclass whose fields are sub-configs and top-level options."""
 
@@ -347,7 +341,7 @@ def flat_names(cls: type) -> list[str]:
 
 
 @dataclass(init=False, eq=True, repr=True)
-class GenerateConfig(_Composed):
+class GenerateConfig(Composed):
     """Every generation setting (see the module doc). Keywords are sub-configs or flat options."""
 
     max_new_tokens: int = option(64, ge=1, help="tokens generated per row at most")
@@ -414,7 +408,7 @@ SPEC_UNSUPPORTED = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "no_repea
 
 
 @dataclass(init=False, eq=True, repr=True)
-class SpeculativeConfig(_Composed):
+class SpeculativeConfig(Composed):
     """A GenerateConfig for the target plus the draft's settings; flat keywords reach both."""
 
     generate: GenerateConfig = field(default_factory=GenerateConfig)

@@ -23,7 +23,8 @@ from torch import nn
 
 from caramba.infer.padding import left_pad
 from caramba.infer.state import DecodeState
-from caramba.model.transformer import InputMajorLinear, Transformer
+from caramba.model.layers import InputMajorLinear
+from caramba.model.transformer import Transformer
 
 DRAFT_KINDS = ("model", "prompt_lookup", "self_int8", "layer_skip")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from caramba import threads
+from caramba import resolvers, threads
 from caramba.cache import KVCache
 from caramba.cache.layer import CacheOverflowError
 from caramba.infer.config import GenerateConfig
@@ -49,8 +49,14 @@ class GenerationResult:
 
 
 class Generator:
-    def __init__(self, model, config: GenerateConfig | None = None, device: torch.device | str | None = None, tokenizer=None) -> None:
+    """A stateful generation session over `model` (see the module doc). `cache_resolver` picks the
+    cache for `cache_kind="auto"` on first use; None: the default registered in caramba.resolvers
+    (caramba.autotune's: the stored plan first, else a fresh selection)."""
+
+    def __init__(self, model, config: GenerateConfig | None = None, device: torch.device | str | None = None, tokenizer=None,
+                 cache_resolver: resolvers.CacheResolver | None = None) -> None:
         self.config = config or GenerateConfig()
+        self.cache_resolver = cache_resolver
         self.tokenizer = tokenizer
         self.model = model if device is None else model.to(device)
         self.device = self.model.device
@@ -197,10 +203,10 @@ class Generator:
 
     def _start_turn(self, B: int) -> DecodeState:
         if self.state is None:
-            if self.config.cache.is_auto:   # the autotune's choice, on first use (caramba.infer.autocache)
-                from caramba.infer.autocache import resolve
-
-                self.config, self.cache_auto = resolve(self.model, self.tokenizer, self.config, B)
+            if self.config.cache.is_auto:   # chosen above the engine, on first use (caramba.resolvers)
+                resolve = self.cache_resolver or resolvers.cache_resolver()
+                policy, self.cache_auto = resolve(self.model, self.tokenizer, self.config.cache, B)
+                self.config = self.config.replace(cache=self.config.cache.with_policy(policy))
             cfg, V = self.config, self.model.config.vocab_size
             self.state = DecodeState.for_config(self.model, B, cfg)
             if cfg.repetition_penalty != 1.0:
@@ -239,10 +245,11 @@ class Generator:
         return tokens.to(self.device), mask.to(self.device)
 
 
-def generate(model, input_ids, config: GenerateConfig | None = None, tokenizer=None, **overrides) -> torch.Tensor:
+def generate(model, input_ids, config: GenerateConfig | None = None, tokenizer=None,
+             cache_resolver: resolvers.CacheResolver | None = None, **overrides) -> torch.Tensor:
     """Stateless generation: [B, T] -> [B, T + N]. Keyword overrides set GenerateConfig fields."""
     config = GenerateConfig(**overrides) if config is None else config.replace(**overrides)
-    return Generator(model, config, tokenizer=tokenizer).generate(input_ids)
+    return Generator(model, config, tokenizer=tokenizer, cache_resolver=cache_resolver).generate(input_ids)
 
 
 __all__ = ["CacheOverflowError", "GenerateConfig", "GenerationResult", "Generator", "generate"]

@@ -36,6 +36,7 @@ from caramba.cache.ring import RingKVCache, RingLayerKVCache
 from caramba.cache.kinds import KVCacheKind
 from caramba.cache.streams import ChannelQuantStream, FloatStream, QuantStream
 from caramba.model import quant
+from caramba.model.layers import MLP, Attention, InputMajorLinear, RMSNorm
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 MAX_ROWS = 16        # beyond this the torch path's GEMMs win
@@ -70,8 +71,6 @@ def _fp32(t: torch.Tensor | None) -> bool:
 def _linear(module: nn.Module, n: int, k: int) -> tuple[list[int], list[torch.Tensor]] | None:
     """A projection's 7 plan slots (fmt, N, K, weights, scales, minimums, bias) and the tensors
     they point into, or None when the step has no kernel for it."""
-    from caramba.model.transformer import InputMajorLinear   # the model imports this module
-
     bias = getattr(module, "bias", None)
     if not _fp32(bias):
         return None
@@ -188,8 +187,6 @@ def _hook_dicts(modules: list) -> list:
 
 def model_applies(model) -> bool:
     """Whether the model's architecture is one decode_step.c computes (not its weights' formats)."""
-    from caramba.model.transformer import MLP, Attention, RMSNorm
-
     cfg = model.config
     if (cfg.norm, cfg.mlp, cfg.positions, cfg.attention) != ("rms", "swiglu", "rope", "standard") \
             or model.dtype != torch.float32 or model.device.type != "cpu" or cfg.head_dim > 512 \

@@ -87,7 +87,7 @@ def resolve_cache_auto(loaded: LoadedModel, settings: GenerateSettings, record: 
     if settings.cache_kind != "auto":
         return settings, None
     cache = settings.engine_config().cache
-    result = run_tuned(loaded, cache.autotune_settings(settings.batch_size), console,
+    result = run_tuned(loaded, AutotuneSettings.for_cache(cache, settings.batch_size), console,
                        plan_path=manifest_plan_path(cache.auto.plan_path, "cache_plan_path"))
     policy = result.chosen_policy()
     record.log(f"cache_kind auto -> {policy.describe()} (plan {result.key_id}, {result.status}, {result.plan_path})")

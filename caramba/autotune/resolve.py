@@ -1,10 +1,11 @@
-"""`cache_kind="auto"` in the library: the Generator resolves it on first use.
+"""`cache_kind="auto"` in the library: the resolver a Generator asks on first use (caramba.resolvers).
 
 The seed guide writes `Generator(model, config=GenerateConfig(cache_kind="auto",
-cache_budget_mb=1024, ...)).generate(ids)`. The choice is caramba.autotune's (stored plan first,
+cache_budget_mb=1024, ...)).generate(ids)`. The choice is the autotune's (stored plan first,
 else budget filter, quality gates on real text and the speed pick), keyed like `caramba autotune`'s
 plans when the model came from caramba.model.zoo (which tags it with its file hash and tokenizer).
-The runners resolve it themselves, with progress bars, before they build a Generator.
+caramba's package root registers `resolve_cache` as the default resolver. The runners resolve
+`auto` themselves, with progress bars, before they build a Generator.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any
 
 import torch
 
-from caramba.infer.config import GenerateConfig
+from caramba.autotune.select import AutotuneSettings, autotune
+from caramba.cache import CachePolicy
+from caramba.infer.config import CacheConfig
 
 
 def weights_sha256(model) -> str:
@@ -32,22 +35,20 @@ def weights_sha256(model) -> str:
     return digest.hexdigest()
 
 
-def resolve(model, tokenizer, config: GenerateConfig, batch_size: int,
-            say: bool = True) -> tuple[GenerateConfig, dict[str, Any]]:
-    """config with its auto cache replaced by the chosen policy, and what was chosen."""
-    from caramba.autotune import autotune   # the autotune builds on infer; imported when auto is used
-
+def resolve_cache(model, tokenizer, cache: CacheConfig, batch_size: int,
+                  say: bool = True) -> tuple[CachePolicy, dict[str, Any]]:
+    """The autotune's policy for the auto `cache` at `batch_size` rows, and what was chosen
+    (caramba.resolvers.CacheResolver); `say`: one line on stderr."""
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if tokenizer is None:
         raise ValueError("cache_kind='auto' scores candidate caches on real text, which needs the tokenizer: "
                          "Generator(model, config, tokenizer=tok)")
     loaded = SimpleNamespace(model=model, tokenizer=tokenizer, content_hash=weights_sha256(model))
-    cache = config.cache
-    result = autotune(loaded, cache.autotune_settings(batch_size))
+    result = autotune(loaded, AutotuneSettings.for_cache(cache, batch_size))
     policy = result.chosen_policy()
     info = {"resolved": policy.describe(), "policy": policy.to_dict(), "bytes": result.chosen["bytes"],
             "plan_key_id": result.key_id, "plan_status": result.status, "plan_path": str(result.plan_path)}
     if say:
         print(f"caramba: cache_kind='auto' -> {info['resolved']} ({info['bytes'] / 2**20:.2f} MiB; plan "
               f"{info['plan_key_id']} {info['plan_status']}, {info['plan_path']})", file=sys.stderr)
-    return config.replace(cache=cache.with_policy(policy)), info
+    return policy, info

@@ -1,0 +1,115 @@
+"""The decoder's parts: norms, attention, projections and MLPs (caramba.model.transformer stacks
+them into blocks). A module of their own so that code reading the model's layers (the fused decode
+step, caramba.model.fast_decode; the drafts) needs not import the decoder that calls it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from caramba.cache import LayerKVCache
+from caramba.model import fused
+from caramba.model.config import ModelConfig
+from caramba.model.rope import apply_rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as the reference does, then scale in the model's dtype.
+        if fused.applies(x) and self.weight.dtype == torch.float32:
+            return fused.rms_norm(x, self.weight, self.eps)   # decode steps: one C call, not five ops
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_width, self.kv_width = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, self.q_width + 2 * self.kv_width, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(self.q_width, cfg.dim, bias=cfg.out_bias)
+
+    def forward(self, x, cos, sin, cache: LayerKVCache | None, mask: torch.Tensor | None, causal: bool):
+        B, T, _ = x.shape
+        qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if cos is None:  # learned absolute positions (GPT-2), already in x: nothing to rotate
+            q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
+        else:
+            qk = apply_rope(qkv[:, : self.n_heads + self.n_kv_heads], cos, sin)  # q and k heads in one go
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)             # [B, H, T, D], [B, KVH, T, D]
+            v = qkv[:, self.n_heads + self.n_kv_heads :]                        # [B, KVH, T, D]
+        if cache is not None:
+            if cache.observer is not None:   # a press watching the context prefill (caramba.press.observe)
+                cache.observer(q, k, v, cos, sin, mask, causal)
+            y = cache.attend(q, k, v, mask, causal)                        # appends k, v; reads [0, S)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.q_width))
+
+
+class InputMajorLinear(nn.Module):
+    """y = x @ weight_t, with the weight stored [in, out] (the transpose of nn.Linear's).
+
+    For wide outputs (the gate|up projection, the vocabulary head) a batch-1 decode step
+    streams this layout markedly faster on CPU than nn.Linear's [out, in]; see README
+    Benchmarks. Narrow projections stay nn.Linear, which is as fast or faster there.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight_t
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.hidden = cfg.intermediate_size
+        self.w13 = InputMajorLinear(cfg.dim, 2 * cfg.intermediate_size)  # gate | up
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)       # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.w13(x)
+        if fused.applies(gu):
+            return self.w2(fused.silu_mul(gu, self.hidden))
+        gate, up = gu.split(self.hidden, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class BiasedInputMajorLinear(InputMajorLinear):
+    """InputMajorLinear plus a bias: GPT-2's c_fc, a Conv1D whose weight is already [in, out]."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features)
+        self.bias = nn.Parameter(torch.empty(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.flatten(0, -2), self.weight_t).view(*x.shape[:-1], -1)
+
+
+class GeluMLP(nn.Module):
+    """fc -> GELU -> proj (GPT-2). fc is wide, so it is input-major like gate|up."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = (BiasedInputMajorLinear if cfg.mlp_bias else InputMajorLinear)(cfg.dim, cfg.intermediate_size)
+        self.proj = nn.Linear(cfg.intermediate_size, cfg.dim, bias=cfg.mlp_bias)
+        self.approximate = "tanh" if cfg.mlp == "gelu_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    return RMSNorm(cfg.dim, cfg.norm_eps) if cfg.norm == "rms" else nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
