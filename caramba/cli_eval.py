@@ -99,8 +99,7 @@ def _as_flags(message: str) -> str:
 
 def run_eval_command(manifest, as_json: bool, out: Console, err: Console) -> None:
     from caramba.model.zoo import load_model, resolve_device
-    from caramba.runners.eval import run_eval
-    from caramba.runners.preflight import check_eval
+    from caramba.runners.eval import check_eval, run_eval
 
     (resolved,) = list(manifest.iter_runs())
     resolve_device(resolved.model.device)
