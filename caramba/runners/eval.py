@@ -266,6 +266,7 @@ class EvalMode(Mode):
     """`mode: eval` (and `caramba eval`, its one-off form: caramba.cli_eval)."""
 
     name = "eval"
+    frontier = True
     run = staticmethod(run_eval)
 
     def preflight(self, r: ResolvedRun, where: str, sources) -> None:

@@ -55,6 +55,7 @@ class Mode:
     section: str | None = None               # the run's key for the settings (default: the schema's)
     settings: type[BaseModel] | None = None  # its pydantic model (idem)
     columns: ClassVar[tuple[str, ...]] = ()  # `caramba report`: the result's summary metrics, in order
+    frontier: ClassVar[bool] = False          # `caramba report`: its runs' candidates as a quality-cost frontier
 
     def run(self, loaded: LoadedModel, settings: Any, seed: int | None, record: RunDir, console: Console,
             **extra: Any) -> dict[str, Any]:
