@@ -90,6 +90,11 @@ class _Model(BaseModel):
         return value
 
 
+# The base of a mode's settings section (and every manifest model): unknown fields are errors,
+# no NaN or inf, no silent bool/number coercion.
+SettingsModel = _Model
+
+
 def _plain_types(annotation: Any) -> set[Any]:
     """The plain types an annotation admits (bool | None -> {bool, NoneType}); Annotated unwrapped."""
     origin = typing.get_origin(annotation)
