@@ -6,7 +6,6 @@ short message on stderr; set CARAMBA_DEBUG=1 to see the traceback of an unexpect
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import sys
@@ -251,28 +250,9 @@ def _generate(prompt: str, model: str, dtype: str, device: str, weights: str, se
 
 
 def _register_generate() -> None:
-    from caramba.cli_generate import OPTION_PARAMS
+    from caramba.cli_generate import signature
 
-    def opt(default, *decls, **kw):
-        return typer.Option(default, *decls, **kw)
-
-    kw = inspect.Parameter.KEYWORD_ONLY
-    fixed = [
-        inspect.Parameter("prompt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
-                          default=typer.Argument(..., help="The prompt text.")),
-        inspect.Parameter("model", kw, annotation=str, default=opt("smollm2-135m", help="smollm2-135m, a .gguf file or an HF directory.")),
-        inspect.Parameter("dtype", kw, annotation=str, default=opt("float32", help="float32, bfloat16 or float16.")),
-        inspect.Parameter("device", kw, annotation=str, default=opt("cpu", help="cpu, cuda, mps or auto.")),
-        inspect.Parameter("weights", kw, annotation=str, default=opt("fp32", help=WeightsOption.__metadata__[0].help)),
-        inspect.Parameter("seed", kw, annotation=Optional[int], default=opt(None, help="Sampling seed.")),
-        inspect.Parameter("chat", kw, annotation=bool, default=opt(False, "--chat", help="Wrap the prompt in the model's chat template.")),
-        inspect.Parameter("system", kw, annotation=Optional[str], default=opt(None, help="System message (with --chat).")),
-        inspect.Parameter("as_json", kw, annotation=bool, default=opt(False, "--json", help="Print one JSON object (the run's result row) instead of streaming text.")),
-        inspect.Parameter("speculative", kw, annotation=Optional[str], default=opt(None, help="Speculative decoding with this draft: prompt_lookup, self_int8, layer_skip or model (needs --draft).")),
-        inspect.Parameter("draft", kw, annotation=Optional[str], default=opt(None, help="The draft model for --speculative model (same forms as --model).")),
-        inspect.Parameter("overrides", kw, annotation=Optional[list[str]], default=opt(None, "--set", help="Override a field below the run: generate.decode_q_chunk=512, model.dtype=bfloat16; repeatable.")),
-    ]
-    _generate.__signature__ = inspect.Signature(fixed + OPTION_PARAMS)
+    _generate.__signature__ = signature(WeightsOption.__metadata__[0].help)
     app.command("generate")(_generate)
 
 

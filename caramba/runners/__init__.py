@@ -7,8 +7,10 @@ every run, serial or on an executor's worker, goes through one lifecycle
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import json
 import os
+import pkgutil
 import shlex
 import time
 from dataclasses import dataclass, field
@@ -25,12 +27,16 @@ from caramba.expect import output_sha256
 from caramba.infer.tasks import GENERATOR_VERSION
 from caramba.manifest import Manifest, ModelSpec, ResolvedRun, Run, resolved_run_yaml
 from caramba.model.zoo import LoadedModel, load_model
-from caramba.runners import autotune, decode_bench, eval, generate, speculative  # noqa: F401, A004  the built-in modes register
 from caramba.runners import registry
 from caramba.runners.lifecycle import Attempt, locked
 from caramba.runners.preflight import preflight
 from caramba.runners.registry import MODE_RUNNERS  # noqa: F401  mode -> runner, read from the registry
 from caramba.runs import RecordError, RunDir, capture_env, library_versions, read_record_json, run_hash, runs_root
+
+# Every module of this package is imported: a mode's module registers its mode (registry.register),
+# so adding a mode is adding its module here.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 
 @dataclass
