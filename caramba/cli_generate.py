@@ -31,6 +31,7 @@ ALIASES = {"stop_sequences": ["--stop"], "decode_q_chunk": ["--q-chunk"], "decod
 # Options the CLI gives another meaning: the draft kind is --speculative (--draft names the draft model).
 NOT_FLAGS = {"draft"}
 GENERATE_OPTIONS = option_fields(GenerateConfig)
+ENGINE_CONFIGS = {"generate": GenerateConfig, "speculative": SpeculativeConfig}   # the engine config each mode checks
 DRAFT_OPTIONS = {k: v for k, v in option_fields(DraftConfig).items() if k not in NOT_FLAGS}
 
 
@@ -161,7 +162,7 @@ def _check_options(section: dict[str, Any], mode: str) -> None:
     """The engine's own checks, with the failing option named as its flag (pydantic's come later)."""
     from caramba.options import OptionError
 
-    config = SpeculativeConfig if mode == "speculative" else GenerateConfig
+    config = ENGINE_CONFIGS[mode]
     engine = {k: v for k, v in section.items() if k in flat_paths(config)}
     try:
         config(**engine)

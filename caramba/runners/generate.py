@@ -21,18 +21,27 @@ from caramba.runs import RunDir
 from caramba.tokenizer import StreamDecoder
 
 
+def _beam(model, prompt_ids: list[list[int]], config: GenerateConfig) -> list[list[dict[str, Any]]]:
+    res = beam_search(model, prompt_ids, config)
+    return [[{"output_ids": s, "score": sc, "finish_reason": r} for s, sc, r in zip(seqs, scores, reasons)]
+            for seqs, scores, reasons in zip(res.sequences, res.scores, res.finish_reasons)]
+
+
+def _contrastive(model, prompt_ids: list[list[int]], config: GenerateConfig) -> list[list[dict[str, Any]]]:
+    res = contrastive_search(model, prompt_ids, config)
+    return [[{"output_ids": s, "score": None, "finish_reason": r}] for s, r in zip(res.sequences, res.finish_reasons)]
+
+
+# config.search -> the search that runs it, each result as run_search returns it.
+SEARCHES = {"beam": _beam, "contrastive": _contrastive}
+
+
 def run_search(model, prompt_ids: list[list[int]], config: GenerateConfig) -> tuple[list[list[dict[str, Any]]], float]:
     """Beam or contrastive search over prompts -> (per prompt, its returned sequences best first,
     each {"output_ids", "score", "finish_reason"}; elapsed seconds). Contrastive search returns
     one sequence per prompt with score None."""
     t0 = time.perf_counter()
-    if config.search == "beam":
-        res = beam_search(model, prompt_ids, config)
-        out = [[{"output_ids": s, "score": sc, "finish_reason": r} for s, sc, r in zip(seqs, scores, reasons)]
-               for seqs, scores, reasons in zip(res.sequences, res.scores, res.finish_reasons)]
-    else:
-        res = contrastive_search(model, prompt_ids, config)
-        out = [[{"output_ids": s, "score": None, "finish_reason": r}] for s, r in zip(res.sequences, res.finish_reasons)]
+    out = SEARCHES[config.search](model, prompt_ids, config)
     return out, time.perf_counter() - t0
 
 
