@@ -65,15 +65,6 @@ def eval_command(model: dict[str, str], text: Path | None, kinds: list[str], pol
     run_eval_command(manifest, as_json, out, err)
 
 
-class _Transient:
-    """A run record that keeps nothing: `caramba eval` prints its result instead."""
-
-    path = None
-
-    def log(self, message: str) -> None:
-        pass
-
-
 def check_flags(text: Path | None, protocol: str, ctx: int, shared: dict[str, Any], kinds: list[str],
                 policies: list[str], baseline: str) -> None:
     """The flags' own errors, each naming its flag, before a manifest is built."""
@@ -143,6 +134,7 @@ def _as_flags(message: str) -> str:
 def run_eval_command(manifest, as_json: bool, out: Console, err: Console) -> None:
     from caramba.model.zoo import load_model, resolve_device
     from caramba.runners.eval import check_eval, run_eval
+    from caramba.runners.lifecycle import Transient
 
     (resolved,) = list(manifest.iter_runs())
     resolve_device(resolved.model.device)
@@ -153,7 +145,7 @@ def run_eval_command(manifest, as_json: bool, out: Console, err: Console) -> Non
     m = resolved.model
     loaded = load_model(m.source, m.dtype, m.device, progress=not as_json, weights=m.weights)
     console = Console(quiet=True) if as_json else out   # --json: stdout holds the one object
-    result = run_eval(loaded, resolved.run.eval, resolved.run.seed, _Transient(), console)
+    result = run_eval(loaded, resolved.run.eval, resolved.run.seed, Transient(), console)
     if not as_json:
         return
     model = {"source": m.source, "path": str(loaded.path), "sha256": loaded.content_hash, "dtype": m.dtype,

@@ -67,15 +67,6 @@ def _option_params() -> list[inspect.Parameter]:
     return params
 
 
-class _Transient:
-    """A run record that keeps nothing: `caramba generate` prints its result instead."""
-
-    path = None
-
-    def log(self, message: str) -> None:
-        pass
-
-
 def generate(prompt: str, model: str, dtype: str, device: str, weights: str, seed: int | None, chat: bool, system: str | None,
              as_json: bool, speculative: str | None, draft: str | None, overrides: list[str],
              options: dict[str, Any], out: Console, err: Console) -> None:
@@ -84,6 +75,7 @@ def generate(prompt: str, model: str, dtype: str, device: str, weights: str, see
     from caramba.manifest.yaml_lines import parse_value
     from caramba.manifest.schema import Manifest
     from caramba.model.zoo import inspect_source, load_model, resolve_device
+    from caramba.runners.lifecycle import Transient
     from caramba.runners.registry import get
 
     given = {k: v for k, v in options.items() if v is not None and v != []}
@@ -138,7 +130,7 @@ def generate(prompt: str, model: str, dtype: str, device: str, weights: str, see
         d = resolved.draft
         extra["draft"] = load_model(d.source, d.dtype, d.device, progress=not as_json, weights=d.weights)
     try:
-        result = get(mode).run(loaded, resolved.run.settings, resolved.run.seed, _Transient(), console, **extra)
+        result = get(mode).run(loaded, resolved.run.settings, resolved.run.seed, Transient(), console, **extra)
     except ValueError as e:   # e.g. the prompt does not fit max_seq_len
         raise UserError(str(e)) from None
     row, summary = result["prompts"][0], result["summary"]

@@ -1,6 +1,7 @@
 """One run's lifecycle, the same for every way a run is done: a manifest's runs in this process
 (caramba.runners.run_manifest), an executor's worker (caramba.runners.execute: the local pool,
-Ray, Slurm) and the command line's one-off records (`caramba bench`).
+Ray, Slurm) and the command line's one-off records (`caramba bench`); the commands that print
+their result instead of keeping it (`caramba generate`, `caramba eval`) run it on a Transient.
 
     lock -> partial dir -> (the run writes its files) -> DONE -> atomic swap -> release
 
@@ -99,3 +100,14 @@ def one_off(manifest_name: str, target: str, stem: str, write: Callable[[RunDir]
         with Attempt(record):
             write(record)
     return record
+
+
+class Transient:
+    """A run record that keeps nothing: what a runner writes through for `caramba generate` and
+    `caramba eval`, which print their result instead (runners skip their extra files when `path`
+    is None)."""
+
+    path = None
+
+    def log(self, message: str) -> None:
+        pass
