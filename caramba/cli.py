@@ -6,7 +6,6 @@ short message on stderr; set CARAMBA_DEBUG=1 to see the traceback of an unexpect
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import sys
@@ -18,6 +17,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from caramba.cli_dba import cache_bytes_per_token as _cache_bytes_per_token  # noqa: F401  (tests use the old name)
+from caramba.cli_eval import candidate_default, candidate_option
 from caramba.errors import CarambaError, UserError
 from caramba.runs import json_text
 
@@ -250,39 +251,13 @@ def _generate(prompt: str, model: str, dtype: str, device: str, weights: str, se
 
 
 def _register_generate() -> None:
-    from caramba.cli_generate import OPTION_PARAMS
+    from caramba.cli_generate import signature
 
-    def opt(default, *decls, **kw):
-        return typer.Option(default, *decls, **kw)
-
-    kw = inspect.Parameter.KEYWORD_ONLY
-    fixed = [
-        inspect.Parameter("prompt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
-                          default=typer.Argument(..., help="The prompt text.")),
-        inspect.Parameter("model", kw, annotation=str, default=opt("smollm2-135m", help="smollm2-135m, a .gguf file or an HF directory.")),
-        inspect.Parameter("dtype", kw, annotation=str, default=opt("float32", help="float32, bfloat16 or float16.")),
-        inspect.Parameter("device", kw, annotation=str, default=opt("cpu", help="cpu, cuda, mps or auto.")),
-        inspect.Parameter("weights", kw, annotation=str, default=opt("fp32", help=WeightsOption.__metadata__[0].help)),
-        inspect.Parameter("seed", kw, annotation=Optional[int], default=opt(None, help="Sampling seed.")),
-        inspect.Parameter("chat", kw, annotation=bool, default=opt(False, "--chat", help="Wrap the prompt in the model's chat template.")),
-        inspect.Parameter("system", kw, annotation=Optional[str], default=opt(None, help="System message (with --chat).")),
-        inspect.Parameter("as_json", kw, annotation=bool, default=opt(False, "--json", help="Print one JSON object (the run's result row) instead of streaming text.")),
-        inspect.Parameter("speculative", kw, annotation=Optional[str], default=opt(None, help="Speculative decoding with this draft: prompt_lookup, self_int8, layer_skip or model (needs --draft).")),
-        inspect.Parameter("draft", kw, annotation=Optional[str], default=opt(None, help="The draft model for --speculative model (same forms as --model).")),
-        inspect.Parameter("overrides", kw, annotation=Optional[list[str]], default=opt(None, "--set", help="Override a field below the run: generate.decode_q_chunk=512, model.dtype=bfloat16; repeatable.")),
-    ]
-    _generate.__signature__ = inspect.Signature(fixed + OPTION_PARAMS)
+    _generate.__signature__ = signature(WeightsOption.__metadata__[0].help)
     app.command("generate")(_generate)
 
 
 _register_generate()
-
-
-def _int_list(text: str, option: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"{option} takes comma-separated integers, e.g. 128,512,2048 (got {text!r})") from None
 
 
 @app.command()
@@ -308,52 +283,13 @@ def bench(
     The record (result.json, cells.csv, plots) goes to runs/bench/cli/<UTC time>/ (<UTC time>-2, ...
     when another bench started in the same second)."""
     with _errors_as_exit_codes():
-        import time
+        from caramba.cli_bench import bench as run_bench
+        from caramba.cli_bench import bench_settings
 
-        from pydantic import ValidationError
-
-        from caramba.manifest.schema import BenchSettings
-        from caramba.model.zoo import load_model
-        from caramba.runners.decode_bench import run_decode_bench
-        from caramba import __version__ as caramba_version
-        from caramba.runs import RunDir, capture_env, library_versions
-
-        try:
-            settings = BenchSettings(
-                prompt_lens=_int_list(prompt_lens, "--prompt-lens"), batch_sizes=_int_list(batch_sizes, "--batch-sizes"),
-                cache_kinds=[k.strip() for k in cache_kinds.split(",") if k.strip()], new_tokens=new_tokens,
-                decode_plans=[p.strip() for p in decode_plans.split(";") if p.strip()],
-                presses=[p.strip() for p in presses.split(",") if p.strip()],
-                warmup=warmup, repeats=repeats, reference=reference, text=str(text) if text else None,
-            )
-        except ValidationError as e:
-            problems = "; ".join(f"--{'-'.join(str(p) for p in x['loc'][:1]).replace('_', '-')}: {x['msg']}" for x in e.errors())
-            raise UserError(problems) from None
-        loaded = load_model(model, dtype, device, progress=not as_json, weights=weights)
-        # Unique even for two benches started in the same second: the second gets <time>-2.
-        record = RunDir.unique("bench", "cli", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
-        try:
-            record.begin()
-            record.write_json("env.json", capture_env(None, device))
-            record.write_json("settings.json", {"model": model, "dtype": dtype, "device": device, "weights": weights,
-                                                **settings.model_dump()})
-            result = run_decode_bench(loaded, settings, None, record, err if as_json else out)
-            result["model"] = {"source": model, "path": str(loaded.path), "sha256": loaded.content_hash, "dtype": dtype,
-                               "weights": weights}
-            result["versions"] = {"caramba": caramba_version, **library_versions()}
-            record.write_json("result.json", result)
-            record.finish()
-        except UserError:   # bad input found late (a text file, --reference hf without transformers): keep nothing
-            record.discard()
-            raise
-        except BaseException:
-            record.abandon()   # the attempt's files (log.txt) stay, without DONE
-            raise
-        finally:
-            record.release()
-        if as_json:
-            print(json_text(result["cells"]))
-        err.print(f"record: {escape(str(record.final))}")
+        settings = bench_settings(prompt_lens, batch_sizes, cache_kinds, decode_plans, str(text) if text else None,
+                                  new_tokens=new_tokens, warmup=warmup, repeats=repeats, reference=reference,
+                                  presses=[p.strip() for p in presses.split(",") if p.strip()])
+        run_bench({"source": model, "dtype": dtype, "device": device, "weights": weights}, settings, as_json, out, err)
 
 
 @app.command()
@@ -385,11 +321,13 @@ def report(
         summary = os.environ.get("GITHUB_STEP_SUMMARY") if fmt == "markdown" else None
         if summary:
             _check_output_path(Path(summary), "$GITHUB_STEP_SUMMARY")
+        from caramba.cli_report import report_compare, report_sweep
+
         single = run_dirs[0] if len(run_dirs) == 1 else None
         if single is not None and (single.is_file() or not (single / "result.json").exists()):
-            text = _report_sweep(single, fmt, pivot_key, metric, csv_file, plot, x_key, overrides or [])
+            text = report_sweep(single, fmt, pivot_key, metric, csv_file, plot, x_key, overrides or [], out, err)
         else:
-            text = _report_compare(run_dirs, fmt)
+            text = report_compare(run_dirs, fmt, out)
         if text is not None:   # markdown
             sys.stdout.write(text)
             if summary:
@@ -398,162 +336,6 @@ def report(
                         file.write(text + "\n")
                 except OSError as e:
                     raise UserError(f"$GITHUB_STEP_SUMMARY {summary}: {e.strerror}") from None
-
-
-def _report_sweep(source: Path, fmt, pivot_key, metric, csv_file, plot, x_key, overrides) -> str | None:
-    from rich.table import Table
-
-    from caramba.bench.report import flat_rows, markdown_table, pivot, plot_sweep, record_dirs, sweep_row
-    from caramba.runners import run_hash, run_identity
-    from caramba.runs import RunDir
-
-    try:
-        if source.is_file():
-            m = _load(source, overrides)
-            records = [(f"{r.target}/{r.run.id}", RunDir(m.name, r.target, r.run.id).final, r.run.params,
-                        run_hash(run_identity(r)), r.run.mode) for r in m.iter_runs()]
-        else:
-            records = [(name, path, None, None, None) for name, path in record_dirs(source)]
-        rows = [sweep_row(*record) for record in records]
-        if any(r["mode"] == "eval" for r in rows) and not pivot_key:
-            done = [(row["run"], record[1]) for row, record in zip(rows, records) if row["status"] == "done"]
-            return _report_frontier(source, rows, done, fmt, csv_file, plot)
-        metrics = list(dict.fromkeys(k for r in rows for k in r["metrics"]))
-        chosen = metric or (metrics[0] if metrics else None)
-        if (pivot_key or plot) and chosen is None:
-            raise ValueError("no finished run has metrics to pivot or plot yet")
-        if chosen is not None and chosen not in metrics and (pivot_key or plot):
-            raise ValueError(f"--metric {chosen!r}: not a metric of these runs; metrics: {', '.join(metrics)}")
-        table_rows = pivot(rows, pivot_key, chosen) if pivot_key else flat_rows(rows)
-        if plot is not None:
-            keys = list(dict.fromkeys(k for r in rows for k in r["params"]))
-            x = x_key or pivot_key or (keys[0] if keys else None)
-            if x is None:
-                raise ValueError("--plot needs a matrix key for the x axis (--x); these runs have no params")
-            plot_sweep(plot, rows, x, chosen)
-            err.print(f"plot: {escape(str(plot))}")
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(str(e)) from None
-    if csv_file is not None:
-        _write_csv(csv_file, table_rows)
-    if fmt == "json":
-        print(json_text(table_rows if pivot_key else rows, indent=2))
-        return None
-    columns = list(dict.fromkeys(k for r in table_rows for k in r))
-    if fmt == "markdown":
-        counts = {}
-        for r in rows:
-            counts[r["status"]] = counts.get(r["status"], 0) + 1
-        head = f"### caramba report: {source}" + (f" ({chosen} by {pivot_key})" if pivot_key else "")
-        tally = ", ".join(f"{n} {state}" for state, n in counts.items())
-        return f"{head}\n\n{len(rows)} run(s): {tally}\n\n" + markdown_table(table_rows, columns)
-    title = f"{escape(str(source))}: {len(rows)} run(s)" + (f", {escape(chosen)} by {escape(pivot_key)}" if pivot_key else "")
-    table = Table(title=title, title_justify="left")
-    for col in columns:
-        table.add_column(escape(col), overflow="fold")
-    for r in table_rows:
-        table.add_row(*(escape(_cell(r.get(col))) for col in columns))
-    out.print(table)
-    return None
-
-
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    from caramba.bench.report import write_csv
-
-    try:
-        write_csv(path, rows)
-    except OSError as e:
-        raise UserError(f"--csv {path}: {e.strerror}") from None
-    err.print(f"csv: {escape(str(path))}")
-
-
-def _report_frontier(source: Path, rows: list[dict], done: list[tuple[str, Path]], fmt: str,
-                     csv_file: Optional[Path], plot: Optional[Path]) -> str | None:
-    """Eval runs: the runs' status, then one row per candidate of the finished records that match
-    the manifest, the Pareto-optimal ones marked. Returns the markdown with --format markdown."""
-    from rich.table import Table
-
-    from caramba.bench.frontier import frontier_rows, plot_frontier, quality_key
-    from caramba.bench.report import markdown_table
-
-    front = frontier_rows(done)
-    if plot is not None:
-        if not front:
-            raise UserError("no finished eval run has candidates to plot yet")
-        try:
-            plot_frontier(plot, front)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        err.print(f"plot: {escape(str(plot))}")
-    if csv_file is not None:
-        _write_csv(csv_file, front)
-    if fmt == "json":
-        print(json_text({"runs": rows, "frontier": front}, indent=2))
-        return None
-    keys = list(dict.fromkeys(k for r in rows for k in r["params"]))
-    status = [{"run": r["run"], "status": r["status"], "mode": r["mode"], **{k: r["params"].get(k) for k in keys}}
-              for r in rows]
-    lengths = list(dict.fromkeys(k for r in front for k in r if k.startswith("task_avg@")))
-    columns = ["run", "cache", "policy", "bytes_per_token", "bytes_ratio", "task_avg", *lengths, "ppl_ratio", "kl_mean",
-               "decode_tok_s", *(["bench_decode_tok_s"] if any("bench_decode_tok_s" in r for r in front) else [])]
-    ordered = [{"pareto": "*" if r["pareto"] else "", **{c: r.get(c) for c in columns}}
-               for r in sorted(front, key=lambda r: (r["group"], r["bytes_per_token"], r["run"]))]
-    title = (f"quality-cost frontier ({len(front)} candidates; * = Pareto-optimal by bytes/token and "
-             f"{quality_key(front) or 'no common quality metric'})")
-    if fmt == "markdown":
-        text = f"### caramba report: {source}\n\n" + markdown_table(status)
-        return text + (f"\n\n{title}\n\n" + markdown_table(ordered) if front else "")
-    for heading, table_rows in ((f"{source}: {len(rows)} run(s)", status), (title, ordered)):
-        if not table_rows:
-            continue
-        table = Table(title=escape(heading), title_justify="left")
-        for col in table_rows[0]:
-            table.add_column("" if col == "pareto" else escape(col), overflow="fold")
-        for r in table_rows:
-            table.add_row(*(escape(_cell(v)) for v in r.values()))
-        out.print(table)
-    return None
-
-
-def _cell(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return value if isinstance(value, str) else json_text(value)
-
-
-def _report_compare(run_dirs: list[Path], fmt: str) -> str | None:
-    from rich.table import Table
-
-    from caramba.bench.report import CELL_KEY, compare, markdown_table
-
-    try:
-        rows = compare(list(run_dirs))
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(str(e)) from None
-    if fmt == "json":
-        print(json_text(rows))
-        return None
-    if fmt == "markdown":
-        return f"### caramba report: compared with {run_dirs[0]}\n\n" + markdown_table(rows)
-    metrics = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("run", *CELL_KEY) and not k.endswith("_delta")]
-    table = Table(title=f"compared with {escape(str(run_dirs[0]))}")
-    for col in ("run", "impl", "ctx", "batch", "cache", "plan", *metrics):
-        table.add_column(col)
-    for r in rows:
-        cells = []
-        for m in metrics:
-            value, delta = r.get(m), r.get(f"{m}_delta")
-            text = "" if value is None else f"{value:.4g}"
-            if delta is not None:
-                color = "green" if (delta > 0) == (m in ("decode_tok_s", "decode_tok_s_median")) else "red"
-                text += f" [{color}]({delta:+.1%})[/{color}]"
-            cells.append(text)
-        table.add_row(*(escape(str(v)) for v in (Path(r["run"]).name, r.get("impl"), r.get("prompt_len"),
-                                                 r.get("batch_size"), r.get("cache_kind"), r.get("decode_plan") or "")),
-                      *cells)
-    out.print(table)
 
 
 @app.command("convert-dba")
@@ -574,95 +356,9 @@ def convert_dba(
     The result loads like any model: caramba generate/eval --model DIR. docs/kv-cache.md says
     what is approximated."""
     with _errors_as_exit_codes():
-        from caramba.infer.evaluate import corpus_ids
-        from caramba.model.dba_convert import CALIBRATION_START, check_dims, convert_loaded
-        from caramba.model.zoo import load_model
+        from caramba.cli_dba import convert
 
-        if out_dir.exists() and not force:
-            raise UserError(f"--out {out_dir} exists; pass --force to replace it or choose another directory")
-        if calib_text is not None and not calib_text.is_file():
-            raise UserError(f"--calib-text {calib_text}: no such file")
-        loaded = load_model(model, "float32", "cpu")
-        try:
-            check_dims(loaded.model.config, sem_dim, geo_dim)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        ids = corpus_ids(loaded.tokenizer, calib_text)
-        calibration = ids[:calib_tokens] if calib_text is not None else ids[CALIBRATION_START:][:calib_tokens]
-        if calib_tokens and len(calibration) < min(calib_tokens, 64):
-            raise UserError(f"the calibration text has only {len(calibration)} usable tokens; give a longer --calib-text")
-        phases = {"calibrate": f"calibration pass ({len(calibration)} tokens)", "layers": "SVD of each layer's heads",
-                  "write": f"writing {out_dir}"}
-        with _progress(err) as progress:
-            conv = convert_loaded(loaded, sem_dim, geo_dim, out_dir, calibration, on_step=progress(phases))
-        cfg = conv.config
-        out.print(f"[green]wrote[/green] {escape(str(out_dir))}: sem_dim={cfg.sem_dim}, geo_dim={cfg.geo_dim} per head, "
-                  f"{len(calibration)} calibration tokens, SVD keeps {conv.sem_energy:.1%} of the semantic forms' energy")
-        sizes = []
-        for kind in ("fp16", "q8_0", "q4_0"):
-            dba, qblock = _cache_bytes_per_token(cfg, kind)
-            std, _ = _cache_bytes_per_token(loaded.model.config, kind, qblock)
-            sizes.append(f"{kind}{f' (qblock {qblock})' if qblock != 32 else ''} {dba} (standard {std})")
-        out.print("cache bytes/token (all layers, batch 1): " + ", ".join(sizes))
-
-
-@contextmanager
-def _progress(console: Console):
-    """progress(descriptions) -> an on_step(phase, done, total) callback drawing one rich bar per
-    phase, with elapsed time, for commands that would otherwise be silent for minutes."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=False) as bar:
-        tasks: dict[str, int] = {}
-
-        def for_phases(descriptions: dict[str, str]):
-            def step(phase: str, done: int, total: int) -> None:
-                if phase not in tasks:
-                    tasks[phase] = bar.add_task(descriptions.get(phase, phase), total=total)
-                bar.update(tasks[phase], completed=done, total=total)
-            return step
-
-        yield for_phases
-
-
-def _cache_bytes_per_token(cfg, kind: str, qblock: int | None = None) -> tuple[int, int]:
-    """(bytes_per_token, qblock) of a 1-slot cache built on the meta device (no storage), with
-    the largest qblock <= 32 that divides every stream's width when none is given."""
-    import torch
-
-    from caramba.cache import CachePolicy
-    from caramba.model.transformer import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(cfg)
-        for qb in [qblock] if qblock else [32, 16, 8, 4, 2]:
-            try:
-                return model.new_cache(1, 1, CachePolicy.build(kind, qblock=qb)).bytes_per_token(), qb
-            except ValueError:
-                continue
-    raise ValueError(f"no qblock divides the cache streams of sem_dim={cfg.sem_dim}, geo_dim={cfg.geo_dim}")
-
-
-def _cache_option(name: str):
-    """CacheConfig's definition of the option spelled `name` (caramba.options)."""
-    from caramba.infer.config import CacheConfig
-    from caramba.options import options_of
-
-    return next(o for o in options_of(CacheConfig) if o.name == name)
-
-
-def _candidate_option(name: str) -> typer.models.OptionInfo:
-    """`caramba eval`'s flag for a cache setting its candidates share, from CacheConfig's one
-    definition: its help and lower bound (the rest is checked by CacheConfig itself)."""
-    opt = _cache_option(name)
-    decls = [f"--{name.replace('_', '-')}"] if opt.type is bool else []
-    help = opt.info.help[:1].upper() + opt.info.help[1:]
-    return typer.Option(*decls, min=opt.info.ge, help=f"{help} (every candidate).")
-
-
-def _candidate_default(name: str):
-    return _cache_option(name).default()
+        convert(out_dir, sem_dim, geo_dim, model, calib_text, calib_tokens, force, out, err)
 
 
 @app.command("eval")
@@ -675,12 +371,12 @@ def eval_cache(
     cache_kind: Annotated[Optional[list[str]], typer.Option(help="Candidate cache kind; repeatable.")] = None,
     cache_policy: Annotated[Optional[list[str]], typer.Option(help="Candidate per-stream policy, e.g. k=q8_0,v=q4_0; repeatable.")] = None,
     baseline: Annotated[str, typer.Option(help="The reference cache kind.")] = "fp32",
-    qblock: Annotated[int, _candidate_option("qblock")] = _candidate_default("qblock"),
-    residual_len: Annotated[int, _candidate_option("residual_len")] = _candidate_default("residual_len"),
-    rotate_keys: Annotated[bool, _candidate_option("rotate_keys")] = _candidate_default("rotate_keys"),
-    rotate_values: Annotated[bool, _candidate_option("rotate_values")] = _candidate_default("rotate_values"),
-    cache_fp16_prefix_layers: Annotated[int, _candidate_option("cache_fp16_prefix_layers")] = \
-        _candidate_default("cache_fp16_prefix_layers"),
+    qblock: Annotated[int, candidate_option("qblock")] = candidate_default("qblock"),
+    residual_len: Annotated[int, candidate_option("residual_len")] = candidate_default("residual_len"),
+    rotate_keys: Annotated[bool, candidate_option("rotate_keys")] = candidate_default("rotate_keys"),
+    rotate_values: Annotated[bool, candidate_option("rotate_values")] = candidate_default("rotate_values"),
+    cache_fp16_prefix_layers: Annotated[int, candidate_option("cache_fp16_prefix_layers")] = \
+        candidate_default("cache_fp16_prefix_layers"),
     perplexity: Annotated[bool, typer.Option("--perplexity/--no-perplexity",
                                              help="Score the text's perplexity (--protocol).")] = True,
     protocol: Annotated[str, typer.Option(help="decode: prefill --prompt-len tokens, then score token by token "
@@ -707,24 +403,14 @@ def eval_cache(
     llama.cpp's perplexity tool, with the PPL's standard error. Candidates: each --cache-kind and
     --cache-policy (default q8_0). `caramba eval --tasks all --no-perplexity` runs the task suite."""
     with _errors_as_exit_codes():
-        from caramba.cli_eval import check_flags, eval_manifest, run_eval_command
+        from caramba.cli_eval import eval_command
 
         shared = dict(qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys, rotate_values=rotate_values,
                       cache_fp16_prefix_layers=cache_fp16_prefix_layers)
-        check_flags(text, protocol, ctx, shared, cache_kind or [], cache_policy or [], baseline)
-        if not perplexity and tasks is None:
-            raise UserError("--no-perplexity leaves nothing to score: add --tasks all (or a list of tasks)")
-        ppl = {"protocol": protocol, "ctx": ctx, "prompt_len": prompt_len, "max_tokens": max_tokens,
-               "text": str(text) if text else None} if perplexity else None
-        task_settings = None
-        if tasks is not None:
-            names = None if tasks.strip() == "all" else [t.strip() for t in tasks.split(",") if t.strip()]
-            task_settings = {"names": names, "lengths": _int_list(lengths, "--lengths"), "samples": samples,
-                             "seed": seed, "text": str(text) if text else None}
-        manifest = eval_manifest({"source": model, "dtype": dtype, "device": device, "weights": weights},
-                                 cache_kind or [], cache_policy or [], baseline, shared, ppl, task_settings,
-                                 overrides or [])
-        run_eval_command(manifest, as_json, out, err)
+        eval_command({"source": model, "dtype": dtype, "device": device, "weights": weights}, text, cache_kind or [],
+                     cache_policy or [], baseline, shared, perplexity=perplexity, protocol=protocol, ctx=ctx,
+                     prompt_len=prompt_len, max_tokens=max_tokens, tasks=tasks, lengths=lengths, samples=samples,
+                     seed=seed, overrides=overrides or [], as_json=as_json, out=out, err=err)
 
 
 @app.command()

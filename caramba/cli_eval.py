@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import typer
 from pydantic import ValidationError
 from rich.console import Console
 
@@ -22,13 +23,46 @@ from caramba.runs import json_text
 SHARED_CACHE_OPTIONS = ("qblock", "residual_len", "rotate_keys", "rotate_values", "cache_fp16_prefix_layers")
 
 
-class _Transient:
-    """A run record that keeps nothing: `caramba eval` prints its result instead."""
+def _cache_option(name: str):
+    """CacheConfig's definition of the option spelled `name` (caramba.options)."""
+    from caramba.infer.config import CacheConfig
+    from caramba.options import options_of
 
-    path = None
+    return next(o for o in options_of(CacheConfig) if o.name == name)
 
-    def log(self, message: str) -> None:
-        pass
+
+def candidate_option(name: str) -> typer.models.OptionInfo:
+    """`caramba eval`'s flag for a cache setting its candidates share, from CacheConfig's one
+    definition: its help and lower bound (the rest is checked by CacheConfig itself)."""
+    opt = _cache_option(name)
+    decls = [f"--{name.replace('_', '-')}"] if opt.type is bool else []
+    help = opt.info.help[:1].upper() + opt.info.help[1:]
+    return typer.Option(*decls, min=opt.info.ge, help=f"{help} (every candidate).")
+
+
+def candidate_default(name: str):
+    return _cache_option(name).default()
+
+
+def eval_command(model: dict[str, str], text: Path | None, kinds: list[str], policies: list[str], baseline: str,
+                 shared: dict[str, Any], *, perplexity: bool, protocol: str, ctx: int, prompt_len: int,
+                 max_tokens: int | None, tasks: str | None, lengths: str, samples: int, seed: int,
+                 overrides: list[str], as_json: bool, out: Console, err: Console) -> None:
+    """`caramba eval`: the flags checked (each error naming its flag), the one-run manifest built and run."""
+    from caramba.cli_bench import int_list
+
+    check_flags(text, protocol, ctx, shared, kinds, policies, baseline)
+    if not perplexity and tasks is None:
+        raise UserError("--no-perplexity leaves nothing to score: add --tasks all (or a list of tasks)")
+    ppl = {"protocol": protocol, "ctx": ctx, "prompt_len": prompt_len, "max_tokens": max_tokens,
+           "text": str(text) if text else None} if perplexity else None
+    task_settings = None
+    if tasks is not None:
+        names = None if tasks.strip() == "all" else [t.strip() for t in tasks.split(",") if t.strip()]
+        task_settings = {"names": names, "lengths": int_list(lengths, "--lengths"), "samples": samples,
+                         "seed": seed, "text": str(text) if text else None}
+    manifest = eval_manifest(model, kinds, policies, baseline, shared, ppl, task_settings, overrides)
+    run_eval_command(manifest, as_json, out, err)
 
 
 def check_flags(text: Path | None, protocol: str, ctx: int, shared: dict[str, Any], kinds: list[str],
@@ -99,8 +133,8 @@ def _as_flags(message: str) -> str:
 
 def run_eval_command(manifest, as_json: bool, out: Console, err: Console) -> None:
     from caramba.model.zoo import load_model, resolve_device
-    from caramba.runners.eval import run_eval
-    from caramba.runners.preflight import check_eval
+    from caramba.runners.eval import check_eval, run_eval
+    from caramba.runners.lifecycle import Transient
 
     (resolved,) = list(manifest.iter_runs())
     resolve_device(resolved.model.device)
@@ -111,7 +145,7 @@ def run_eval_command(manifest, as_json: bool, out: Console, err: Console) -> Non
     m = resolved.model
     loaded = load_model(m.source, m.dtype, m.device, progress=not as_json, weights=m.weights)
     console = Console(quiet=True) if as_json else out   # --json: stdout holds the one object
-    result = run_eval(loaded, resolved.run.eval, resolved.run.seed, _Transient(), console)
+    result = run_eval(loaded, resolved.run.eval, resolved.run.seed, Transient(), console)
     if not as_json:
         return
     model = {"source": m.source, "path": str(loaded.path), "sha256": loaded.content_hash, "dtype": m.dtype,

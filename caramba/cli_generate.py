@@ -31,6 +31,7 @@ ALIASES = {"stop_sequences": ["--stop"], "decode_q_chunk": ["--q-chunk"], "decod
 # Options the CLI gives another meaning: the draft kind is --speculative (--draft names the draft model).
 NOT_FLAGS = {"draft"}
 GENERATE_OPTIONS = option_fields(GenerateConfig)
+ENGINE_CONFIGS = {"generate": GenerateConfig, "speculative": SpeculativeConfig}   # the engine config each mode checks
 DRAFT_OPTIONS = {k: v for k, v in option_fields(DraftConfig).items() if k not in NOT_FLAGS}
 
 
@@ -66,15 +67,6 @@ def _option_params() -> list[inspect.Parameter]:
     return params
 
 
-class _Transient:
-    """A run record that keeps nothing: `caramba generate` prints its result instead."""
-
-    path = None
-
-    def log(self, message: str) -> None:
-        pass
-
-
 def generate(prompt: str, model: str, dtype: str, device: str, weights: str, seed: int | None, chat: bool, system: str | None,
              as_json: bool, speculative: str | None, draft: str | None, overrides: list[str],
              options: dict[str, Any], out: Console, err: Console) -> None:
@@ -83,7 +75,8 @@ def generate(prompt: str, model: str, dtype: str, device: str, weights: str, see
     from caramba.manifest.yaml_lines import parse_value
     from caramba.manifest.schema import Manifest
     from caramba.model.zoo import inspect_source, load_model, resolve_device
-    from caramba.runners import MODE_RUNNERS
+    from caramba.runners.lifecycle import Transient
+    from caramba.runners.registry import get
 
     given = {k: v for k, v in options.items() if v is not None and v != []}
     for name, (annotation, _) in {**GENERATE_OPTIONS, **DRAFT_OPTIONS}.items():
@@ -137,7 +130,7 @@ def generate(prompt: str, model: str, dtype: str, device: str, weights: str, see
         d = resolved.draft
         extra["draft"] = load_model(d.source, d.dtype, d.device, progress=not as_json, weights=d.weights)
     try:
-        result = MODE_RUNNERS[mode](loaded, resolved.run.settings, resolved.run.seed, _Transient(), console, **extra)
+        result = get(mode).run(loaded, resolved.run.settings, resolved.run.seed, Transient(), console, **extra)
     except ValueError as e:   # e.g. the prompt does not fit max_seq_len
         raise UserError(str(e)) from None
     row, summary = result["prompts"][0], result["summary"]
@@ -161,7 +154,7 @@ def _check_options(section: dict[str, Any], mode: str) -> None:
     """The engine's own checks, with the failing option named as its flag (pydantic's come later)."""
     from caramba.options import OptionError
 
-    config = SpeculativeConfig if mode == "speculative" else GenerateConfig
+    config = ENGINE_CONFIGS[mode]
     engine = {k: v for k, v in section.items() if k in flat_paths(config)}
     try:
         config(**engine)
@@ -192,3 +185,27 @@ def _describe(problem: dict) -> str:
 
 
 OPTION_PARAMS = _option_params()
+
+
+def signature(weights_help: str) -> inspect.Signature:
+    """`caramba generate`'s parameters: the prompt, the model, the run's own flags, then OPTION_PARAMS."""
+    def opt(default, *decls, **kw):
+        return typer.Option(default, *decls, **kw)
+
+    kw = inspect.Parameter.KEYWORD_ONLY
+    fixed = [
+        inspect.Parameter("prompt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
+                          default=typer.Argument(..., help="The prompt text.")),
+        inspect.Parameter("model", kw, annotation=str, default=opt("smollm2-135m", help="smollm2-135m, a .gguf file or an HF directory.")),
+        inspect.Parameter("dtype", kw, annotation=str, default=opt("float32", help="float32, bfloat16 or float16.")),
+        inspect.Parameter("device", kw, annotation=str, default=opt("cpu", help="cpu, cuda, mps or auto.")),
+        inspect.Parameter("weights", kw, annotation=str, default=opt("fp32", help=weights_help)),
+        inspect.Parameter("seed", kw, annotation=Optional[int], default=opt(None, help="Sampling seed.")),
+        inspect.Parameter("chat", kw, annotation=bool, default=opt(False, "--chat", help="Wrap the prompt in the model's chat template.")),
+        inspect.Parameter("system", kw, annotation=Optional[str], default=opt(None, help="System message (with --chat).")),
+        inspect.Parameter("as_json", kw, annotation=bool, default=opt(False, "--json", help="Print one JSON object (the run's result row) instead of streaming text.")),
+        inspect.Parameter("speculative", kw, annotation=Optional[str], default=opt(None, help="Speculative decoding with this draft: prompt_lookup, self_int8, layer_skip or model (needs --draft).")),
+        inspect.Parameter("draft", kw, annotation=Optional[str], default=opt(None, help="The draft model for --speculative model (same forms as --model).")),
+        inspect.Parameter("overrides", kw, annotation=Optional[list[str]], default=opt(None, "--set", help="Override a field below the run: generate.decode_q_chunk=512, model.dtype=bfloat16; repeatable.")),
+    ]
+    return inspect.Signature(fixed + OPTION_PARAMS)

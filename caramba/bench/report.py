@@ -135,15 +135,6 @@ def _key(row: dict) -> tuple:
 
 # ---- one table across a sweep (`caramba report MANIFEST` or `caramba report runs/NAME`) ----------
 
-# The key metrics of each mode's result.json, in column order.
-MODE_METRICS = {
-    "generate": ("decode_tok_s_median", "prefill_s_median", "new_tokens"),
-    "speculative": ("speedup", "acceptance_rate", "tokens_per_target_forward", "speculative_s", "plain_s"),
-    "decode-bench": ("decode_tok_s", "ttft_s", "peak_rss_mb", "cache_bytes"),
-    "cache-autotune": ("chosen", "chosen_bytes", "chosen_dnll", "chosen_kl_mean", "chosen_ppl_ratio"),
-}
-
-
 def record_dirs(directory: Path) -> list[tuple[str, Path]]:
     """(target/run, record directory) of every run record under a manifest's records directory
     (runs/<manifest name>), in name order; hidden entries (locks, attempts being built) are not runs."""
@@ -198,34 +189,12 @@ def sweep_row(name: str, record: Path, params: dict | None = None, digest: str |
 
 
 def _metrics(result: dict) -> dict:
-    mode = result.get("mode")
-    summary = result.get("summary") if isinstance(result.get("summary"), dict) else {}
-    if mode == "decode-bench":   # one row per run: the cells' median speed and latency, their peak memory
-        cells = [c for c in result.get("cells") or [] if isinstance(c, dict)]
-        out = {}
-        for key, how in (("decode_tok_s", _median), ("ttft_s", _median), ("peak_rss_mb", max), ("cache_bytes", max)):
-            values = [c[key] for c in cells if _number(c.get(key))]
-            if values:
-                out[key] = how(values)
-        return out
-    if mode == "cache-autotune":
-        chosen = result.get("chosen") if isinstance(result.get("chosen"), dict) else {}
-        out = {"chosen": chosen.get("name"), "chosen_bytes": chosen.get("bytes")}
-        for part in (chosen, *(v for v in chosen.values() if isinstance(v, dict))):
-            for key in ("dnll", "kl_mean", "ppl_ratio"):
-                if _number(part.get(key)):
-                    out[f"chosen_{key}"] = part[key]
-        return {k: v for k, v in out.items() if v is not None}
-    if mode == "eval":   # each candidate's headline numbers (the frontier table has the rest)
-        return {k: v for k, v in summary.items() if k.rpartition(".")[2] in ("task_avg", "ppl_ratio") and _number(v)}
-    keys = MODE_METRICS.get(mode, ())
-    return {k: summary[k] for k in keys if _number(summary.get(k))}
+    """The key numbers of a finished run, as its mode reports them (caramba.runners.registry)."""
+    from caramba.runners import registry   # imported when asked: the modes import this module
 
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    name = result.get("mode")
+    mode = registry.modes().get(name) if isinstance(name, str) else None
+    return mode.metrics(result) if mode is not None else {}
 
 
 def flat_rows(rows: list[dict]) -> list[dict]:

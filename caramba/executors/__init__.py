@@ -6,8 +6,8 @@
 - slurm: caramba.executors.slurm, each run a Slurm array task through submitit (`caramba[slurm]`).
 
 Every executor hands its workers RunTasks and gets TaskResults back (caramba.runners); a worker
-does a run through the same per-run path as a serial run: its lock, its hash, a record built
-aside and swapped in, so a killed worker leaves no DONE and a rerun redoes exactly that run.
+does a run through the same per-run path as a serial run (caramba.runners.lifecycle): its lock,
+its hash, a record built aside and swapped in, so a killed worker leaves no DONE and a rerun redoes exactly that run.
 caramba.executors.common drives them all (progress, Ctrl-C, the summary).
 """
 

@@ -4,6 +4,7 @@ Ctrl-C cancelling what is pending, and the summary table."""
 
 from __future__ import annotations
 
+import io
 import statistics
 import time
 from abc import ABC, abstractmethod
@@ -16,8 +17,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from caramba.executors.state import held_locks, lock_held
-from caramba.runners import RunTask, TaskResult
+from caramba.runners import RunTask, TaskResult, execute
 from caramba.runs import LOCK, RunDir
+
+
+def run_in_worker(task: RunTask, models: dict, threads: int | None = None) -> TaskResult:
+    """One task in a worker process (a pool worker, a Ray or Slurm task): with `threads` torch
+    threads when given; what the run printed is kept with a failure (or a failed check)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    buffer = io.StringIO()
+    result = execute(task, models, Console(file=buffer, width=160, highlight=False, color_system=None))
+    if result.status == "failed" or result.check_failed:
+        result.output = buffer.getvalue()[-4000:]
+    return result
 
 
 class Executor(ABC):

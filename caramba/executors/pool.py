@@ -7,7 +7,6 @@ replaced; the other runs go on."""
 
 from __future__ import annotations
 
-import io
 import multiprocessing
 import os
 import queue
@@ -38,9 +37,8 @@ def _worker(cores: list[int], tasks, results) -> None:
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cores)
         import torch
-        from rich.console import Console
 
-        from caramba.runners import execute
+        from caramba.executors.common import run_in_worker
 
         torch.set_num_threads(len(cores))
         models: dict = {}
@@ -49,11 +47,7 @@ def _worker(cores: list[int], tasks, results) -> None:
             if task is None:
                 return
             results.put(("start", os.getpid(), task.name))
-            buffer = io.StringIO()
-            result = execute(task, models, Console(file=buffer, width=160, highlight=False, color_system=None))
-            if result.status == "failed" or result.check_failed:
-                result.output = buffer.getvalue()[-4000:]
-            results.put(("end", os.getpid(), result))
+            results.put(("end", os.getpid(), run_in_worker(task, models)))
     except KeyboardInterrupt:   # Ctrl-C reaches the whole process group: the run abandoned its record
         return
 

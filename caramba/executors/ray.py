@@ -7,30 +7,19 @@ its worker processes, and each keeps the last model it loaded, so a node loads a
 
 from __future__ import annotations
 
-import io
 import os
 import time
 
 import ray
 
-from caramba.executors.common import Executor
+from caramba.executors.common import Executor, run_in_worker
 from caramba.runners import RunTask, TaskResult
 
 _MODELS: dict = {}   # per Ray worker process: the model of its last run, reused by the next
 
 
 def _run_task(task: RunTask, threads: int) -> TaskResult:
-    import torch
-    from rich.console import Console
-
-    from caramba.runners import execute
-
-    torch.set_num_threads(threads)
-    buffer = io.StringIO()
-    result = execute(task, _MODELS, Console(file=buffer, width=160, highlight=False, color_system=None))
-    if result.status == "failed" or result.check_failed:
-        result.output = buffer.getvalue()[-4000:]
-    return result
+    return run_in_worker(task, _MODELS, threads)
 
 
 class RayExecutor(Executor):

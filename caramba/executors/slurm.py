@@ -8,30 +8,19 @@ processes, at most --jobs at a time; that is how the tests exercise this path.""
 
 from __future__ import annotations
 
-import io
 import shutil
 import time
 from pathlib import Path
 
 import submitit
 
-from caramba.executors.common import Executor
+from caramba.executors.common import Executor, run_in_worker
 from caramba.executors.pool import core_shares
 from caramba.runners import RunTask, TaskResult
 
 
 def _run_task(task: RunTask, threads: int) -> TaskResult:
-    import torch
-    from rich.console import Console
-
-    from caramba.runners import execute
-
-    torch.set_num_threads(threads)
-    buffer = io.StringIO()
-    result = execute(task, {}, Console(file=buffer, width=160, highlight=False, color_system=None))
-    if result.status == "failed" or result.check_failed:
-        result.output = buffer.getvalue()[-4000:]
-    return result
+    return run_in_worker(task, {}, threads)
 
 
 class SlurmExecutor(Executor):

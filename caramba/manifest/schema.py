@@ -1,8 +1,10 @@
 """The manifest schema: what a manifest may say, checked by pydantic.
 
 Every model forbids unknown fields, so a typo is an error instead of a silently ignored setting.
-Only modes that are built are accepted; a new mode adds its name to `Mode` and its settings
-section to `Run`.
+Only registered modes are accepted. A run's settings sections (`generate:`, `bench:`, ...) are
+`Run` fields built from the table of mode sections below: the five first modes' sections are
+declared here (a manifest validates without loading any runner); a mode added later brings its
+own through caramba.runners.registry.register, which calls register_section.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator,
-                      model_validator)
+                      model_serializer, model_validator)
+from pydantic.fields import FieldInfo
 
 from caramba.autotune.select import AutotuneSettings
 from caramba.infer.config import CacheConfig, DraftConfig, GenerateConfig, SpeculativeConfig
@@ -28,10 +31,16 @@ from caramba.model import quant
 from caramba.options import options_of
 from caramba.press.config import PressConfig
 
-Mode = Literal["generate", "decode-bench", "speculative", "cache-autotune", "eval"]
-MODES: tuple[str, ...] = typing.get_args(Mode)
-# The settings section each mode reads (a mode whose section has its own name is left out).
-MODE_SECTIONS: dict[str, str] = {"decode-bench": "bench", "cache-autotune": "autotune"}
+# mode -> the run's key for its settings section, in the order modes were registered (which is
+# the order `Run`'s fields, error messages and records list them). Filled by register_section.
+MODE_SECTIONS: dict[str, str] = {}
+MODE_SETTINGS: dict[str, type] = {}   # mode -> its settings model
+MODES: tuple[str, ...] = ()           # the registered modes' names (reassigned by register_section)
+Mode: Any = None                      # Literal[*MODES]: the type of `Run.mode` (idem)
+# Sections every run's record lists, null when unused, since manifests began: kept so that the
+# run hashes of existing records hold. A section registered later is listed only by its own runs,
+# so adding a mode changes no other run's hash or record.
+_LISTED_WHEN_UNUSED = ("generate", "bench", "speculative", "autotune", "eval")
 
 
 def section_for(mode: str) -> str:
@@ -80,6 +89,11 @@ class _Model(BaseModel):
         if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
             raise ValueError(f"{str(value).lower()} is a boolean, not a number; write a number")
         return value
+
+
+# The base of a mode's settings section (and every manifest model): unknown fields are errors,
+# no NaN or inf, no silent bool/number coercion.
+SettingsModel = _Model
 
 
 def _plain_types(annotation: Any) -> set[Any]:
@@ -237,6 +251,11 @@ class BenchSettings(_Model):
 
 class _SpeculativeSection(GenerateSettings):  # type: ignore[misc, valid-type]
     baseline: bool = True  # also decode the prompts plainly in the same run and record the speedup
+
+    @property
+    def wants_draft_model(self) -> bool:
+        """Whether the run needs a `draft:` model spec beside its model."""
+        return self.draft == "model"
 
     def engine_config(self, seed: int | None = None, eos_token_id: int | list[int] | None = None) -> SpeculativeConfig:
         options = {name: getattr(self, name) for name in _option_names(SpeculativeConfig)}
@@ -437,16 +456,14 @@ class Expect(_Model):
 
 
 class Run(_Model):
+    """One run. Its settings sections (one per registered mode, each `None` unless the run's mode
+    reads it) are added between `draft` and `expect` by register_section."""
+
     id: SafeId
-    mode: Mode
+    mode: str   # Literal[*MODES], set by register_section
     seed: int | None = Field(None, ge=0, le=2**64 - 1)  # the range torch.manual_seed accepts
     model: ModelSpec | None = None  # fields given here override the defaults' model
     draft: ModelSpec | None = None  # speculative with draft: model; fields not given follow the run's model
-    generate: GenerateSettings | None = None
-    bench: BenchSettings | None = None
-    speculative: SpeculativeSettings | None = None
-    autotune: CacheAutotuneSettings | None = None
-    eval: EvalSettings | None = None
     expect: Expect | None = None
     notes: str | None = None
     # A sweep's values for this run (set by matrix expansion, caramba.manifest.matrix; None otherwise).
@@ -461,13 +478,21 @@ class Run(_Model):
             other = section_for(other_mode)
             if other != section and getattr(self, other, None) is not None:
                 raise ValueError(f"'{other}:' is the section of mode {other_mode!r}, but this run's mode is {self.mode!r}")
-        wants_draft = self.mode == "speculative" and self.speculative.draft == "model"
+        wants_draft = bool(getattr(self.settings, "wants_draft_model", False))
         if wants_draft and self.draft is None:
             raise ValueError("speculative.draft: model needs a 'draft:' model spec beside 'model:' "
                              "(e.g. draft: {source: path/to/small.gguf}), or another draft kind")
         if self.draft is not None and not wants_draft:
             raise ValueError("'draft:' is only used by mode: speculative with speculative.draft: model; remove it")
         return self
+
+    @model_serializer(mode="wrap")
+    def _unused_sections(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for section in MODE_SECTIONS.values():
+            if section not in _LISTED_WHEN_UNUSED and section in data and data[section] is None:
+                del data[section]
+        return data
 
     @property
     def settings(self) -> BaseModel:
@@ -584,6 +609,53 @@ class Manifest(_Model):
                 yield ResolvedRun(target=target.name, run=run, model=self.model_for(run), draft=self.draft_for(run))
 
 
+def register_section(mode: str, section: str, settings: type[BaseModel]) -> None:
+    """Accept `mode: MODE` with its settings under `section:` in every manifest validated from now
+    on. caramba.runners.registry.register calls this for a mode the table does not hold yet."""
+    taken = {s: m for m, s in MODE_SECTIONS.items()}
+    if mode in MODE_SECTIONS or (section in taken and taken[section] != mode):
+        raise ValueError(f"mode {mode!r} (section {section!r}) clashes with a registered mode")
+    if section in Run.model_fields:
+        raise ValueError(f"{section!r} is a field of every run; choose another section name for mode {mode!r}")
+    MODE_SECTIONS[mode] = section
+    MODE_SETTINGS[mode] = settings
+    _rebuild_runs()
+
+
+def unregister_section(mode: str) -> None:
+    """Forget a mode registered by register_section (a test's throwaway mode)."""
+    MODE_SECTIONS.pop(mode)
+    MODE_SETTINGS.pop(mode)
+    _rebuild_runs()
+
+
+def _rebuild_runs() -> None:
+    """Run's fields from the table: its own, then one `SECTION: Settings | None` per mode, in
+    registration order; then the models that hold runs are rebuilt around the new Run. (pydantic
+    has no public way to add a field to a class in place; its field table and model_rebuild do it,
+    and every `from ... import Run` keeps seeing the one class.)"""
+    global MODES, Mode
+    MODES = tuple(MODE_SECTIONS)
+    Mode = Literal[MODES] if MODES else str   # type: ignore[valid-type]
+    own = {name: f for name, f in Run.__pydantic_fields__.items() if name not in _section_fields}
+    _section_fields.clear()
+    _section_fields.update(MODE_SECTIONS.values())
+    fields: dict[str, FieldInfo] = {}
+    for name, info in own.items():
+        if name == "mode":
+            info = FieldInfo.from_annotation(Mode)
+        if name == "expect":   # the sections go between draft and expect, as records list them
+            fields.update({section: FieldInfo.from_annotated_attribute(MODE_SETTINGS[m] | None, None)
+                           for m, section in MODE_SECTIONS.items()})
+        fields[name] = info
+    Run.__pydantic_fields__ = fields
+    for model in (Run, Target, Manifest):
+        model.model_rebuild(force=True)
+
+
+_section_fields: set[str] = set()   # the Run fields that are sections now
+
+
 def _first_duplicate(values: Iterable[str]) -> str | None:
     seen: set[str] = set()
     for value in values:
@@ -624,3 +696,11 @@ def _unwrap(annotation: Any) -> Any:
         if len(members) == 1:
             return _unwrap(members[0])
     return annotation
+
+
+# The sections of the first five modes: part of the schema itself (see _LISTED_WHEN_UNUSED).
+for _mode, _section, _settings in (("generate", "generate", GenerateSettings), ("decode-bench", "bench", BenchSettings),
+                                   ("speculative", "speculative", SpeculativeSettings),
+                                   ("cache-autotune", "autotune", CacheAutotuneSettings), ("eval", "eval", EvalSettings)):
+    MODE_SECTIONS[_mode], MODE_SETTINGS[_mode] = _section, _settings
+_rebuild_runs()

@@ -1,14 +1,18 @@
-"""Run a validated manifest: one record per run under runs/, one small module per mode."""
+"""Run a validated manifest: one record per run under runs/, one module per mode.
+
+The modes are registered in caramba.runners.registry (each module below registers its own);
+every run, serial or on an executor's worker, goes through one lifecycle
+(caramba.runners.lifecycle: lock, a record built aside, DONE, swap, release)."""
 
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import json
 import os
+import pkgutil
 import shlex
 import time
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,18 +27,16 @@ from caramba.expect import output_sha256
 from caramba.infer.tasks import GENERATOR_VERSION
 from caramba.manifest import Manifest, ModelSpec, ResolvedRun, Run, resolved_run_yaml
 from caramba.model.zoo import LoadedModel, load_model
-from caramba.runners.autotune import run_cache_autotune
-from caramba.runners.decode_bench import run_decode_bench
-from caramba.runners.eval import run_eval
-from caramba.runners.generate import run_generate
+from caramba.runners import registry
+from caramba.runners.lifecycle import Attempt, locked
 from caramba.runners.preflight import preflight
-from caramba.runners.speculative import run_speculative
+from caramba.runners.registry import MODE_RUNNERS  # noqa: F401  mode -> runner, read from the registry
 from caramba.runs import RecordError, RunDir, capture_env, library_versions, read_record_json, run_hash, runs_root
 
-# mode -> runner(loaded model, the mode's settings, seed, record, console) -> result dict
-MODE_RUNNERS: dict[str, Callable] = {"generate": run_generate, "decode-bench": run_decode_bench,
-                                     "speculative": run_speculative, "cache-autotune": run_cache_autotune,
-                                     "eval": run_eval}  # speculative also takes draft=LoadedModel
+# Every module of this package is imported: a mode's module registers its mode (registry.register),
+# so adding a mode is adding its module here.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 
 @dataclass
@@ -65,7 +67,7 @@ def run_identity(r: ResolvedRun) -> dict:
         "draft": r.draft.model_dump(mode="json") if r.draft is not None else None,
         "caramba_version": caramba.__version__,
     }
-    if r.run.mode == "eval" and r.run.eval.tasks is not None:   # other generators write other prompts
+    if registry.get(r.run.mode).uses_task_generator(r):   # other generators write other prompts
         identity["task_generator_version"] = GENERATOR_VERSION
     return identity
 
@@ -169,14 +171,12 @@ def execute(task: RunTask, models: dict, console: Console) -> TaskResult:
     try:
         r = task.resolved()
         record = RunDir(task.manifest_name, task.target, r.run.id, root=task.root)
-        if not record.try_lock():
-            return TaskResult(name, "busy", message=f"another process (pid {record.holder() or '?'}) is running it",
-                              started=started, ended=time.time(), pid=os.getpid())
-        try:
+        with locked(record) as mine:
+            if not mine:
+                return TaskResult(name, "busy", message=f"another process (pid {record.holder() or '?'}) is running it",
+                                  started=started, ended=time.time(), pid=os.getpid())
             _one(r, name, record, task.digest, task.force, task.check, task.resolved_yaml, task.run_info, models,
                  outcome, console)
-        finally:
-            record.release()
     except (UserError, RunError, ValueError, OSError) as e:   # found late (input, a record entry, the disk):
         outcome.failed.append(name)                            # this run fails, the sweep goes on
         outcome.messages[name] = str(e)
@@ -212,20 +212,20 @@ def run_manifest(manifest: Manifest, only: list[str], force: bool, dry_run: bool
             continue
         started = time.monotonic()
         try:
-            if not record.try_lock():
-                unchecked = "; not checked" if check else ""
-                console.print(f"[yellow]skip {name}: another process (pid {record.holder() or '?'}) is running it "
-                              f"({escape(str(record.lock_path))}){unchecked}[/yellow]", soft_wrap=True)
-                outcome.busy.append(name)
-                continue
-            _one(r, name, record, digest, force, check, resolved_run_yaml(manifest, r.target, r.run.id), run_info,
-                 models, outcome, console)
+            with locked(record) as mine:
+                if not mine:
+                    unchecked = "; not checked" if check else ""
+                    console.print(f"[yellow]skip {name}: another process (pid {record.holder() or '?'}) is running it "
+                                  f"({escape(str(record.lock_path))}){unchecked}[/yellow]", soft_wrap=True)
+                    outcome.busy.append(name)
+                    continue
+                _one(r, name, record, digest, force, check, resolved_run_yaml(manifest, r.target, r.run.id), run_info,
+                     models, outcome, console)
         except (RecordError, OSError) as e:   # an entry of this run's record, or the disk: this run fails
             console.print(f"[red]failed[/red] {escape(name)}: {escape(str(e))}", soft_wrap=True)
             outcome.failed.append(name)
             outcome.messages[name] = str(e)
         finally:
-            record.release()
             outcome.seconds[name] = time.monotonic() - started
     return outcome
 
@@ -263,37 +263,29 @@ def _one(r: ResolvedRun, name: str, record: RunDir, digest: str, force: bool, ch
     elif status.state == "blocked":
         raise RecordError(status.detail)
     console.rule(f"{name} ({r.run.mode})")
-    record.begin(force=True)   # built aside: the finished record stays until the new one is complete
+    attempt = Attempt(record)   # built aside: the finished record stays until the new one is complete
     _notices(record, name, console)   # a .partial that was not caramba's directory, removed by begin()
     try:
-        _run_one(r, record, resolved_yaml, digest, run_info, models, console)
+        with attempt:
+            _run_one(r, record, resolved_yaml, digest, run_info, models, console)
     except UserError:
-        record.discard()  # bad input found late: leave nothing half-written
         raise
-    except RunError as e:
-        _fail(record, name, str(e), outcome, console)
     except (KeyboardInterrupt, SystemExit):
-        _try_log(record, "interrupted")
-        where = record.abandon()
         if record.is_done():
             console.print(f"[yellow]{name} interrupted: the finished record {escape(str(record.final))} is kept; "
-                          f"the attempt's log is in {escape(str(where))}[/yellow]", soft_wrap=True)
+                          f"the attempt's log is in {escape(str(attempt.where))}[/yellow]", soft_wrap=True)
         raise
-    except Exception as e:  # a failed run is reported and the manifest goes on
-        _try_log(record, traceback.format_exc())
-        _fail(record, name, f"{type(e).__name__}: {e}", outcome, console)
+    except Exception:  # a failed run is reported and the manifest goes on
+        kept = f"; the finished record {record.final} is kept" if record.is_done() else ""
+        console.print(f"[red]failed[/red] {escape(name)}: {escape(attempt.message)} "
+                      f"(log: {escape(str(attempt.where / 'log.txt'))}{kept})", soft_wrap=True)
+        outcome.failed.append(name)
+        outcome.messages[name] = attempt.message
     else:
         outcome.done.append(name)
         console.print(f"[green]done[/green] {escape(name)} -> {escape(str(record.final))}", soft_wrap=True)
         if check:
             _check(r, record, outcome, console)
-
-
-def _try_log(record: RunDir, text: str) -> None:
-    try:
-        record.log(text)
-    except RecordError:   # a full or read-only disk: the failure is reported without its log
-        pass
 
 
 def _notices(record: RunDir, name: str, console: Console) -> None:
@@ -349,7 +341,7 @@ def _run_one(r: ResolvedRun, record: RunDir, resolved_yaml: str, digest: str, ru
         draft = load_model(r.draft.source, r.draft.dtype, r.draft.device, weights=r.draft.weights)
         record.log(f"draft model {draft.path} sha256={draft.content_hash}")
         extra["draft"] = draft
-    result = MODE_RUNNERS[r.run.mode](loaded, r.run.settings, r.run.seed, record, console, **extra)
+    result = registry.get(r.run.mode).run(loaded, r.run.settings, r.run.seed, record, console, **extra)
     result["model"] = {**r.model.model_dump(), "path": str(loaded.path), "sha256": loaded.content_hash}
     if r.draft is not None:
         result["draft_model"] = {**r.draft.model_dump(), "path": str(extra["draft"].path), "sha256": extra["draft"].content_hash}
@@ -360,7 +352,6 @@ def _run_one(r: ResolvedRun, record: RunDir, resolved_yaml: str, digest: str, ru
     result["overrides"] = run_info["overrides"]
     result["versions"] = versions
     record.write_json("result.json", result)
-    record.finish()
 
 
 def _model(spec: ModelSpec, models: dict) -> LoadedModel:
@@ -369,15 +360,3 @@ def _model(spec: ModelSpec, models: dict) -> LoadedModel:
         models.clear()  # one model in memory at a time
         models[key] = load_model(spec.source, spec.dtype, spec.device, weights=spec.weights)
     return models[key]
-
-
-def _fail(record: RunDir, name: str, message: str, outcome: Outcome, console: Console) -> None:
-    try:
-        record.log(f"FAILED: {message}")
-    except RecordError as e:   # the disk that failed the run may refuse the log too: say so, go on
-        message += f" ({e})"
-    where = record.abandon()
-    kept = f"; the finished record {record.final} is kept" if record.is_done() else ""
-    console.print(f"[red]failed[/red] {escape(name)}: {escape(message)} (log: {escape(str(where / 'log.txt'))}{kept})", soft_wrap=True)
-    outcome.failed.append(name)
-    outcome.messages[name] = message

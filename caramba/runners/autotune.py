@@ -22,6 +22,7 @@ from caramba.model.zoo import LoadedModel
 from caramba.options import options_of
 from caramba.autotune.plans import is_under
 from caramba.errors import UserError
+from caramba.runners.registry import Mode, is_number, register
 from caramba.runs import RunDir, runs_root
 
 PHASES = {"text": "gates: scoring the text", "needle": "gates: needle in a haystack", "speed": "speed: decode rounds"}
@@ -148,3 +149,23 @@ def candidates_table(result: AutotuneResult) -> Group:
 
 def _num(value: float | None, fmt: str) -> str:
     return "" if value is None else format(value, fmt)
+
+
+class CacheAutotuneMode(Mode):
+    """`mode: cache-autotune`: the record holds the choice, every candidate and candidates.csv."""
+
+    name = "cache-autotune"
+    columns = ("chosen", "chosen_bytes", "chosen_dnll", "chosen_kl_mean", "chosen_ppl_ratio")
+    run = staticmethod(run_cache_autotune)
+
+    def metrics(self, result: dict[str, Any]) -> dict[str, Any]:
+        chosen = result.get("chosen") if isinstance(result.get("chosen"), dict) else {}
+        out = {"chosen": chosen.get("name"), "chosen_bytes": chosen.get("bytes")}
+        for part in (chosen, *(v for v in chosen.values() if isinstance(v, dict))):
+            for key in ("dnll", "kl_mean", "ppl_ratio"):
+                if is_number(part.get(key)):
+                    out[f"chosen_{key}"] = part[key]
+        return {k: v for k, v in out.items() if v is not None}
+
+
+register(CacheAutotuneMode())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,12 @@ from caramba.bench.grid import Grid, run_grid
 from caramba.bench.report import write_csv, write_plots
 from caramba.errors import UserError
 from caramba.infer.plan import parse_plan
+from caramba.manifest import ResolvedRun
 from caramba.manifest.schema import BenchSettings
 from caramba.model.zoo import LoadedModel
+from caramba.press import PressConfig
+from caramba.runners.generate import check_pressable
+from caramba.runners.registry import BASE_RECORD, KIB, Mode, Workload, is_number, register
 from caramba.runs import RunDir
 
 CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
@@ -82,3 +87,48 @@ def cells_table(rows: list[dict]) -> Table:
             f"{r['cache_bytes'] / 2**20:.1f}" if r.get("cache_bytes") is not None else "",
         )
     return table
+
+
+class DecodeBenchMode(Mode):
+    """`mode: decode-bench` (and `caramba bench`, its one-off form: caramba.cli_bench)."""
+
+    name = "decode-bench"
+    columns = ("decode_tok_s", "ttft_s", "peak_rss_mb", "cache_bytes")
+    run = staticmethod(run_decode_bench)
+
+    def record_bytes(self, r: ResolvedRun) -> int:
+        s = r.run.settings   # ~2 KiB and the samples per cell, and the plots
+        cells = len(s.prompt_lens) * len(s.batch_sizes) * len(s.cache_kinds) * len(s.decode_plans) * len(s.presses)
+        cells *= 2 if s.reference == "hf" else 1
+        return BASE_RECORD + cells * (2 * KIB + 24 * s.repeats * s.new_tokens) + (_PLOTS if s.plots else 0)
+
+    def preflight(self, r: ResolvedRun, where: str, sources) -> None:
+        s = r.run.settings
+        for text in s.presses:
+            press = PressConfig.parse(text)
+            if press.active:
+                check_pressable(press, sources.config(r.model.source), f"{where}: {self.section}.presses")
+                if min(s.prompt_lens) < press.min_context():
+                    raise UserError(f"{where}: {self.section}.presses: {text} scores contexts of at least "
+                                    f"{press.min_context()} tokens; prompt_lens has {min(s.prompt_lens)}: use longer "
+                                    "prompts or another press")
+
+    def workload(self, r: ResolvedRun) -> Workload:
+        s = r.run.settings   # with reference: hf, transformers' copy of the model beside ours
+        return Workload(max(s.prompt_lens) + s.new_tokens, max(s.batch_sizes), f"{self.section}.batch_sizes",
+                        f"{self.section}.prompt_lens", weight_copies=2 if s.reference == "hf" else 1)
+
+    def metrics(self, result: dict[str, Any]) -> dict[str, Any]:
+        """One row per run: the cells' median speed and latency, their peak memory."""
+        cells = [c for c in result.get("cells") or [] if isinstance(c, dict)]
+        out = {}
+        for key, how in (("decode_tok_s", statistics.median), ("ttft_s", statistics.median), ("peak_rss_mb", max),
+                         ("cache_bytes", max)):
+            values = [c[key] for c in cells if is_number(c.get(key))]
+            if values:
+                out[key] = how(values)
+        return out
+
+
+_PLOTS = 3 * 150 * KIB
+register(DecodeBenchMode())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -23,9 +24,13 @@ from caramba.progress import Steps
 from caramba.infer import tasks as task_suite
 from caramba.infer.evaluate import adds_bos, corpus_text, evaluate_cache, evaluate_chunks
 from caramba.infer.task_eval import Candidate, CandidateAnswers, answer_tasks
+from caramba.manifest import ResolvedRun
 from caramba.manifest.schema import EvalSettings, PerplexitySettings, TaskSettings
-from caramba.model.zoo import LoadedModel
+from caramba.model.zoo import LoadedModel, inspect_source
+from caramba.runners.generate import check_pressable
+from caramba.runners.registry import BASE_RECORD, KIB, Mode, Workload, is_number, register
 from caramba.runs import RunDir
+from caramba.tokenizer import Tokenizer
 
 
 def candidates_of(settings: EvalSettings) -> tuple[list[Candidate], Candidate]:
@@ -225,3 +230,92 @@ def _title(result: dict) -> str:
         parts.append(f"{len(tasks['names'])} tasks x {len(tasks['lengths'])} lengths x {tasks['samples']} samples "
                      f"(95% intervals in result.json), prefill {tasks['prefill']}")
     return escape("; ".join(parts))
+
+
+def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked: set[str] | None = None,
+               config=None) -> None:
+    """An eval's texts, candidate streams and context lengths against the model, and its task
+    samples generated once at n=1 (a length too short for a task is found here, not mid-run)."""
+    from caramba.runners.preflight import Sources
+
+    tok = tok or Sources().tokenizer(r.model.source)
+    checked = set() if checked is None else checked
+    s = r.run.eval
+    config = config or inspect_source(r.model.source)
+    for field, text in (("perplexity.text", s.perplexity and s.perplexity.text), ("tasks.text", s.tasks and s.tasks.text)):
+        if text and not Path(text).is_file():
+            raise UserError(f"{where}: eval.{field}: {text} is not a file")
+    for i, c in enumerate([*s.candidates, s.baseline]):
+        try:
+            c.policy().check_streams(config.attention == "decoupled")
+        except ValueError as e:
+            field = f"candidates[{i}]" if i < len(s.candidates) else "baseline"
+            raise UserError(f"{where}: eval.{field}: {e}") from None
+        if c.press_config() is not None:
+            check_pressable(c.press_config(), config, f"{where}: eval.candidates[{i}].press")
+    try:
+        if s.tasks is not None:
+            limit = config.max_position_embeddings
+            past = [n for n in s.tasks.lengths if n > limit]
+            if past:
+                raise UserError(f"eval.tasks.lengths: {', '.join(map(str, past))} past the model's trained context "
+                                f"of {limit} tokens; use lengths <= {limit}")
+            key = f"{r.model.source}\0{s.tasks.model_dump_json()}"
+            if key not in checked:
+                _check_press_contexts(task_samples(tok, s.tasks.model_copy(update={"samples": 1})), s.candidates)
+                checked.add(key)
+        if s.perplexity is not None:
+            perplexity_ids(tok, s.perplexity)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+
+
+def _check_press_contexts(samples: list, candidates: list) -> None:
+    """Every task context long enough for every candidate's press."""
+    for i, c in enumerate(candidates):
+        press = c.press_config()
+        if press is None or not samples:
+            continue
+        short = min(samples, key=lambda s: len(s.context_ids))
+        if len(short.context_ids) < press.min_context():
+            raise UserError(f"eval.candidates[{i}].press={press.method}: the {short.task} context at {short.length} "
+                            f"has {len(short.context_ids)} tokens; the press scores contexts of at least "
+                            f"{press.min_context()}: use longer lengths or a smaller press_window / press_sinks")
+
+
+class EvalMode(Mode):
+    """`mode: eval` (and `caramba eval`, its one-off form: caramba.cli_eval)."""
+
+    name = "eval"
+    frontier = True
+    run = staticmethod(run_eval)
+
+    def preflight(self, r: ResolvedRun, where: str, sources) -> None:
+        check_eval(r, where, sources.tokenizer(r.model.source), sources.seen, sources.config(r.model.source))
+
+    def uses_task_generator(self, r: ResolvedRun) -> bool:
+        return r.run.eval.tasks is not None
+
+    def record_bytes(self, r: ResolvedRun) -> int:
+        s = r.run.settings   # per candidate its scores; answers.json: every answer of every cache
+        caches = len(s.candidates) + 1
+        answers = len(s.tasks.names or task_suite.DEFAULT_TASKS) * len(s.tasks.lengths) * s.tasks.samples if s.tasks else 0
+        return BASE_RECORD + caches * (8 * KIB + answers * (512 + 64 * 128))
+
+    def workload(self, r: ResolvedRun) -> Workload:
+        """A batch of samples at a time: the baseline's cache and one candidate's (perplexity: every cache)."""
+        s = r.run.settings
+        lengths = [max(s.tasks.lengths) + 256] if s.tasks else []    # + the question and answer
+        if s.perplexity:
+            p = s.perplexity
+            lengths.append(p.ctx if p.protocol == "chunks" else (p.max_tokens or 1024))
+        field = f"{self.section}.tasks.lengths" if s.tasks else f"{self.section}.perplexity.max_tokens"
+        return Workload(max(lengths), 2 * s.tasks.batch_size if s.tasks else len(s.candidates) + 1, field, field)
+
+    def metrics(self, result: dict[str, Any]) -> dict[str, Any]:
+        """Each candidate's headline numbers (the frontier table has the rest)."""
+        summary = result.get("summary") if isinstance(result.get("summary"), dict) else {}
+        return {k: v for k, v in summary.items() if k.rpartition(".")[2] in ("task_avg", "ppl_ratio") and is_number(v)}
+
+
+register(EvalMode())

@@ -15,10 +15,9 @@ from caramba.errors import UserError
 from caramba.manifest import ResolvedRun
 from caramba.model import gguf_loader, native, quant
 from caramba.model.config import ModelConfig
-from caramba.options import options_of
-from caramba.press.config import PressConfig
 from caramba.model.zoo import CACHE_FORMAT, cache_root, file_sha256, inspect_source, resolve_device, resolve_source
 from caramba.prompting import encode_prompt
+from caramba.runners import registry
 from caramba.runners.resources import check_memory, check_runs_dir
 from caramba.runs import LOCK, OLD, STAGING, runs_root
 from caramba.tokenizer import Tokenizer
@@ -32,10 +31,9 @@ def preflight(manifest_name: str, runs: list[ResolvedRun], root: str | Path | No
     """Raise UserError (exit 2) on the first run that cannot succeed. Linear in the runs: each
     model source is inspected (a GGUF parsed) once, each prompt list tokenized once per model."""
     check_runs_dir(manifest_name, runs, root)   # a writable directory with room for the records
-    sources = _Sources()
+    sources = Sources()
     devices: set[str] = set()
     limits = _limits(runs_root(root).absolute())
-    checked: set[str] = set()   # eval prompt settings already generated once (a sweep repeats them)
     for r in runs:
         where = f"run {r.target}/{r.run.id}"
         _check_path_lengths(manifest_name, r, where, root, limits)
@@ -55,91 +53,25 @@ def preflight(manifest_name: str, runs: list[ResolvedRun], root: str | Path | No
                                 f"{field}.source {spec.source!r} is not a .gguf; use weights q8_0 or q4_0 (they "
                                 "quantize any source) or fp32")
             _check_vocabulary(spec.source, sources, where, field)
-        if r.run.mode in ("generate", "speculative"):
-            press = getattr(r.run.settings, "press", None)
-            if press is not None and sources.config(r.model.source).attention == "decoupled":
-                raise UserError(f"{where}: {r.run.mode}.press: presses score standard attention's keys; this "
-                                "decoupled (DBA) model's three streams have none yet: drop press or use a "
-                                "standard-attention model")
-            _check_batch(r, where)
-            _check_prompts_fit(r, where, sources)
-            if r.draft is not None:
-                target, draft = sources.tokenizer(r.model.source), sources.tokenizer(r.draft.source)
-                if draft.vocab_size != target.vocab_size:
-                    raise UserError(f"{where}: draft.source {r.draft.source!r} has a vocabulary of {draft.vocab_size} "
-                                    f"tokens, the model {target.vocab_size}; speculative decoding needs a draft with "
-                                    "the same tokenizer")
-        if r.run.mode == "eval":
-            check_eval(r, where, sources.tokenizer(r.model.source), checked, sources.config(r.model.source))
-        if r.run.mode == "decode-bench" and any(p != "none" for p in r.run.bench.presses) \
-                and sources.config(r.model.source).attention == "decoupled":
-            raise UserError(f"{where}: bench.presses: presses score standard attention's keys; this decoupled (DBA) "
-                            "model's three streams have none yet: use presses: [none]")
-        settings = r.run.settings
-        text = getattr(settings, "text", None)
+        mode = registry.get(r.run.mode)
+        mode.preflight(r, where, sources)
+        if r.draft is not None:
+            target, draft = sources.tokenizer(r.model.source), sources.tokenizer(r.draft.source)
+            if draft.vocab_size != target.vocab_size:
+                raise UserError(f"{where}: draft.source {r.draft.source!r} has a vocabulary of {draft.vocab_size} "
+                                f"tokens, the model {target.vocab_size}; speculative decoding needs a draft with "
+                                "the same tokenizer")
+        text = getattr(r.run.settings, "text", None)
         if text is not None and not Path(text).is_file():
-            section = "bench" if r.run.mode == "decode-bench" else "autotune"
-            raise UserError(f"{where}: {section}.text: {text} is not a file")
+            raise UserError(f"{where}: {mode.section}.text: {text} is not a file")
     configs = {spec.source: sources.config(spec.source) for r in runs for spec in (r.model, r.draft) if spec is not None}
     check_memory(runs, configs)   # weights + KV cache + activations against MemAvailable
 
 
-def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked: set[str] | None = None,
-               config=None) -> None:
-    """An eval's texts, candidate streams and context lengths against the model, and its task
-    samples generated once at n=1 (a length too short for a task is found here, not mid-run)."""
-    from caramba.runners.eval import perplexity_ids, task_samples
-
-    tok = tok or _Sources().tokenizer(r.model.source)
-    checked = set() if checked is None else checked
-    s = r.run.eval
-    config = config or inspect_source(r.model.source)
-    for field, text in (("perplexity.text", s.perplexity and s.perplexity.text), ("tasks.text", s.tasks and s.tasks.text)):
-        if text and not Path(text).is_file():
-            raise UserError(f"{where}: eval.{field}: {text} is not a file")
-    for i, c in enumerate([*s.candidates, s.baseline]):
-        try:
-            c.policy().check_streams(config.attention == "decoupled")
-        except ValueError as e:
-            field = f"candidates[{i}]" if i < len(s.candidates) else "baseline"
-            raise UserError(f"{where}: eval.{field}: {e}") from None
-        if config.attention == "decoupled" and c.press_config() is not None:
-            raise UserError(f"{where}: eval.candidates[{i}].press: presses score standard attention's keys; this "
-                            "decoupled (DBA) model's three streams have none yet: drop the press or use a "
-                            "standard-attention model")
-    try:
-        if s.tasks is not None:
-            limit = config.max_position_embeddings
-            past = [n for n in s.tasks.lengths if n > limit]
-            if past:
-                raise UserError(f"eval.tasks.lengths: {', '.join(map(str, past))} past the model's trained context "
-                                f"of {limit} tokens; use lengths <= {limit}")
-            key = f"{r.model.source}\0{s.tasks.model_dump_json()}"
-            if key not in checked:
-                _check_press_contexts(task_samples(tok, s.tasks.model_copy(update={"samples": 1})), s.candidates)
-                checked.add(key)
-        if s.perplexity is not None:
-            perplexity_ids(tok, s.perplexity)
-    except UserError as e:
-        raise UserError(f"{where}: {e}") from None
-
-
-def _check_press_contexts(samples: list, candidates: list) -> None:
-    """Every task context long enough for every candidate's press."""
-    for i, c in enumerate(candidates):
-        press = c.press_config()
-        if press is None or not samples:
-            continue
-        short = min(samples, key=lambda s: len(s.context_ids))
-        if len(short.context_ids) < press.min_context():
-            raise UserError(f"eval.candidates[{i}].press={press.method}: the {short.task} context at {short.length} "
-                            f"has {len(short.context_ids)} tokens; the press scores contexts of at least "
-                            f"{press.min_context()}: use longer lengths or a smaller press_window / press_sinks")
-
-
-class _Sources:
+class Sources:
     """What preflight knows of each model source, found once: its path, config and tokenizer
-    (a GGUF's from the same parse as its config, or from the converted copy load_model keeps)."""
+    (a GGUF's from the same parse as its config, or from the converted copy load_model keeps);
+    `seen`: keys of the checks a sweep's runs share, done once (a mode's preflight adds them)."""
 
     def __init__(self) -> None:
         self._paths: dict[str, Path] = {}
@@ -149,6 +81,7 @@ class _Sources:
         self._encoded: dict[tuple, list[int]] = {}
         self._largest: dict[str, int] = {}
         self._copies: dict[str, Path | None] = {}
+        self.seen: set[str] = set()
 
     def path(self, source: str) -> Path:
         if source not in self._paths:
@@ -213,7 +146,7 @@ class _Sources:
         return self._encoded[key]
 
 
-def _check_vocabulary(source: str, sources: _Sources, where: str, field: str) -> None:
+def _check_vocabulary(source: str, sources: Sources, where: str, field: str) -> None:
     """Every id the tokenizer can produce must have an embedding row: a tokenizer from other
     weights would fail mid-run with an IndexError on the first id past the model's vocabulary."""
     rows = sources.config(source).vocab_size
@@ -222,13 +155,6 @@ def _check_vocabulary(source: str, sources: _Sources, where: str, field: str) ->
         raise UserError(f"{where}: {field}.source {source!r}: its tokenizer has ids up to {largest}, but the model "
                         f"has {rows} embedding rows (vocab_size {rows}); the tokenizer belongs to other weights: "
                         "use the tokenizer saved with this model")
-
-
-def _check_batch(r: ResolvedRun, where: str) -> None:
-    s, section = r.run.settings, r.run.mode
-    if s.batch_size > len(s.prompts):
-        raise UserError(f"{where}: {section}.batch_size={s.batch_size} is more than its {len(s.prompts)} prompt(s); "
-                        f"a batch holds at most every prompt: set batch_size to {len(s.prompts)} or less")
 
 
 def _check_path_lengths(manifest_name: str, r: ResolvedRun, where: str, root, limits: tuple[int, int]) -> None:
@@ -260,33 +186,4 @@ def _limits(path: Path) -> tuple[int, int]:
         return 255, 4096
 
 
-def _check_prompts_fit(r: ResolvedRun, where: str, sources: _Sources) -> None:
-    """Each batch's widest prompt plus max_new_tokens must fit the cache (max_seq_len), by the
-    engine's own rule: sampling/greedy and speculative decoding cache every token but the last
-    (prompt + N - 1 slots), beam and contrastive search all of them (prompt + N)."""
-    s, section = r.run.settings, r.run.mode
-    search = r.run.mode == "generate" and (s.num_beams > 1 or s.penalty_alpha is not None)
-    if r.run.mode == "generate" and not search and s.decode_local_window is not None:
-        return   # a sliding window decodes through a ring buffer: not bounded by max_seq_len
-    lengths = sources.prompt_lengths(r.model.source, s)
-    press = PressConfig(**{o.attr: getattr(s, o.name) for o in options_of(PressConfig)})
-    if press.active:
-        short = min(lengths)
-        if short < press.min_context():
-            raise UserError(f"{where}: {section}.press={press.method}: prompt {lengths.index(short) + 1} has {short} "
-                            f"tokens; the press scores contexts of at least {press.min_context()} (its window or "
-                            "sinks plus one): use longer prompts or a smaller press_window / press_sinks")
-    for start in range(0, len(lengths), s.batch_size):
-        batch = lengths[start : start + s.batch_size]
-        width = max(batch)   # prompts of a batch are left-padded to its widest
-        need = width + s.max_new_tokens - (0 if search else 1)
-        if need > s.max_seq_len:
-            i = start + batch.index(width)
-            raise UserError(
-                f"{where}: {section}.max_new_tokens={s.max_new_tokens} after prompt {i + 1} ({width} tokens) needs "
-                f"{need} cache positions, more than {section}.max_seq_len={s.max_seq_len}; raise max_seq_len to "
-                f"{need} or lower max_new_tokens to {s.max_new_tokens - (need - s.max_seq_len)}"
-                if s.max_new_tokens > need - s.max_seq_len else
-                f"{where}: prompt {i + 1} of {section}.prompts is {width} tokens, too long for "
-                f"{section}.max_seq_len={s.max_seq_len} with max_new_tokens={s.max_new_tokens}; raise max_seq_len "
-                f"to {need} or shorten the prompt")
+_Sources = Sources   # its old name

@@ -19,13 +19,11 @@ import shutil
 from pathlib import Path
 
 from caramba.errors import UserError
-from caramba.infer.tasks import DEFAULT_TASKS
 from caramba.manifest import ResolvedRun
+from caramba.runners import registry
 from caramba.runs import entry_kind, runs_root
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
-_BASE_RECORD = 16 * KIB
-_PLOTS = 3 * 150 * KIB
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _WEIGHT_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32}   # llama.cpp blocks: scale + 32 values
 
@@ -73,20 +71,8 @@ def _read_only(path: Path) -> bool:
 
 
 def record_bytes(r: ResolvedRun) -> int:
-    """About how many bytes the record of `r` takes (see the module's docstring)."""
-    s = r.run.settings
-    if r.run.mode in ("generate", "speculative"):
-        rows = len(s.prompts) * max(1, getattr(s, "num_return_sequences", 1))
-        return _BASE_RECORD + sum(4 * len(p) for p in s.prompts) + rows * (1 * KIB + 64 * s.max_new_tokens)
-    if r.run.mode == "decode-bench":
-        cells = len(s.prompt_lens) * len(s.batch_sizes) * len(s.cache_kinds) * len(s.decode_plans)
-        cells *= 2 if s.reference == "hf" else 1
-        return _BASE_RECORD + cells * (2 * KIB + 24 * s.repeats * s.new_tokens) + (_PLOTS if s.plots else 0)
-    if r.run.mode == "eval":   # per candidate its scores; answers.json: every answer of every cache
-        caches = len(s.candidates) + 1
-        answers = len(s.tasks.names or DEFAULT_TASKS) * len(s.tasks.lengths) * s.tasks.samples if s.tasks else 0
-        return _BASE_RECORD + caches * (8 * KIB + answers * (512 + 64 * 128))
-    return _BASE_RECORD + 64 * KIB   # cache-autotune: candidates, gates, timings
+    """About how many bytes the record of `r` takes (its mode's estimate; see the module's docstring)."""
+    return _mode(r).record_bytes(r)
 
 
 def _size(n: float) -> str:
@@ -131,11 +117,11 @@ def check_memory(runs: list[ResolvedRun], configs: dict | None = None, available
         part, (size, field) = max(need.items(), key=lambda kv: kv[1][0])
         parts = ", ".join(f"{name} {_size(v)}" for name, (v, _) in need.items())
         hint = ""
-        if part != "weights" and r.run.mode not in ("decode-bench", "eval"):   # KV and activations grow with max_seq_len
-            per_slot = (need["KV cache"][0] + need["activations"][0]) / r.run.settings.max_seq_len
+        max_seq_len = _mode(r).workload(r).max_seq_len
+        if part != "weights" and max_seq_len is not None:   # KV and activations grow with max_seq_len
+            per_slot = (need["KV cache"][0] + need["activations"][0]) / max_seq_len
             fits = int((available - need["weights"][0]) / per_slot) if available > need["weights"][0] else 0
-            section = _section(r.run.mode)
-            hint = f" (at this batch, about {section}.max_seq_len={fits} fits)" if fits >= 2 else ""
+            hint = f" (at this batch, about {_mode(r).section}.max_seq_len={fits} fits)" if fits >= 2 else ""
         raise UserError(f"run {r.target}/{r.run.id}: needs about {_size(total)} of memory ({parts}), more than the "
                         f"{_size(available)} this machine has available (MemAvailable); the {part} is the largest: "
                         f"lower {field}{hint}")
@@ -144,30 +130,14 @@ def check_memory(runs: list[ResolvedRun], configs: dict | None = None, available
 def run_memory(r: ResolvedRun, configs: dict) -> dict[str, tuple[int, str]]:
     """{part: (bytes, the field that sizes it)} for the weights, KV cache and activations of `r`."""
     cfg = configs[r.model.source]
-    s, section = r.run.settings, _section(r.run.mode)
     elem = _DTYPE_BYTES.get(r.model.dtype, 4)
     params, kv_per_token = _shape_costs(cfg, r.model.dtype)
     weights = params * _WEIGHT_BYTES.get(r.model.weights, elem)
     if r.model.weights in ("native", "native_i16"):
         weights = params * 1.2   # a GGUF's own blocks: at most ~8.5 bits a weight, plus the fp32 norms
-    if r.run.mode == "decode-bench":
-        length = max(s.prompt_lens) + s.new_tokens
-        batch = max(s.batch_sizes)
-        field, seq_field = f"{section}.batch_sizes", f"{section}.prompt_lens"
-        weights *= 2 if s.reference == "hf" else 1   # transformers' copy of the model beside ours
-    elif r.run.mode == "eval":   # a batch of samples at a time: the baseline's cache and one candidate's
-        lengths = [max(s.tasks.lengths) + 256] if s.tasks else []    # + the question and answer
-        if s.perplexity:
-            p = s.perplexity
-            lengths.append(p.ctx if p.protocol == "chunks" else (p.max_tokens or 1024))
-        length, batch = max(lengths), 2 * s.tasks.batch_size if s.tasks else len(s.candidates) + 1   # perplexity: every cache
-        field = seq_field = f"{section}.tasks.lengths" if s.tasks else f"{section}.perplexity.max_tokens"
-    else:
-        length, batch = s.max_seq_len, s.batch_size
-        if r.run.mode in ("generate", "speculative"):
-            contrastive = (s.top_k or 1) if s.penalty_alpha is not None else 1   # top_k candidates a step
-            batch *= max(s.num_beams, contrastive)
-        field, seq_field = f"{section}.batch_size", f"{section}.max_seq_len"
+    work = _mode(r).workload(r)
+    length, batch, field, seq_field = work.length, work.rows, work.rows_field, work.length_field
+    weights *= work.weight_copies
     kv = kv_per_token * batch * length   # an fp32 cache: the largest kind a run can ask for
     width = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + 2 * cfg.intermediate_size + 4 * cfg.dim
     activations = batch * length * width * 4 + batch * cfg.vocab_size * 4 * 2
@@ -180,8 +150,8 @@ def run_memory(r: ResolvedRun, configs: dict) -> dict[str, tuple[int, str]]:
             "activations": (int(activations), sized_by)}
 
 
-def _section(mode: str) -> str:
-    return {"decode-bench": "bench", "cache-autotune": "autotune"}.get(mode, mode)
+def _mode(r: ResolvedRun) -> registry.Mode:
+    return registry.get(r.run.mode)
 
 
 _SHAPES: dict = {}

@@ -17,6 +17,8 @@ from caramba.manifest import SpeculativeSettings
 from caramba.model.zoo import LoadedModel
 from caramba.prompting import completion_text, encode_prompt
 from caramba.runners.autotune import resolve_cache_auto
+from caramba.runners.generate import GenerateMode
+from caramba.runners.registry import register
 from caramba.runs import RunDir
 from caramba.tokenizer import StreamDecoder
 
@@ -122,3 +124,20 @@ def _warm_up(spec: SpeculativeGenerator, loaded: LoadedModel, prompt: list[int],
             Generator(loaded.model, spec.config.generate_config()).run([prompt])
     finally:
         spec.config.max_new_tokens = keep
+
+
+class SpeculativeMode(GenerateMode):
+    """`mode: speculative`: generate's checks and estimates; no search, no ring buffer."""
+
+    name = "speculative"
+    columns = ("speedup", "acceptance_rate", "tokens_per_target_forward", "speculative_s", "plain_s")
+    run = staticmethod(run_speculative)
+
+    def searches(self, s: SpeculativeSettings) -> bool:
+        return False
+
+    def ring_buffer(self, s: SpeculativeSettings) -> bool:
+        return False
+
+
+register(SpeculativeMode())

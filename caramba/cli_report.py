@@ -1,0 +1,181 @@
+"""`caramba report`'s tables: a sweep (a manifest, or its records directory) as one table, eval
+runs as their quality-cost frontier, or run records compared side by side. The command's flags and
+output checks are in caramba.cli; what each mode reports is its own (caramba.runners.registry)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+from caramba.errors import UserError
+from caramba.manifest import load_manifest
+from caramba.runs import json_text
+
+
+def _mode_of(row: dict):
+    """The registered mode of a report row (a neutral Mode when unknown: a record from elsewhere)."""
+    from caramba.runners import registry
+
+    mode = row.get("mode")
+    return (registry.modes().get(mode) if isinstance(mode, str) else None) or registry.Mode()
+
+
+def report_sweep(source: Path, fmt: str, pivot_key: str | None, metric: str | None, csv_file: Path | None,
+                 plot: Path | None, x_key: str | None, overrides: list[str], out: Console, err: Console) -> str | None:
+    """A manifest (or its records directory) as one table: a row per run; eval runs as their frontier."""
+    from rich.table import Table
+
+    from caramba.bench.report import flat_rows, markdown_table, pivot, plot_sweep, record_dirs, sweep_row
+    from caramba.runners import run_hash, run_identity
+    from caramba.runs import RunDir
+
+    try:
+        if source.is_file():
+            m = load_manifest(source, overrides)
+            records = [(f"{r.target}/{r.run.id}", RunDir(m.name, r.target, r.run.id).final, r.run.params,
+                        run_hash(run_identity(r)), r.run.mode) for r in m.iter_runs()]
+        else:
+            records = [(name, path, None, None, None) for name, path in record_dirs(source)]
+        rows = [sweep_row(*record) for record in records]
+        if any(_mode_of(r).frontier for r in rows) and not pivot_key:   # candidates on a quality-cost frontier
+            done = [(row["run"], record[1]) for row, record in zip(rows, records) if row["status"] == "done"]
+            return _report_frontier(source, rows, done, fmt, csv_file, plot, out, err)
+        metrics = list(dict.fromkeys(k for r in rows for k in r["metrics"]))
+        chosen = metric or (metrics[0] if metrics else None)
+        if (pivot_key or plot) and chosen is None:
+            raise ValueError("no finished run has metrics to pivot or plot yet")
+        if chosen is not None and chosen not in metrics and (pivot_key or plot):
+            raise ValueError(f"--metric {chosen!r}: not a metric of these runs; metrics: {', '.join(metrics)}")
+        table_rows = pivot(rows, pivot_key, chosen) if pivot_key else flat_rows(rows)
+        if plot is not None:
+            keys = list(dict.fromkeys(k for r in rows for k in r["params"]))
+            x = x_key or pivot_key or (keys[0] if keys else None)
+            if x is None:
+                raise ValueError("--plot needs a matrix key for the x axis (--x); these runs have no params")
+            plot_sweep(plot, rows, x, chosen)
+            err.print(f"plot: {escape(str(plot))}")
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
+    if csv_file is not None:
+        _write_csv(csv_file, table_rows, err)
+    if fmt == "json":
+        print(json_text(table_rows if pivot_key else rows, indent=2))
+        return None
+    columns = list(dict.fromkeys(k for r in table_rows for k in r))
+    if fmt == "markdown":
+        counts = {}
+        for r in rows:
+            counts[r["status"]] = counts.get(r["status"], 0) + 1
+        head = f"### caramba report: {source}" + (f" ({chosen} by {pivot_key})" if pivot_key else "")
+        tally = ", ".join(f"{n} {state}" for state, n in counts.items())
+        return f"{head}\n\n{len(rows)} run(s): {tally}\n\n" + markdown_table(table_rows, columns)
+    title = f"{escape(str(source))}: {len(rows)} run(s)" + (f", {escape(chosen)} by {escape(pivot_key)}" if pivot_key else "")
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(escape(col), overflow="fold")
+    for r in table_rows:
+        table.add_row(*(escape(_cell(r.get(col))) for col in columns))
+    out.print(table)
+    return None
+
+
+def _write_csv(path: Path, rows: list[dict], err: Console) -> None:
+    from caramba.bench.report import write_csv
+
+    try:
+        write_csv(path, rows)
+    except OSError as e:
+        raise UserError(f"--csv {path}: {e.strerror}") from None
+    err.print(f"csv: {escape(str(path))}")
+
+
+def _report_frontier(source: Path, rows: list[dict], done: list[tuple[str, Path]], fmt: str,
+                     csv_file: Path | None, plot: Path | None, out: Console, err: Console) -> str | None:
+    """Eval runs: the runs' status, then one row per candidate of the finished records that match
+    the manifest, the Pareto-optimal ones marked. Returns the markdown with --format markdown."""
+    from rich.table import Table
+
+    from caramba.bench.frontier import frontier_rows, plot_frontier, quality_key
+    from caramba.bench.report import markdown_table
+
+    front = frontier_rows(done)
+    if plot is not None:
+        if not front:
+            raise UserError("no finished eval run has candidates to plot yet")
+        try:
+            plot_frontier(plot, front)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        err.print(f"plot: {escape(str(plot))}")
+    if csv_file is not None:
+        _write_csv(csv_file, front, err)
+    if fmt == "json":
+        print(json_text({"runs": rows, "frontier": front}, indent=2))
+        return None
+    keys = list(dict.fromkeys(k for r in rows for k in r["params"]))
+    status = [{"run": r["run"], "status": r["status"], "mode": r["mode"], **{k: r["params"].get(k) for k in keys}}
+              for r in rows]
+    lengths = list(dict.fromkeys(k for r in front for k in r if k.startswith("task_avg@")))
+    columns = ["run", "cache", "policy", "bytes_per_token", "bytes_ratio", "task_avg", *lengths, "ppl_ratio", "kl_mean",
+               "decode_tok_s", *(["bench_decode_tok_s"] if any("bench_decode_tok_s" in r for r in front) else [])]
+    ordered = [{"pareto": "*" if r["pareto"] else "", **{c: r.get(c) for c in columns}}
+               for r in sorted(front, key=lambda r: (r["group"], r["bytes_per_token"], r["run"]))]
+    title = (f"quality-cost frontier ({len(front)} candidates; * = Pareto-optimal by bytes/token and "
+             f"{quality_key(front) or 'no common quality metric'})")
+    if fmt == "markdown":
+        text = f"### caramba report: {source}\n\n" + markdown_table(status)
+        return text + (f"\n\n{title}\n\n" + markdown_table(ordered) if front else "")
+    for heading, table_rows in ((f"{source}: {len(rows)} run(s)", status), (title, ordered)):
+        if not table_rows:
+            continue
+        table = Table(title=escape(heading), title_justify="left")
+        for col in table_rows[0]:
+            table.add_column("" if col == "pareto" else escape(col), overflow="fold")
+        for r in table_rows:
+            table.add_row(*(escape(_cell(v)) for v in r.values()))
+        out.print(table)
+    return None
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return value if isinstance(value, str) else json_text(value)
+
+
+def report_compare(run_dirs: list[Path], fmt: str, out: Console) -> str | None:
+    """Run record directories side by side (bench cells or generate summaries), deltas against the first."""
+    from rich.table import Table
+
+    from caramba.bench.report import CELL_KEY, compare, markdown_table
+
+    try:
+        rows = compare(list(run_dirs))
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
+    if fmt == "json":
+        print(json_text(rows))
+        return None
+    if fmt == "markdown":
+        return f"### caramba report: compared with {run_dirs[0]}\n\n" + markdown_table(rows)
+    metrics = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("run", *CELL_KEY) and not k.endswith("_delta")]
+    table = Table(title=f"compared with {escape(str(run_dirs[0]))}")
+    for col in ("run", "impl", "ctx", "batch", "cache", "plan", *metrics):
+        table.add_column(col)
+    for r in rows:
+        cells = []
+        for m in metrics:
+            value, delta = r.get(m), r.get(f"{m}_delta")
+            text = "" if value is None else f"{value:.4g}"
+            if delta is not None:
+                color = "green" if (delta > 0) == (m in ("decode_tok_s", "decode_tok_s_median")) else "red"
+                text += f" [{color}]({delta:+.1%})[/{color}]"
+            cells.append(text)
+        table.add_row(*(escape(str(v)) for v in (Path(r["run"]).name, r.get("impl"), r.get("prompt_len"),
+                                                 r.get("batch_size"), r.get("cache_kind"), r.get("decode_plan") or "")),
+                      *cells)
+    out.print(table)
