@@ -13,7 +13,6 @@ register() adds them to the schema. The built-in modes are the modules caramba.r
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
@@ -125,8 +124,8 @@ def unregister(name: str) -> None:
 
 
 def modes() -> dict[str, Mode]:
-    """Every registered mode by name, the built-in ones included."""
-    importlib.import_module("caramba.runners")   # the built-in modes register as it imports them
+    """Every registered mode by name, the built-in ones included: caramba/runners/__init__.py
+    imports them, and Python runs a package's __init__ before any of its modules (this one too)."""
     return dict(_MODES)
 
 
