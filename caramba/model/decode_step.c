@@ -420,8 +420,8 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                 /* read from codes: keys [0, kce), values [0, vce); the rest from the ring, the new token
                    from kn / vn, except a new key a completed per-channel group holds (kce > slot) */
                 const int kchan = kv_per_channel(ks.kind);
-                const int kce = ks.kind == KV_F32 ? 0 : kchan ? ks.r0 : (ks.r0 < slot ? ks.r0 : slot);
-                const int vce = vs.kind == KV_F32 ? 0 : (vs.r0 < slot ? vs.r0 : slot);
+                const int kce = ks.kind == KV_FP32 ? 0 : kchan ? ks.r0 : (ks.r0 < slot ? ks.r0 : slot);
+                const int vce = vs.kind == KV_FP32 ? 0 : (vs.r0 < slot ? vs.r0 : slot);
                 const int kgroup = kchan && L % ks.block == 0 && L / ks.block <= S / ks.block;
                 rms_norm(x, (const float *)p[L_ATTN_NORM], h, M, dim, eps);
                 linear(&wqkv, h, M, qkv, &a, cols);
@@ -455,7 +455,7 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                         uint16_t *par[2] = {kpar + rg * D, vpar + rg * D};
                         for (int i = 0; i < 2; i++) {
                             const Stream *st = st2[i];
-                            if (st->kind != KV_F32 && !kv_per_channel(st->kind)) {
+                            if (st->kind != KV_FP32 && !kv_per_channel(st->kind)) {
                                 quantize_vector(st->kind, src[i], D, st->block, u[i], par[i]);
                                 if (slot + r % T < st->r0) {
                                     dequantize_vector(st->kind, u[i], par[i], D, st->block, read[i]);
@@ -474,7 +474,7 @@ int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const fl
                 }
                 /* this thread's parts: every head of a KV group's scores; per part their max, exp and sum, p V */
                 const int vbits = kv_bits(vs.kind), vfw = D * vbits / 8, vzp = kv_zero_point(vs.kind);
-                const int vqb = vs.block, vnb = vs.kind == KV_F32 ? 0 : D / vqb, vnp = (vzp ? 2 : 1) * vnb;
+                const int vqb = vs.block, vnb = vs.kind == KV_FP32 ? 0 : D / vqb, vnp = (vzp ? 2 : 1) * vnb;
                 for (int r = 0; r < M; r++) {
                     const uint8_t *mr = mask ? mask + (long)r * L : NULL;
                     const int tt = r % T, first = r - tt;    /* this row's new token; its cache row's first row */

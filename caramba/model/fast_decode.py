@@ -45,11 +45,11 @@ _SIGNATURES = {"decode_step": ([_I] + [_P] * 6 + [_I] * 10 + [_P] * 4 + [_F, _I]
                **quant.ISA_SIGNATURES}
 library = kernels.Library(SOURCE, _SIGNATURES, "decode steps run through torch's ops")
 
-# decode_step.c's cache stream kinds (kv_stream.c)
-KV_F32, KV_Q8_0, KV_Q4_0, KV_Q4_0L, KV_NF4, KV_Q4_1, KV_Q2_1, KV_Q4_1C, KV_Q2_1C = range(9)
-TOKEN_KINDS = {KVCacheKind.Q8_0: KV_Q8_0, KVCacheKind.Q4_0: KV_Q4_0, KVCacheKind.Q4_0L: KV_Q4_0L,
-               KVCacheKind.NF4: KV_NF4, KVCacheKind.Q4_1: KV_Q4_1, KVCacheKind.Q2_1: KV_Q2_1}
-CHANNEL_KINDS = {KVCacheKind.Q4_1C: KV_Q4_1C, KVCacheKind.Q2_1C: KV_Q2_1C}    # keys only
+# decode_step.c's cache stream kinds: KindSpec.step, the ids caramba/cache/kinds.h gives the C side
+KV_FP32 = KVCacheKind.FP32.spec.step
+TOKEN_KINDS = {k: k.spec.step for k in KVCacheKind
+               if k.spec.step is not None and k.spec.quantized and not k.spec.per_channel}
+CHANNEL_KINDS = {k: k.spec.step for k in KVCacheKind if k.spec.step is not None and k.spec.per_channel}   # keys only
 
 # decode_step.c's projection formats
 F32_ROWS, F32_COLS, Q8_0_Q8, Q8_0_F32, Q4_1_F32, Q4_1_Q8, Q4_0_Q8, Q8_0_I16, Q4_1_I16 = range(9)
@@ -207,7 +207,7 @@ def _stream_kind(stream, keys: bool, head_dim: int) -> int | None:
     if stream.head_dim != head_dim:
         return None
     if type(stream) is FloatStream:
-        return KV_F32 if _fp32(stream.data) else None
+        return KV_FP32 if _fp32(stream.data) else None
     if type(stream) is QuantStream:
         kind = TOKEN_KINDS.get(stream.kind)
     elif type(stream) is ChannelQuantStream and keys:
@@ -229,7 +229,7 @@ class _Layout:
 
     def __init__(self, streams: list[tuple], heads: int, head_dim: int) -> None:
         self.streams, self.heads, self.head_dim = streams, heads, head_dim
-        self.ringed = [s for s, kind, _ in streams if kind != KV_F32 and s.ring is not None]
+        self.ringed = [s for s, kind, _ in streams if kind != KV_FP32 and s.ring is not None]
         self.channels = [s for s, kind, _ in streams if kind in CHANNEL_KINDS.values()]
         self.table: ctypes.Array | None = None
         self.bound: list[tuple] = []
@@ -279,8 +279,8 @@ def _build_table(layout: _Layout) -> None:
     rows, bound, fp_slots = [], [], []
     for s, kind, rotation in layout.streams:
         rot = 0 if rotation is None else rotation.data_ptr()
-        if kind == KV_F32:           # its values, read as a ring of every slot
-            rows += [KV_F32, s.data.data_ptr(), 0, 1, s.data.data_ptr(), s.data.shape[2], 0, rot]
+        if kind == KV_FP32:           # its values, read as a ring of every slot
+            rows += [KV_FP32, s.data.data_ptr(), 0, 1, s.data.data_ptr(), s.data.shape[2], 0, rot]
             bound.append((s, "data", s.data))
             continue
         ring = s.ring

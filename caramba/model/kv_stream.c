@@ -1,7 +1,7 @@
 /* The KV cache streams a decode step reads and writes (caramba.cache.streams), for decode_step.c.
 
    A stream is one layer's K or V as caramba.cache stores it, passed as ST_SLOTS int64 slots:
-     KV_F32: fp32 values [M, n_kv, S, D]; the step reads them as a "ring" of S slots.
+     KV_FP32: fp32 values [M, n_kv, S, D]; the step reads them as a "ring" of S slots.
      per-token quantized kinds (QuantStream: q8_0, q4_0, q4_0l, nf4, q4_1, q2_1): codes packed per head
        vector, k = 8 / bits per byte: element i + f D/k sits in bit field f of byte i (8-bit codes:
        one signed code per byte); keys-major [M, n_kv, Dc, S] for keys, [M, n_kv, S, Dc] for values;
@@ -22,41 +22,19 @@
 
    Included by decode_step.c after quant_gemv.c (fp16_to_fp32, HAVE_AVX2, INLINE). */
 
-/* Symmetric kinds, then zero-point ones, then per-channel ones: kv_zero_point and kv_per_channel
-   are ranges of ids. */
-enum { KV_F32 = 0, KV_Q8_0 = 1, KV_Q4_0 = 2, KV_Q4_0L = 3, KV_NF4 = 4, KV_Q4_1 = 5, KV_Q2_1 = 6, KV_Q4_1C = 7,
-       KV_Q2_1C = 8 };
+/* The kinds (ids, bits, code ranges, offsets, nf4's codebook): caramba.cache.kinds' table. */
+#include "../cache/kinds.h"
 
-/* nf4's codebook (caramba.cache.kinds.NF4_LEVELS as float32) and the midpoints between neighbouring
-   levels ((levels[1:] + levels[:-1]) / 2 in float32), exactly KindSpec's levels and midpoints (a
-   test reads them back through kv_nf4_tables). Hard-coded rather than passed with the stream, as
-   quant_attend.c's: constants the AVX2 lookup keeps in two registers, and the stream slots stay as
-   they are. */
-static const float NF4_LEVELS[16] = {
-    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f,
-    -0.18477343022823334f, -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f,
-    0.24611230194568634f, 0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f,
-};
-static const float NF4_MID[15] = {
-    -0.8480963706970215f, -0.6106328964233398f, -0.4599952697753906f, -0.33967941999435425f, -0.23460739850997925f,
-    -0.13791173696517944f, -0.045525018125772476f, 0.03979014977812767f, 0.120255246758461f, 0.2035212516784668f,
-    0.2920137643814087f, 0.3893125355243683f, 0.5016634464263916f, 0.6427869200706482f, 0.8614784479141235f,
-};
-
-/* The tables for tests: levels [16], midpoints [15]. */
+/* The nf4 tables for tests: levels [16], midpoints [15]. */
 void kv_nf4_tables(float *levels, float *midpoints) {
     memcpy(levels, NF4_LEVELS, sizeof NF4_LEVELS);
-    memcpy(midpoints, NF4_MID, sizeof NF4_MID);
+    memcpy(midpoints, NF4_MIDPOINTS, sizeof NF4_MIDPOINTS);
 }
 
-static inline int kv_bits(int kind) {
-    return kind == KV_F32 ? 32 : kind == KV_Q8_0 ? 8 : (kind == KV_Q2_1 || kind == KV_Q2_1C) ? 2 : 4;
-}
-static inline int kv_zero_point(int kind) { return kind >= KV_Q4_1; }
-static inline int kv_per_channel(int kind) { return kind >= KV_Q4_1C; }
-static inline float kv_offset(int kind) {
-    return kind == KV_Q8_0 ? 0.5f : kind == KV_Q4_0 ? -7.5f : kind == KV_Q4_0L ? -8.0f : 0.0f;
-}
+static inline int kv_bits(int kind) { return KV_BITS[kind]; }
+static inline int kv_zero_point(int kind) { return KV_ZERO_POINT[kind]; }
+static inline int kv_per_channel(int kind) { return KV_PER_CHANNEL[kind]; }
+static inline float kv_offset(int kind) { return KV_OFFSET[kind]; }
 
 static inline uint16_t fp32_to_fp16(float f) {
 #if defined(__F16C__)
@@ -105,8 +83,9 @@ static inline void fp16_row(const uint16_t *src, float *dst, int n) {
 /* One block of n elements -> codes u (one per byte; 8-bit codes as int8 bits) and its scale
    (and minimum), as quant._block_codes computes them. */
 static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t *scale, uint16_t *minimum) {
+    const double widen = 1.0 + 1.0 / 1024;   /* the scale rounded up: no element clips */
     if (kv_zero_point(kind)) {
-        const int hi = (1 << kv_bits(kind)) - 1;
+        const int hi = KV_HI[kind];
         float lo_x = x[0], hi_x = x[0];
         for (int i = 1; i < n; i++) {
             lo_x = x[i] < lo_x ? x[i] : lo_x;
@@ -115,7 +94,7 @@ static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t
         const uint16_t m = fp32_to_fp16_down(lo_x);
         const float mf = fp16_to_fp32(m);
         /* rounded up so that min + hi * scale >= max: no element clips */
-        *scale = fp32_to_fp16((hi_x - mf) * (float)((1.0 + 1.0 / 1024) / hi));
+        *scale = fp32_to_fp16((hi_x - mf) * (float)(widen / KV_HALF_RANGE[kind]));
         *minimum = m;
         float safe = fp16_to_fp32(*scale);
         if (safe == 0.0f) safe = 1e-30f;
@@ -128,30 +107,27 @@ static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t
     if (kind == KV_NF4) {       /* the nearest level: torch.bucketize(y, midpoints), right=False */
         float amax = 0.0f;
         for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
-        *scale = fp32_to_fp16(amax * (float)(1.0 + 1.0 / 1024));   /* half_range 1: the codebook's peak */
+        *scale = fp32_to_fp16(amax * (float)(widen / KV_HALF_RANGE[kind]));   /* the codebook's peak */
         float safe = fp16_to_fp32(*scale);
         if (safe == 0.0f) safe = 1e-30f;
         for (int i = 0; i < n; i++) {
             const float y = x[i] / safe;
             int c = 0;   /* the midpoints strictly below y: a y exactly on one takes the lower level */
-            for (int k = 0; k < 15; k++) c += NF4_MID[k] < y;
+            for (int k = 0; k < 15; k++) c += NF4_MIDPOINTS[k] < y;
             u[i] = (uint8_t)c;
         }
         return;
     }
-    float s, shift, lo = 0.0f, hi = 15.0f;
-    if (kind == KV_Q4_0L) {     /* mid-tread: the largest-magnitude element (the first of ties) lands on code 0 */
+    const float lo = (float)KV_LO[kind], hi = (float)KV_HI[kind], shift = KV_SHIFT[kind];
+    float s;
+    if (KV_MID_TREAD[kind]) {   /* the largest-magnitude element (the first of ties) lands on code lo */
         float peak = x[0];
         for (int i = 1; i < n; i++) peak = fabsf(x[i]) > fabsf(peak) ? x[i] : peak;
-        s = peak * (float)(-(1.0 + 1.0 / 1024) / 8.0);
-        shift = 8.5f;
+        s = peak * (float)(-widen / KV_HALF_RANGE[kind]);
     } else {                    /* mid-rise: q8_0's codes [-128, 127] or q4_0's [0, 15] */
         float amax = 0.0f;
         for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
-        const int q8 = kind == KV_Q8_0;
-        s = amax * (float)((1.0 + 1.0 / 1024) / (q8 ? 127.5 : 7.5));
-        shift = q8 ? 0.0f : 8.0f;
-        if (q8) lo = -128.0f, hi = 127.0f;
+        s = amax * (float)(widen / KV_HALF_RANGE[kind]);
     }
     *scale = fp32_to_fp16(s);
     float safe = fp16_to_fp32(*scale);
@@ -159,7 +135,7 @@ static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t
     for (int i = 0; i < n; i++) {
         const float y = x[i] / safe, c = floorf(shift != 0.0f ? y + shift : y);
         const float cl = c < lo ? lo : (c > hi ? hi : c);
-        u[i] = kind == KV_Q8_0 ? (uint8_t)(int8_t)cl : (uint8_t)cl;
+        u[i] = lo < 0.0f ? (uint8_t)(int8_t)cl : (uint8_t)cl;
     }
 }
 
@@ -204,10 +180,10 @@ static inline uint8_t pack_byte(int bits, const uint8_t *u, int D, int i) {
 
 typedef struct {
     int kind;
-    void *codes;        /* KV_F32: the fp32 values; else the codes */
+    void *codes;        /* KV_FP32: the fp32 values; else the codes */
     uint16_t *params;   /* fp16 block parameters, or NULL */
     int block;          /* elements per block; per-channel kinds: tokens per group G */
-    float *ring;        /* fp32 copies [M, n_kv, ring_n, D] at slot p % ring_n (KV_F32: the values), or NULL */
+    float *ring;        /* fp32 copies [M, n_kv, ring_n, D] at slot p % ring_n (KV_FP32: the values), or NULL */
     int ring_n;
     int r0;             /* positions < r0 are read from codes, the rest from the ring */
     const float *rot;   /* [D, D]: the stream holds x @ rot; NULL: x */
@@ -223,8 +199,8 @@ static inline Stream stream_at(const int64_t *p) {
 
 /* Whether decode_step can read and write this stream for head size D (2: refused). */
 static int stream_ok(const Stream *s, int D, int keys) {
-    if (s->kind < KV_F32 || s->kind > KV_Q2_1C) return 0;   /* the last id */
-    if (s->kind == KV_F32) return s->ring != NULL && s->r0 == 0;
+    if (s->kind < 0 || s->kind >= KV_KINDS) return 0;
+    if (s->kind == KV_FP32) return s->ring != NULL && s->r0 == 0;
     if (s->block < 1 || (s->ring == NULL) != (s->ring_n == 0)) return 0;
     if (kv_per_channel(s->kind)) return keys && s->ring != NULL && D % 4 == 0;
     return D % s->block == 0 && D % 4 == 0;
@@ -538,11 +514,11 @@ static void rotate(const float *x, const float *rot, int D, float *out) {
 }
 
 /* The new token's K or V x (as stored: rotated) at position `slot` of head rg: its codes u and
-   parameters par (per-token kinds, quantized beforehand) and its ring copy (KV_F32: the values). */
+   parameters par (per-token kinds, quantized beforehand) and its ring copy (KV_FP32: the values). */
 static void write_new(const Stream *st, int keys, long rg, long S, int D, int slot, const float *x, const uint8_t *u,
                       const uint16_t *par) {
     if (st->ring) memcpy(st->ring + (rg * st->ring_n + slot % st->ring_n) * D, x, sizeof(float) * D);
-    if (st->kind == KV_F32 || kv_per_channel(st->kind)) return;
+    if (st->kind == KV_FP32 || kv_per_channel(st->kind)) return;
     const int bits = kv_bits(st->kind), fw = D * bits / 8, np = (kv_zero_point(st->kind) ? 2 : 1) * (D / st->block);
     uint8_t *codes = st->codes;
     for (int i = 0; i < fw; i++) {
