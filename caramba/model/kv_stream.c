@@ -20,21 +20,19 @@
    rounded down), so the codes written here are the torch path's bit for bit, with F16C or
    without (tests compare both builds against caramba.cache.quant.quantize).
 
-   Included by decode_step.c after quant_gemv.c (fp16_to_fp32, HAVE_AVX2, INLINE). */
+   The kinds (ids, bits, code ranges, offsets, nf4's codebook) are caramba.cache.kinds' table
+   (caramba/cache/kinds.h); kv_stream.h declares what decode_step.c calls. */
 
-/* The kinds (ids, bits, code ranges, offsets, nf4's codebook): caramba.cache.kinds' table. */
-#include "../cache/kinds.h"
+#include "kv_stream.h"
+
+#include <math.h>
+#include <stdlib.h>
 
 /* The nf4 tables for tests: levels [16], midpoints [15]. */
 void kv_nf4_tables(float *levels, float *midpoints) {
     memcpy(levels, NF4_LEVELS, sizeof NF4_LEVELS);
     memcpy(midpoints, NF4_MIDPOINTS, sizeof NF4_MIDPOINTS);
 }
-
-static inline int kv_bits(int kind) { return KV_BITS[kind]; }
-static inline int kv_zero_point(int kind) { return KV_ZERO_POINT[kind]; }
-static inline int kv_per_channel(int kind) { return KV_PER_CHANNEL[kind]; }
-static inline float kv_offset(int kind) { return KV_OFFSET[kind]; }
 
 static inline uint16_t fp32_to_fp16(float f) {
 #if defined(__F16C__)
@@ -141,7 +139,7 @@ static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t
 
 /* A head vector of D elements in blocks of qb -> codes u [D] and parameters [D/qb * p] laid out
    as quant.quantize's (the scales, then the minimums). */
-static void quantize_vector(int kind, const float *x, int D, int qb, uint8_t *u, uint16_t *par) {
+HIDDEN void quantize_vector(int kind, const float *x, int D, int qb, uint8_t *u, uint16_t *par) {
     const int nb = D / qb;
     for (int j = 0; j < nb; j++) quantize_block(kind, x + j * qb, qb, u + j * qb, par + j, par + nb + j);
 }
@@ -178,37 +176,13 @@ static inline uint8_t pack_byte(int bits, const uint8_t *u, int D, int i) {
 #define FIELD_CASES(X) X(8, 0) X(4, 0) X(4, 1) X(2, 0) X(2, 1) X(2, 2) X(2, 3)
 #define NF4_CASES(X) X(4, 0) X(4, 1)     /* nf4's fields: codebook levels, cases 64 + bits * 4 + f */
 
-typedef struct {
-    int kind;
-    void *codes;        /* KV_FP32: the fp32 values; else the codes */
-    uint16_t *params;   /* fp16 block parameters, or NULL */
-    int block;          /* elements per block; per-channel kinds: tokens per group G */
-    float *ring;        /* fp32 copies [M, n_kv, ring_n, D] at slot p % ring_n (KV_FP32: the values), or NULL */
-    int ring_n;
-    int r0;             /* positions < r0 are read from codes, the rest from the ring */
-    const float *rot;   /* [D, D]: the stream holds x @ rot; NULL: x */
-} Stream;
-
-enum { ST_KIND, ST_CODES, ST_PARAMS, ST_BLOCK, ST_RING, ST_RING_N, ST_R0, ST_ROT, ST_SLOTS };
-
-static inline Stream stream_at(const int64_t *p) {
-    Stream s = {(int)p[ST_KIND], (void *)p[ST_CODES], (uint16_t *)p[ST_PARAMS], (int)p[ST_BLOCK], (float *)p[ST_RING],
-                (int)p[ST_RING_N], (int)p[ST_R0], (const float *)p[ST_ROT]};
-    return s;
-}
-
 /* Whether decode_step can read and write this stream for head size D (2: refused). */
-static int stream_ok(const Stream *s, int D, int keys) {
+HIDDEN int stream_ok(const Stream *s, int D, int keys) {
     if (s->kind < 0 || s->kind >= KV_KINDS) return 0;
     if (s->kind == KV_FP32) return s->ring != NULL && s->r0 == 0;
     if (s->block < 1 || (s->ring == NULL) != (s->ring_n == 0)) return 0;
     if (kv_per_channel(s->kind)) return keys && s->ring != NULL && D % 4 == 0;
     return D % s->block == 0 && D % 4 == 0;
-}
-
-/* Position p's fp32 copy in the ring, head rg. */
-static inline const float *ring_row(const Stream *s, long rg, int p, int D) {
-    return s->ring + (rg * s->ring_n + p % s->ring_n) * D;
 }
 
 #if HAVE_AVX2
@@ -296,7 +270,7 @@ INLINE void key_field_rows(const int bits, const int f, const int nf, const uint
    (nf4: s (q . NF4[u])),
    block by block with the slots in the inner loop (keys-major: a code row's positions are
    contiguous). Scratch: t [rep, n], sf and bf [n]. */
-static void key_scores_tokens(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
+HIDDEN void key_scores_tokens(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
                               float *sc, int ld, float *t, float *sf, float *bf) {
     const int bits = kv_bits(st->kind), fw = D * bits / 8, qb = st->block, nb = D / qb, zp = kv_zero_point(st->kind);
     const int nf = st->kind == KV_NF4;
@@ -420,10 +394,7 @@ static void channel_scores_any(int bits, int W, int jn, const uint8_t *codes, lo
 }
 #endif
 
-/* Floats of key_scores_channels' scratch. */
-static inline size_t channel_scratch(int rep, int D) { return (size_t)8 * rep * D + 16 * (size_t)D + 8 * (size_t)rep; }
-
-static void key_scores_channels(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
+HIDDEN void key_scores_channels(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
                                 float *sc, int ld, float *scratch) {
     const int bits = kv_bits(st->kind), fw = D * bits / 8, G = st->block, NG = (int)(S / G);
     const uint8_t *codes = (const uint8_t *)st->codes + rg * fw * S;
@@ -481,7 +452,7 @@ INLINE void decode_field(const int bits, const int f, const int nf, const uint8_
 
 /* A per-token value row's codes as floats: u + off (symmetric kinds), NF4[u] (nf4) or u (zero-point
    kinds). */
-static void decode_row(int kind, const uint8_t *row, int D, float *out) {
+HIDDEN void decode_row(int kind, const uint8_t *row, int D, float *out) {
     const int bits = kv_bits(kind), fw = D * bits / 8, nf = kind == KV_NF4;
     const float off = kv_zero_point(kind) ? 0.0f : kv_offset(kind);
     for (int f = 0; f < 8 / bits; f++)
@@ -494,7 +465,7 @@ static void decode_row(int kind, const uint8_t *row, int D, float *out) {
 }
 
 /* The value a head vector's own codes u and parameters stand for (the new token read back). */
-static void dequantize_vector(int kind, const uint8_t *u, const uint16_t *par, int D, int qb, float *out) {
+HIDDEN void dequantize_vector(int kind, const uint8_t *u, const uint16_t *par, int D, int qb, float *out) {
     const int nb = D / qb, zp = kv_zero_point(kind), bits = kv_bits(kind);
     const float off = kv_offset(kind);
     for (int i = 0; i < D; i++) {
@@ -504,7 +475,7 @@ static void dequantize_vector(int kind, const uint8_t *u, const uint16_t *par, i
 }
 
 /* x [D] @ rot [D, D] (a row vector times the matrix, as torch's x @ rot). */
-static void rotate(const float *x, const float *rot, int D, float *out) {
+HIDDEN void rotate(const float *x, const float *rot, int D, float *out) {
     for (int i = 0; i < D; i++) out[i] = 0.0f;
     for (int k = 0; k < D; k++) {
         const float xk = x[k];
@@ -515,7 +486,7 @@ static void rotate(const float *x, const float *rot, int D, float *out) {
 
 /* The new token's K or V x (as stored: rotated) at position `slot` of head rg: its codes u and
    parameters par (per-token kinds, quantized beforehand) and its ring copy (KV_FP32: the values). */
-static void write_new(const Stream *st, int keys, long rg, long S, int D, int slot, const float *x, const uint8_t *u,
+HIDDEN void write_new(const Stream *st, int keys, long rg, long S, int D, int slot, const float *x, const uint8_t *u,
                       const uint16_t *par) {
     if (st->ring) memcpy(st->ring + (rg * st->ring_n + slot % st->ring_n) * D, x, sizeof(float) * D);
     if (st->kind == KV_FP32 || kv_per_channel(st->kind)) return;
@@ -532,7 +503,7 @@ static void write_new(const Stream *st, int keys, long rg, long S, int D, int sl
 /* A per-channel stream's group ending at `slot`, complete with the new token x: its positions from
    the ring and x quantized channel by channel into the codes and the group's parameters
    (ChannelQuantStream.write). Scratch: xg [D, G] floats, ug [D, G] bytes. */
-static void complete_group(const Stream *st, long rg, long S, int D, int slot, const float *x, float *xg, uint8_t *ug) {
+HIDDEN void complete_group(const Stream *st, long rg, long S, int D, int slot, const float *x, float *xg, uint8_t *ug) {
     const int G = st->block, g0 = slot + 1 - G, NG = (int)(S / G), bits = kv_bits(st->kind), fw = D * bits / 8;
     for (int t = 0; t < G - 1; t++) {
         const float *src = ring_row(st, rg, g0 + t, D);
