@@ -1,6 +1,6 @@
 /* The KV cache streams a decode step reads and writes (caramba.cache.streams), for decode_step.c.
 
-   A stream is one layer's K or V as caramba.cache stores it, passed as ST_SLOTS int64 slots:
+   A stream is one layer's K or V as caramba.cache stores it, passed as a Stream (kv_stream.h):
      KV_FP32: fp32 values [M, n_kv, S, D]; the step reads them as a "ring" of S slots.
      per-token quantized kinds (QuantStream: q8_0, q4_0, q4_0l, nf4, q4_1, q2_1): codes packed per head
        vector, k = 8 / bits per byte: element i + f D/k sits in bit field f of byte i (8-bit codes:
@@ -34,10 +34,8 @@ void kv_nf4_tables(float *levels, float *midpoints) {
     memcpy(midpoints, NF4_MIDPOINTS, sizeof NF4_MIDPOINTS);
 }
 
-static inline uint16_t fp32_to_fp16(float f) {
-#if defined(__F16C__)
-    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
-#else   /* round to nearest even, as the conversion instruction does */
+/* f as fp16, rounded to nearest even: the portable reference, and the conversion instruction. */
+static inline uint16_t fp32_to_fp16_ref(float f) {
     uint32_t x;
     memcpy(&x, &f, 4);
     const uint32_t sign = (x >> 16) & 0x8000;
@@ -59,7 +57,13 @@ static inline uint16_t fp32_to_fp16(float f) {
     }
     if (rest > half || (rest == half && (out & 1))) out++;
     return (uint16_t)(sign | out);
+}
+
+static inline uint16_t fp32_to_fp16(float f) {
+#if defined(__F16C__)
+    if (g_isa >= ISA_AVX2) return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
 #endif
+    return fp32_to_fp16_ref(f);
 }
 
 /* x as fp16 rounded toward -inf (quant._round_down_fp16: nearest, then one step down if above x). */
@@ -73,9 +77,10 @@ static inline uint16_t fp32_to_fp16_down(float x) {
 static inline void fp16_row(const uint16_t *src, float *dst, int n) {
     int i = 0;
 #if HAVE_AVX2 && defined(__F16C__)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    if (g_isa >= ISA_AVX2)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
 #endif
-    for (; i < n; i++) dst[i] = fp16_to_fp32(src[i]);
+    for (; i < n; i++) dst[i] = fp16_to_fp32(src[i]);   /* the reference, and the vectors' tail */
 }
 
 /* One block of n elements -> codes u (one per byte; 8-bit codes as int8 bits) and its scale
@@ -230,6 +235,17 @@ INLINE void key_field_slots16(const int bits, const int f, const int nf, const i
 }
 #endif
 
+/* The portable reference of key_field_slots16, for slots [i0, n): t[jj, i] for jn heads, row by row. */
+INLINE void key_field_slots_ref(const int bits, const int f, const int nf, int jn, const uint8_t *c0, long S,
+                                const float *qj, int D, int a, int b, int i0, float *t, int n) {
+    for (int i = i0; i < n; i++)
+        for (int jj = 0; jj < jn; jj++) {
+            float acc = 0.0f;
+            for (int row = a; row < b; row++) acc += qj[(long)jj * D + row] * code_value(bits, f, nf, c0[(long)(row - a) * S + i]);
+            t[(long)jj * n + i] = acc;
+        }
+}
+
 /* t[j, i] = q_j . the codes of field f, rows [a, b), positions [p0, p0 + n); qsum[j] = sum of those
    q_j elements. Slots in vectors of 8 with up to 4 heads' sums in registers, the block's rows in
    the inner loop: each code is loaded and widened once for every head, and no partial sum goes
@@ -247,7 +263,8 @@ INLINE void key_field_rows(const int bits, const int f, const int nf, const uint
         float *tj = t + (long)j0 * n;
         int i = 0;
 #if HAVE_AVX2
-        for (; i + 16 <= n; i += 16)      /* two vectors of slots: each row read 16 codes at a time */
+        if (g_isa >= ISA_AVX2)
+            for (; i + 16 <= n; i += 16)      /* two vectors of slots: each row read 16 codes at a time */
             switch (jn) {
                 case 1: key_field_slots16(bits, f, nf, 1, c0, S, qj, D, a, b, i, tj, n); break;
                 case 2: key_field_slots16(bits, f, nf, 2, c0, S, qj, D, a, b, i, tj, n); break;
@@ -255,13 +272,7 @@ INLINE void key_field_rows(const int bits, const int f, const int nf, const uint
                 default: key_field_slots16(bits, f, nf, 4, c0, S, qj, D, a, b, i, tj, n); break;
             }
 #endif
-        for (; i < n; i++)
-            for (int jj = 0; jj < jn; jj++) {
-                float acc = 0.0f;
-                for (int row = a; row < b; row++)
-                    acc += qj[(long)jj * D + row] * code_value(bits, f, nf, c0[(long)(row - a) * S + i]);
-                tj[(long)jj * n + i] = acc;
-            }
+        key_field_slots_ref(bits, f, nf, jn, c0, S, qj, D, a, b, i, tj, n);
     }
 }
 
@@ -316,6 +327,21 @@ INLINE void channel_field_rows(const int bits, const int f, const uint8_t *codes
             for (int i = 0; i < w; i++) sj[i] += ws * code_field(bits, f, c[i]);
         }
     }
+}
+
+/* The reference for one group's w slots from a: sc[j, i] = q_j . (s u + m) over the channels, field
+   by field, one slot at a time. */
+static void channel_group_ref(int bits, const uint8_t *codes, long S, const uint16_t *par, int NG, int g, int a, int w,
+                              int fw, const float *q, int D, int rep, float *sc, int ld) {
+    float cst[64] = {0};
+    for (int f = 0; f < 8 / bits; f++)
+        switch (bits * 4 + f) {
+#define CHANNEL_FIELD(B, F) case B * 4 + F: channel_field_rows(B, F, codes, S, par, NG, g, a, w, fw, q, D, rep, sc, ld, cst); break;
+            FIELD_CASES(CHANNEL_FIELD)
+#undef CHANNEL_FIELD
+        }
+    for (int j = 0; j < rep; j++)
+        for (int i = 0; i < w; i++) sc[(long)j * ld + i] += cst[j];
 }
 
 /* key_scores_tokens for a per-channel stream: per group, q times the group's channel scales
@@ -401,7 +427,7 @@ HIDDEN void key_scores_channels(const Stream *st, long rg, long S, int D, const 
     const uint16_t *par = st->params + rg * 2 * D * NG;
     const int gend = (p0 + n + G - 1) / G;
 #if HAVE_AVX2
-    const int vec = G % 8 == 0;   /* groups of whole slot vectors: else every group takes the scalar loop */
+    const int vec = G % 8 == 0 && g_isa >= ISA_AVX2;   /* groups of whole slot vectors: else every group takes the reference */
     float *qs8 = scratch, *sm = qs8 + (size_t)8 * rep * D, *cst8 = sm + 16 * (size_t)D;
 #else
     (void)scratch;
@@ -427,27 +453,26 @@ HIDDEN void key_scores_channels(const Stream *st, long rg, long S, int D, const 
                 continue;
             }
 #endif
-            float cst[64] = {0};
-            for (int f = 0; f < 8 / bits; f++)
-                switch (bits * 4 + f) {
-#define CHANNEL_FIELD(B, F) case B * 4 + F: \
-                    channel_field_rows(B, F, codes, S, par, NG, g, a, b - a, fw, q, D, rep, sc + (a - p0), ld, cst); break;
-                    FIELD_CASES(CHANNEL_FIELD)
-                }
-            for (int j = 0; j < rep; j++)
-                for (int i = a; i < b; i++) sc[(long)j * ld + i - p0] += cst[j];
+            channel_group_ref(bits, codes, S, par, NG, g, a, b - a, fw, q, D, rep, sc + (a - p0), ld);
         }
     }
+}
+
+/* Field f of a value row's codes as floats from element i0 on: the reference, one at a time. */
+INLINE void decode_field_ref(const int bits, const int f, const int nf, const uint8_t *row, int fw, float off, int i0,
+                             float *out) {
+    for (int i = i0; i < fw; i++) out[f * fw + i] = nf ? code_value(bits, f, 1, row[i]) : code_field(bits, f, row[i]) + off;
 }
 
 INLINE void decode_field(const int bits, const int f, const int nf, const uint8_t *row, int fw, float off, float *out) {
     int i = 0;
 #if HAVE_AVX2   /* explicit: the compiler's own vectorization of this loop took 4 floats at a time */
-    for (; i + 8 <= fw; i += 8)
-        _mm256_storeu_ps(out + f * fw + i, nf ? code_values8(bits, f, 1, row + i)
-                                              : _mm256_add_ps(code_fields8(bits, f, row + i), _mm256_set1_ps(off)));
+    if (g_isa >= ISA_AVX2)
+        for (; i + 8 <= fw; i += 8)
+            _mm256_storeu_ps(out + f * fw + i, nf ? code_values8(bits, f, 1, row + i)
+                                                  : _mm256_add_ps(code_fields8(bits, f, row + i), _mm256_set1_ps(off)));
 #endif
-    for (; i < fw; i++) out[f * fw + i] = nf ? code_value(bits, f, 1, row[i]) : code_field(bits, f, row[i]) + off;
+    decode_field_ref(bits, f, nf, row, fw, off, i, out);
 }
 
 /* A per-token value row's codes as floats: u + off (symmetric kinds), NF4[u] (nf4) or u (zero-point
