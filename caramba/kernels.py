@@ -7,8 +7,10 @@ for); the file appears atomically, so a concurrent build or reader never sees ha
 
 Callers keep an eager path for when a library is unavailable: CARAMBA_KERNELS=0, no C compiler,
 or a failed build (a warning says why, once per library); each user's `status()` says which,
-for benchmark records. Used by caramba.cache.kernel (quant_attend.c) and caramba.model.quant
-(quant_gemv.c).
+for benchmark records. Used by caramba.cache.kernel (quant_attend.c), caramba.model.quant
+(quant_gemv.c + cpu_isa.c) and caramba.model.fast_decode (decode_step.c and the files it calls).
+A library of several files is one compiler command over all of them; each shares what the others
+need through its header (x.c declares its shared functions in x.h), never by #including a .c.
 """
 
 from __future__ import annotations
@@ -42,30 +44,37 @@ def kernel_dir() -> Path:
 
 
 def _source_bytes(source: Path, seen: frozenset = frozenset()) -> bytes:
-    """The source and, recursively, the sibling files it #includes "like_this.c": a library is
-    rebuilt when any of them changes."""
+    """The source and, recursively, the files it #includes "like_this.h" (paths relative to it): a
+    library is rebuilt when any of them changes."""
     text = source.read_bytes()
     parts = [text]
     for name in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', text, re.M):
-        included = source.parent / name.decode()
+        included = (source.parent / name.decode()).resolve()
         if included.exists() and included not in seen:
-            parts.append(_source_bytes(included, seen | {source}))
+            parts.append(_source_bytes(included, seen | {source.resolve()}))
     return b"".join(parts)
 
 
-def build(source: Path, cc: str, flags: list[str] = FLAGS) -> Path:
-    """The shared library of `source`, compiled once per (source, command, CPU) and cached."""
+def _sources(source: Path | list[Path]) -> list[Path]:
+    return [source] if isinstance(source, Path) else list(source)
+
+
+def build(source: Path | list[Path], cc: str, flags: list[str] = FLAGS) -> Path:
+    """The shared library of `source` (one C file, or several compiled together: the first names
+    it), compiled once per (sources, command, CPU) and cached."""
+    sources = _sources(source)
     command = [cc, *flags]
-    key = hashlib.sha256(_source_bytes(source) + " ".join(command).encode() + cpu_flags().encode()
-                         + platform.machine().encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(_source_bytes(s) for s in sources) + " ".join(command).encode()
+                         + cpu_flags().encode() + platform.machine().encode()).hexdigest()[:16]
     out_dir = kernel_dir()
-    out = out_dir / f"{source.stem}-{key}.so"
+    out = out_dir / f"{sources[0].stem}-{key}.so"
     if not out.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            subprocess.run([*command, str(source), "-o", tmp], check=True, capture_output=True, text=True, timeout=600)   # a build took 130 s at load average 12
+            subprocess.run([*command, *map(str, sources), "-o", tmp], check=True, capture_output=True, text=True,
+                           timeout=600)   # a build took 130 s at load average 12
             os.replace(tmp, out)   # atomic: a concurrent build or reader never sees half a library
         finally:
             if os.path.exists(tmp):
@@ -73,9 +82,9 @@ def build(source: Path, cc: str, flags: list[str] = FLAGS) -> Path:
     return out
 
 
-def load(source: Path, signatures: dict[str, tuple[list, object]], purpose: str,
+def load(source: Path | list[Path], signatures: dict[str, tuple[list, object]], purpose: str,
          flags: list[str] = FLAGS, stacklevel: int = 3) -> tuple[ctypes.CDLL | None, str]:
-    """(library, status): the built and loaded `source` with `signatures` (function name ->
+    """(library, status): the built and loaded `source` (a C file, or several linked together) with `signatures` (function name ->
     (argtypes, restype)) set, status 'c'; or (None, why not) after one warning
     "<purpose> through the slower eager path: kernels <why>". Callers cache the result
     (functools.lru_cache), so the warning comes once per process."""
@@ -99,11 +108,11 @@ def load(source: Path, signatures: dict[str, tuple[list, object]], purpose: str,
 
 
 class Library:
-    """One C source's kernels for its callers: `library()` builds and loads them on first use and
+    """One C library's kernels (one source file, or several compiled together) for its callers: `library()` builds and loads them on first use and
     then returns the same handle (or None, after one warning); `status()` says which ('c' or why
     not); `cache_clear()` forgets, so the next call loads again (tests, a changed environment)."""
 
-    def __init__(self, source: Path, signatures: dict[str, tuple[list, object]], purpose: str) -> None:
+    def __init__(self, source: Path | list[Path], signatures: dict[str, tuple[list, object]], purpose: str) -> None:
         self.source, self.signatures, self.purpose = source, signatures, purpose
         self.cache_clear()
 

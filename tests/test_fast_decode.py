@@ -650,7 +650,7 @@ def test_portable_build_equals_the_native_one(monkeypatch, tmp_path, taken):
     """The scalar loops (built without -march=native, as on a CPU without AVX2)."""
     monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path))
     flags = [f for f in kernels.FLAGS if not f.startswith("-march")]
-    lib, status = kernels.load(fast_decode.SOURCE, fast_decode._SIGNATURES, "test", flags=flags)
+    lib, status = kernels.load(fast_decode.SOURCES, fast_decode._SIGNATURES, "test", flags=flags)
     assert status == "c"
     model = make_model(seed=9)
     to_q4_1(model, "f32")

@@ -425,7 +425,7 @@ def native_and_portable(monkeypatch, tmp_path) -> tuple:
 
     monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path))
     portable = [f for f in kernels.FLAGS if not f.startswith("-march")]
-    return quant.library(), kernels.load(quant.SOURCE, quant._SIGNATURES, "test", flags=portable)[0]
+    return quant.library(), kernels.load(quant.SOURCES, quant._SIGNATURES, "test", flags=portable)[0]
 
 
 def test_portable_kernels_equal_the_native_ones(monkeypatch, tmp_path):

@@ -30,12 +30,15 @@ How to add a quantized kind
 
 Without `kernel=` the kind decodes through the eager path (caramba.cache.attend). For the C fast
 path also give it `kernel=N` and handle KIND id N in caramba/cache/quant_attend.c's
-`code_vector` and `code_offset`. Zero-point kinds (4- or 2-bit, per token, or per channel for
-keys in groups of a multiple of 16 tokens) take the C loops key_scores_zp / value_mix_zp
-without a kernel id. The one-call CPU decode step (caramba.model.fast_decode) reads and writes
-caches itself: a kind it should take needs an id in caramba/model/kv_stream.c (its quantizer,
-bit for bit, and its code values) and in fast_decode's TOKEN_KINDS / CHANNEL_KINDS; without one
-the step falls back to the torch path.
+`code_vector`. Zero-point kinds (4- or 2-bit, per token, or per channel for keys in groups of a
+multiple of 16 tokens) take the C loops key_scores_zp / value_mix_zp without a kernel id. The
+one-call CPU decode step (caramba.model.fast_decode) reads and writes caches itself: a kind it
+should take needs `step=N` (the next free id) and, where its quantizer or code values are new, a
+branch in caramba/model/kv_stream.c; without one the step falls back to the torch path.
+
+The C kernels read this table from caramba/cache/kinds.h (ids, bits, offsets, code ranges,
+codebooks), which caramba/cache/kinds_c.py generates: after changing a row, run
+`python -m caramba.cache.kinds_c` (tests/test_kinds_header.py fails while the header is stale).
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class KindSpec:
     code_range: [lo, hi] of the stored codes; None for a float kind (values stored as `dtype`).
     codebook: the value of code u (ascending, one per code); None: uniform levels c + offset.
     kernel: the kind's id in quant_attend.c, or None (decode reads it through the eager path).
+    step: the kind's id among the fused decode step's cache streams (caramba/model/kv_stream.c),
+      or None (a step over a cache of this kind takes the torch path). Ids are dense from 0.
     mid_tread: uniform levels with an exact zero and a signed scale (see the module doc).
     zero_point: asymmetric uniform levels: code u stands for m + u * scale with m the block's
       minimum (rounded down to fp16) and scale = (max - m) / hi; a block stores scale and m.
@@ -77,6 +82,7 @@ class KindSpec:
     code_range: tuple[int, int] | None = None
     codebook: tuple[float, ...] | None = None
     kernel: int | None = None
+    step: int | None = None
     aliases: tuple[str, ...] = ()
     mid_tread: bool = False
     zero_point: bool = False
@@ -108,6 +114,8 @@ class KindSpec:
             if self.codebook is not None or self.kernel is not None or self.zero_point or self.per_channel:
                 raise ValueError(f"kind {self.name}: a float kind (no code_range) takes no codebook, kernel, "
                                  "zero_point or per_channel")
+            if self.step is not None and self.dtype != torch.float32:
+                raise ValueError(f"kind {self.name}: the fused decode step reads fp32 float streams only (no step=)")
             if torch.empty(0, dtype=self.dtype).element_size() * 8 != self.bits:
                 raise ValueError(f"kind {self.name}: bits={self.bits} is not the size of {self.dtype}")
             return
@@ -169,24 +177,26 @@ class KVCacheKind(str, Enum):
     """The cache kinds, by name: `KVCacheKind.FP16 == "fp16"`, `KVCacheKind.parse("q8")`.
     Each member's `spec` is its KindSpec; this class body is the one table of kinds."""
 
-    FP32 = KindSpec("fp32", bits=32, dtype=torch.float32)
+    FP32 = KindSpec("fp32", bits=32, dtype=torch.float32, step=0)
     FP16 = KindSpec("fp16", bits=16, dtype=torch.float16)
     BF16 = KindSpec("bf16", bits=16, dtype=torch.bfloat16)
     # int8 codes c in [-128, 127] standing for (c + 1/2) * scale, one fp16 scale per block
-    Q8_0 = KindSpec("q8_0", bits=8, dtype=torch.int8, code_range=(-128, 127), kernel=0, aliases=("q8",))
+    Q8_0 = KindSpec("q8_0", bits=8, dtype=torch.int8, code_range=(-128, 127), kernel=0, step=1, aliases=("q8",))
     # 4-bit codes u in [0, 15] standing for (u - 7.5) * scale, two per byte
-    Q4_0 = KindSpec("q4_0", bits=4, dtype=torch.uint8, code_range=(0, 15), kernel=1, aliases=("q4",))
+    Q4_0 = KindSpec("q4_0", bits=4, dtype=torch.uint8, code_range=(0, 15), kernel=1, step=2, aliases=("q4",))
     # 4-bit indexes into the QLoRA NormalFloat codebook, one fp16 absmax per block
-    NF4 = KindSpec("nf4", bits=4, dtype=torch.uint8, code_range=(0, 15), codebook=NF4_LEVELS, kernel=2)
+    NF4 = KindSpec("nf4", bits=4, dtype=torch.uint8, code_range=(0, 15), codebook=NF4_LEVELS, kernel=2, step=4)
     # llama.cpp's q4_0: 4-bit codes u standing for (u - 8) * scale, scale = -x_m/8 (x_m: the
     # block's largest-magnitude element, exact); zero is a level
-    Q4_0L = KindSpec("q4_0l", bits=4, dtype=torch.uint8, code_range=(0, 15), mid_tread=True, kernel=3)
+    Q4_0L = KindSpec("q4_0l", bits=4, dtype=torch.uint8, code_range=(0, 15), mid_tread=True, kernel=3, step=3)
     # Zero-point (asymmetric) kinds, KIVI's (Liu et al. 2024): per token (values) and per channel
     # over groups of qblock tokens (keys); each block stores an fp16 scale and minimum.
-    Q4_1 = KindSpec("q4_1", bits=4, dtype=torch.uint8, code_range=(0, 15), zero_point=True)
-    Q4_1C = KindSpec("q4_1c", bits=4, dtype=torch.uint8, code_range=(0, 15), zero_point=True, per_channel=True)
-    Q2_1 = KindSpec("q2_1", bits=2, dtype=torch.uint8, code_range=(0, 3), zero_point=True)
-    Q2_1C = KindSpec("q2_1c", bits=2, dtype=torch.uint8, code_range=(0, 3), zero_point=True, per_channel=True)
+    Q4_1 = KindSpec("q4_1", bits=4, dtype=torch.uint8, code_range=(0, 15), zero_point=True, step=5)
+    Q4_1C = KindSpec("q4_1c", bits=4, dtype=torch.uint8, code_range=(0, 15), zero_point=True, per_channel=True,
+                     step=7)
+    Q2_1 = KindSpec("q2_1", bits=2, dtype=torch.uint8, code_range=(0, 3), zero_point=True, step=6)
+    Q2_1C = KindSpec("q2_1c", bits=2, dtype=torch.uint8, code_range=(0, 3), zero_point=True, per_channel=True,
+                      step=8)
 
     spec: KindSpec
 

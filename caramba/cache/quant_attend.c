@@ -16,18 +16,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { KIND_Q8_0 = 0, KIND_Q4_0 = 1, KIND_NF4 = 2, KIND_Q4_0L = 3 };
+/* The kind ids, offsets and nf4's codebook: caramba.cache.kinds' table. */
+#include "kinds.h"
 
-static const float NF4[16] = {
-    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
-    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
-    0.07958029955625534f, 0.16093020141124725f, 0.24611230850219727f, 0.33791524171829224f,
-    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f,
-};
-
-static float code_offset(int kind) {
-    return kind == KIND_Q8_0 ? 0.5f : (kind == KIND_Q4_0 ? -7.5f : (kind == KIND_Q4_0L ? -8.0f : 0.0f));
-}
+static float code_offset(int kind) { return KIND_OFFSET[kind]; }
 
 /* GCC/Clang vector extensions: 16 floats, lowered to whatever SIMD -march=native offers. The
    per-item bodies are force-inlined into one copy per (kind, rows) so that both are constants
@@ -76,11 +68,11 @@ INLINE vf code_vector(const void *src, int w, const int kind, int high) {
     if (kind == KIND_Q4_0 || kind == KIND_Q4_0L) return __builtin_convertvector(idx, vf);
 #if defined(__clang__)
     vf v;
-    for (int i = 0; i < VW; i++) v[i] = NF4[idx[i]];
+    for (int i = 0; i < VW; i++) v[i] = NF4_LEVELS[idx[i]];
     return v;
 #else
     vf table;   /* the 16-entry codebook is one vector: the lookup is a lane permute */
-    memcpy(&table, NF4, sizeof table);
+    memcpy(&table, NF4_LEVELS, sizeof table);
     return __builtin_shuffle(table, idx);
 #endif
 }

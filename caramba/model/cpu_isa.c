@@ -22,14 +22,14 @@
    AMX (tile int8/bf16 matmul, prefill-sized) needs the OS's leave to use its 8 KiB tile state:
    isa_amx() asks for it with arch_prctl(ARCH_REQ_XCOMP_PERM) and reports a refusal as absent. */
 
+#include "cpu_isa.h"
+
 #include <stdlib.h>
 #include <string.h>
 #if defined(__linux__) && defined(__x86_64__)
 #include <sys/syscall.h>
 long syscall(long number, ...);   /* unistd.h declares it only outside strict -std=c11 */
 #endif
-
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512 = 3, ISA_AVX512VNNI = 4, ISA_LEVELS = 5 };
 
 static const char *const ISA_NAMES[ISA_LEVELS] = {"scalar", "avx2", "avxvnni", "avx512", "avx512vnni"};
 
@@ -92,7 +92,8 @@ static int isa_pick(const char *wish) {
 
 /* The library's level: set once when it is loaded, from CARAMBA_ISA (an unknown name: the best,
    and isa_env_error() says so), and by isa_set (tests, benchmarks). */
-static int g_isa = ISA_SCALAR, g_isa_env_error = 0;
+HIDDEN int g_isa = ISA_SCALAR;
+static int g_isa_env_error = 0;
 
 __attribute__((constructor)) static void isa_init(void) {
     const char *wish = getenv("CARAMBA_ISA");

@@ -8,6 +8,8 @@
    LlamaRMSNorm): the sum of squares is accumulated in double, so the result is at least as close
    to the exact value as torch's fp32 reduction. */
 
+#include "decode_ops.h"
+
 #include <math.h>
 
 void rms_norm(const float *x, const float *w, float *y, long rows, int dim, float eps) {
@@ -65,20 +67,33 @@ static inline __m256 exp8(__m256 x0) {
 }
 #endif
 
-/* SwiGLU's gate: y = silu(g) * u for gu = [g | u] rows of width 2 * hidden. */
+static inline float silu_mul_one(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+/* SwiGLU's gate, the portable reference: y = silu(g) * u for gu = [g | u] rows of width 2 * hidden. */
+void silu_mul_ref(const float *gu, float *y, long rows, int hidden) {
+    for (long r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * hidden, *u = g + hidden;
+        float *yr = y + r * hidden;
+        for (int i = 0; i < hidden; i++) yr[i] = silu_mul_one(g[i], u[i]);
+    }
+}
+
+/* The same with exp8, 8 at a time (the reference's arithmetic for the last hidden % 8). */
 void silu_mul(const float *gu, float *y, long rows, int hidden) {
+#if defined(__AVX2__) && defined(__FMA__)
     for (long r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * hidden, *u = g + hidden;
         float *yr = y + r * hidden;
         int i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
         for (; i + 8 <= hidden; i += 8) {
             const __m256 gv = _mm256_loadu_ps(g + i);
             const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
             _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
                                                    _mm256_loadu_ps(u + i)));
         }
-#endif
-        for (; i < hidden; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (; i < hidden; i++) yr[i] = silu_mul_one(g[i], u[i]);
     }
+#else
+    silu_mul_ref(gu, y, rows, hidden);
+#endif
 }

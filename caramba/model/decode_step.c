@@ -46,35 +46,26 @@
    barrier, every G steps), since the torch path reads that group from its codes at once.
 
    Projections come in the layouts the model holds (no copies): fp32 [N, K] (nn.Linear), fp32
-   [K, N] (InputMajorLinear) and the block formats of quant_gemv.c. */
+   [K, N] (InputMajorLinear) and the block formats of quant_gemv.c.
 
-#include "quant_gemv.c"
-#include "decode_ops.c"
+   The step is in named parts, each taking the thread's Step (its arguments, shapes, scratch and
+   the layer in hand): attention_inputs (norm, q|k|v projection, RoPE, the new K and V as stored),
+   attend (scores and softmax partials over this thread's cache slots), store_new_tokens,
+   combine_partials, mlp (output projection, residual, norm, SwiGLU, down projection) and head.
+   Arguments come as one StepArgs (decode_step.h, mirrored by caramba.model.step_abi). Each loop
+   with SIMD code has a portable reference (*_ref) that the scalar instruction set level
+   (cpu_isa.c: CARAMBA_ISA=scalar, or a build without AVX2) runs and tests compare against. */
 
+#include "decode_step.h"
+#include "decode_ops.h"
+
+#include <math.h>
 #include <omp.h>
-
-enum { F32_ROWS = 0, F32_COLS = 1 };   /* and quant_gemv.c's block formats, 2..8 */
-
-/* A projection as the plan lays it out: 7 int64 slots. */
-typedef struct {
-    int64_t fmt, N, K;
-    const void *w;       /* fp32 weights, or the codes */
-    const uint16_t *d;   /* block scales (fp16) */
-    const uint16_t *m;   /* block minimums (q4_1) */
-    const float *bias;   /* or NULL */
-} Lin;
-
-/* Per layer: attn_norm, mlp_norm, wqkv, wo, w13, w2 (int64 slots). */
-enum { L_ATTN_NORM = 0, L_MLP_NORM = 1, L_QKV = 2, L_O = 9, L_13 = 16, L_2 = 23, L_SLOTS = 30 };
+#include <stdlib.h>
 
 #define ATT_PART 64         /* cache slots per attention part (a split that does not follow the threads) */
 #define COLS_CHUNK 4096     /* input-major products: a thread's band of columns, its [rows, band] sums L1/L2-resident */
-
-static inline Lin lin_at(const int64_t *p) {
-    Lin L = {p[0], p[1], p[2], (const void *)p[3], (const uint16_t *)p[4], (const uint16_t *)p[5],
-             (const float *)p[6]};
-    return L;
-}
+#define VCHUNK 16           /* value rows decoded per pass of every head over them */
 
 /* A thread's own activations in the formats the integer dot products take. */
 typedef struct {
@@ -82,17 +73,84 @@ typedef struct {
     float *xd, *xs;
 } Act;
 
+/* One thread's step: the arguments and their shapes, the shared buffers, this thread's cache
+   parts and private scratch, and the layer in hand. Every part of the step takes it. */
+typedef struct {
+    const StepArgs *a;
+    int M, T, dim, n_heads, n_kv, D, hidden, slot, L, rep, q_w, qkv_w, kmax, nparts, gmax;
+    long S;
+    float scale;
+    size_t part_w, chan_n;
+    /* shared: projection outputs, attention partials [parts, M, heads, D + 2], column sums */
+    float *qkv, *proj, *gu, *part, *cols;
+    /* this thread's parts [p0, p1) and slots [s0, s1), n = s1 - s0 */
+    int p0, p1, s0, s1, n;
+    /* private: residual stream, normed input, roped q, new k and v as stored, attention output, MLP
+       gate, the new k and v as read, scores and their scratch, a rotation's output, minimum sums, a
+       group being quantized, decoded value rows and their block parameters, per-channel scratch; the
+       new k and v's codes and parameters, a group's codes */
+    float *x, *h, *q, *k, *v, *att, *act, *kn, *vn, *sc, *t, *sf, *bf, *tmp, *bsum, *xg, *vbuf, *ppb, *qs;
+    uint16_t *kpar, *vpar;
+    uint8_t *ku, *vu, *ug;
+    Act codes;
+    /* the layer in hand: its weights and streams; keys read from codes below kce, values below vce */
+    const LayerPlan *lp;
+    const Stream *ks, *vs;
+    int kchan, kce, vce, kgroup;
+} Step;
+
+/* ---- projections ----------------------------------------------------------------------------- */
+
+/* One fp32 weight row . one fp32 activation row: the portable reference, and 32 at a time. */
+static inline float dot_f32_ref(const float *w, const float *x, int K) {
+    float acc = 0.0f;
+    for (int k = 0; k < K; k++) acc += w[k] * x[k];
+    return acc;
+}
+
+#if HAVE_AVX2
+static inline float dot_f32_avx2(const float *w, const float *x, int K) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+    float acc = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; k < K; k++) acc += w[k] * x[k];
+    return acc;
+}
+#endif
+
+static inline float dot_f32(const float *w, const float *x, int K) {
+#if HAVE_AVX2
+    if (g_isa >= ISA_AVX2) return dot_f32_avx2(w, x, K);
+#endif
+    return dot_f32_ref(w, x, K);
+}
+
 /* Several token rows (a batch) make the fp32 products compute-bound rather than read-bound, so
    they go through register tiles: each weight element loaded once feeds up to TR rows' sums held
    in registers (8 accumulators: 2 weight rows x 4 token rows, or 16 columns x 4 token rows). */
 #define TR 4
 
+/* out[0][r], out[1][r] = weight rows w0, w1 . token rows x + r K for r < RR: the reference. */
+static void rows_tile_ref(int RR, const float *w0, const float *w1, const float *x, int K, float out[2][TR]) {
+    for (int r = 0; r < RR; r++) {
+        out[0][r] = dot_f32_ref(w0, x + (long)r * K, K);
+        out[1][r] = dot_f32_ref(w1, x + (long)r * K, K);
+    }
+}
+
 #if HAVE_AVX2
-/* y[r, n0 .. n0 + 1] for token rows [r0, r0 + RR) of [N, K] weights: rows n0 and n1 (n1 == n0
-   when N is odd at the end). With several token rows the loop computes long enough per byte that
-   the hardware prefetcher falls behind: prefetching the next pair two rows ahead took a batch-8
-   product over the head's shape from ~14 to ~8.4 ms (2 threads, quiet; /tmp microbenchmark). */
-INLINE void rows_tile(const int RR, const float *w0, const float *w1, const float *x, int K, float out[2][TR]) {
+/* The same, 8 k at a time for every token row. With several token rows the loop computes long
+   enough per byte that the hardware prefetcher falls behind: prefetching the next pair two rows
+   ahead took a batch-8 product over the head's shape from ~14 to ~8.4 ms (2 threads, quiet; /tmp
+   microbenchmark). */
+INLINE void rows_tile_avx2(const int RR, const float *w0, const float *w1, const float *x, int K, float out[2][TR]) {
     __m256 a[TR], b[TR];
     for (int r = 0; r < RR; r++) a[r] = b[r] = _mm256_setzero_ps();
     int k = 0;
@@ -104,7 +162,7 @@ INLINE void rows_tile(const int RR, const float *w0, const float *w1, const floa
         }
         for (int r = 0; r < RR; r++) {
             __m256 xv = _mm256_loadu_ps(x + (long)r * K + k);
-            __asm__("" : "+x"(xv));   /* one load for both weight rows (see cols_band) */
+            __asm__("" : "+x"(xv));   /* one load for both weight rows (see cols_band_avx2) */
             a[r] = _mm256_fmadd_ps(u, xv, a[r]);
             b[r] = _mm256_fmadd_ps(v, xv, b[r]);
         }
@@ -123,30 +181,29 @@ INLINE void rows_tile(const int RR, const float *w0, const float *w1, const floa
 #define TILE_ROWS(X) X(1) X(2) X(3) X(4)
 #endif
 
-/* fp32 [N, K] weights times M >= 2 token rows. */
+/* fp32 [N, K] weights times M >= 2 token rows, weight rows two at a time. */
 static void rows_f32_batch(const float *w, const float *x, int M, int N, int K, float *y, const float *bias) {
 #pragma omp for schedule(static)
     for (int np = 0; np < (N + 1) / 2; np++) {
         const int n0 = 2 * np, n1 = n0 + 1 < N ? n0 + 1 : n0;
         for (int r0 = 0; r0 < M; r0 += TR) {
             const int rr = M - r0 < TR ? M - r0 : TR;
-#if HAVE_AVX2
             float out[2][TR];
             const float *xr = x + (long)r0 * K;
-            switch (rr) {
-#define ROWS_CASE(RR) case RR: rows_tile(RR, w + (long)n0 * K, w + (long)n1 * K, xr, K, out); break;
-                TILE_ROWS(ROWS_CASE)
-            }
+#if HAVE_AVX2
+            if (g_isa >= ISA_AVX2)
+                switch (rr) {
+#define ROWS_CASE(RR) case RR: rows_tile_avx2(RR, w + (long)n0 * K, w + (long)n1 * K, xr, K, out); break;
+                    TILE_ROWS(ROWS_CASE)
+#undef ROWS_CASE
+                }
+            else
+#endif
+                rows_tile_ref(rr, w + (long)n0 * K, w + (long)n1 * K, xr, K, out);
             for (int r = 0; r < rr; r++) {
                 y[(long)(r0 + r) * N + n0] = out[0][r] + (bias ? bias[n0] : 0.0f);
                 y[(long)(r0 + r) * N + n1] = out[1][r] + (bias ? bias[n1] : 0.0f);
             }
-#else
-            for (int r = r0; r < r0 + rr; r++) {
-                y[(long)r * N + n0] = dot_f32(w + (long)n0 * K, x + (long)r * K, K) + (bias ? bias[n0] : 0.0f);
-                y[(long)r * N + n1] = dot_f32(w + (long)n1 * K, x + (long)r * K, K) + (bias ? bias[n1] : 0.0f);
-            }
-#endif
         }
     }
 }
@@ -155,16 +212,29 @@ static void rows_f32_batch(const float *w, const float *x, int M, int N, int K, 
    weight rows per pass, two token rows at a time (each weight load feeds both). Every column's sum
    runs in the same order (per four k: x0 w0, then three fused multiply-adds, with zeros past K;
    then one add into y) in the vector lanes and in the scalar tail alike, so its bits do not
-   depend on the band. */
+   depend on the band. The reference: plain multiply-adds, column by column. */
+static void cols_band_ref(const float *w, long ldw, const float *x, int M, int K, float *y, long ldy, int cw) {
+    for (int k0 = 0; k0 < K; k0 += 4) {
+        const int kn = K - k0 < 4 ? K - k0 : 4;
+        const float *w0 = w + (long)k0 * ldw, *w1 = w0 + (kn > 1 ? ldw : 0), *w2 = w0 + (kn > 2 ? 2 * ldw : 0),
+                    *w3 = w0 + (kn > 3 ? 3 * ldw : 0);
+        for (int r = 0; r < M; r++) {
+            const float *xa = x + (long)r * K + k0;
+            const float a0 = xa[0], a1 = kn > 1 ? xa[1] : 0.0f, a2 = kn > 2 ? xa[2] : 0.0f, a3 = kn > 3 ? xa[3] : 0.0f;
+            float *ya = y + (long)r * ldy;
+            for (int c = 0; c < cw; c++) ya[c] += a0 * w0[c] + a1 * w1[c] + a2 * w2[c] + a3 * w3[c];
+        }
+    }
+}
+
 #if HAVE_AVX2
 /* The partial sums of one token row over one quad of k, 8 columns (weights u0..u3): x0 w0, then
    three FMAs. */
 #define QUAD_REG(V) _mm256_fmadd_ps(V##3, u3, _mm256_fmadd_ps(V##2, u2, _mm256_fmadd_ps(V##1, u1, _mm256_mul_ps(V##0, u0))))
 /* the same for one column, in the scalar tail */
 #define QUAD_F(X, C) fmaf(X##3, w3[C], fmaf(X##2, w2[C], fmaf(X##1, w1[C], X##0 * w0[C])))
-#endif
 
-static void cols_band(const float *w, long ldw, const float *x, int M, int K, float *y, long ldy, int cw) {
+static void cols_band_avx2(const float *w, long ldw, const float *x, int M, int K, float *y, long ldy, int cw) {
     for (int k0 = 0; k0 < K; k0 += 4) {
         const int kn = K - k0 < 4 ? K - k0 : 4;
         const float *restrict w0 = w + (long)k0 * ldw, *restrict w1 = w0 + (kn > 1 ? ldw : 0),
@@ -176,7 +246,6 @@ static void cols_band(const float *w, long ldw, const float *x, int M, int K, fl
             const float b0 = xb[0], b1 = kn > 1 ? xb[1] : 0.0f, b2 = kn > 2 ? xb[2] : 0.0f, b3 = kn > 3 ? xb[3] : 0.0f;
             float *ya = y + (long)r * ldy, *yb = ya + ldy;
             int c = 0;
-#if HAVE_AVX2
             const __m256 va0 = _mm256_set1_ps(a0), va1 = _mm256_set1_ps(a1), va2 = _mm256_set1_ps(a2), va3 = _mm256_set1_ps(a3);
             const __m256 vb0 = _mm256_set1_ps(b0), vb1 = _mm256_set1_ps(b1), vb2 = _mm256_set1_ps(b2), vb3 = _mm256_set1_ps(b3);
             /* the band's weight rows two quads on, a line at a time, while these stream: a band is a
@@ -212,16 +281,9 @@ static void cols_band(const float *w, long ldw, const float *x, int M, int K, fl
                 ya[c] += QUAD_F(a, c);
                 if (two) yb[c] += QUAD_F(b, c);
             }
-#else
-            for (; c < cw; c++) {
-                ya[c] += a0 * w0[c] + a1 * w1[c] + a2 * w2[c] + a3 * w3[c];
-                if (two) yb[c] += b0 * w0[c] + b1 * w1[c] + b2 * w2[c] + b3 * w3[c];
-            }
-#endif
         }
     }
 }
-#if HAVE_AVX2
 #undef QUAD_REG
 #undef QUAD_F
 #endif
@@ -244,7 +306,11 @@ static void cols_f32_batch(const float *w, const float *x, int M, int N, int K, 
     for (int b = 0; b < bands; b++) {
         const int c0 = b * cw, w_ = N - c0 < cw ? N - c0 : cw;
         memset(mine, 0, sizeof(float) * (size_t)M * w_);
-        cols_band(w + c0, N, x, M, K, mine, w_, w_);
+#if HAVE_AVX2
+        if (g_isa >= ISA_AVX2) cols_band_avx2(w + c0, N, x, M, K, mine, w_, w_);
+        else
+#endif
+            cols_band_ref(w + c0, N, x, M, K, mine, w_, w_);
         for (int r = 0; r < M; r++)
             for (int c = 0; c < w_; c++) y[(long)r * N + c0 + c] = mine[(long)r * w_ + c] + (bias ? bias[c0 + c] : 0.0f);
     }
@@ -253,7 +319,7 @@ static void cols_f32_batch(const float *w, const float *x, int M, int N, int K, 
 /* y [M, N] = x [M, K] W^T (+ bias), x private to the calling thread (every thread holds the same
    values), y shared. Called by every thread of the region; ends with a barrier. cols: shared
    [threads, M, COLS_CHUNK] sums for input-major weights. */
-static void linear(const Lin *L, const float *x, int M, float *y, Act *a, float *cols) {
+static void linear(const Lin *L, const float *x, int M, float *y, const Act *a, float *cols) {
     const int N = (int)L->N, K = (int)L->K;
     if (L->fmt == F32_COLS) {
         cols_f32_batch((const float *)L->w, x, M, N, K, y, L->bias, cols);
@@ -278,6 +344,26 @@ static void linear(const Lin *L, const float *x, int M, float *y, Act *a, float 
         quant_rows((int)L->fmt, L->w, L->d, L->m, c, N, K, x, a->xq, a->xd, a->xs, M, y, L->bias);
 }
 
+/* One projection of M rows of x, for tests: the products at the library's level (linear's fp32
+   layouts have references too: CARAMBA_ISA=scalar, caramba.model.isa.use_isa). Returns 1 when
+   scratch could not be allocated. */
+int step_linear(const Lin *L, const float *x, int M, float *y, int nthreads) {
+    const size_t K = (size_t)L->K;
+    float *cols = malloc(sizeof(float) * ((size_t)nthreads * M * COLS_CHUNK + 2 * (size_t)M * (K / QK + 1)));
+    int8_t *xq = malloc(4 * (size_t)M * K + 4);
+    int failed = !cols || !xq;
+    if (!failed) {
+        const Act a = {xq, cols + (size_t)nthreads * M * COLS_CHUNK, cols + (size_t)nthreads * M * COLS_CHUNK + M * (K / QK + 1)};
+#pragma omp parallel num_threads(nthreads)
+        linear(L, x, M, y, &a, cols);
+    }
+    free(cols);
+    free(xq);
+    return failed;
+}
+
+/* ---- attention ------------------------------------------------------------------------------- */
+
 /* x*cos + roll(x, D/2)*ssin for one head (ssin: sin with its first half negated, RotaryTable's). */
 static inline void rope_head(const float *v, float *out, const float *cos, const float *ssin, int D) {
     const int h = D / 2;
@@ -285,336 +371,448 @@ static inline void rope_head(const float *v, float *out, const float *cos, const
     for (int i = h; i < D; i++) out[i] = v[i] * cos[i] + v[i - h] * ssin[i];
 }
 
-#include "kv_stream.c"
+/* v rotated in place by rot (x @ rot), through the scratch tmp [D]. */
+static inline void rotate_in_place(float *v, const float *rot, int D, float *tmp) {
+    rotate(v, rot, D, tmp);
+    memcpy(v, tmp, sizeof(float) * D);
+}
 
-#define VCHUNK 16    /* value rows decoded per pass of every head over them */
+/* The new K or V head vector src of a per-token quantized stream: its codes and parameters, and
+   what the torch path reads back for it (its codes' values below the stream's r0, else itself). */
+static void new_token_as_read(const Stream *st, const float *src, int D, int at, uint8_t *u, uint16_t *par,
+                              float *read) {
+    if (st->kind != KV_FP32 && !kv_per_channel((int)st->kind)) {
+        quantize_vector((int)st->kind, src, D, (int)st->block, u, par);
+        if (at < st->r0) {
+            dequantize_vector((int)st->kind, u, par, D, (int)st->block, read);
+            return;
+        }
+    }
+    memcpy(read, src, sizeof(float) * D);
+}
+
+/* The attention's inputs: h = rms_norm(x); q|k|v = h W_qkv^T; q and k roped, then rotated as the
+   cache stores keys; v rotated as it stores values; the new k and v's codes, and the new k and v
+   as the torch path reads them back (kn, vn). Then a per-channel key group the new token
+   completes is quantized into the cache before anyone reads it (the loop's implicit barrier). */
+static void attention_inputs(Step *s) {
+    const StepArgs *a = s->a;
+    const Stream *ks = s->ks, *vs = s->vs;
+    const int M = s->M, D = s->D, q_w = s->q_w, n_kv = s->n_kv;
+    rms_norm(s->x, s->lp->attn_norm, s->h, M, s->dim, a->eps);
+    linear(&s->lp->qkv, s->h, M, s->qkv, &s->codes, s->cols);
+    for (int r = 0; r < M; r++) {
+        const float *row = s->qkv + (long)r * s->qkv_w;
+        const float *c = a->cos + a->positions[r] * D, *sn = a->ssin + a->positions[r] * D;
+        const int at = s->slot + r % s->T;
+        for (int hh = 0; hh < s->n_heads; hh++) {
+            float *qh = s->q + (long)r * q_w + hh * D;
+            rope_head(row + hh * D, qh, c, sn, D);
+            if (ks->rot) rotate_in_place(qh, ks->rot, D, s->tmp);
+        }
+        for (int g = 0; g < n_kv; g++) {
+            const long rg = (long)r * n_kv + g;
+            float *kr = s->k + rg * D, *vr = s->v + rg * D;
+            rope_head(row + q_w + g * D, kr, c, sn, D);
+            if (ks->rot) rotate_in_place(kr, ks->rot, D, s->tmp);
+            if (vs->rot) rotate(row + q_w + (n_kv + g) * D, vs->rot, D, vr);
+            else memcpy(vr, row + q_w + (n_kv + g) * D, sizeof(float) * D);
+            new_token_as_read(ks, kr, D, at, s->ku + rg * D, s->kpar + rg * D, s->kn + rg * D);
+            new_token_as_read(vs, vr, D, at, s->vu + rg * D, s->vpar + rg * D, s->vn + rg * D);
+        }
+    }
+    if (s->kgroup) {
+#pragma omp for schedule(static)
+        for (int rg = 0; rg < M * n_kv; rg++)
+            complete_group(ks, rg, s->S, D, s->slot, s->k + (long)rg * D, s->xg, s->ug);
+    }
+}
 
 /* o [D] += sum over the chunk's slots k of e[k] v_k, v_k a decoded row of codes (coded[k]: per
    block scale pp[k][b], a zero point's minimum in bsum) or an fp32 row; rows[k] NULL: skipped.
-   Slot by slot in order, each block's product fused as o += (e s) code: the arithmetic of a
-   slot-at-a-time loop, with o in registers 64 floats at a time where the blocks allow it. */
-static void value_chunk(float *restrict o, const float *const *rows, const int *coded, const float *ppb, int vnb,
-                        int vnp, int vqb, int vzp, const float *e, int cn, int D, float *bsum) {
-    int c = 0;
+   Slot by slot in order, each block's product fused as o += (e s) code. */
+typedef struct {
+    const float *const *rows;   /* [cn] */
+    const int *coded;           /* [cn] */
+    const float *ppb;           /* [cn, vnp] block parameters: scales, then minimums */
+    const float *e;             /* [cn] softmax weights */
+    int cn, vnb, vnp, vqb, vzp, D;
+} ValueChunk;
+
+/* Columns [c, D) of the chunk, slot by slot: the reference's arithmetic. */
+static void value_cols(float *restrict o, const ValueChunk *vc, int c) {
+    for (int k = 0; k < vc->cn; k++) {
+        if (!vc->rows[k] || vc->e[k] == 0.0f) continue;
+        const float e = vc->e[k], *pk = vc->ppb + (long)k * vc->vnp, *rk = vc->rows[k];
+        for (int cc = c; cc < vc->D; cc++) o[cc] += (vc->coded[k] ? e * pk[cc / vc->vqb] : e) * rk[cc];
+    }
+}
+
+/* A zero point's minimums times the weights, per block: the coded rows listed once, then each
+   sum in a register (perf: the three tests per slot and block were ~15% of a KIVI step). */
+static void value_minimums(const ValueChunk *vc, float *bsum) {
+    int act[VCHUNK], na = 0;
+    for (int k = 0; k < vc->cn; k++)
+        if (vc->rows[k] && vc->e[k] != 0.0f && vc->coded[k]) act[na++] = k;
+    for (int b = 0; b < vc->vnb; b++) {
+        float acc = bsum[b];
+        for (int i = 0; i < na; i++) acc += vc->e[act[i]] * vc->ppb[(long)act[i] * vc->vnp + vc->vnb + b];
+        bsum[b] = acc;
+    }
+}
+
+static void value_chunk_ref(float *restrict o, const ValueChunk *vc, float *bsum) {
+    value_cols(o, vc, 0);
+    if (vc->vzp) value_minimums(vc, bsum);
+}
+
 #if HAVE_AVX2
+/* The same with o in registers 64 floats at a time where the blocks allow it. */
+static void value_chunk_avx2(float *restrict o, const ValueChunk *vc, float *bsum) {
+    const int D = vc->D, vqb = vc->vqb, vnb = vc->vnb;
+    int c = 0;
     if (vqb % 8 == 0 || vnb == 0)
         for (; c + 64 <= D; c += 64) {
             int blk[8];                     /* each vector's block (a block holds whole vectors) */
             for (int v = 0; v < 8; v++) blk[v] = vnb ? (c + 8 * v) / vqb : 0;
             __m256 acc[8];
             for (int v = 0; v < 8; v++) acc[v] = _mm256_loadu_ps(o + c + 8 * v);
-            for (int k = 0; k < cn; k++) {
-                if (!rows[k] || e[k] == 0.0f) continue;
-                const float *restrict rk = rows[k] + c;
-                if (coded[k]) {
-                    const float *pk = ppb + (long)k * vnp;
+            for (int k = 0; k < vc->cn; k++) {
+                const float e = vc->e[k];
+                if (!vc->rows[k] || e == 0.0f) continue;
+                const float *restrict rk = vc->rows[k] + c;
+                if (vc->coded[k]) {
+                    const float *pk = vc->ppb + (long)k * vc->vnp;
                     for (int v = 0; v < 8; v++)
-                        acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(e[k] * pk[blk[v]]), _mm256_loadu_ps(rk + 8 * v), acc[v]);
+                        acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(e * pk[blk[v]]), _mm256_loadu_ps(rk + 8 * v), acc[v]);
                 } else {
-                    const __m256 w = _mm256_set1_ps(e[k]);
+                    const __m256 w = _mm256_set1_ps(e);
                     for (int v = 0; v < 8; v++) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rk + 8 * v), acc[v]);
                 }
             }
             for (int v = 0; v < 8; v++) _mm256_storeu_ps(o + c + 8 * v, acc[v]);
         }
+    value_cols(o, vc, c);
+    if (vc->vzp) value_minimums(vc, bsum);
+}
 #endif
-    for (int k = 0; k < cn; k++) {
-        if (!rows[k] || e[k] == 0.0f) continue;
-        for (int cc = c; cc < D; cc++) o[cc] += (coded[k] ? e[k] * ppb[(long)k * vnp + cc / vqb] : e[k]) * rows[k][cc];
+
+static void value_chunk(float *restrict o, const ValueChunk *vc, float *bsum) {
+#if HAVE_AVX2
+    if (g_isa >= ISA_AVX2) {
+        value_chunk_avx2(o, vc, bsum);
+        return;
     }
-    if (vzp) {  /* block b's minimums times the weights: the coded rows listed once, then each sum in a
-                   register (perf: the three tests per slot and block were ~15% of a KIVI step) */
-        int act[VCHUNK], na = 0;
-        for (int k = 0; k < cn; k++)
-            if (rows[k] && e[k] != 0.0f && coded[k]) act[na++] = k;
-        for (int b = 0; b < vnb; b++) {
-            float acc = bsum[b];
-            for (int i = 0; i < na; i++) acc += e[act[i]] * ppb[(long)act[i] * vnp + vnb + b];
-            bsum[b] = acc;
-        }
+#endif
+    value_chunk_ref(o, vc, bsum);
+}
+
+/* Row r's new token u of its cache row (slot slot + u), KV head g, as the cache will read it back. */
+static inline const float *new_row(const Step *s, const float *buf, int r, int u, int g) {
+    const int first = r - r % s->T;
+    return buf + ((long)(first + u) * s->n_kv + g) * s->D;
+}
+
+/* sc[j, i] for this thread's slots [s0, s1) of row r, KV group g (its rep query heads qg): from
+   codes below kce, else the ring or the new tokens; masked slots and later new tokens -inf;
+   scaled by 1 / sqrt(D). */
+static void group_scores(Step *s, int r, int g, const float *qg) {
+    const Stream *ks = s->ks;
+    const int D = s->D, rep = s->rep, n = s->n, s0 = s->s0, s1 = s->s1, slot = s->slot, tt = r % s->T;
+    const long rg = (long)(r / s->T) * s->n_kv + g;    /* the cache row's KV head */
+    float *sc = s->sc;
+    const int c1 = s1 < s->kce ? s1 : s->kce;
+    if (c1 > s0) {
+        if (s->kchan) key_scores_channels(ks, rg, s->S, D, qg, rep, s0, c1 - s0, sc, n, s->qs);
+        else key_scores_tokens(ks, rg, s->S, D, qg, rep, s0, c1 - s0, sc, n, s->t, s->sf, s->bf);
+    }
+    for (int sl = c1 > s0 ? c1 : s0; sl < s1; sl++) {
+        if (sl - slot > tt) break;                             /* a later new token */
+        const float *kk = sl >= slot ? new_row(s, s->kn, r, sl - slot, g) : ring_row(ks, rg, sl, D);
+        for (int j = 0; j < rep; j++) sc[(long)j * n + sl - s0] = dot_f32(kk, qg + (long)j * D, D);
+    }
+    const uint8_t *mr = s->a->mask ? s->a->mask + (long)r * s->L : NULL;
+    for (int j = 0; j < rep; j++) {
+        float *sj = sc + (long)j * n;
+        for (int i = 0; i < n; i++)
+            sj[i] = (mr && !mr[s0 + i]) || s0 + i - slot > tt ? -INFINITY : sj[i] * s->scale;
     }
 }
 
-/* Returns 0; 1 when scratch could not be allocated; 2 for shapes or streams it does not take (head_dim
-   over 512, over 64 query heads per KV head, a stream kv_stream.c's stream_ok refuses). Nothing is
-   written then. */
-int decode_step(int n_layers, const int64_t *plan, const int64_t *head, const float *final_norm,
-                const int64_t *streams,   /* [n_layers, 2, ST_SLOTS]: each layer's K and V stream (kv_stream.c) */
-                const float *x_in,        /* [M, dim] embedded tokens */
-                float *logits,            /* [M, vocab], or [M / T, vocab] with last_only */
-                int M, int T,             /* M token rows: T consecutive new tokens per cache row */
-                int last_only,            /* logits of each cache row's last new token only */
-                int dim, int n_heads, int n_kv, int D, int hidden, int max_seq, int slot,
-                const int64_t *positions, /* [M] rotary positions */
-                const uint8_t *mask,      /* [M, slot + T]: nonzero where row r attends slot s; NULL: every
-                                             cached slot, and the row's new tokens up to its own */
-                const float *cos, const float *ssin,   /* [P, D] tables */
-                float eps, int nthreads) {
-    const int qkv_w = (n_heads + 2 * n_kv) * D, q_w = n_heads * D, rep = n_heads / n_kv, L = slot + T;
-    const int kmax = dim > hidden ? dim : hidden;
-    const float scale = 1.0f / sqrtf((float)D);
-    if (D > 512 || rep > 64 || T < 1 || M % T) return 2;
-    int gmax = 1;   /* the largest per-channel group: complete_group's scratch */
-    size_t chan_n = 0;   /* key_scores_channels' scratch, when a stream has per-channel keys */
-    for (int i = 0; i < 2 * n_layers; i++) {
-        const Stream st = stream_at(streams + (long)i * ST_SLOTS);
-        if (!stream_ok(&st, D, i % 2 == 0) || (T > 1 && kv_per_channel(st.kind))) return 2;   /* groups: one token a step */
-        if (kv_per_channel(st.kind)) {
-            gmax = st.block > gmax ? st.block : gmax;
-            chan_n = channel_scratch(rep, D);
+/* The value rows of slots [c0, c0 + cn) that some head weighs: decoded codes (with their block
+   parameters in ppb), ring rows or new tokens; NULL for the rest. Whether any is. */
+static int value_rows(Step *s, int r, int g, int c0, int cn, const float **rows, int *coded) {
+    const Stream *vs = s->vs;
+    const int D = s->D, vnp = (kv_zero_point((int)vs->kind) ? 2 : 1) * (vs->kind == KV_FP32 ? 0 : D / (int)vs->block);
+    const int vfw = D * kv_bits((int)vs->kind) / 8, slot = s->slot;
+    const long rg = (long)(r / s->T) * s->n_kv + g;
+    int live = 0;
+    for (int k = 0; k < cn; k++) {
+        const int sl = c0 + k, i = sl - s->s0;
+        int any = 0;
+        for (int j = 0; j < s->rep; j++) any |= s->sc[(long)j * s->n + i] != 0.0f;
+        coded[k] = sl < slot && sl < s->vce;
+        rows[k] = NULL;
+        if (!any) continue;
+        live = 1;
+        if (sl >= slot) rows[k] = new_row(s, s->vn, r, sl - slot, g);
+        else if (coded[k]) {
+            float *dst = s->vbuf + (long)k * D, *pk = s->ppb + (long)k * vnp;
+            decode_row((int)vs->kind, (const uint8_t *)vs->codes + (rg * s->S + sl) * vfw, D, dst);
+            const uint16_t *ps = vs->params + rg * vnp * s->S + sl;
+            for (int b = 0; b < vnp; b++) pk[b] = fp16_to_fp32(ps[(long)b * s->S]);
+            rows[k] = dst;
+        } else rows[k] = ring_row(vs, rg, sl, D);
+    }
+    return live;
+}
+
+/* Part pi's partials for row r, KV group g: per head its max and sum of exp(score - max) and the
+   unnormalized p V, at pg + j part_w. The scores become the softmax weights in place. */
+static void part_partials(Step *s, int r, int g, int pi) {
+    const Stream *vs = s->vs;
+    const int D = s->D, rep = s->rep, n = s->n, s0 = s->s0;
+    const int vzp = kv_zero_point((int)vs->kind), vqb = (int)vs->block, vnb = vs->kind == KV_FP32 ? 0 : D / vqb;
+    const int a0 = pi * ATT_PART - s0, a1 = a0 + ATT_PART < n ? a0 + ATT_PART : n;   /* in sc */
+    float *pg = s->part + (((size_t)pi * s->M + r) * s->n_heads + g * rep) * s->part_w, *sc = s->sc;
+    float mx[64], sum[64];
+    for (int j = 0; j < rep; j++) {
+        float m = -INFINITY;
+        for (int i = a0; i < a1; i++) m = sc[(long)j * n + i] > m ? sc[(long)j * n + i] : m;
+        mx[j] = m;
+        sum[j] = 0.0f;
+        memset(pg + j * s->part_w, 0, sizeof(float) * D);
+    }
+    if (vzp) memset(s->bsum, 0, sizeof(float) * (size_t)rep * vnb);
+    /* the softmax weights e = exp(score - max) in place (0: masked), their sums */
+    for (int j = 0; j < rep; j++) {
+        float *sj = sc + (long)j * n;
+        for (int i = a0; i < a1; i++) {
+            if (sj[i] == -INFINITY) { sj[i] = 0.0f; continue; }
+            sj[i] = expf(sj[i] - mx[j]);
+            sum[j] += sj[i];
         }
     }
-    const Lin wh = lin_at(head);
+    /* p V, VCHUNK slots at a time: each slot's row decoded once, then every head's output held in
+       registers across the chunk (value_chunk) */
+    for (int c0 = s0 + a0; c0 < s0 + a1; c0 += VCHUNK) {
+        const int cn = s0 + a1 - c0 < VCHUNK ? s0 + a1 - c0 : VCHUNK;
+        const float *rows[VCHUNK];
+        int coded[VCHUNK];
+        if (!value_rows(s, r, g, c0, cn, rows, coded)) continue;
+        for (int j = 0; j < rep; j++) {
+            const ValueChunk vc = {rows, coded, s->ppb, sc + (long)j * n + (c0 - s0), cn, vnb,
+                                   (vzp ? 2 : 1) * vnb, vqb, vzp, D};
+            value_chunk(pg + j * s->part_w, &vc, s->bsum + (long)j * vnb);
+        }
+    }
+    for (int j = 0; j < rep; j++) {
+        float *o = pg + j * s->part_w;
+        if (vzp)
+            for (int c = 0; c < D; c++) o[c] += s->bsum[(long)j * vnb + c / vqb];
+        o[D] = mx[j];
+        o[D + 1] = sum[j];
+    }
+}
+
+/* This thread's parts of every row and KV group: each group's heads' scores over the thread's
+   slots, then each part's softmax partials. */
+static void attend(Step *s) {
+    for (int r = 0; r < s->M; r++)
+        for (int g = 0; g < s->n_kv; g++) {
+            group_scores(s, r, g, s->q + (long)r * s->q_w + (long)g * s->rep * s->D);
+            for (int pi = s->p0; pi < s->p1; pi++) part_partials(s, r, g, pi);
+        }
+}
+
+/* The new tokens' K and V into the cache, by the thread that owns the last part: nobody reads them
+   before the next step. */
+static void store_new_tokens(Step *s) {
+    if (!(s->p0 < s->p1 && s->p1 == s->nparts)) return;
+    const int D = s->D, n_kv = s->n_kv;
+    for (long rg = 0; rg < (long)s->M * n_kv; rg++) {
+        const long r = rg / n_kv, cg = r / s->T * n_kv + rg % n_kv;
+        const int at = s->slot + (int)(r % s->T);
+        write_new(s->ks, 1, cg, s->S, D, at, s->k + rg * D, s->ku + rg * D, s->kpar + rg * D);
+        write_new(s->vs, 0, cg, s->S, D, at, s->v + rg * D, s->vu + rg * D, s->vpar + rg * D);
+    }
+}
+
+/* The partials combined exactly, part by part in order (every thread, into its own att), then the
+   value rotation undone. */
+static void combine_partials(Step *s) {
+    const int D = s->D;
+    for (int r = 0; r < s->M; r++)
+        for (int hh = 0; hh < s->n_heads; hh++) {
+            float mx = -INFINITY, sum = 0.0f;
+            for (int pi = 0; pi < s->nparts; pi++) {
+                const float m_t = s->part[(((size_t)pi * s->M + r) * s->n_heads + hh) * s->part_w + D];
+                mx = m_t > mx ? m_t : mx;
+            }
+            float *o = s->att + (long)r * s->q_w + hh * D;
+            memset(o, 0, sizeof(float) * D);
+            for (int pi = 0; pi < s->nparts; pi++) {
+                const float *pt = s->part + (((size_t)pi * s->M + r) * s->n_heads + hh) * s->part_w;
+                if (pt[D] == -INFINITY) continue;
+                const float w = expf(pt[D] - mx);
+                sum += w * pt[D + 1];
+                for (int i = 0; i < D; i++) o[i] += w * pt[i];
+            }
+            const float inv = 1.0f / sum;
+            for (int i = 0; i < D; i++) o[i] *= inv;
+            if (s->vs->rot) rotate_in_place(o, s->vs->rot, D, s->tmp);
+        }
+}
+
+/* ---- MLP and head ---------------------------------------------------------------------------- */
+
+/* x += a W_o^T; h = rms_norm(x); x += (silu(g) * u) W_2^T where g|u = h W_13^T. The next layer's
+   projections overwrite qkv and proj only after its first barrier, which every thread reaches
+   after reading these. */
+static void mlp(Step *s) {
+    const int M = s->M, dim = s->dim;
+    linear(&s->lp->o, s->att, M, s->proj, &s->codes, s->cols);
+    add_rms_norm(s->x, s->proj, s->lp->mlp_norm, s->x, s->h, M, dim, s->a->eps);
+    linear(&s->lp->w13, s->h, M, s->gu, &s->codes, s->cols);
+    silu_mul(s->gu, s->act, M, s->hidden);
+    linear(&s->lp->w2, s->act, M, s->proj, &s->codes, s->cols);
+    for (long i = 0; i < (long)M * dim; i++) s->x[i] += s->proj[i];
+}
+
+/* logits = rms_norm(x) W_head^T, of each cache row's last token with last_only. */
+static void head(Step *s) {
+    const StepArgs *a = s->a;
+    const int dim = s->dim, T = s->T;
+    int rows = s->M;
+    if (a->last_only && T > 1) {     /* x is this thread's own */
+        rows = s->M / T;
+        for (int b = 0; b < rows; b++) memmove(s->x + (long)b * dim, s->x + ((long)b * T + T - 1) * dim, sizeof(float) * dim);
+    }
+    rms_norm(s->x, a->final_norm, s->h, rows, dim, a->eps);
+    linear(a->head, s->h, rows, a->logits, &s->codes, s->cols);
+}
+
+/* ---- the step -------------------------------------------------------------------------------- */
+
+/* Layer l into the Step: its weights, streams and where each stream is read from codes (keys
+   [0, kce), values [0, vce); the rest from the ring, the new tokens from kn / vn, except a new key
+   a completed per-channel group holds: kce > slot). */
+static void enter_layer(Step *s, int l) {
+    s->lp = s->a->layers + l;
+    s->ks = s->a->streams + 2L * l;
+    s->vs = s->ks + 1;
+    const Stream *ks = s->ks, *vs = s->vs;
+    const int slot = s->slot, kr0 = (int)ks->r0, vr0 = (int)vs->r0;
+    s->kchan = kv_per_channel((int)ks->kind);
+    s->kce = ks->kind == KV_FP32 ? 0 : s->kchan ? kr0 : (kr0 < slot ? kr0 : slot);
+    s->vce = vs->kind == KV_FP32 ? 0 : (vr0 < slot ? vr0 : slot);
+    s->kgroup = s->kchan && s->L % ks->block == 0 && s->L / ks->block <= s->S / ks->block;
+}
+
+static void layer(Step *s, int l) {
+    enter_layer(s, l);
+    attention_inputs(s);
+    attend(s);
+#pragma omp barrier
+    store_new_tokens(s);
+    combine_partials(s);
+    mlp(s);
+}
+
+/* The step's shapes from its arguments; 2 for shapes or streams it does not take. */
+static int step_shapes(const StepArgs *a, Step *s) {
+    memset(s, 0, sizeof *s);
+    s->a = a;
+    s->M = (int)a->M, s->T = (int)a->T, s->dim = (int)a->dim, s->n_heads = (int)a->n_heads, s->n_kv = (int)a->n_kv;
+    s->D = (int)a->head_dim, s->hidden = (int)a->hidden, s->slot = (int)a->slot, s->S = a->max_seq;
+    if (s->D > 512 || s->n_kv < 1 || s->n_heads / s->n_kv > 64 || s->T < 1 || s->M % s->T) return 2;
+    s->L = s->slot + s->T, s->rep = s->n_heads / s->n_kv, s->q_w = s->n_heads * s->D;
+    s->qkv_w = (s->n_heads + 2 * s->n_kv) * s->D, s->kmax = s->dim > s->hidden ? s->dim : s->hidden;
+    s->scale = 1.0f / sqrtf((float)s->D);
+    s->part_w = (size_t)s->D + 2, s->nparts = (s->L + ATT_PART - 1) / ATT_PART;
+    s->gmax = 1;   /* the largest per-channel group: complete_group's scratch */
+    for (int i = 0; i < 2 * a->n_layers; i++) {
+        const Stream *st = a->streams + i;
+        if (!stream_ok(st, s->D, i % 2 == 0) || (s->T > 1 && kv_per_channel((int)st->kind))) return 2;   /* groups: one token a step */
+        if (kv_per_channel((int)st->kind)) {
+            s->gmax = st->block > s->gmax ? (int)st->block : s->gmax;
+            s->chan_n = channel_scratch(s->rep, s->D);
+        }
+    }
+    return 0;
+}
+
+/* This thread's parts and private scratch (one allocation: floats, then uint16, then bytes);
+   NULL when it could not be had. */
+static void *thread_scratch(Step *s) {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads(), M = s->M, D = s->D, rep = s->rep;
+    s->p0 = (int)((long)tid * s->nparts / nt), s->p1 = (int)((long)(tid + 1) * s->nparts / nt);
+    s->s0 = s->p0 * ATT_PART < s->L ? s->p0 * ATT_PART : s->L, s->s1 = s->p1 * ATT_PART < s->L ? s->p1 * ATT_PART : s->L;
+    s->n = s->s1 - s->s0;
+    const size_t kv_n = (size_t)M * s->n_kv * D, n = (size_t)s->n, kq = (size_t)M * (s->kmax / QK);
+    const size_t nf = (size_t)M * (s->dim + s->kmax + 2 * s->q_w + s->hidden) + 4 * kv_n + 2 * kq + 2 * rep * n + 2 * n
+                      + (size_t)D + (size_t)rep * D + (size_t)D * s->gmax + 3 * (size_t)VCHUNK * D + s->chan_n;
+    const size_t nh = 2 * kv_n, nbytes = 4 * (size_t)M * s->kmax + 2 * kv_n + (size_t)D * s->gmax;
+    float *pv = malloc(sizeof(float) * nf + sizeof(uint16_t) * nh + nbytes);
+    if (!pv) return NULL;
+    float *f = pv;
+#define TAKE(P, N) (P) = f, f += (N)
+    TAKE(s->x, (size_t)M * s->dim); TAKE(s->h, (size_t)M * s->kmax); TAKE(s->q, (size_t)M * s->q_w);
+    TAKE(s->k, kv_n); TAKE(s->v, kv_n); TAKE(s->att, (size_t)M * s->q_w); TAKE(s->act, (size_t)M * s->hidden);
+    TAKE(s->codes.xd, kq); TAKE(s->codes.xs, kq); TAKE(s->kn, kv_n); TAKE(s->vn, kv_n);
+    TAKE(s->sc, rep * n); TAKE(s->t, rep * n); TAKE(s->sf, n); TAKE(s->bf, n); TAKE(s->tmp, (size_t)D);
+    TAKE(s->bsum, (size_t)rep * D); TAKE(s->xg, (size_t)D * s->gmax);
+    TAKE(s->vbuf, (size_t)VCHUNK * D); TAKE(s->ppb, 2 * (size_t)VCHUNK * D); TAKE(s->qs, s->chan_n);
+#undef TAKE
+    s->kpar = (uint16_t *)f, s->vpar = s->kpar + kv_n;
+    s->codes.xq = (int8_t *)(s->vpar + kv_n);   /* q8, int16 or split int16 activation codes: 2-byte aligned */
+    s->ku = (uint8_t *)(s->codes.xq + 4 * (size_t)M * s->kmax), s->vu = s->ku + kv_n, s->ug = s->vu + kv_n;
+    return pv;
+}
+
+int decode_step(const StepArgs *a) {
+    Step shape;
+    if (step_shapes(a, &shape)) return 2;
+    const int M = shape.M, nthreads = a->nthreads > 0 ? a->nthreads : 1;
     /* shared: projection outputs, attention partials [parts, M, heads, D + 2], column sums */
-    const size_t part_w = (size_t)D + 2;
-    const int nparts = (L + ATT_PART - 1) / ATT_PART;
-    const size_t shared = (size_t)M * (qkv_w + dim + 2 * hidden) + (size_t)nparts * M * n_heads * part_w +
-                          (size_t)nthreads * M * COLS_CHUNK;
+    const size_t shared = (size_t)M * (shape.qkv_w + shape.dim + 2 * shape.hidden)
+                          + (size_t)shape.nparts * M * shape.n_heads * shape.part_w + (size_t)nthreads * M * COLS_CHUNK;
     float *sh = malloc(sizeof(float) * shared);
     if (!sh) return 1;
-    float *qkv = sh, *proj = qkv + (size_t)M * qkv_w, *gu = proj + (size_t)M * dim, *part = gu + (size_t)M * 2 * hidden,
-          *cols = part + (size_t)nparts * M * n_heads * part_w;
+    shape.qkv = sh, shape.proj = sh + (size_t)M * shape.qkv_w, shape.gu = shape.proj + (size_t)M * shape.dim;
+    shape.part = shape.gu + (size_t)M * 2 * shape.hidden;
+    shape.cols = shape.part + (size_t)shape.nparts * M * shape.n_heads * shape.part_w;
     int failed = 0;
 
 #pragma omp parallel num_threads(nthreads)
     {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int p0 = (int)((long)tid * nparts / nt), p1 = (int)((long)(tid + 1) * nparts / nt);   /* my parts */
-        const int s0 = p0 * ATT_PART < L ? p0 * ATT_PART : L, s1 = p1 * ATT_PART < L ? p1 * ATT_PART : L;
-        const int n = s1 - s0;   /* my slots */
-        const size_t kv_n = (size_t)M * n_kv * D;
-        /* private floats: residual stream, normed input, roped q, the new k and v as stored, attention
-           output, MLP gate, q8 activation scales and sums, the new k and v as read, scores and their
-           scratch, a rotation's output, minimum sums, a group being quantized, a chunk of decoded value
-           rows and their block parameters, per-channel key groups' q-side factors; then the new k and v codes'
-           uint16 parameters, the activation codes (int8, int16 or split int16) and the new k and v codes (bytes) */
-        const size_t nf = (size_t)M * (dim + kmax + 2 * q_w + hidden) + 4 * kv_n + 2 * (size_t)M * (kmax / QK) +
-                          2 * (size_t)rep * n + 2 * (size_t)n + (size_t)D + (size_t)rep * D +
-                          (size_t)D * gmax + 3 * (size_t)VCHUNK * D + chan_n;
-        const size_t nh = 2 * kv_n, nbytes = 4 * (size_t)M * kmax + 2 * kv_n + (size_t)D * gmax;
-        float *pv = malloc(sizeof(float) * nf + sizeof(uint16_t) * nh + nbytes);
-        int ok = pv != NULL;
+        Step s = shape;
+        void *pv = thread_scratch(&s);
 #pragma omp atomic
-        failed += !ok;
+        failed += pv == NULL;
 #pragma omp barrier
         if (!failed) {
-            float *x = pv, *h = x + (size_t)M * dim, *q = h + (size_t)M * kmax, *k = q + (size_t)M * q_w,
-                  *vv = k + kv_n, *att = vv + kv_n, *act = att + (size_t)M * q_w, *xd = act + (size_t)M * hidden,
-                  *xs = xd + (size_t)M * (kmax / QK), *kn = xs + (size_t)M * (kmax / QK), *vn = kn + kv_n,
-                  *sc = vn + kv_n, *t = sc + (size_t)rep * n, *sf = t + (size_t)rep * n,
-                  *bf = sf + n, *tmp = bf + n, *bsum = tmp + D,
-                  *xg = bsum + (size_t)rep * D;
-            /* decoded value rows [VCHUNK, D], their block parameters [VCHUNK, <= 2 D] */
-            float *vbuf = xg + (size_t)D * gmax, *ppb = vbuf + (size_t)VCHUNK * D;
-            float *qs = ppb + 2 * (size_t)VCHUNK * D;     /* key_scores_channels' scratch */
-            uint16_t *kpar = (uint16_t *)(qs + chan_n), *vpar = kpar + kv_n;
-            int8_t *codes = (int8_t *)(vpar + kv_n);   /* q8, int16 or split int16 activation codes: 2-byte aligned */
-            uint8_t *ku = (uint8_t *)(codes + 4 * (size_t)M * kmax), *vu = ku + kv_n, *ug = vu + kv_n;
-            Act a = {codes, xd, xs};
-            memcpy(x, x_in, sizeof(float) * (size_t)M * dim);
-            for (int l = 0; l < n_layers; l++) {
-                const int64_t *p = plan + (long)l * L_SLOTS;
-                const Lin wqkv = lin_at(p + L_QKV), wo = lin_at(p + L_O), w13 = lin_at(p + L_13), w2 = lin_at(p + L_2);
-                const Stream ks = stream_at(streams + 2L * l * ST_SLOTS), vs = stream_at(streams + (2L * l + 1) * ST_SLOTS);
-                const long S = max_seq;
-                /* read from codes: keys [0, kce), values [0, vce); the rest from the ring, the new token
-                   from kn / vn, except a new key a completed per-channel group holds (kce > slot) */
-                const int kchan = kv_per_channel(ks.kind);
-                const int kce = ks.kind == KV_F32 ? 0 : kchan ? ks.r0 : (ks.r0 < slot ? ks.r0 : slot);
-                const int vce = vs.kind == KV_F32 ? 0 : (vs.r0 < slot ? vs.r0 : slot);
-                const int kgroup = kchan && L % ks.block == 0 && L / ks.block <= S / ks.block;
-                rms_norm(x, (const float *)p[L_ATTN_NORM], h, M, dim, eps);
-                linear(&wqkv, h, M, qkv, &a, cols);
-                /* q and k roped, then rotated as the cache stores keys; v rotated as it stores values; the
-                   new k and v's codes, and the new k and v as the torch path reads them back (its codes
-                   read back where it reads the new token from codes, a per-token kind without a window) */
-                for (int r = 0; r < M; r++) {
-                    const float *row = qkv + (long)r * qkv_w;
-                    const float *c = cos + positions[r] * D, *s = ssin + positions[r] * D;
-                    for (int hh = 0; hh < n_heads; hh++) {
-                        float *qh = q + (long)r * q_w + hh * D;
-                        rope_head(row + hh * D, qh, c, s, D);
-                        if (ks.rot) {
-                            rotate(qh, ks.rot, D, tmp);
-                            memcpy(qh, tmp, sizeof(float) * D);
-                        }
-                    }
-                    for (int g = 0; g < n_kv; g++) {
-                        const long rg = (long)r * n_kv + g;
-                        float *kr = k + rg * D, *vr = vv + rg * D;
-                        rope_head(row + q_w + g * D, kr, c, s, D);
-                        if (ks.rot) {
-                            rotate(kr, ks.rot, D, tmp);
-                            memcpy(kr, tmp, sizeof(float) * D);
-                        }
-                        if (vs.rot) rotate(row + q_w + (n_kv + g) * D, vs.rot, D, vr);
-                        else memcpy(vr, row + q_w + (n_kv + g) * D, sizeof(float) * D);
-                        const Stream *st2[2] = {&ks, &vs};
-                        float *src[2] = {kr, vr}, *read[2] = {kn + rg * D, vn + rg * D};
-                        uint8_t *u[2] = {ku + rg * D, vu + rg * D};
-                        uint16_t *par[2] = {kpar + rg * D, vpar + rg * D};
-                        for (int i = 0; i < 2; i++) {
-                            const Stream *st = st2[i];
-                            if (st->kind != KV_F32 && !kv_per_channel(st->kind)) {
-                                quantize_vector(st->kind, src[i], D, st->block, u[i], par[i]);
-                                if (slot + r % T < st->r0) {
-                                    dequantize_vector(st->kind, u[i], par[i], D, st->block, read[i]);
-                                    continue;
-                                }
-                            }
-                            memcpy(read[i], src[i], sizeof(float) * D);
-                        }
-                    }
-                }
-                /* a per-channel key group completed by the new token: quantized into the cache before
-                   anyone reads it (the loop's implicit barrier) */
-                if (kgroup) {
-#pragma omp for schedule(static)
-                    for (int rg = 0; rg < M * n_kv; rg++) complete_group(&ks, rg, S, D, slot, k + (long)rg * D, xg, ug);
-                }
-                /* this thread's parts: every head of a KV group's scores; per part their max, exp and sum, p V */
-                const int vbits = kv_bits(vs.kind), vfw = D * vbits / 8, vzp = kv_zero_point(vs.kind);
-                const int vqb = vs.block, vnb = vs.kind == KV_F32 ? 0 : D / vqb, vnp = (vzp ? 2 : 1) * vnb;
-                for (int r = 0; r < M; r++) {
-                    const uint8_t *mr = mask ? mask + (long)r * L : NULL;
-                    const int tt = r % T, first = r - tt;    /* this row's new token; its cache row's first row */
-                    for (int g = 0; g < n_kv; g++) {
-                        const long rg = (long)(r / T) * n_kv + g;                  /* the cache row's KV head */
-                        const float *qg = q + (long)r * q_w + (long)g * rep * D;   /* the group's rep heads */
-                        /* new token u of the cache row (slot slot + u) as the cache will read it back */
-#define NEW(buf, u) ((buf) + ((long)(first + (u)) * n_kv + g) * D)
-                        float mx[64], sum[64];
-                        /* scores sc[j, p - s0] */
-                        const int c1 = s1 < kce ? s1 : kce;
-                        if (c1 > s0) {
-                            if (kchan) key_scores_channels(&ks, rg, S, D, qg, rep, s0, c1 - s0, sc, n, qs);
-                            else key_scores_tokens(&ks, rg, S, D, qg, rep, s0, c1 - s0, sc, n, t, sf, bf);
-                        }
-                        for (int sl = c1 > s0 ? c1 : s0; sl < s1; sl++) {
-                            if (sl - slot > tt) break;                             /* a later new token */
-                            const float *kk = sl >= slot ? NEW(kn, sl - slot) : ring_row(&ks, rg, sl, D);
-                            for (int j = 0; j < rep; j++) sc[(long)j * n + sl - s0] = dot_f32(kk, qg + (long)j * D, D);
-                        }
-                        for (int j = 0; j < rep; j++) {
-                            float *sj = sc + (long)j * n;
-                            for (int i = 0; i < n; i++)
-                                sj[i] = (mr && !mr[s0 + i]) || s0 + i - slot > tt ? -INFINITY : sj[i] * scale;
-                        }
-                        for (int pi = p0; pi < p1; pi++) {
-                            const int a0 = pi * ATT_PART - s0, a1 = a0 + ATT_PART < n ? a0 + ATT_PART : n;   /* in sc */
-                            /* this part's partials of the group's heads: head j at pg + j part_w */
-                            float *pg = part + (((size_t)pi * M + r) * n_heads + g * rep) * part_w;
-                            for (int j = 0; j < rep; j++) {
-                                float m = -INFINITY;
-                                for (int i = a0; i < a1; i++) m = sc[(long)j * n + i] > m ? sc[(long)j * n + i] : m;
-                                mx[j] = m;
-                                sum[j] = 0.0f;
-                                memset(pg + j * part_w, 0, sizeof(float) * D);
-                            }
-                            if (vzp) memset(bsum, 0, sizeof(float) * (size_t)rep * vnb);
-                            /* the softmax weights e = exp(score - max) in place (0: masked), their sums */
-                            for (int j = 0; j < rep; j++) {
-                                float *sj = sc + (long)j * n;
-                                for (int i = a0; i < a1; i++) {
-                                    if (sj[i] == -INFINITY) { sj[i] = 0.0f; continue; }
-                                    sj[i] = expf(sj[i] - mx[j]);
-                                    sum[j] += sj[i];
-                                }
-                            }
-                            /* p V, VCHUNK slots at a time: each slot's row decoded once, then every head's
-                               output held in registers across the chunk (value_chunk) */
-                            for (int c0 = s0 + a0; c0 < s0 + a1; c0 += VCHUNK) {
-                                const int cn = s0 + a1 - c0 < VCHUNK ? s0 + a1 - c0 : VCHUNK;
-                                const float *rows[VCHUNK];
-                                int coded[VCHUNK], live = 0;
-                                for (int k = 0; k < cn; k++) {
-                                    const int sl = c0 + k, i = sl - s0;
-                                    int any = 0;
-                                    for (int j = 0; j < rep; j++) any |= sc[(long)j * n + i] != 0.0f;
-                                    coded[k] = sl < slot && sl < vce;
-                                    rows[k] = NULL;
-                                    if (!any) continue;
-                                    live = 1;
-                                    if (sl >= slot) rows[k] = NEW(vn, sl - slot);
-                                    else if (coded[k]) {
-                                        float *dst = vbuf + (long)k * D, *pk = ppb + (long)k * vnp;
-                                        decode_row(vs.kind, (const uint8_t *)vs.codes + (rg * S + sl) * vfw, D, dst);
-                                        const uint16_t *ps = vs.params + rg * vnp * S + sl;
-                                        for (int b = 0; b < vnp; b++) pk[b] = fp16_to_fp32(ps[(long)b * S]);
-                                        rows[k] = dst;
-                                    } else rows[k] = ring_row(&vs, rg, sl, D);
-                                }
-                                if (!live) continue;
-                                for (int j = 0; j < rep; j++) {
-                                    float *restrict o = pg + j * part_w;
-                                    value_chunk(o, rows, coded, ppb, vnb, vnp, vqb, vzp, sc + (long)j * n + (c0 - s0), cn, D,
-                                                bsum + (long)j * vnb);
-                                }
-                            }
-                            for (int j = 0; j < rep; j++) {
-                                float *o = pg + j * part_w;
-                                if (vzp)
-                                    for (int c = 0; c < D; c++) o[c] += bsum[(long)j * vnb + c / vqb];
-                                o[D] = mx[j];
-                                o[D + 1] = sum[j];
-                            }
-                        }
-#undef NEW
-                    }
-                }
-#pragma omp barrier
-                /* the new tokens' K and V into the cache, by the thread that owns the last part:
-                   nobody reads them before the next step */
-                if (p0 < p1 && p1 == nparts)
-                    for (long rg = 0; rg < (long)M * n_kv; rg++) {
-                        const long r = rg / n_kv, cg = r / T * n_kv + rg % n_kv;
-                        const int at = slot + (int)(r % T);
-                        write_new(&ks, 1, cg, S, D, at, k + rg * D, ku + rg * D, kpar + rg * D);
-                        write_new(&vs, 0, cg, S, D, at, vv + rg * D, vu + rg * D, vpar + rg * D);
-                    }
-                /* combine the partials (every thread, into its own att), then undo the value rotation */
-                for (int r = 0; r < M; r++)
-                    for (int hh = 0; hh < n_heads; hh++) {
-                        float mx = -INFINITY, sum = 0.0f;
-                        for (int pi = 0; pi < nparts; pi++) {
-                            const float m_t = part[(((size_t)pi * M + r) * n_heads + hh) * part_w + D];
-                            mx = m_t > mx ? m_t : mx;
-                        }
-                        float *o = att + (long)r * q_w + hh * D;
-                        memset(o, 0, sizeof(float) * D);
-                        for (int pi = 0; pi < nparts; pi++) {
-                            const float *pt = part + (((size_t)pi * M + r) * n_heads + hh) * part_w;
-                            if (pt[D] == -INFINITY) continue;
-                            const float w = expf(pt[D] - mx);
-                            sum += w * pt[D + 1];
-                            for (int i = 0; i < D; i++) o[i] += w * pt[i];
-                        }
-                        const float inv = 1.0f / sum;
-                        for (int i = 0; i < D; i++) o[i] *= inv;
-                        if (vs.rot) {
-                            rotate(o, vs.rot, D, tmp);
-                            memcpy(o, tmp, sizeof(float) * D);
-                        }
-                    }
-                linear(&wo, att, M, proj, &a, cols);
-                add_rms_norm(x, proj, (const float *)p[L_MLP_NORM], x, h, M, dim, eps);
-                linear(&w13, h, M, gu, &a, cols);
-                silu_mul(gu, act, M, hidden);
-                linear(&w2, act, M, proj, &a, cols);
-                for (long i = 0; i < (long)M * dim; i++) x[i] += proj[i];
-                /* the next layer's projections overwrite qkv and proj only after its first
-                   barrier, which every thread reaches after reading these */
-            }
-            int rows = M;
-            if (last_only && T > 1) {     /* each cache row's last token (x is this thread's own) */
-                rows = M / T;
-                for (int b = 0; b < rows; b++) memmove(x + (long)b * dim, x + ((long)b * T + T - 1) * dim, sizeof(float) * dim);
-            }
-            rms_norm(x, final_norm, h, rows, dim, eps);
-            linear(&wh, h, rows, logits, &a, cols);
+            memcpy(s.x, a->x, sizeof(float) * (size_t)M * s.dim);
+            for (int l = 0; l < a->n_layers; l++) layer(&s, l);
+            head(&s);
         }
         free(pv);
     }
     free(sh);
     return failed ? 1 : 0;
+}
+
+/* The structs' layout, for caramba.model.step_abi's test: sizes of Lin, LayerPlan, Stream and
+   StepArgs, then the offsets of StepArgs' fields in order. Returns how many it wrote. */
+int step_abi_layout(int64_t *out) {
+    int i = 0;
+    out[i++] = sizeof(Lin), out[i++] = sizeof(LayerPlan), out[i++] = sizeof(Stream), out[i++] = sizeof(StepArgs);
+#define OFF(F) out[i++] = offsetof(StepArgs, F);
+    OFF(n_layers) OFF(layers) OFF(head) OFF(final_norm) OFF(streams) OFF(x) OFF(logits) OFF(M) OFF(T) OFF(last_only)
+    OFF(dim) OFF(n_heads) OFF(n_kv) OFF(head_dim) OFF(hidden) OFF(max_seq) OFF(slot) OFF(positions) OFF(mask)
+    OFF(cos) OFF(ssin) OFF(eps) OFF(nthreads)
+#undef OFF
+    out[i++] = offsetof(LayerPlan, qkv), out[i++] = offsetof(LayerPlan, o), out[i++] = offsetof(LayerPlan, w13);
+    out[i++] = offsetof(LayerPlan, w2), out[i++] = offsetof(Stream, r0), out[i++] = offsetof(Stream, rot);
+    return i;
 }

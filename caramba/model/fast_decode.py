@@ -37,22 +37,26 @@ from caramba.cache.kinds import KVCacheKind
 from caramba.cache.streams import ChannelQuantStream, FloatStream, QuantStream
 from caramba.model import quant
 from caramba.model.layers import MLP, Attention, InputMajorLinear, RMSNorm
+from caramba.model.step_abi import LayerPlan, Lin, StepArgs, Stream
 
-SOURCE = Path(__file__).with_name("decode_step.c")
+# the step (decode_step.c) and the files it calls, compiled together: each shares what the
+# others use through its header (decode_step.h, kv_stream.h, decode_ops.h, quant_gemv.h, cpu_isa.h)
+SOURCES = [Path(__file__).with_name(name) for name in
+           ("decode_step.c", "kv_stream.c", "decode_ops.c", "quant_gemv.c", "cpu_isa.c")]
 MAX_ROWS = 16        # beyond this the torch path's GEMMs win
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {"decode_step": ([_I] + [_P] * 6 + [_I] * 10 + [_P] * 4 + [_F, _I], _I),
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {"decode_step": ([_P], _I), "step_linear": ([_P, _P, _I, _P, _I], _I), "step_abi_layout": ([_P], _I),
                "quantize_kv": ([_I, _P, _I, _I, _I, _P, _P], None), "kv_nf4_tables": ([_P, _P], None),
                **quant.ISA_SIGNATURES}
-library = kernels.Library(SOURCE, _SIGNATURES, "decode steps run through torch's ops")
+library = kernels.Library(SOURCES, _SIGNATURES, "decode steps run through torch's ops")
 
-# decode_step.c's cache stream kinds (kv_stream.c)
-KV_F32, KV_Q8_0, KV_Q4_0, KV_Q4_0L, KV_NF4, KV_Q4_1, KV_Q2_1, KV_Q4_1C, KV_Q2_1C = range(9)
-TOKEN_KINDS = {KVCacheKind.Q8_0: KV_Q8_0, KVCacheKind.Q4_0: KV_Q4_0, KVCacheKind.Q4_0L: KV_Q4_0L,
-               KVCacheKind.NF4: KV_NF4, KVCacheKind.Q4_1: KV_Q4_1, KVCacheKind.Q2_1: KV_Q2_1}
-CHANNEL_KINDS = {KVCacheKind.Q4_1C: KV_Q4_1C, KVCacheKind.Q2_1C: KV_Q2_1C}    # keys only
+# decode_step.c's cache stream kinds: KindSpec.step, the ids caramba/cache/kinds.h gives the C side
+KV_FP32 = KVCacheKind.FP32.spec.step
+TOKEN_KINDS = {k: k.spec.step for k in KVCacheKind
+               if k.spec.step is not None and k.spec.quantized and not k.spec.per_channel}
+CHANNEL_KINDS = {k: k.spec.step for k in KVCacheKind if k.spec.step is not None and k.spec.per_channel}   # keys only
 
-# decode_step.c's projection formats
+# decode_step.c's projection formats (quant_gemv.h)
 F32_ROWS, F32_COLS, Q8_0_Q8, Q8_0_F32, Q4_1_F32, Q4_1_Q8, Q4_0_Q8, Q8_0_I16, Q4_1_I16 = range(9)
 _QUANT_FORMATS = {("q8_0", "q8"): Q8_0_Q8, ("q8_0", "f32"): Q8_0_F32, ("q4_1", "f32"): Q4_1_F32,
                   ("q4_1", "q8"): Q4_1_Q8, ("q4_0", "q8"): Q4_0_Q8, ("q8_0", "i16"): Q8_0_I16,
@@ -68,9 +72,9 @@ def _fp32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
 
 
-def _linear(module: nn.Module, n: int, k: int) -> tuple[list[int], list[torch.Tensor]] | None:
-    """A projection's 7 plan slots (fmt, N, K, weights, scales, minimums, bias) and the tensors
-    they point into, or None when the step has no kernel for it."""
+def _linear(module: nn.Module, n: int, k: int) -> tuple[Lin, list[torch.Tensor]] | None:
+    """A projection as the step reads it (decode_step.h's Lin) and the tensors it points into, or
+    None when the step has no kernel for it."""
     bias = getattr(module, "bias", None)
     if not _fp32(bias):
         return None
@@ -84,11 +88,11 @@ def _linear(module: nn.Module, n: int, k: int) -> tuple[list[int], list[torch.Te
     else:
         return None
     tensors.append(bias)
-    return [fmt, n, k, *(0 if t is None else t.data_ptr() for t in tensors)], [t for t in tensors if t is not None]
+    return Lin(fmt, n, k, *(None if t is None else t.data_ptr() for t in tensors)), [t for t in tensors if t is not None]
 
 
 class _Plan:
-    """The model's weights as decode_step.c reads them: per layer 30 int64 slots."""
+    """The model's weights as decode_step.c reads them: a LayerPlan per layer and the head's Lin."""
 
     usable = True
 
@@ -96,25 +100,24 @@ class _Plan:
         cfg = model.config
         self.registrations = _registrations
         self.hooks = _hook_dicts(modules)
-        slots, keep = [], []
+        self.layers, keep = (LayerPlan * len(model.layers))(), []
         qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-        for layer in model.layers:
+        for plan, layer in zip(self.layers, model.layers):
             a, m = layer.attn, layer.mlp
-            row = [layer.attn_norm.weight.data_ptr(), layer.mlp_norm.weight.data_ptr()]
+            plan.attn_norm, plan.mlp_norm = layer.attn_norm.weight.data_ptr(), layer.mlp_norm.weight.data_ptr()
             keep += [layer.attn_norm.weight, layer.mlp_norm.weight]
-            for mod, n, k in ((a.wqkv, qkv, cfg.dim), (a.wo, cfg.dim, cfg.n_heads * cfg.head_dim),
-                              (m.w13, 2 * cfg.intermediate_size, cfg.dim), (m.w2, cfg.dim, cfg.intermediate_size)):
+            for name, mod, n, k in (("qkv", a.wqkv, qkv, cfg.dim), ("o", a.wo, cfg.dim, cfg.n_heads * cfg.head_dim),
+                                    ("w13", m.w13, 2 * cfg.intermediate_size, cfg.dim),
+                                    ("w2", m.w2, cfg.dim, cfg.intermediate_size)):
                 got = _linear(mod, n, k)
                 if got is None:
                     raise _NoKernel
-                row += got[0]
+                setattr(plan, name, got[0])
                 keep += got[1]
-            slots.append(row)
         head = _linear(model.head, cfg.vocab_size, cfg.dim)
         if head is None:
             raise _NoKernel
-        self.layers = torch.tensor(slots, dtype=torch.int64)
-        self.head = torch.tensor(head[0], dtype=torch.int64)
+        self.head = head[0]
         self.keep = keep + head[1] + [model.norm.weight]   # the pointers stay valid while the plan lives
         self.pointers = [t.data_ptr() for t in self.keep]
 
@@ -204,7 +207,7 @@ def _stream_kind(stream, keys: bool, head_dim: int) -> int | None:
     if stream.head_dim != head_dim:
         return None
     if type(stream) is FloatStream:
-        return KV_F32 if _fp32(stream.data) else None
+        return KV_FP32 if _fp32(stream.data) else None
     if type(stream) is QuantStream:
         kind = TOKEN_KINDS.get(stream.kind)
     elif type(stream) is ChannelQuantStream and keys:
@@ -220,15 +223,15 @@ def _stream_kind(stream, keys: bool, head_dim: int) -> int | None:
 class _Layout:
     """What decode_step.c takes of a cache: per layer, K then V, (stream, kind, rotation or None);
     the streams whose full-precision ring the step keeps up (`ringed`) and the per-channel ones.
-    `table` holds decode_step.c's stream slots once _stream_table has built them, `bound` the
-    (stream, attribute, tensor) they point into and `fp_slots` the (slot, stream) of the entries
-    that move with every step."""
+    `table` holds decode_step.c's Streams once _stream_table has built them, `bound` the
+    (stream, attribute, tensor) they point into and `fp_slots` the (index, stream) of the entries
+    whose r0 moves with every step."""
 
     def __init__(self, streams: list[tuple], heads: int, head_dim: int) -> None:
         self.streams, self.heads, self.head_dim = streams, heads, head_dim
-        self.ringed = [s for s, kind, _ in streams if kind != KV_F32 and s.ring is not None]
+        self.ringed = [s for s, kind, _ in streams if kind != KV_FP32 and s.ring is not None]
         self.channels = [s for s, kind, _ in streams if kind in CHANNEL_KINDS.values()]
-        self.table: ctypes.Array | None = None
+        self.table: ctypes.Array | None = None    # of step_abi.Stream
         self.bound: list[tuple] = []
         self.fp_slots: list[tuple] = []
 
@@ -258,34 +261,34 @@ def _scan_layout(cache) -> _Layout | None:
 
 
 def _stream_table(layout: _Layout, slot: int, T: int = 1) -> ctypes.Array:
-    """decode_step.c's stream slots (kv_stream.c's ST_*) for a step writing slots [slot, slot + T).
+    """decode_step.c's Streams (kv_stream.h) for a step writing slots [slot, slot + T).
     Built once per set of tensors (a reorder replaces them): a step only moves each quantized
-    stream's fp_start on, after the rings' bookkeeping (note_written: the step writes their new
-    tokens). Rebuilding every slot each step cost ~0.13 ms of Python per token."""
+    stream's r0 (its fp_start) on, after the rings' bookkeeping (note_written: the step writes
+    their new tokens). Rebuilding the table each step cost ~0.13 ms of Python per token."""
     if layout.table is None or any(getattr(s, name) is not t for s, name, t in layout.bound):
         _build_table(layout)
     table, end = layout.table, slot + T
     for s in layout.ringed:
         s.note_written(slot, end)
     for i, s in layout.fp_slots:
-        table[i] = s.fp_start(end)
+        table[i].r0 = s.fp_start(end)
     return table
 
 
 def _build_table(layout: _Layout) -> None:
-    rows, bound, fp_slots = [], [], []
-    for s, kind, rotation in layout.streams:
-        rot = 0 if rotation is None else rotation.data_ptr()
-        if kind == KV_F32:           # its values, read as a ring of every slot
-            rows += [KV_F32, s.data.data_ptr(), 0, 1, s.data.data_ptr(), s.data.shape[2], 0, rot]
+    table, bound, fp_slots = (Stream * len(layout.streams))(), [], []
+    for i, (s, kind, rotation) in enumerate(layout.streams):
+        rot = None if rotation is None else rotation.data_ptr()
+        if kind == KV_FP32:           # its values, read as a ring of every slot
+            table[i] = Stream(KV_FP32, s.data.data_ptr(), None, 1, s.data.data_ptr(), s.data.shape[2], 0, rot)
             bound.append((s, "data", s.data))
             continue
         ring = s.ring
-        fp_slots.append((len(rows) + 6, s))     # ST_R0
-        rows += [kind, s.codes.data_ptr(), s.scales.data_ptr(), s.block, 0 if ring is None else ring.data_ptr(),
-                 0 if ring is None else ring.shape[2], 0, rot]
+        fp_slots.append((i, s))
+        table[i] = Stream(kind, s.codes.data_ptr(), s.scales.data_ptr(), s.block,
+                          None if ring is None else ring.data_ptr(), 0 if ring is None else ring.shape[2], 0, rot)
         bound += [(s, "codes", s.codes), (s, "scales", s.scales), (s, "ring", ring)]
-    layout.table, layout.bound, layout.fp_slots = (ctypes.c_int64 * len(rows))(*rows), bound, fp_slots
+    layout.table, layout.bound, layout.fp_slots = table, bound, fp_slots
 
 
 def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causal: bool) -> bool:
@@ -397,12 +400,13 @@ def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVC
     streams = _stream_table(cache._fast_decode_layout, slot, T)     # as applies() just found it
     choice = model.__dict__.setdefault("decode_threads", ThreadChoice())
     threads = choice.next(B * T)
+    args = StepArgs(cfg.n_layers, ctypes.addressof(plan.layers), ctypes.addressof(plan.head), model.norm.weight.data_ptr(),
+                    ctypes.addressof(streams), x.data_ptr(), logits.data_ptr(), B * T, T, int(last_only), cfg.dim,
+                    cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cache.max_seq_len, slot,
+                    positions.data_ptr(), None if mask is None else mask.data_ptr(), table.cos.data_ptr(),
+                    table.sin.data_ptr(), cfg.norm_eps, threads)
     t0 = time.perf_counter()
-    failed = library().decode_step(
-        cfg.n_layers, plan.layers.data_ptr(), plan.head.data_ptr(), model.norm.weight.data_ptr(), streams, x.data_ptr(),
-        logits.data_ptr(), B * T, T, int(last_only), cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-        cfg.intermediate_size, cache.max_seq_len, slot, positions.data_ptr(), None if mask is None else mask.data_ptr(),
-        table.cos.data_ptr(), table.sin.data_ptr(), cfg.norm_eps, threads)
+    failed = library().decode_step(ctypes.byref(args))
     choice.took(threads, time.perf_counter() - t0, B * T)
     if failed == 1:
         raise MemoryError("the fused decode step could not allocate its scratch")

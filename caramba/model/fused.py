@@ -23,6 +23,7 @@ _SIGNATURES = {
     "rms_norm": ([_P] * 3 + [_L, _I, _F], None),
     "add_rms_norm": ([_P] * 5 + [_L, _I, _F], None),
     "silu_mul": ([_P] * 2 + [_L, _I], None),
+    "silu_mul_ref": ([_P] * 2 + [_L, _I], None),   # the portable reference, for tests
 }
 # library(): the loaded elementwise kernels, or None.
 library = kernels.Library(SOURCE, _SIGNATURES, "decode steps run elementwise ops")

@@ -1,11 +1,12 @@
 """Which instruction set the quantized weight products run with (cpu_isa.c), for records and tests.
 
-The C libraries that multiply block-quantized weights (quant_gemv.c, and decode_step.c which
-includes it) each choose a level once, when they load: the best the CPU, the OS and the build
+The C libraries that multiply block-quantized weights (quant_gemv.c's, and decode_step.c's which
+is built with it) each choose a level once, when they load: the best the CPU, the OS and the build
 all have, or the one CARAMBA_ISA asks for (a level the machine lacks falls back to the best one
 below it, never above). Levels, slowest first: scalar (the portable reference), avx2, avxvnni,
 avx512, avx512vnni. Every vector level's outputs are bit-identical to avx2's; scalar differs by
-fp32 summation order only.
+fp32 summation order only. In the decode step's library, scalar also runs the fp32 products,
+value mixing and dot products through their portable references (decode_step.c's *_ref).
 
     kernel_isa()           the level the products run with ('avx512vnni'), or why no C kernels run
     available('avx2')      whether this machine (CPU, OS, build) has a level

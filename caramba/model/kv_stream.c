@@ -1,7 +1,7 @@
 /* The KV cache streams a decode step reads and writes (caramba.cache.streams), for decode_step.c.
 
-   A stream is one layer's K or V as caramba.cache stores it, passed as ST_SLOTS int64 slots:
-     KV_F32: fp32 values [M, n_kv, S, D]; the step reads them as a "ring" of S slots.
+   A stream is one layer's K or V as caramba.cache stores it, passed as a Stream (kv_stream.h):
+     KV_FP32: fp32 values [M, n_kv, S, D]; the step reads them as a "ring" of S slots.
      per-token quantized kinds (QuantStream: q8_0, q4_0, q4_0l, nf4, q4_1, q2_1): codes packed per head
        vector, k = 8 / bits per byte: element i + f D/k sits in bit field f of byte i (8-bit codes:
        one signed code per byte); keys-major [M, n_kv, Dc, S] for keys, [M, n_kv, S, Dc] for values;
@@ -20,48 +20,22 @@
    rounded down), so the codes written here are the torch path's bit for bit, with F16C or
    without (tests compare both builds against caramba.cache.quant.quantize).
 
-   Included by decode_step.c after quant_gemv.c (fp16_to_fp32, HAVE_AVX2, INLINE). */
+   The kinds (ids, bits, code ranges, offsets, nf4's codebook) are caramba.cache.kinds' table
+   (caramba/cache/kinds.h); kv_stream.h declares what decode_step.c calls. */
 
-/* Symmetric kinds, then zero-point ones, then per-channel ones: kv_zero_point and kv_per_channel
-   are ranges of ids. */
-enum { KV_F32 = 0, KV_Q8_0 = 1, KV_Q4_0 = 2, KV_Q4_0L = 3, KV_NF4 = 4, KV_Q4_1 = 5, KV_Q2_1 = 6, KV_Q4_1C = 7,
-       KV_Q2_1C = 8 };
+#include "kv_stream.h"
 
-/* nf4's codebook (caramba.cache.kinds.NF4_LEVELS as float32) and the midpoints between neighbouring
-   levels ((levels[1:] + levels[:-1]) / 2 in float32), exactly KindSpec's levels and midpoints (a
-   test reads them back through kv_nf4_tables). Hard-coded rather than passed with the stream, as
-   quant_attend.c's: constants the AVX2 lookup keeps in two registers, and the stream slots stay as
-   they are. */
-static const float NF4_LEVELS[16] = {
-    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f,
-    -0.18477343022823334f, -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f,
-    0.24611230194568634f, 0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f,
-};
-static const float NF4_MID[15] = {
-    -0.8480963706970215f, -0.6106328964233398f, -0.4599952697753906f, -0.33967941999435425f, -0.23460739850997925f,
-    -0.13791173696517944f, -0.045525018125772476f, 0.03979014977812767f, 0.120255246758461f, 0.2035212516784668f,
-    0.2920137643814087f, 0.3893125355243683f, 0.5016634464263916f, 0.6427869200706482f, 0.8614784479141235f,
-};
+#include <math.h>
+#include <stdlib.h>
 
-/* The tables for tests: levels [16], midpoints [15]. */
+/* The nf4 tables for tests: levels [16], midpoints [15]. */
 void kv_nf4_tables(float *levels, float *midpoints) {
     memcpy(levels, NF4_LEVELS, sizeof NF4_LEVELS);
-    memcpy(midpoints, NF4_MID, sizeof NF4_MID);
+    memcpy(midpoints, NF4_MIDPOINTS, sizeof NF4_MIDPOINTS);
 }
 
-static inline int kv_bits(int kind) {
-    return kind == KV_F32 ? 32 : kind == KV_Q8_0 ? 8 : (kind == KV_Q2_1 || kind == KV_Q2_1C) ? 2 : 4;
-}
-static inline int kv_zero_point(int kind) { return kind >= KV_Q4_1; }
-static inline int kv_per_channel(int kind) { return kind >= KV_Q4_1C; }
-static inline float kv_offset(int kind) {
-    return kind == KV_Q8_0 ? 0.5f : kind == KV_Q4_0 ? -7.5f : kind == KV_Q4_0L ? -8.0f : 0.0f;
-}
-
-static inline uint16_t fp32_to_fp16(float f) {
-#if defined(__F16C__)
-    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
-#else   /* round to nearest even, as the conversion instruction does */
+/* f as fp16, rounded to nearest even: the portable reference, and the conversion instruction. */
+static inline uint16_t fp32_to_fp16_ref(float f) {
     uint32_t x;
     memcpy(&x, &f, 4);
     const uint32_t sign = (x >> 16) & 0x8000;
@@ -83,7 +57,13 @@ static inline uint16_t fp32_to_fp16(float f) {
     }
     if (rest > half || (rest == half && (out & 1))) out++;
     return (uint16_t)(sign | out);
+}
+
+static inline uint16_t fp32_to_fp16(float f) {
+#if defined(__F16C__)
+    if (g_isa >= ISA_AVX2) return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
 #endif
+    return fp32_to_fp16_ref(f);
 }
 
 /* x as fp16 rounded toward -inf (quant._round_down_fp16: nearest, then one step down if above x). */
@@ -97,16 +77,18 @@ static inline uint16_t fp32_to_fp16_down(float x) {
 static inline void fp16_row(const uint16_t *src, float *dst, int n) {
     int i = 0;
 #if HAVE_AVX2 && defined(__F16C__)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    if (g_isa >= ISA_AVX2)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
 #endif
-    for (; i < n; i++) dst[i] = fp16_to_fp32(src[i]);
+    for (; i < n; i++) dst[i] = fp16_to_fp32(src[i]);   /* the reference, and the vectors' tail */
 }
 
 /* One block of n elements -> codes u (one per byte; 8-bit codes as int8 bits) and its scale
    (and minimum), as quant._block_codes computes them. */
 static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t *scale, uint16_t *minimum) {
+    const double widen = 1.0 + 1.0 / 1024;   /* the scale rounded up: no element clips */
     if (kv_zero_point(kind)) {
-        const int hi = (1 << kv_bits(kind)) - 1;
+        const int hi = KV_HI[kind];
         float lo_x = x[0], hi_x = x[0];
         for (int i = 1; i < n; i++) {
             lo_x = x[i] < lo_x ? x[i] : lo_x;
@@ -115,7 +97,7 @@ static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t
         const uint16_t m = fp32_to_fp16_down(lo_x);
         const float mf = fp16_to_fp32(m);
         /* rounded up so that min + hi * scale >= max: no element clips */
-        *scale = fp32_to_fp16((hi_x - mf) * (float)((1.0 + 1.0 / 1024) / hi));
+        *scale = fp32_to_fp16((hi_x - mf) * (float)(widen / KV_HALF_RANGE[kind]));
         *minimum = m;
         float safe = fp16_to_fp32(*scale);
         if (safe == 0.0f) safe = 1e-30f;
@@ -128,30 +110,27 @@ static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t
     if (kind == KV_NF4) {       /* the nearest level: torch.bucketize(y, midpoints), right=False */
         float amax = 0.0f;
         for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
-        *scale = fp32_to_fp16(amax * (float)(1.0 + 1.0 / 1024));   /* half_range 1: the codebook's peak */
+        *scale = fp32_to_fp16(amax * (float)(widen / KV_HALF_RANGE[kind]));   /* the codebook's peak */
         float safe = fp16_to_fp32(*scale);
         if (safe == 0.0f) safe = 1e-30f;
         for (int i = 0; i < n; i++) {
             const float y = x[i] / safe;
             int c = 0;   /* the midpoints strictly below y: a y exactly on one takes the lower level */
-            for (int k = 0; k < 15; k++) c += NF4_MID[k] < y;
+            for (int k = 0; k < 15; k++) c += NF4_MIDPOINTS[k] < y;
             u[i] = (uint8_t)c;
         }
         return;
     }
-    float s, shift, lo = 0.0f, hi = 15.0f;
-    if (kind == KV_Q4_0L) {     /* mid-tread: the largest-magnitude element (the first of ties) lands on code 0 */
+    const float lo = (float)KV_LO[kind], hi = (float)KV_HI[kind], shift = KV_SHIFT[kind];
+    float s;
+    if (KV_MID_TREAD[kind]) {   /* the largest-magnitude element (the first of ties) lands on code lo */
         float peak = x[0];
         for (int i = 1; i < n; i++) peak = fabsf(x[i]) > fabsf(peak) ? x[i] : peak;
-        s = peak * (float)(-(1.0 + 1.0 / 1024) / 8.0);
-        shift = 8.5f;
+        s = peak * (float)(-widen / KV_HALF_RANGE[kind]);
     } else {                    /* mid-rise: q8_0's codes [-128, 127] or q4_0's [0, 15] */
         float amax = 0.0f;
         for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
-        const int q8 = kind == KV_Q8_0;
-        s = amax * (float)((1.0 + 1.0 / 1024) / (q8 ? 127.5 : 7.5));
-        shift = q8 ? 0.0f : 8.0f;
-        if (q8) lo = -128.0f, hi = 127.0f;
+        s = amax * (float)(widen / KV_HALF_RANGE[kind]);
     }
     *scale = fp32_to_fp16(s);
     float safe = fp16_to_fp32(*scale);
@@ -159,13 +138,13 @@ static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t
     for (int i = 0; i < n; i++) {
         const float y = x[i] / safe, c = floorf(shift != 0.0f ? y + shift : y);
         const float cl = c < lo ? lo : (c > hi ? hi : c);
-        u[i] = kind == KV_Q8_0 ? (uint8_t)(int8_t)cl : (uint8_t)cl;
+        u[i] = lo < 0.0f ? (uint8_t)(int8_t)cl : (uint8_t)cl;
     }
 }
 
 /* A head vector of D elements in blocks of qb -> codes u [D] and parameters [D/qb * p] laid out
    as quant.quantize's (the scales, then the minimums). */
-static void quantize_vector(int kind, const float *x, int D, int qb, uint8_t *u, uint16_t *par) {
+HIDDEN void quantize_vector(int kind, const float *x, int D, int qb, uint8_t *u, uint16_t *par) {
     const int nb = D / qb;
     for (int j = 0; j < nb; j++) quantize_block(kind, x + j * qb, qb, u + j * qb, par + j, par + nb + j);
 }
@@ -202,37 +181,13 @@ static inline uint8_t pack_byte(int bits, const uint8_t *u, int D, int i) {
 #define FIELD_CASES(X) X(8, 0) X(4, 0) X(4, 1) X(2, 0) X(2, 1) X(2, 2) X(2, 3)
 #define NF4_CASES(X) X(4, 0) X(4, 1)     /* nf4's fields: codebook levels, cases 64 + bits * 4 + f */
 
-typedef struct {
-    int kind;
-    void *codes;        /* KV_F32: the fp32 values; else the codes */
-    uint16_t *params;   /* fp16 block parameters, or NULL */
-    int block;          /* elements per block; per-channel kinds: tokens per group G */
-    float *ring;        /* fp32 copies [M, n_kv, ring_n, D] at slot p % ring_n (KV_F32: the values), or NULL */
-    int ring_n;
-    int r0;             /* positions < r0 are read from codes, the rest from the ring */
-    const float *rot;   /* [D, D]: the stream holds x @ rot; NULL: x */
-} Stream;
-
-enum { ST_KIND, ST_CODES, ST_PARAMS, ST_BLOCK, ST_RING, ST_RING_N, ST_R0, ST_ROT, ST_SLOTS };
-
-static inline Stream stream_at(const int64_t *p) {
-    Stream s = {(int)p[ST_KIND], (void *)p[ST_CODES], (uint16_t *)p[ST_PARAMS], (int)p[ST_BLOCK], (float *)p[ST_RING],
-                (int)p[ST_RING_N], (int)p[ST_R0], (const float *)p[ST_ROT]};
-    return s;
-}
-
 /* Whether decode_step can read and write this stream for head size D (2: refused). */
-static int stream_ok(const Stream *s, int D, int keys) {
-    if (s->kind < KV_F32 || s->kind > KV_Q2_1C) return 0;   /* the last id */
-    if (s->kind == KV_F32) return s->ring != NULL && s->r0 == 0;
+HIDDEN int stream_ok(const Stream *s, int D, int keys) {
+    if (s->kind < 0 || s->kind >= KV_KINDS) return 0;
+    if (s->kind == KV_FP32) return s->ring != NULL && s->r0 == 0;
     if (s->block < 1 || (s->ring == NULL) != (s->ring_n == 0)) return 0;
     if (kv_per_channel(s->kind)) return keys && s->ring != NULL && D % 4 == 0;
     return D % s->block == 0 && D % 4 == 0;
-}
-
-/* Position p's fp32 copy in the ring, head rg. */
-static inline const float *ring_row(const Stream *s, long rg, int p, int D) {
-    return s->ring + (rg * s->ring_n + p % s->ring_n) * D;
 }
 
 #if HAVE_AVX2
@@ -280,6 +235,17 @@ INLINE void key_field_slots16(const int bits, const int f, const int nf, const i
 }
 #endif
 
+/* The portable reference of key_field_slots16, for slots [i0, n): t[jj, i] for jn heads, row by row. */
+INLINE void key_field_slots_ref(const int bits, const int f, const int nf, int jn, const uint8_t *c0, long S,
+                                const float *qj, int D, int a, int b, int i0, float *t, int n) {
+    for (int i = i0; i < n; i++)
+        for (int jj = 0; jj < jn; jj++) {
+            float acc = 0.0f;
+            for (int row = a; row < b; row++) acc += qj[(long)jj * D + row] * code_value(bits, f, nf, c0[(long)(row - a) * S + i]);
+            t[(long)jj * n + i] = acc;
+        }
+}
+
 /* t[j, i] = q_j . the codes of field f, rows [a, b), positions [p0, p0 + n); qsum[j] = sum of those
    q_j elements. Slots in vectors of 8 with up to 4 heads' sums in registers, the block's rows in
    the inner loop: each code is loaded and widened once for every head, and no partial sum goes
@@ -297,7 +263,8 @@ INLINE void key_field_rows(const int bits, const int f, const int nf, const uint
         float *tj = t + (long)j0 * n;
         int i = 0;
 #if HAVE_AVX2
-        for (; i + 16 <= n; i += 16)      /* two vectors of slots: each row read 16 codes at a time */
+        if (g_isa >= ISA_AVX2)
+            for (; i + 16 <= n; i += 16)      /* two vectors of slots: each row read 16 codes at a time */
             switch (jn) {
                 case 1: key_field_slots16(bits, f, nf, 1, c0, S, qj, D, a, b, i, tj, n); break;
                 case 2: key_field_slots16(bits, f, nf, 2, c0, S, qj, D, a, b, i, tj, n); break;
@@ -305,13 +272,7 @@ INLINE void key_field_rows(const int bits, const int f, const int nf, const uint
                 default: key_field_slots16(bits, f, nf, 4, c0, S, qj, D, a, b, i, tj, n); break;
             }
 #endif
-        for (; i < n; i++)
-            for (int jj = 0; jj < jn; jj++) {
-                float acc = 0.0f;
-                for (int row = a; row < b; row++)
-                    acc += qj[(long)jj * D + row] * code_value(bits, f, nf, c0[(long)(row - a) * S + i]);
-                tj[(long)jj * n + i] = acc;
-            }
+        key_field_slots_ref(bits, f, nf, jn, c0, S, qj, D, a, b, i, tj, n);
     }
 }
 
@@ -320,7 +281,7 @@ INLINE void key_field_rows(const int bits, const int f, const int nf, const uint
    (nf4: s (q . NF4[u])),
    block by block with the slots in the inner loop (keys-major: a code row's positions are
    contiguous). Scratch: t [rep, n], sf and bf [n]. */
-static void key_scores_tokens(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
+HIDDEN void key_scores_tokens(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
                               float *sc, int ld, float *t, float *sf, float *bf) {
     const int bits = kv_bits(st->kind), fw = D * bits / 8, qb = st->block, nb = D / qb, zp = kv_zero_point(st->kind);
     const int nf = st->kind == KV_NF4;
@@ -366,6 +327,21 @@ INLINE void channel_field_rows(const int bits, const int f, const uint8_t *codes
             for (int i = 0; i < w; i++) sj[i] += ws * code_field(bits, f, c[i]);
         }
     }
+}
+
+/* The reference for one group's w slots from a: sc[j, i] = q_j . (s u + m) over the channels, field
+   by field, one slot at a time. */
+static void channel_group_ref(int bits, const uint8_t *codes, long S, const uint16_t *par, int NG, int g, int a, int w,
+                              int fw, const float *q, int D, int rep, float *sc, int ld) {
+    float cst[64] = {0};
+    for (int f = 0; f < 8 / bits; f++)
+        switch (bits * 4 + f) {
+#define CHANNEL_FIELD(B, F) case B * 4 + F: channel_field_rows(B, F, codes, S, par, NG, g, a, w, fw, q, D, rep, sc, ld, cst); break;
+            FIELD_CASES(CHANNEL_FIELD)
+#undef CHANNEL_FIELD
+        }
+    for (int j = 0; j < rep; j++)
+        for (int i = 0; i < w; i++) sc[(long)j * ld + i] += cst[j];
 }
 
 /* key_scores_tokens for a per-channel stream: per group, q times the group's channel scales
@@ -444,17 +420,14 @@ static void channel_scores_any(int bits, int W, int jn, const uint8_t *codes, lo
 }
 #endif
 
-/* Floats of key_scores_channels' scratch. */
-static inline size_t channel_scratch(int rep, int D) { return (size_t)8 * rep * D + 16 * (size_t)D + 8 * (size_t)rep; }
-
-static void key_scores_channels(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
+HIDDEN void key_scores_channels(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
                                 float *sc, int ld, float *scratch) {
     const int bits = kv_bits(st->kind), fw = D * bits / 8, G = st->block, NG = (int)(S / G);
     const uint8_t *codes = (const uint8_t *)st->codes + rg * fw * S;
     const uint16_t *par = st->params + rg * 2 * D * NG;
     const int gend = (p0 + n + G - 1) / G;
 #if HAVE_AVX2
-    const int vec = G % 8 == 0;   /* groups of whole slot vectors: else every group takes the scalar loop */
+    const int vec = G % 8 == 0 && g_isa >= ISA_AVX2;   /* groups of whole slot vectors: else every group takes the reference */
     float *qs8 = scratch, *sm = qs8 + (size_t)8 * rep * D, *cst8 = sm + 16 * (size_t)D;
 #else
     (void)scratch;
@@ -480,32 +453,31 @@ static void key_scores_channels(const Stream *st, long rg, long S, int D, const 
                 continue;
             }
 #endif
-            float cst[64] = {0};
-            for (int f = 0; f < 8 / bits; f++)
-                switch (bits * 4 + f) {
-#define CHANNEL_FIELD(B, F) case B * 4 + F: \
-                    channel_field_rows(B, F, codes, S, par, NG, g, a, b - a, fw, q, D, rep, sc + (a - p0), ld, cst); break;
-                    FIELD_CASES(CHANNEL_FIELD)
-                }
-            for (int j = 0; j < rep; j++)
-                for (int i = a; i < b; i++) sc[(long)j * ld + i - p0] += cst[j];
+            channel_group_ref(bits, codes, S, par, NG, g, a, b - a, fw, q, D, rep, sc + (a - p0), ld);
         }
     }
+}
+
+/* Field f of a value row's codes as floats from element i0 on: the reference, one at a time. */
+INLINE void decode_field_ref(const int bits, const int f, const int nf, const uint8_t *row, int fw, float off, int i0,
+                             float *out) {
+    for (int i = i0; i < fw; i++) out[f * fw + i] = nf ? code_value(bits, f, 1, row[i]) : code_field(bits, f, row[i]) + off;
 }
 
 INLINE void decode_field(const int bits, const int f, const int nf, const uint8_t *row, int fw, float off, float *out) {
     int i = 0;
 #if HAVE_AVX2   /* explicit: the compiler's own vectorization of this loop took 4 floats at a time */
-    for (; i + 8 <= fw; i += 8)
-        _mm256_storeu_ps(out + f * fw + i, nf ? code_values8(bits, f, 1, row + i)
-                                              : _mm256_add_ps(code_fields8(bits, f, row + i), _mm256_set1_ps(off)));
+    if (g_isa >= ISA_AVX2)
+        for (; i + 8 <= fw; i += 8)
+            _mm256_storeu_ps(out + f * fw + i, nf ? code_values8(bits, f, 1, row + i)
+                                                  : _mm256_add_ps(code_fields8(bits, f, row + i), _mm256_set1_ps(off)));
 #endif
-    for (; i < fw; i++) out[f * fw + i] = nf ? code_value(bits, f, 1, row[i]) : code_field(bits, f, row[i]) + off;
+    decode_field_ref(bits, f, nf, row, fw, off, i, out);
 }
 
 /* A per-token value row's codes as floats: u + off (symmetric kinds), NF4[u] (nf4) or u (zero-point
    kinds). */
-static void decode_row(int kind, const uint8_t *row, int D, float *out) {
+HIDDEN void decode_row(int kind, const uint8_t *row, int D, float *out) {
     const int bits = kv_bits(kind), fw = D * bits / 8, nf = kind == KV_NF4;
     const float off = kv_zero_point(kind) ? 0.0f : kv_offset(kind);
     for (int f = 0; f < 8 / bits; f++)
@@ -518,7 +490,7 @@ static void decode_row(int kind, const uint8_t *row, int D, float *out) {
 }
 
 /* The value a head vector's own codes u and parameters stand for (the new token read back). */
-static void dequantize_vector(int kind, const uint8_t *u, const uint16_t *par, int D, int qb, float *out) {
+HIDDEN void dequantize_vector(int kind, const uint8_t *u, const uint16_t *par, int D, int qb, float *out) {
     const int nb = D / qb, zp = kv_zero_point(kind), bits = kv_bits(kind);
     const float off = kv_offset(kind);
     for (int i = 0; i < D; i++) {
@@ -528,7 +500,7 @@ static void dequantize_vector(int kind, const uint8_t *u, const uint16_t *par, i
 }
 
 /* x [D] @ rot [D, D] (a row vector times the matrix, as torch's x @ rot). */
-static void rotate(const float *x, const float *rot, int D, float *out) {
+HIDDEN void rotate(const float *x, const float *rot, int D, float *out) {
     for (int i = 0; i < D; i++) out[i] = 0.0f;
     for (int k = 0; k < D; k++) {
         const float xk = x[k];
@@ -538,11 +510,11 @@ static void rotate(const float *x, const float *rot, int D, float *out) {
 }
 
 /* The new token's K or V x (as stored: rotated) at position `slot` of head rg: its codes u and
-   parameters par (per-token kinds, quantized beforehand) and its ring copy (KV_F32: the values). */
-static void write_new(const Stream *st, int keys, long rg, long S, int D, int slot, const float *x, const uint8_t *u,
+   parameters par (per-token kinds, quantized beforehand) and its ring copy (KV_FP32: the values). */
+HIDDEN void write_new(const Stream *st, int keys, long rg, long S, int D, int slot, const float *x, const uint8_t *u,
                       const uint16_t *par) {
     if (st->ring) memcpy(st->ring + (rg * st->ring_n + slot % st->ring_n) * D, x, sizeof(float) * D);
-    if (st->kind == KV_F32 || kv_per_channel(st->kind)) return;
+    if (st->kind == KV_FP32 || kv_per_channel(st->kind)) return;
     const int bits = kv_bits(st->kind), fw = D * bits / 8, np = (kv_zero_point(st->kind) ? 2 : 1) * (D / st->block);
     uint8_t *codes = st->codes;
     for (int i = 0; i < fw; i++) {
@@ -556,7 +528,7 @@ static void write_new(const Stream *st, int keys, long rg, long S, int D, int sl
 /* A per-channel stream's group ending at `slot`, complete with the new token x: its positions from
    the ring and x quantized channel by channel into the codes and the group's parameters
    (ChannelQuantStream.write). Scratch: xg [D, G] floats, ug [D, G] bytes. */
-static void complete_group(const Stream *st, long rg, long S, int D, int slot, const float *x, float *xg, uint8_t *ug) {
+HIDDEN void complete_group(const Stream *st, long rg, long S, int D, int slot, const float *x, float *xg, uint8_t *ug) {
     const int G = st->block, g0 = slot + 1 - G, NG = (int)(S / G), bits = kv_bits(st->kind), fw = D * bits / 8;
     for (int t = 0; t < G - 1; t++) {
         const float *src = ring_row(st, rg, g0 + t, D);

@@ -45,7 +45,8 @@ QUANTIZED = {"q8_0": (-127, 127), "q4_0": (-8, 7)}   # the formats quantize_mode
 QK = 32               # elements per block (both formats)
 KERNEL_ROWS = 16      # rows of activations up to which the GEMV kernels beat dequantize + matmul
 
-SOURCE = Path(__file__).with_name("quant_gemv.c")
+# the products and the instruction set choice they dispatch on, compiled together (kernels.Library)
+SOURCES = [Path(__file__).with_name("quant_gemv.c"), Path(__file__).with_name("cpu_isa.c")]
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "gemv_q8_0_q8": ([_P] * 4 + [_I] * 4, _I),
@@ -61,12 +62,12 @@ _SIGNATURES = {
     "embed_rows_q8_0": ([_P, ctypes.c_long, _P, _P, ctypes.c_long, _I, _P], ctypes.c_long),
     "block_sums": ([_I, _P, _P, _I, _P], None),
 }
-# cpu_isa.c's exports, in every library that includes quant_gemv.c (caramba.model.isa reads them)
+# cpu_isa.c's exports, in every library built with it (caramba.model.isa reads them)
 ISA_SIGNATURES = {"isa_name": ([], ctypes.c_char_p), "isa_set": ([ctypes.c_char_p], _I),
                   "isa_available": ([ctypes.c_char_p], _I), "isa_env_error": ([], _I), "isa_amx": ([], _I)}
 _SIGNATURES.update(ISA_SIGNATURES)
 # library(): the loaded GEMV kernels, or None (CARAMBA_KERNELS=0, no compiler, failed build: one warning).
-library = kernels.Library(SOURCE, _SIGNATURES, "quantized weights multiply")
+library = kernels.Library(SOURCES, _SIGNATURES, "quantized weights multiply")
 
 
 def status() -> str:

@@ -29,62 +29,10 @@
    is read once for all M rows. Parallel over output rows with OpenMP (the process shares
    torch's libgomp). */
 
-#include <stdint.h>
+#include "quant_gemv.h"
+
 #include <stdlib.h>
-#include <string.h>
 #include <math.h>
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define HAVE_AVX2 1
-#else
-#define HAVE_AVX2 0
-#endif
-/* 512-bit products (cpu_isa.c's avx512 and avx512vnni levels), where the build's target has them */
-#if HAVE_AVX2 && defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
-#endif
-#if HAVE_AVX512 && defined(__AVX512VNNI__)
-#define HAVE_AVX512VNNI 1
-#else
-#define HAVE_AVX512VNNI 0
-#endif
-
-#define QK 32
-
-#include "cpu_isa.c"
-
-static inline float fp16_to_fp32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) bits = sign;
-        else {                                   /* subnormal: renormalise */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
-    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-#if HAVE_AVX2
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
 
 /* The activation codes of the integer products (mode), per 32-block of x [M, K]:
      ACT_Q8:    int8 codes [M, K], scale amax / 127, rounded to nearest (llama.cpp's q8_0 rule);
@@ -212,28 +160,6 @@ long embed_rows_q8_0(const int64_t *ids, long n, const int8_t *qs, const uint16_
     return 0;
 }
 
-/* One fp32 weight row . one fp32 activation row (the decode step's fp32 projections). */
-static inline float dot_f32(const float *w, const float *x, int K) {
-#if HAVE_AVX2
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    int k = 0;
-    for (; k + 32 <= K; k += 32) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
-    }
-    for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
-    float acc = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; k < K; k++) acc += w[k] * x[k];
-    return acc;
-#else
-    float acc = 0.0f;
-    for (int k = 0; k < K; k++) acc += w[k] * x[k];
-    return acc;
-#endif
-}
-
 /* --- products: one weight row times up to QTR activation rows --------------------------------
 
    A decode step has one activation row per projection; a batch, a speculative verify or a short
@@ -244,10 +170,6 @@ static inline float dot_f32(const float *w, const float *x, int K) {
    in (RR = 1 is the decode step's), so a row's product never depends on the batch around it. */
 
 #define QTR 4   /* activation rows per tile */
-#define INLINE static inline __attribute__((always_inline))
-
-/* The block formats of the projections (decode_step.c adds its fp32 layouts to the same enum). */
-enum { Q8_0_Q8 = 2, Q8_0_F32 = 3, Q4_1_F32 = 4, Q4_1_Q8 = 5, Q4_0_Q8 = 6, Q8_0_I16 = 7, Q4_1_I16 = 8 };
 
 #if HAVE_AVX2
 #define FACTOR_CHUNK 32   /* blocks whose factors block_factors converts at a time */
@@ -667,7 +589,7 @@ INLINE void tile_blocks_i16(const int RR, const int split, const int8_t *w8, con
 /* The activations a block format's product takes, for M rows of x [M, K]: codes xq (q8, int16 or,
    for fp32 products with AVX2, ACT_SPLIT's [M, 2K]), their scales xd and, for zero-point weights,
    xs [M, K/32]: d_x sum(a_i), or for q4_1 x fp32 the fp32 block sums of x. */
-static void prepare_activations(int fmt, const float *x, int M, int K, int8_t *xq, float *xd, float *xs) {
+HIDDEN void prepare_activations(int fmt, const float *x, int M, int K, int8_t *xq, float *xd, float *xs) {
     const int nb = K / QK;
     const int f32 = fmt == Q4_1_F32 || fmt == Q8_0_F32, wide = fmt == Q8_0_I16 || fmt == Q4_1_I16;
     if (fmt == Q4_1_F32)
@@ -696,9 +618,7 @@ static void prepare_activations(int fmt, const float *x, int M, int K, int8_t *x
    (the c-th ROWS_CHUNK of them; row_chunks(N) in all) and the M rows, QTR activation rows per pass
    (w: the codes of an [N, K] weight, d/m: its fp16 scales/minimums; xq, xd, xs from
    prepare_activations). The threads share out the chunks. */
-#define ROWS_CHUNK 16   /* weight rows per call: the first row's factors wait to be made once per call */
-
-static inline int row_chunks(int N) { return (N + ROWS_CHUNK - 1) / ROWS_CHUNK; }
+/* ROWS_CHUNK (quant_gemv.h): weight rows per call, the first row's factors wait to be made once per call */
 
 typedef void quant_rows_fn(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
                            const float *x, const int8_t *xq, const float *xd, const float *xs, int M, float *y,
@@ -904,9 +824,9 @@ static quant_rows_fn *const QUANT_ROWS[ISA_LEVELS] = {
 };
 
 /* The library's level's rows (g_isa: set when it loads, or by isa_set, never while a product runs). */
-static inline void quant_rows(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
-                              const float *x, const int8_t *xq, const float *xd, const float *xs, int M, float *y,
-                              const float *bias) {
+HIDDEN void quant_rows(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
+                       const float *x, const int8_t *xq, const float *xd, const float *xs, int M, float *y,
+                       const float *bias) {
     QUANT_ROWS[g_isa](fmt, w, d, m, c, N, K, x, xq, xd, xs, M, y, bias);
 }
 

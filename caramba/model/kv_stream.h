@@ -1,0 +1,66 @@
+/* The KV cache streams a decode step reads and writes (kv_stream.c), for decode_step.c. */
+
+#ifndef CARAMBA_KV_STREAM_H
+#define CARAMBA_KV_STREAM_H
+
+#include <stddef.h>
+
+#include "../cache/kinds.h"
+#include "cpu_isa.h"
+
+/* One layer's K or V as caramba.cache stores it (kv_stream.c's comment has the layouts); mirrored
+   by caramba.model.step_abi.Stream. */
+typedef struct {
+    int64_t kind;       /* a KV_* id (kinds.h) */
+    void *codes;        /* KV_FP32: the fp32 values; else the codes */
+    uint16_t *params;   /* fp16 block parameters, or NULL */
+    int64_t block;      /* elements per block; per-channel kinds: tokens per group G */
+    float *ring;        /* fp32 copies [M, n_kv, ring_n, D] at slot p % ring_n (KV_FP32: the values), or NULL */
+    int64_t ring_n;
+    int64_t r0;         /* positions < r0 are read from codes, the rest from the ring */
+    const float *rot;   /* [D, D]: the stream holds x @ rot; NULL: x */
+} Stream;
+
+static inline int kv_bits(int kind) { return KV_BITS[kind]; }
+static inline int kv_zero_point(int kind) { return KV_ZERO_POINT[kind]; }
+static inline int kv_per_channel(int kind) { return KV_PER_CHANNEL[kind]; }
+static inline float kv_offset(int kind) { return KV_OFFSET[kind]; }
+
+/* Position p's fp32 copy in the ring, head rg. */
+static inline const float *ring_row(const Stream *s, long rg, int p, int D) {
+    return s->ring + (rg * s->ring_n + p % s->ring_n) * D;
+}
+
+/* Floats of key_scores_channels' scratch. */
+static inline size_t channel_scratch(int rep, int D) { return (size_t)8 * rep * D + 16 * (size_t)D + 8 * (size_t)rep; }
+
+/* Whether decode_step can read and write this stream for head size D. */
+HIDDEN int stream_ok(const Stream *s, int D, int keys);
+
+/* Scores sc[j, i] (row stride ld) = q_j . k(p0 + i), j < rep, over positions [p0, p0 + n) of the
+   stream's codes for head rg: per-token kinds (scratch t [rep, n], sf, bf [n]) and per-channel
+   ones (scratch: channel_scratch floats). */
+HIDDEN void key_scores_tokens(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
+                              float *sc, int ld, float *t, float *sf, float *bf);
+HIDDEN void key_scores_channels(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
+                                float *sc, int ld, float *scratch);
+
+/* A per-token value row's codes as floats (before the block scales): u + off, NF4[u] or u. */
+HIDDEN void decode_row(int kind, const uint8_t *row, int D, float *out);
+
+/* A head vector's codes u [D] and parameters (quantize_vector), and the values they stand for. */
+HIDDEN void quantize_vector(int kind, const float *x, int D, int qb, uint8_t *u, uint16_t *par);
+HIDDEN void dequantize_vector(int kind, const uint8_t *u, const uint16_t *par, int D, int qb, float *out);
+
+/* out = x [D] @ rot [D, D]. */
+HIDDEN void rotate(const float *x, const float *rot, int D, float *out);
+
+/* The new token's K or V x (as stored) at position slot of head rg: codes, parameters and ring. */
+HIDDEN void write_new(const Stream *st, int keys, long rg, long S, int D, int slot, const float *x, const uint8_t *u,
+                      const uint16_t *par);
+
+/* A per-channel group completed by the new token x at slot: quantized into the codes. Scratch: xg
+   [D, G] floats, ug [D, G] bytes. */
+HIDDEN void complete_group(const Stream *st, long rg, long S, int D, int slot, const float *x, float *xg, uint8_t *ug);
+
+#endif

@@ -1,0 +1,49 @@
+"""The fused decode step's C structs (caramba/model/decode_step.h, kv_stream.h) as ctypes Structures.
+
+decode_step.c takes one StepArgs; its weights come as LayerPlans and a head Lin, its cache as
+Streams (each layer's K, then V). Field for field the C structs: every field 8 bytes but
+StepArgs' last two (eps, a float, and nthreads, an int32), so neither side pads differently.
+tests/test_fast_decode.py checks sizes and offsets against the compiler's (step_abi_layout).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+_P, _L = ctypes.c_void_p, ctypes.c_int64
+
+
+class Lin(ctypes.Structure):
+    """A projection: format (fast_decode's F32_ROWS ... Q4_1_I16), N outputs, K inputs, the weights
+    or codes, fp16 scales and minimums, bias (0: none)."""
+    _fields_ = [("fmt", _L), ("N", _L), ("K", _L), ("w", _P), ("d", _P), ("m", _P), ("bias", _P)]
+
+
+class LayerPlan(ctypes.Structure):
+    _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("qkv", Lin), ("o", Lin), ("w13", Lin), ("w2", Lin)]
+
+
+class Stream(ctypes.Structure):
+    """One layer's K or V: kind (KindSpec.step), codes (KV_FP32: the values), fp16 parameters,
+    block (per-channel kinds: tokens per group), fp32 ring and its slots, r0 (positions below it
+    are read from codes), rotation [D, D] (0: none)."""
+    _fields_ = [("kind", _L), ("codes", _P), ("params", _P), ("block", _L), ("ring", _P), ("ring_n", _L),
+                ("r0", _L), ("rot", _P)]
+
+
+class StepArgs(ctypes.Structure):
+    _fields_ = [("n_layers", _L), ("layers", _P), ("head", _P), ("final_norm", _P), ("streams", _P), ("x", _P),
+                ("logits", _P), ("M", _L), ("T", _L), ("last_only", _L), ("dim", _L), ("n_heads", _L),
+                ("n_kv", _L), ("head_dim", _L), ("hidden", _L), ("max_seq", _L), ("slot", _L),
+                ("positions", _P), ("mask", _P), ("cos", _P), ("ssin", _P), ("eps", ctypes.c_float),
+                ("nthreads", ctypes.c_int32)]
+
+
+def layout() -> list[int]:
+    """What step_abi_layout in C reports, computed from these Structures: the sizes of Lin,
+    LayerPlan, Stream and StepArgs, StepArgs' field offsets in order, then LayerPlan's qkv, o,
+    w13, w2 and Stream's r0 and rot offsets."""
+    return ([ctypes.sizeof(t) for t in (Lin, LayerPlan, Stream, StepArgs)]
+            + [getattr(StepArgs, name).offset for name, _ in StepArgs._fields_]
+            + [getattr(LayerPlan, f).offset for f in ("qkv", "o", "w13", "w2")]
+            + [Stream.r0.offset, Stream.rot.offset])
