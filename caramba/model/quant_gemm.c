@@ -336,6 +336,229 @@ static void panel_amx(const int8_t *w, const float *wdp, const int8_t *xp, const
 }
 #endif
 
+/* --- fp32 activations (native's Q4_1, and any format under act='f32'): AMX-BF16 on exact pieces ---
+
+   Every fp32 x is the exact sum of three bf16 pieces (x1 = x truncated to bf16, x2 = the rest
+   truncated, x3 = what remains: 8 + 8 + 8 significant bits), and every weight code (q8_0's
+   int8, q4_0's q - 8, q4_1's q in 0..15) is exact in bf16, so TDPBF16PS multiplies exactly the
+   values the fp32 path does; only its fp32 accumulation rounds. Per output (m, n), block b:
+       c   = sum over the block and the three pieces of code * piece      (fp32, the tile's order)
+       acc = fmaf(d[n,b], c, acc);  q4_1: acc = fmaf(min[n,b], sx[m,b], acc)
+   with sx the block's fp32 sum of x in element order. The same bound as any fp32 dot product of
+   3K + 2K/32 terms (tests/test_quant_prefill.py); gemm_f32_ref is that arithmetic in C order.
+   Values below bf16's normal range (2^-126) in a piece count as zero (AMX's DAZ): an error below
+   2^-126 per element. */
+
+enum { FMT_Q4_1 = 2 };
+
+static inline float weight_value_code(int fmt, const void *qs, long n, int k, int K) {
+    if (fmt != FMT_Q4_1) return (float)weight_code(fmt, qs, n, k, K);
+    const uint8_t byte = ((const uint8_t *)qs)[n * (K / 2) + (k / QK) * (QK / 2) + (k % QK) % (QK / 2)];
+    return (float)((k % QK) < QK / 2 ? byte & 15 : byte >> 4);
+}
+
+static inline float bf16_trunc(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    bits &= 0xffff0000u;
+    float y;
+    memcpy(&y, &bits, 4);
+    return y;
+}
+
+static inline float block_sum(const float *x) {
+    float s = 0.0f;
+    for (int k = 0; k < QK; k++) s += x[k];
+    return s;
+}
+
+void gemm_f32_ref(int fmt, const float *x, int M, int K, const void *qs, const uint16_t *wd, const uint16_t *wm,
+                  int N, float *out) {
+    const int nb = K / QK;
+    for (int m = 0; m < M; m++)
+        for (long n = 0; n < N; n++) {
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                const float *xb = x + (long)m * K + b * QK;
+                float c = 0.0f;
+                for (int k = 0; k < QK; k++) {
+                    const float x1 = bf16_trunc(xb[k]), x2 = bf16_trunc(xb[k] - x1), x3 = xb[k] - x1 - x2;
+                    const float q = weight_value_code(fmt, qs, n, b * QK + k, K);
+                    c += q * x1 + q * x2 + q * x3;
+                }
+                acc = fmaf(fp16_to_fp32(wd[n * nb + b]), c, acc);
+                if (fmt == FMT_Q4_1) acc = fmaf(fp16_to_fp32(wm[n * nb + b]), block_sum(xb), acc);
+            }
+            out[(long)m * N + n] = acc;
+        }
+}
+
+#if HAVE_AMX && defined(__AMX_BF16__)
+#define HAVE_AMX_BF16 1
+#define BF_MTILE 16        /* activation rows per tile */
+#define BF_CHUNK 128       /* activation rows packed at a time: 3 pieces of 128 x K bf16 stay in L2 */
+
+static int amx_bf16_cpu(void) {
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    return (d >> 22) & 1;
+}
+
+/* Rows m0 .. m0+rows-1 of x as B tiles: xp [tile][b][piece][16 pairs][16 rows][2] bf16, one
+   contiguous KiB per tile, rows past M zero; sx [tile][b][16] their blocks' fp32 sums. */
+static void pack_pieces(const float *x, int m0, int rows, int M, int K, uint16_t *xp, float *sx) {
+    const int nb = K / QK, tiles = (rows + BF_MTILE - 1) / BF_MTILE;
+    for (int t = 0; t < tiles; t++)
+        for (int j = 0; j < BF_MTILE; j++) {
+            const int m = m0 + t * BF_MTILE + j;
+            for (int b = 0; b < nb; b++) {
+                uint16_t *dst = xp + (((long)t * nb + b) * 3) * 512 + j * 2;
+                float *s = sx + ((long)t * nb + b) * BF_MTILE + j;
+                if (m >= M || t * BF_MTILE + j >= rows) {
+                    for (int p = 0; p < 3; p++)
+                        for (int r = 0; r < 16; r++) dst[p * 512 + r * 32] = dst[p * 512 + r * 32 + 1] = 0;
+                    *s = 0.0f;
+                    continue;
+                }
+                const float *xb = x + (long)m * K + b * QK;
+                for (int k = 0; k < QK; k++) {
+                    const float x1 = bf16_trunc(xb[k]), x2 = bf16_trunc(xb[k] - x1), x3 = xb[k] - x1 - x2;
+                    const float piece[3] = {x1, x2, x3};
+                    for (int p = 0; p < 3; p++) {
+                        uint32_t bits;
+                        memcpy(&bits, &piece[p], 4);
+                        dst[p * 512 + (k / 2) * 32 + (k % 2)] = (uint16_t)(bits >> 16);
+                    }
+                }
+                *s = block_sum(xb);
+            }
+        }
+}
+
+/* Weight rows as bf16 codes [Np][K] (rows past N zero), scales and minimums fp32 [Np][nb]. */
+static void convert_weights(int fmt, const void *qs, const uint16_t *wd, const uint16_t *wm, int N, int Np, int K,
+                            uint16_t *wb, float *wdf, float *wmf) {
+    const int nb = K / QK;
+    #pragma omp for schedule(static)
+    for (long n = 0; n < Np; n++) {
+        uint16_t *dst = wb + n * K;
+        for (int b = 0; b < nb; b++) {
+            wdf[n * nb + b] = n < N ? fp16_to_fp32(wd[n * nb + b]) : 0.0f;
+            wmf[n * nb + b] = n < N && fmt == FMT_Q4_1 ? fp16_to_fp32(wm[n * nb + b]) : 0.0f;
+        }
+        if (n >= N) {
+            memset(dst, 0, (size_t)K * 2);
+            continue;
+        }
+        for (int k = 0; k < K; k += 16) {
+            __m128i codes;   /* 16 codes as int8 */
+            if (fmt == FMT_Q8_0) codes = _mm_loadu_si128((const __m128i *)((const int8_t *)qs + n * K + k));
+            else {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + n * (K / 2) + (k / QK) * (QK / 2)));
+                const __m128i nib = (k % QK) ? _mm_srli_epi16(bytes, 4) : bytes;
+                codes = _mm_and_si128(nib, _mm_set1_epi8(15));
+                if (fmt == FMT_Q4_0) codes = _mm_sub_epi8(codes, _mm_set1_epi8(8));
+            }
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));   /* exact: |code| <= 127 */
+            _mm256_storeu_si256((__m256i *)(dst + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
+        }
+    }
+}
+
+/* tmm0-1: C (16 weight rows x 16 activation rows, fp32); tmm2-3: A (16 weight rows x one block);
+   tmm4-6: B (the three pieces of one block of 16 activation rows). */
+static void amx_configure_bf16(void) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+static void panel_bf16(int fmt, const uint16_t *w, const float *wdf, const float *wmf, const uint16_t *xp,
+                       const float *sx, int tiles, int K, long n0, int N, int m0, int M, float *out) {
+    const int nb = K / QK;
+    float acc[PANEL * BF_MTILE] __attribute__((aligned(64)));
+    float c[2][16 * 16] __attribute__((aligned(64)));
+    for (int t = 0; t < tiles; t++) {
+        memset(acc, 0, sizeof acc);
+        for (int b = 0; b < nb; b++) {
+            const uint16_t *xb = xp + ((long)t * nb + b) * 3 * 512;
+            _tile_loadd(2, w + b * QK, K * 2);
+            _tile_loadd(3, w + 16L * K + b * QK, K * 2);
+            _tile_loadd(4, xb, 64);
+            _tile_loadd(5, xb + 512, 64);
+            _tile_loadd(6, xb + 1024, 64);
+            _tile_zero(0); _tile_zero(1);
+            _tile_dpbf16ps(0, 2, 4); _tile_dpbf16ps(1, 3, 4);
+            _tile_dpbf16ps(0, 2, 5); _tile_dpbf16ps(1, 3, 5);
+            _tile_dpbf16ps(0, 2, 6); _tile_dpbf16ps(1, 3, 6);
+            _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
+            const __m512 s = _mm512_load_ps(sx + ((long)t * nb + b) * BF_MTILE);
+            for (int i = 0; i < PANEL; i++) {
+                __m512 a = _mm512_fmadd_ps(_mm512_set1_ps(wdf[(n0 + i) * nb + b]), _mm512_load_ps(c[i / 16] + (i % 16) * 16),
+                                           _mm512_load_ps(acc + i * BF_MTILE));
+                if (fmt == FMT_Q4_1) a = _mm512_fmadd_ps(_mm512_set1_ps(wmf[(n0 + i) * nb + b]), s, a);
+                _mm512_store_ps(acc + i * BF_MTILE, a);
+            }
+        }
+        const int cols = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+        for (int j = 0; j < BF_MTILE && m0 + t * BF_MTILE + j < M; j++)
+            for (int i = 0; i < cols; i++) out[(long)(m0 + t * BF_MTILE + j) * N + n0 + i] = acc[i * BF_MTILE + j];
+    }
+}
+#else
+#define HAVE_AMX_BF16 0
+#endif
+
+/* 1 where gemm_f32 runs on AMX-BF16 here (the CPU, the OS's leave for AMX, the build; the level
+   not capped below amx), else 0: the caller keeps its own path (the reference is slow). */
+int gemm_f32_available(void) {
+#if HAVE_AMX_BF16
+    return g_level == LVL_AMX && amx_bf16_cpu();
+#else
+    return 0;
+#endif
+}
+
+/* out [M, N] = fp32 x times the weight (fmt, qs, wd, wm)^T: AMX-BF16 where gemm_f32_available,
+   else the reference. Returns 0, or 1 where a buffer could not be allocated. */
+int gemm_f32(int fmt, const float *x, int M, int K, const void *qs, const uint16_t *wd, const uint16_t *wm, int N,
+             float *out, int nthreads) {
+#if HAVE_AMX_BF16
+    if (gemm_f32_available()) {
+        const int nb = K / QK, Np = (N + PANEL - 1) / PANEL * PANEL;
+        const int chunk_tiles = BF_CHUNK / BF_MTILE;
+        uint16_t *wb = aligned_alloc(64, (size_t)Np * K * 2);
+        float *wdf = aligned_alloc(64, (size_t)Np * nb * sizeof(float)), *wmf = aligned_alloc(64, (size_t)Np * nb * sizeof(float));
+        uint16_t *xp = aligned_alloc(64, (size_t)chunk_tiles * nb * 3 * 512 * 2);
+        float *sx = aligned_alloc(64, (size_t)chunk_tiles * nb * BF_MTILE * sizeof(float));
+        const int failed = !wb || !wdf || !wmf || !xp || !sx;
+        if (!failed) {
+            #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
+            {
+                convert_weights(fmt, qs, wd, wm, N, Np, K, wb, wdf, wmf);
+                amx_configure_bf16();
+                for (int m0 = 0; m0 < M; m0 += BF_CHUNK) {
+                    const int rows = M - m0 < BF_CHUNK ? M - m0 : BF_CHUNK;
+                    #pragma omp single
+                    pack_pieces(x, m0, rows, M, K, xp, sx);
+                    #pragma omp for schedule(dynamic)
+                    for (long p = 0; p < Np / PANEL; p++)
+                        panel_bf16(fmt, wb + p * PANEL * K, wdf, wmf, xp, sx, (rows + BF_MTILE - 1) / BF_MTILE, K, p * PANEL,
+                                   N, m0, M, out);
+                }
+                _tile_release();
+            }
+        }
+        free(wb); free(wdf); free(wmf); free(xp); free(sx);
+        return failed;
+    }
+#endif
+    gemm_f32_ref(fmt, x, M, K, qs, wd, wm, N, out);
+    return 0;
+}
+
 /* out [M, N] = q8 activations (xq, xd) times the weight (fmt, qs, wd)^T at the library's level.
    Returns 0, or 1 where a buffer could not be allocated (out then incomplete). */
 int gemm_q8(int fmt, const int8_t *xq, const float *xd, int M, int K, const void *qs, const uint16_t *wd, int N,

@@ -30,12 +30,15 @@ import torch
 from caramba import kernels
 
 LEVELS = ("scalar", "avx512vnni", "amx")
-FORMATS = {"q8_0": 0, "q4_0": 1}
+FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 SOURCE = Path(__file__).with_name("quant_gemm.c")
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "gemm_q8": ([_I, _P, _P, _I, _I, _P, _P, _I, _P, _I], _I),
     "gemm_q8_ref": ([_I, _P, _P, _I, _I, _P, _P, _I, _P], None),
+    "gemm_f32": ([_I, _P, _I, _I, _P, _P, _P, _I, _P, _I], _I),
+    "gemm_f32_ref": ([_I, _P, _I, _I, _P, _P, _P, _I, _P], None),
+    "gemm_f32_available": ([], _I),
     "gemm_isa_name": ([], ctypes.c_char_p),
     "gemm_isa_set": ([ctypes.c_char_p], _I),
     "gemm_isa_available": ([ctypes.c_char_p], _I),
@@ -106,19 +109,52 @@ def gemm(fmt: str, xq: torch.Tensor, xd: torch.Tensor, qs: torch.Tensor, d: torc
     return out
 
 
+def gemm_f32(fmt: str, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, N: int,
+             reference: bool = False, threads: int | None = None) -> torch.Tensor:
+    """out [M, N] fp32 = fp32 rows x [M, K] times the (qs, d, m) weight^T: AMX-BF16 on x's exact
+    bf16 pieces where f32_available(), else (or with `reference`) the portable reference."""
+    lib = library()
+    M, K = x.shape
+    out = torch.empty(M, N)
+    args = (FORMATS[fmt], x.data_ptr(), M, K, qs.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), N,
+            out.data_ptr())
+    if reference:
+        lib.gemm_f32_ref(*args)
+    elif lib.gemm_f32(*args, torch.get_num_threads() if threads is None else threads):
+        raise MemoryError("quantized prefill GEMM could not allocate its packing buffers")
+    return out
+
+
+def f32_available() -> bool:
+    """Whether fp32-activation layers (native's) run on AMX-BF16 here (else torch's path)."""
+    lib = library()
+    return bool(lib and lib.gemm_f32_available())
+
+
 def linear(layer, rows: torch.Tensor) -> torch.Tensor | None:
     """rows [M, K] fp32 (contiguous, CPU) times the QuantLinear `layer`'s weight^T (+ bias), or
-    None where this GEMM does not apply (another format or activation rounding, no library, or
-    no int8 level here): the caller then dequantizes and calls torch."""
-    if layer.act != "q8" or layer.fmt not in FORMATS or not layer.qs.is_cpu:
+    None where no GEMM here applies (no library, no int8 level for q8 activations, no AMX-BF16
+    for fp32 or int16 ones): the caller then dequantizes and calls torch."""
+    if not layer.qs.is_cpu:
         return None
     lib = library()
-    if lib is None or lib.gemm_isa_name() == b"scalar":
+    if lib is None:
         return None
-    q = quantize_rows(rows)
-    if q is None:
-        return None
-    out = gemm(layer.fmt, *q, layer.qs, layer.d, layer.out_features)
+    if layer.act == "q8":
+        if lib.gemm_isa_name() == b"scalar":
+            return None
+        q = quantize_rows(rows)
+        if q is None:
+            return None
+        out = gemm(layer.fmt, *q, layer.qs, layer.d, layer.out_features)
+    else:
+        if not lib.gemm_f32_available():
+            return None
+        if layer.act == "i16":   # the values the int16 kernels multiply
+            from caramba.model import quant
+
+            rows = quant.round_activations(rows, "i16").contiguous()
+        out = gemm_f32(layer.fmt, rows, layer.qs, layer.d, layer.m, layer.out_features)
     if layer.bias is not None:
         out += layer.bias
     return out
