@@ -299,6 +299,13 @@ class QuantLinear(nn.Module):
                 return self._kernel(lib, x, M)
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(torch.float32)
+        if rows.is_cpu and not (rows.requires_grad and torch.is_grad_enabled()):
+            # Prefill-sized: an int8 GEMM on the codes where the CPU has one (q8 activations only)
+            from caramba.model import quant_gemm
+
+            y = quant_gemm.linear(self, rows.contiguous())
+            if y is not None:
+                return y.to(x.dtype).view(*shape[:-1], self.out_features)
         if self.act in ACTIVATION_LEVELS:
             rows = round_activations(rows, self.act)
         y = F.linear(rows, self.dequantized().to(x.device), self.bias)

@@ -1,0 +1,123 @@
+"""Prefill tok/s of SmolLM2-135M with quantized weights against fp32 weights, in one run.
+
+Issue 31 goal 4: a prompt's prefill with q8_0, q4_0 or native (Q4_1) weights at least as fast as
+with fp32 weights. Each format's model is loaded once; every repeat prefills the same prompt
+(caramba's corpus, repeated to --tokens) through each format in turn (fp32, q8_0, q4_0, native,
+...), so a busy machine slows them alike; one warm-up prefill per format first. Reported: median
+wall-clock tok/s, median tok/s of process CPU time (all threads: what a descheduled thread does
+not spend, steadier on a shared machine), and each median's ratio to fp32's in the same run;
+the CPU's model name, threads, load average before and after, and the GEMM level
+(caramba.model.quant_gemm) the quantized prefill ran at.
+
+--old adds each quantized format through the path before the int8 GEMM (the GEMM's level set
+to scalar, so QuantLinear dequantizes and calls torch), in the same alternation.
+
+    .venv/bin/python benchmarks/quant_prefill.py [--tokens 512,2048] [--threads 1] [--repeats 3]
+        [--formats fp32,q8_0,q4_0,native] [--old] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from caramba.infer.evaluate import corpus_ids  # noqa: E402
+from caramba.model import isa, quant, quant_gemm  # noqa: E402
+from caramba.model.zoo import load_model  # noqa: E402
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@torch.inference_mode()
+def prefill(model, prompt: torch.Tensor) -> tuple[float, float]:
+    """(wall tok/s, CPU tok/s) of one prefill of `prompt` [1, T] into a fresh cache."""
+    cache = model.new_cache(1, prompt.shape[1] + 1)
+    t0, c0 = time.perf_counter(), time.process_time()
+    model(prompt, cache=cache, last_only=True)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return prompt.shape[1] / wall, prompt.shape[1] / cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="512,2048", help="comma-separated prompt lengths")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--formats", default="fp32,q8_0,q4_0,native")
+    ap.add_argument("--old", action="store_true", help="also time the quantized formats' torch path")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    bad = [f for f in formats if f not in quant.WEIGHT_KINDS]
+    if bad or "fp32" not in formats:
+        ap.error(f"--formats: need fp32 and kinds of {', '.join(quant.WEIGHT_KINDS)} (got {args.formats})")
+    lengths = [int(t) for t in args.tokens.split(",")]
+    torch.set_num_threads(args.threads)
+
+    models = {w: load_model("smollm2-135m", progress=False, weights=w) for w in formats}
+    ids = corpus_ids(models["fp32"].tokenizer)
+    variants = [(w, False) for w in formats] + [(w, True) for w in formats if args.old and w != "fp32"]
+    name = {v: v[0] + (" (torch path)" if v[1] else "") for v in variants}
+    load_before = os.getloadavg()
+    results = {}
+    for T in lengths:
+        prompt = torch.tensor([(ids * (T // len(ids) + 1))[:T]])
+        runs = {v: [] for v in variants}
+        for r in range(args.repeats + 1):            # round 0: warm-up, not counted
+            for v in variants:
+                w, old = v
+                if old:
+                    with quant_gemm.use_level("scalar"):
+                        got = prefill(models[w].model, prompt)
+                else:
+                    got = prefill(models[w].model, prompt)
+                if r:
+                    runs[v].append(got)
+        results[T] = runs
+    load_after = os.getloadavg()
+
+    print(f"\nprefill of SmolLM2-135M, {cpu_model()}, {args.threads} thread(s), torch {torch.__version__}; "
+          f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}; int8 GEMM at "
+          f"{quant_gemm.level()}, decode products at {isa.kernel_isa()}; medians of {args.repeats}")
+    print("| tokens | weights | tok/s (wall) | vs fp32 | tok/s (CPU time) | vs fp32 |")
+    print("|---|---|---|---|---|---|")
+    table = []
+    for T, runs in results.items():
+        base = [statistics.median(x[i] for x in runs[("fp32", False)]) for i in (0, 1)]
+        for v, xs in runs.items():
+            med = [statistics.median(x[i] for x in xs) for i in (0, 1)]
+            print(f"| {T} | {name[v]} | {med[0]:.0f} | {med[0] / base[0]:.2f}x | {med[1]:.0f} | {med[1] / base[1]:.2f}x |")
+            table.append({"tokens": T, "weights": v[0], "torch_path": v[1], "wall_tok_s": [x[0] for x in xs],
+                          "cpu_tok_s": [x[1] for x in xs], "median_wall": med[0], "median_cpu": med[1],
+                          "ratio_wall": med[0] / base[0], "ratio_cpu": med[1] / base[1]})
+    if args.json:
+        record = {"cpu": cpu_model(), "threads": args.threads, "repeats": args.repeats, "torch": torch.__version__,
+                  "loadavg_before": load_before, "loadavg_after": load_after, "gemm_level": quant_gemm.level(),
+                  "kernel_isa": isa.kernel_isa(), "rows": table, "command": sys.argv}
+        fd, tmp = tempfile.mkstemp(dir=args.json.parent or ".", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, args.json)   # atomic
+
+
+if __name__ == "__main__":
+    main()

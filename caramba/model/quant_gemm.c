@@ -1,0 +1,611 @@
+/* Prefill-sized products of block-quantized weights with q8-rounded activations: an int8 GEMM.
+
+   A prompt's prefill multiplies every weight by many activation rows at once, so unlike the
+   decode GEMVs (quant_gemv.c) it is bound by arithmetic, not bytes. Dequantizing the weight to
+   fp32 and calling an fp32 GEMM costs a pass over the weight plus the fp32 product; here the int8
+   codes are multiplied as they are, where the CPU has int8 matrix instructions:
+
+     amx         AMX tiles (TDPBSSD: 16x16 int32 += 16x32 int8 . 32x16 int8 in one instruction)
+     avx512vnni  512-bit vpdpbusd dot products, register-blocked 4 weight rows x 32 activation rows
+     scalar      the portable reference (gemm_q8_ref), one element at a time: what the others are
+                 tested against; the caller (caramba.model.quant_gemm) keeps torch's
+                 dequantize-then-matmul rather than run it.
+
+   Arithmetic (every level the same, so their outputs are bit-identical): activations come as q8
+   codes xq [M, K] with one fp32 scale per 32-block xd [M, K/32] (quant_gemv.c's
+   quantize_activations_q8, the codes a decode step multiplies); weights as q8_0 (int8 codes) or
+   q4_0 (nibbles, value q - 8), fp16 scale per block. Per output (m, n) and block b in order:
+       isum = sum over the block of xq * wq        (int32, exact: |isum| <= 32*127*127 < 2^24)
+       acc  = fmaf(wd[n,b] * xd[m,b], (float)isum, acc)
+   The torch path this replaces multiplies the same values (round_activations times the
+   dequantized weight), summing the fp32 products in another order.
+
+   Layouts as quant_gemv.c: q8_0 qs int8 [N, K]; q4_0 qs uint8 [N, K/2], byte j of a block holds
+   element j (low nibble) and j + 16 (high nibble). out is [M, N] fp32. Parallel over 32-row
+   panels of the weight with OpenMP (torch's libgomp). */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+long syscall(long number, ...);   /* unistd.h declares it only outside strict -std=c11 */
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define HAVE_VNNI 1
+#else
+#define HAVE_VNNI 0
+#endif
+#if HAVE_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__x86_64__)
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
+
+#define QK 32
+#define PANEL 32          /* weight rows per work item (two AMX tiles of 16) */
+#define MTILE 32          /* activation rows per inner step (two tiles of 16 / two zmm of 16 lanes) */
+
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1 };
+
+static inline float fp16_to_fp32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);                 /* inf, nan */
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);            /* normal */
+    else if (!man) bits = sign;                                               /* zero */
+    else {                                                                     /* subnormal: normalise */
+        int e = -1;
+        uint32_t mm = man;
+        do { e++; mm <<= 1; } while (!(mm & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((mm & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline int weight_code(int fmt, const void *qs, long n, int k, int K) {
+    if (fmt == FMT_Q8_0) return ((const int8_t *)qs)[n * K + k];
+    const uint8_t byte = ((const uint8_t *)qs)[n * (K / 2) + (k / QK) * (QK / 2) + (k % QK) % (QK / 2)];
+    return ((k % QK) < QK / 2 ? byte & 15 : byte >> 4) - 8;
+}
+
+/* The reference: one output at a time, straight from the weight's own layout (no packing). */
+void gemm_q8_ref(int fmt, const int8_t *xq, const float *xd, int M, int K, const void *qs, const uint16_t *wd,
+                 int N, float *out) {
+    const int nb = K / QK;
+    for (int m = 0; m < M; m++)
+        for (long n = 0; n < N; n++) {
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                int32_t isum = 0;
+                for (int k = b * QK; k < (b + 1) * QK; k++) isum += (int32_t)xq[(long)m * K + k] * weight_code(fmt, qs, n, k, K);
+                const float s = fp16_to_fp32(wd[n * nb + b]) * xd[(long)m * nb + b];
+                acc = fmaf(s, (float)isum, acc);
+            }
+            out[(long)m * N + n] = acc;
+        }
+}
+
+/* --- run-time level ----------------------------------------------------------------------------- */
+
+enum { LVL_SCALAR = 0, LVL_VNNI = 1, LVL_AMX = 2, LVL_COUNT = 3 };
+static const char *const LVL_NAMES[LVL_COUNT] = {"scalar", "avx512vnni", "amx"};
+
+static int amx_granted(void) {
+#if HAVE_AMX && defined(__linux__)
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+    if (a < 7) return 0;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return 0;   /* AMX-TILE, AMX-INT8 */
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return 0;
+#endif
+}
+
+static int level_usable(int level) {
+    switch (level) {
+    case LVL_SCALAR: return 1;
+#if HAVE_VNNI
+    case LVL_VNNI:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+               && __builtin_cpu_supports("avx512vnni");
+#endif
+#if HAVE_AMX
+    case LVL_AMX: {
+        static int granted = -1;   /* ask the OS once */
+        if (granted < 0) granted = level_usable(LVL_VNNI) && amx_granted();
+        return granted;
+    }
+#endif
+    default: return 0;
+    }
+}
+
+/* A wish (a level name, or one of cpu_isa.c's lower names: those have no int8 GEMM, so scalar)
+   -> the level to run: the wished one where usable, else the best below it. -1: no level name. */
+static int level_pick(const char *wish) {
+    static const char *const lower[] = {"scalar", "avx2", "avxvnni", "avx512"};
+    int top = LVL_COUNT - 1;
+    if (wish && *wish) {
+        for (top = 0; top < LVL_COUNT && strcmp(wish, LVL_NAMES[top]); top++) {}
+        if (top == LVL_COUNT) {
+            for (int i = 0; i < 4; i++)
+                if (!strcmp(wish, lower[i])) return LVL_SCALAR;
+            return -1;
+        }
+    }
+    while (top > 0 && !level_usable(top)) top--;
+    return top;
+}
+
+static int g_level = LVL_SCALAR;
+
+/* CARAMBA_ISA (model/isa.py) caps the level, as for the decode kernels; unset: the best. */
+__attribute__((constructor)) static void gemm_level_init(void) {
+    const int level = level_pick(getenv("CARAMBA_ISA"));
+    g_level = level < 0 ? level_pick(NULL) : level;
+}
+
+const char *gemm_isa_name(void) { return LVL_NAMES[g_level]; }
+
+int gemm_isa_available(const char *name) {
+    for (int level = 0; level < LVL_COUNT; level++)
+        if (!strcmp(name, LVL_NAMES[level])) return level_usable(level);
+    return 0;
+}
+
+/* Set the level (tests, A/B timings): the asked one or its fallback; -1 (unchanged) for no name. */
+int gemm_isa_set(const char *name) {
+    const int level = level_pick(name);
+    if (level >= 0) g_level = level;
+    return level;
+}
+
+/* --- packing shared by the vector levels -------------------------------------------------------- */
+
+#if HAVE_VNNI
+/* Activations for a level's inner loop: xp [nb][8][Mp][4] int8, each 4-element group of a row
+   next to the same group of the following rows (an AMX B tile, or a zmm of 16 rows), rows past M
+   zero; xdp [nb][Mp] their scales (0 past M); csx [nb][Mp] c times each block's code sum (the
+   offset vpdpbusd's unsigned operand adds, removed again; AMX needs none). */
+static void pack_activations(const int8_t *xq, const float *xd, int M, int Mp, int K, int c, int8_t *xp,
+                             float *xdp, int32_t *csx) {
+    const int nb = K / QK;
+    #pragma omp parallel for schedule(static)
+    for (int b = 0; b < nb; b++) {
+        int32_t *dst = (int32_t *)xp + (long)b * 8 * Mp;
+        for (int m = 0; m < Mp; m++) {
+            const int8_t *row = xq + (long)m * K + b * QK;
+            int32_t sum = 0;
+            for (int r = 0; r < 8; r++) {
+                int32_t group = 0;
+                if (m < M) memcpy(&group, row + 4 * r, 4);
+                dst[(long)r * Mp + m] = group;
+            }
+            if (m < M)
+                for (int k = 0; k < QK; k++) sum += row[k];
+            xdp[(long)b * Mp + m] = m < M ? xd[(long)m * nb + b] : 0.0f;
+            csx[(long)b * Mp + m] = c * sum;
+        }
+    }
+}
+
+/* Weight rows n0 .. n0+PANEL-1 as int8 codes [PANEL][K] (rows past N zero) and their fp32
+   scales [PANEL][nb]. unsigned_codes: q8_0 codes + 128 and q4_0 nibbles as they are (vpdpbusd's
+   u8 operand); else signed codes (q4_0: q - 8). A full q8_0 panel with signed codes is read in
+   place: the returned pointer. */
+static const int8_t *pack_weights(int fmt, const void *qs, const uint16_t *wd, long n0, int N, int K,
+                                  int unsigned_codes, int8_t *panel, float *wdp) {
+    const int nb = K / QK, rows = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+    for (int i = 0; i < PANEL; i++)
+        for (int b = 0; b < nb; b++) wdp[i * nb + b] = i < rows ? fp16_to_fp32(wd[(n0 + i) * nb + b]) : 0.0f;
+    if (fmt == FMT_Q8_0 && !unsigned_codes && rows == PANEL) return (const int8_t *)qs + n0 * K;
+    memset(panel, 0, (size_t)PANEL * K);
+    const __m256i nib = _mm256_set1_epi8(15), flip = _mm256_set1_epi8(unsigned_codes ? (char)0x80 : 0);
+    const __m256i off = _mm256_set1_epi8(unsigned_codes ? 0 : 8);
+    for (int i = 0; i < rows; i++) {
+        int8_t *dst = panel + (long)i * K;
+        if (fmt == FMT_Q8_0) {
+            const int8_t *src = (const int8_t *)qs + (n0 + i) * K;
+            for (int k = 0; k < K; k += QK)
+                _mm256_storeu_si256((__m256i *)(dst + k), _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + k)), flip));
+            continue;
+        }
+        const uint8_t *src = (const uint8_t *)qs + (n0 + i) * (K / 2);
+        for (int b = 0; b < nb; b++) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(src + b * QK / 2));
+            const __m256i both = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);   /* low nibbles, then high */
+            _mm256_storeu_si256((__m256i *)(dst + b * QK), _mm256_sub_epi8(_mm256_and_si256(both, nib), off));
+        }
+    }
+    return panel;
+}
+
+/* acc [PANEL][MTILE] fp32 (row = weight row) -> out [M, N]: transposed in L1 first, so that out
+   is written a row at a time (strided single stores 4 KiB apart thrash one L1 set: N = 3072
+   took 1.8x as long). */
+static void store_transposed(const float *acc, long n0, int N, int m0, int M, float *out) {
+    float t[MTILE * PANEL] __attribute__((aligned(64)));
+    for (int i = 0; i < PANEL; i++)
+        for (int j = 0; j < MTILE; j++) t[j * PANEL + i] = acc[i * MTILE + j];
+    const int cols = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+    for (int j = 0; j < MTILE && m0 + j < M; j++) memcpy(out + (long)(m0 + j) * N + n0, t + j * PANEL, cols * sizeof(float));
+}
+
+/* One panel at the VNNI level: 4 weight rows x 32 activation rows in registers. */
+static void panel_vnni(const int8_t *w, const float *wdp, const int8_t *xp, const float *xdp, const int32_t *csx,
+                       int Mp, int K, long n0, int N, int M, float *out) {
+    const int nb = K / QK;
+    float acc[PANEL * MTILE] __attribute__((aligned(64)));
+    for (int m0 = 0; m0 < Mp; m0 += MTILE) {
+        for (int i0 = 0; i0 < PANEL && n0 + i0 < N; i0 += 4) {
+            __m512 f[4][2];
+            for (int i = 0; i < 4; i++) f[i][0] = f[i][1] = _mm512_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                __m512i a[4][2];
+                for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = _mm512_setzero_si512();
+                const int8_t *xb = xp + ((long)b * 8 * Mp + m0) * 4;
+                for (int r = 0; r < 8; r++) {
+                    const __m512i x0 = _mm512_load_si512(xb + (long)r * Mp * 4), x1 = _mm512_load_si512(xb + (long)r * Mp * 4 + 64);
+                    for (int i = 0; i < 4; i++) {
+                        int32_t g;
+                        memcpy(&g, w + (long)(i0 + i) * K + b * QK + 4 * r, 4);
+                        const __m512i wb = _mm512_set1_epi32(g);
+                        a[i][0] = _mm512_dpbusd_epi32(a[i][0], wb, x0);
+                        a[i][1] = _mm512_dpbusd_epi32(a[i][1], wb, x1);
+                    }
+                }
+                const __m512i c0 = _mm512_load_si512(csx + (long)b * Mp + m0), c1 = _mm512_load_si512(csx + (long)b * Mp + m0 + 16);
+                const __m512 d0 = _mm512_load_ps(xdp + (long)b * Mp + m0), d1 = _mm512_load_ps(xdp + (long)b * Mp + m0 + 16);
+                for (int i = 0; i < 4; i++) {
+                    const __m512 s = _mm512_set1_ps(wdp[(i0 + i) * nb + b]);
+                    f[i][0] = _mm512_fmadd_ps(_mm512_mul_ps(s, d0), _mm512_cvtepi32_ps(_mm512_sub_epi32(a[i][0], c0)), f[i][0]);
+                    f[i][1] = _mm512_fmadd_ps(_mm512_mul_ps(s, d1), _mm512_cvtepi32_ps(_mm512_sub_epi32(a[i][1], c1)), f[i][1]);
+                }
+            }
+            for (int i = 0; i < 4; i++) {
+                _mm512_store_ps(acc + (i0 + i) * MTILE, f[i][0]);
+                _mm512_store_ps(acc + (i0 + i) * MTILE + 16, f[i][1]);
+            }
+        }
+        store_transposed(acc, n0, N, m0, M, out);
+    }
+}
+#endif
+
+#if HAVE_AMX
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* tmm0-3: C (16 weight rows x 16 activation rows, int32); tmm4-5: A (16 weight rows x one 32-block);
+   tmm6-7: B (one block of 16 activation rows, 8 groups of 4). */
+static void amx_configure(void) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    for (int t = 4; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = QK;
+    for (int t = 6; t < 8; t++) cfg.rows[t] = QK / 4, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* One panel with AMX: per block, four tile products then the scales applied in fp32. */
+static void panel_amx(const int8_t *w, const float *wdp, const int8_t *xp, const float *xdp, int Mp, int K,
+                      long n0, int N, int M, float *out) {
+    const int nb = K / QK;
+    float acc[PANEL * MTILE] __attribute__((aligned(64)));
+    int32_t c[4][16 * 16] __attribute__((aligned(64)));
+    for (int m0 = 0; m0 < Mp; m0 += MTILE) {
+        memset(acc, 0, sizeof acc);
+        for (int b = 0; b < nb; b++) {
+            const int8_t *xb = xp + ((long)b * 8 * Mp + m0) * 4;
+            _tile_loadd(4, w + b * QK, K);
+            _tile_loadd(5, w + 16L * K + b * QK, K);
+            _tile_loadd(6, xb, Mp * 4);
+            _tile_loadd(7, xb + 64, Mp * 4);
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbssd(1, 4, 7);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(3, 5, 7);
+            _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
+            _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
+            const __m512 d0 = _mm512_load_ps(xdp + (long)b * Mp + m0), d1 = _mm512_load_ps(xdp + (long)b * Mp + m0 + 16);
+            for (int i = 0; i < PANEL; i++) {
+                const __m512 s = _mm512_set1_ps(wdp[i * nb + b]);
+                const int32_t *c0 = c[(i / 16) * 2] + (i % 16) * 16, *c1 = c[(i / 16) * 2 + 1] + (i % 16) * 16;
+                float *a = acc + i * MTILE;
+                _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_mul_ps(s, d0), _mm512_cvtepi32_ps(_mm512_load_si512(c0)), _mm512_load_ps(a)));
+                _mm512_store_ps(a + 16, _mm512_fmadd_ps(_mm512_mul_ps(s, d1), _mm512_cvtepi32_ps(_mm512_load_si512(c1)), _mm512_load_ps(a + 16)));
+            }
+        }
+        store_transposed(acc, n0, N, m0, M, out);
+    }
+}
+#endif
+
+/* --- fp32 activations (native's Q4_1, and any format under act='f32'): AMX-BF16 on exact pieces ---
+
+   Every fp32 x is the exact sum of three bf16 pieces (x1 = x truncated to bf16, x2 = the rest
+   truncated, x3 = what remains: 8 + 8 + 8 significant bits), and every weight code (q8_0's
+   int8, q4_0's q - 8, q4_1's q in 0..15) is exact in bf16, so TDPBF16PS multiplies exactly the
+   values the fp32 path does; only its fp32 accumulation rounds. Per output (m, n), block b:
+       c   = sum over the block and the three pieces of code * piece      (fp32, the tile's order)
+       acc = fmaf(d[n,b], c, acc);  q4_1: acc = fmaf(min[n,b], sx[m,b], acc)
+   with sx the block's fp32 sum of x in element order. The same bound as any fp32 dot product of
+   3K + 2K/32 terms (tests/test_quant_prefill.py); gemm_f32_ref is that arithmetic in C order.
+   Values below bf16's normal range (2^-126) in a piece count as zero (AMX's DAZ): an error below
+   2^-126 per element. */
+
+enum { FMT_Q4_1 = 2 };
+
+static inline float weight_value_code(int fmt, const void *qs, long n, int k, int K) {
+    if (fmt != FMT_Q4_1) return (float)weight_code(fmt, qs, n, k, K);
+    const uint8_t byte = ((const uint8_t *)qs)[n * (K / 2) + (k / QK) * (QK / 2) + (k % QK) % (QK / 2)];
+    return (float)((k % QK) < QK / 2 ? byte & 15 : byte >> 4);
+}
+
+static inline float bf16_trunc(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    bits &= 0xffff0000u;
+    float y;
+    memcpy(&y, &bits, 4);
+    return y;
+}
+
+static inline float block_sum(const float *x) {
+    float s = 0.0f;
+    for (int k = 0; k < QK; k++) s += x[k];
+    return s;
+}
+
+void gemm_f32_ref(int fmt, const float *x, int M, int K, const void *qs, const uint16_t *wd, const uint16_t *wm,
+                  int N, float *out) {
+    const int nb = K / QK;
+    for (int m = 0; m < M; m++)
+        for (long n = 0; n < N; n++) {
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                const float *xb = x + (long)m * K + b * QK;
+                float c = 0.0f;
+                for (int k = 0; k < QK; k++) {
+                    const float x1 = bf16_trunc(xb[k]), x2 = bf16_trunc(xb[k] - x1), x3 = xb[k] - x1 - x2;
+                    const float q = weight_value_code(fmt, qs, n, b * QK + k, K);
+                    c += q * x1 + q * x2 + q * x3;
+                }
+                acc = fmaf(fp16_to_fp32(wd[n * nb + b]), c, acc);
+                if (fmt == FMT_Q4_1) acc = fmaf(fp16_to_fp32(wm[n * nb + b]), block_sum(xb), acc);
+            }
+            out[(long)m * N + n] = acc;
+        }
+}
+
+#if HAVE_AMX && defined(__AMX_BF16__)
+#define HAVE_AMX_BF16 1
+#define BF_MTILE 16        /* activation rows per tile */
+#define BF_CHUNK 128       /* activation rows packed at a time: 3 pieces of 128 x K bf16 stay in L2 */
+
+static int amx_bf16_cpu(void) {
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    return (d >> 22) & 1;
+}
+
+/* Rows m0 .. m0+rows-1 of x as B tiles: xp [tile][b][piece][16 pairs][16 rows][2] bf16, one
+   contiguous KiB per tile, rows past M zero; sx [tile][b][16] their blocks' fp32 sums. */
+static void pack_pieces(const float *x, int m0, int rows, int M, int K, uint16_t *xp, float *sx) {
+    const int nb = K / QK, tiles = (rows + BF_MTILE - 1) / BF_MTILE;
+    for (int t = 0; t < tiles; t++)
+        for (int j = 0; j < BF_MTILE; j++) {
+            const int m = m0 + t * BF_MTILE + j;
+            for (int b = 0; b < nb; b++) {
+                uint16_t *dst = xp + (((long)t * nb + b) * 3) * 512 + j * 2;
+                float *s = sx + ((long)t * nb + b) * BF_MTILE + j;
+                if (m >= M || t * BF_MTILE + j >= rows) {
+                    for (int p = 0; p < 3; p++)
+                        for (int r = 0; r < 16; r++) dst[p * 512 + r * 32] = dst[p * 512 + r * 32 + 1] = 0;
+                    *s = 0.0f;
+                    continue;
+                }
+                const float *xb = x + (long)m * K + b * QK;
+                for (int k = 0; k < QK; k++) {
+                    const float x1 = bf16_trunc(xb[k]), x2 = bf16_trunc(xb[k] - x1), x3 = xb[k] - x1 - x2;
+                    const float piece[3] = {x1, x2, x3};
+                    for (int p = 0; p < 3; p++) {
+                        uint32_t bits;
+                        memcpy(&bits, &piece[p], 4);
+                        dst[p * 512 + (k / 2) * 32 + (k % 2)] = (uint16_t)(bits >> 16);
+                    }
+                }
+                *s = block_sum(xb);
+            }
+        }
+}
+
+/* Weight rows as bf16 codes [Np][K] (rows past N zero), scales and minimums fp32 [Np][nb]. */
+static void convert_weights(int fmt, const void *qs, const uint16_t *wd, const uint16_t *wm, int N, int Np, int K,
+                            uint16_t *wb, float *wdf, float *wmf) {
+    const int nb = K / QK;
+    #pragma omp for schedule(static)
+    for (long n = 0; n < Np; n++) {
+        uint16_t *dst = wb + n * K;
+        for (int b = 0; b < nb; b++) {
+            wdf[n * nb + b] = n < N ? fp16_to_fp32(wd[n * nb + b]) : 0.0f;
+            wmf[n * nb + b] = n < N && fmt == FMT_Q4_1 ? fp16_to_fp32(wm[n * nb + b]) : 0.0f;
+        }
+        if (n >= N) {
+            memset(dst, 0, (size_t)K * 2);
+            continue;
+        }
+        for (int k = 0; k < K; k += 16) {
+            __m128i codes;   /* 16 codes as int8 */
+            if (fmt == FMT_Q8_0) codes = _mm_loadu_si128((const __m128i *)((const int8_t *)qs + n * K + k));
+            else {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + n * (K / 2) + (k / QK) * (QK / 2)));
+                const __m128i nib = (k % QK) ? _mm_srli_epi16(bytes, 4) : bytes;
+                codes = _mm_and_si128(nib, _mm_set1_epi8(15));
+                if (fmt == FMT_Q4_0) codes = _mm_sub_epi8(codes, _mm_set1_epi8(8));
+            }
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));   /* exact: |code| <= 127 */
+            _mm256_storeu_si256((__m256i *)(dst + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
+        }
+    }
+}
+
+/* tmm0-1: C (16 weight rows x 16 activation rows, fp32); tmm2-3: A (16 weight rows x one block);
+   tmm4-6: B (the three pieces of one block of 16 activation rows). */
+static void amx_configure_bf16(void) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+static void panel_bf16(int fmt, const uint16_t *w, const float *wdf, const float *wmf, const uint16_t *xp,
+                       const float *sx, int tiles, int K, long n0, int N, int m0, int M, float *out) {
+    const int nb = K / QK;
+    float acc[PANEL * BF_MTILE] __attribute__((aligned(64)));
+    float c[2][16 * 16] __attribute__((aligned(64)));
+    for (int t = 0; t < tiles; t++) {
+        memset(acc, 0, sizeof acc);
+        for (int b = 0; b < nb; b++) {
+            const uint16_t *xb = xp + ((long)t * nb + b) * 3 * 512;
+            _tile_loadd(2, w + b * QK, K * 2);
+            _tile_loadd(3, w + 16L * K + b * QK, K * 2);
+            _tile_loadd(4, xb, 64);
+            _tile_loadd(5, xb + 512, 64);
+            _tile_loadd(6, xb + 1024, 64);
+            _tile_zero(0); _tile_zero(1);
+            _tile_dpbf16ps(0, 2, 4); _tile_dpbf16ps(1, 3, 4);
+            _tile_dpbf16ps(0, 2, 5); _tile_dpbf16ps(1, 3, 5);
+            _tile_dpbf16ps(0, 2, 6); _tile_dpbf16ps(1, 3, 6);
+            _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
+            const __m512 s = _mm512_load_ps(sx + ((long)t * nb + b) * BF_MTILE);
+            for (int i = 0; i < PANEL; i++) {
+                __m512 a = _mm512_fmadd_ps(_mm512_set1_ps(wdf[(n0 + i) * nb + b]), _mm512_load_ps(c[i / 16] + (i % 16) * 16),
+                                           _mm512_load_ps(acc + i * BF_MTILE));
+                if (fmt == FMT_Q4_1) a = _mm512_fmadd_ps(_mm512_set1_ps(wmf[(n0 + i) * nb + b]), s, a);
+                _mm512_store_ps(acc + i * BF_MTILE, a);
+            }
+        }
+        const int cols = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+        for (int j = 0; j < BF_MTILE && m0 + t * BF_MTILE + j < M; j++)
+            for (int i = 0; i < cols; i++) out[(long)(m0 + t * BF_MTILE + j) * N + n0 + i] = acc[i * BF_MTILE + j];
+    }
+}
+#else
+#define HAVE_AMX_BF16 0
+#endif
+
+/* 1 where gemm_f32 runs on AMX-BF16 here (the CPU, the OS's leave for AMX, the build; the level
+   not capped below amx), else 0: the caller keeps its own path (the reference is slow). */
+int gemm_f32_available(void) {
+#if HAVE_AMX_BF16
+    return g_level == LVL_AMX && amx_bf16_cpu();
+#else
+    return 0;
+#endif
+}
+
+/* out [M, N] = fp32 x times the weight (fmt, qs, wd, wm)^T: AMX-BF16 where gemm_f32_available,
+   else the reference. Returns 0, or 1 where a buffer could not be allocated. */
+int gemm_f32(int fmt, const float *x, int M, int K, const void *qs, const uint16_t *wd, const uint16_t *wm, int N,
+             float *out, int nthreads) {
+#if HAVE_AMX_BF16
+    if (gemm_f32_available()) {
+        const int nb = K / QK, Np = (N + PANEL - 1) / PANEL * PANEL;
+        const int chunk_tiles = BF_CHUNK / BF_MTILE;
+        uint16_t *wb = aligned_alloc(64, (size_t)Np * K * 2);
+        float *wdf = aligned_alloc(64, (size_t)Np * nb * sizeof(float)), *wmf = aligned_alloc(64, (size_t)Np * nb * sizeof(float));
+        uint16_t *xp = aligned_alloc(64, (size_t)chunk_tiles * nb * 3 * 512 * 2);
+        float *sx = aligned_alloc(64, (size_t)chunk_tiles * nb * BF_MTILE * sizeof(float));
+        const int failed = !wb || !wdf || !wmf || !xp || !sx;
+        if (!failed) {
+            #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
+            {
+                convert_weights(fmt, qs, wd, wm, N, Np, K, wb, wdf, wmf);
+                amx_configure_bf16();
+                for (int m0 = 0; m0 < M; m0 += BF_CHUNK) {
+                    const int rows = M - m0 < BF_CHUNK ? M - m0 : BF_CHUNK;
+                    #pragma omp single
+                    pack_pieces(x, m0, rows, M, K, xp, sx);
+                    #pragma omp for schedule(dynamic)
+                    for (long p = 0; p < Np / PANEL; p++)
+                        panel_bf16(fmt, wb + p * PANEL * K, wdf, wmf, xp, sx, (rows + BF_MTILE - 1) / BF_MTILE, K, p * PANEL,
+                                   N, m0, M, out);
+                }
+                _tile_release();
+            }
+        }
+        free(wb); free(wdf); free(wmf); free(xp); free(sx);
+        return failed;
+    }
+#endif
+    gemm_f32_ref(fmt, x, M, K, qs, wd, wm, N, out);
+    return 0;
+}
+
+/* out [M, N] = q8 activations (xq, xd) times the weight (fmt, qs, wd)^T at the library's level.
+   Returns 0, or 1 where a buffer could not be allocated (out then incomplete). */
+int gemm_q8(int fmt, const int8_t *xq, const float *xd, int M, int K, const void *qs, const uint16_t *wd, int N,
+            float *out, int nthreads) {
+#if HAVE_VNNI
+    if (g_level > LVL_SCALAR) {
+        const int amx = g_level == LVL_AMX, nb = K / QK, Mp = (M + MTILE - 1) / MTILE * MTILE;
+        int8_t *xp = aligned_alloc(64, (size_t)Mp * K);
+        float *xdp = aligned_alloc(64, (size_t)Mp * nb * sizeof(float));
+        int32_t *csx = aligned_alloc(64, (size_t)Mp * nb * sizeof(int32_t));
+        int failed = !xp || !xdp || !csx;
+        if (!failed) {
+            pack_activations(xq, xd, M, Mp, K, fmt == FMT_Q8_0 ? 128 : 8, xp, xdp, csx);
+            const long panels = (N + PANEL - 1) / PANEL;
+            #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) reduction(|:failed)
+            {
+                int8_t *panel = aligned_alloc(64, (size_t)PANEL * K);
+                float *wdp = aligned_alloc(64, (size_t)PANEL * nb * sizeof(float));
+                if (!panel || !wdp) failed = 1;
+#if HAVE_AMX
+                if (amx && !failed) amx_configure();
+#endif
+                #pragma omp for schedule(dynamic)
+                for (long p = 0; p < panels; p++) {
+                    if (failed) continue;
+                    const int8_t *w = pack_weights(fmt, qs, wd, p * PANEL, N, K, !amx, panel, wdp);
+#if HAVE_AMX
+                    if (amx) {
+                        panel_amx(w, wdp, xp, xdp, Mp, K, p * PANEL, N, M, out);
+                        continue;
+                    }
+#endif
+                    panel_vnni(w, wdp, xp, xdp, csx, Mp, K, p * PANEL, N, M, out);
+                }
+#if HAVE_AMX
+                if (amx) _tile_release();
+#endif
+                free(panel);
+                free(wdp);
+            }
+        }
+        free(xp);
+        free(xdp);
+        free(csx);
+        return failed;
+    }
+#endif
+    gemm_q8_ref(fmt, xq, xd, M, K, qs, wd, N, out);
+    return 0;
+}

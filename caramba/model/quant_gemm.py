@@ -1,0 +1,160 @@
+"""Prefill-sized products of q8_0 / q4_0 weights as an int8 GEMM (quant_gemm.c).
+
+QuantLinear (caramba.model.quant) multiplies more than KERNEL_ROWS activation rows here when its
+activations are q8-rounded (act='q8': weights q8_0 and q4_0): the rows are quantized to q8 blocks
+by the decode kernels' own rule (quant_gemv.c's quantize_activations_q8: the codes a decode step
+multiplies), and their int8 codes meet the weight's codes in AMX tiles or AVX-512 VNNI dot
+products. The values multiplied are the ones torch's dequantize-then-matmul path multiplies
+(round_activations times the dequantized weight); only the fp32 summation order differs.
+
+    level()            the level the GEMM runs at here: 'amx', 'avx512vnni', or 'scalar' (then
+                       linear() declines and QuantLinear keeps torch's path, faster than the
+                       portable reference), or why no library loaded
+    available('amx')   whether this CPU, its OS (AMX's tile state) and the build have a level
+    use_level('avx512vnni')   a lower level for a while (tests, A/B timings)
+    linear(layer, rows)       rows [M, K] fp32 times the layer's weight^T (+ bias), or None
+
+CARAMBA_ISA caps the level as it does the decode kernels' (caramba.model.isa): avx512vnni leaves
+AMX out; a level below it (avx512, avx2, scalar) leaves this GEMM out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from caramba import kernels
+
+LEVELS = ("scalar", "avx512vnni", "amx")
+FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+SOURCE = Path(__file__).with_name("quant_gemm.c")
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    "gemm_q8": ([_I, _P, _P, _I, _I, _P, _P, _I, _P, _I], _I),
+    "gemm_q8_ref": ([_I, _P, _P, _I, _I, _P, _P, _I, _P], None),
+    "gemm_f32": ([_I, _P, _I, _I, _P, _P, _P, _I, _P, _I], _I),
+    "gemm_f32_ref": ([_I, _P, _I, _I, _P, _P, _P, _I, _P], None),
+    "gemm_f32_available": ([], _I),
+    "gemm_isa_name": ([], ctypes.c_char_p),
+    "gemm_isa_set": ([ctypes.c_char_p], _I),
+    "gemm_isa_available": ([ctypes.c_char_p], _I),
+}
+library = kernels.Library(SOURCE, _SIGNATURES, "quantized prefill (int8 GEMM)")
+
+
+def level() -> str:
+    lib = library()
+    return lib.gemm_isa_name().decode() if lib is not None else f"eager ({library.status()})"
+
+
+def available(name: str) -> bool:
+    _check(name)
+    lib = library()
+    return bool(lib and lib.gemm_isa_available(name.encode()))
+
+
+def _check(name: str) -> None:
+    if name not in LEVELS:
+        raise ValueError(f"int8 GEMM level {name!r} is not one of {', '.join(LEVELS)}")
+
+
+@contextmanager
+def use_level(name: str) -> Iterator[str]:
+    """Run the GEMM at `name` (or the best level below it here) inside the block; yields the
+    level in force. Not while a product runs on another thread."""
+    _check(name)
+    lib = library()
+    if lib is None:
+        yield level()
+        return
+    before = lib.gemm_isa_name()
+    try:
+        lib.gemm_isa_set(name.encode())
+        yield lib.gemm_isa_name().decode()
+    finally:
+        lib.gemm_isa_set(before)
+
+
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """rows [M, K] fp32 contiguous -> (q8 codes int8 [M, K], scales fp32 [M, K/32]) by the decode
+    kernels' rule, or None without their library."""
+    from caramba.model import quant
+
+    qlib = quant.library()
+    if qlib is None:
+        return None
+    M, K = rows.shape
+    xq = torch.empty(M, K, dtype=torch.int8)
+    xd = torch.empty(M, K // quant.QK)
+    qlib.quantize_activations_q8(rows.data_ptr(), M, K, xq.data_ptr(), xd.data_ptr())
+    return xq, xd
+
+
+def gemm(fmt: str, xq: torch.Tensor, xd: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, N: int,
+         reference: bool = False, threads: int | None = None) -> torch.Tensor:
+    """out [M, N] fp32 = (xq, xd) q8 rows times the (qs, d) weight^T, at the library's level or
+    with the portable reference (`reference`). The library must be loaded."""
+    lib = library()
+    M, K = xq.shape
+    out = torch.empty(M, N)
+    args = (FORMATS[fmt], xq.data_ptr(), xd.data_ptr(), M, K, qs.data_ptr(), d.data_ptr(), N, out.data_ptr())
+    if reference:
+        lib.gemm_q8_ref(*args)
+    elif lib.gemm_q8(*args, torch.get_num_threads() if threads is None else threads):
+        raise MemoryError("quantized prefill GEMM could not allocate its packing buffers")
+    return out
+
+
+def gemm_f32(fmt: str, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, N: int,
+             reference: bool = False, threads: int | None = None) -> torch.Tensor:
+    """out [M, N] fp32 = fp32 rows x [M, K] times the (qs, d, m) weight^T: AMX-BF16 on x's exact
+    bf16 pieces where f32_available(), else (or with `reference`) the portable reference."""
+    lib = library()
+    M, K = x.shape
+    out = torch.empty(M, N)
+    args = (FORMATS[fmt], x.data_ptr(), M, K, qs.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), N,
+            out.data_ptr())
+    if reference:
+        lib.gemm_f32_ref(*args)
+    elif lib.gemm_f32(*args, torch.get_num_threads() if threads is None else threads):
+        raise MemoryError("quantized prefill GEMM could not allocate its packing buffers")
+    return out
+
+
+def f32_available() -> bool:
+    """Whether fp32-activation layers (native's) run on AMX-BF16 here (else torch's path)."""
+    lib = library()
+    return bool(lib and lib.gemm_f32_available())
+
+
+def linear(layer, rows: torch.Tensor) -> torch.Tensor | None:
+    """rows [M, K] fp32 (contiguous, CPU) times the QuantLinear `layer`'s weight^T (+ bias), or
+    None where no GEMM here applies (no library, no int8 level for q8 activations, no AMX-BF16
+    for fp32 or int16 ones): the caller then dequantizes and calls torch."""
+    if not layer.qs.is_cpu:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    if layer.act == "q8":
+        if lib.gemm_isa_name() == b"scalar":
+            return None
+        q = quantize_rows(rows)
+        if q is None:
+            return None
+        out = gemm(layer.fmt, *q, layer.qs, layer.d, layer.out_features)
+    else:
+        if not lib.gemm_f32_available():
+            return None
+        if layer.act == "i16":   # the values the int16 kernels multiply
+            from caramba.model import quant
+
+            rows = quant.round_activations(rows, "i16").contiguous()
+        out = gemm_f32(layer.fmt, rows, layer.qs, layer.d, layer.m, layer.out_features)
+    if layer.bias is not None:
+        out += layer.bias
+    return out
