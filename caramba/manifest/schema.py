@@ -291,10 +291,12 @@ CacheAutotuneSettings = create_model(
     **option_fields(AutotuneSettings, keys=True))
 
 
-# The cache settings an eval candidate takes: CacheConfig's (not its size or budget, which the
-# eval sizes per sample) and the sliding window. Derived from their one definition.
-CANDIDATE_CACHE_OPTIONS = ("cache_kind", "cache_policy", "qblock", "residual_len", "rotate_keys", "rotate_values",
-                           "cache_fp16_prefix_layers", *(o.name for o in options_of(PressConfig)))
+# The cache settings an eval candidate takes: CacheConfig's and its press's (not the cache's size
+# or budget, which the eval sizes per sample), and the sliding window. Derived from their one
+# definition, so a new CacheConfig option reaches eval candidates with no edit here.
+_SIZED_BY_EVAL = ("max_seq_len", "cache_budget_mb")
+CANDIDATE_CACHE_OPTIONS = (*(o.name for o in options_of(CacheConfig) if o.name not in _SIZED_BY_EVAL),
+                           *(o.name for o in options_of(PressConfig)))
 _LABEL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
