@@ -118,7 +118,7 @@ def _report_frontier(source: Path, rows: list[dict], done: list[tuple[str, Path]
     status = [{"run": r["run"], "status": r["status"], "mode": r["mode"], **{k: r["params"].get(k) for k in keys}}
               for r in rows]
     lengths = list(dict.fromkeys(k for r in front for k in r if k.startswith("task_avg@")))
-    columns = ["run", "cache", "policy", "bytes_per_token", "bytes_ratio", "task_avg", *lengths, "ppl_ratio", "kl_mean",
+    columns = ["run", "cache", "policy", *(["press"] if any(r.get("press") for r in front) else []), "bytes_per_token", "bytes_ratio", "task_avg", *lengths, "ppl_ratio", "kl_mean",
                "decode_tok_s", *(["bench_decode_tok_s"] if any("bench_decode_tok_s" in r for r in front) else [])]
     ordered = [{"pareto": "*" if r["pareto"] else "", **{c: r.get(c) for c in columns}}
                for r in sorted(front, key=lambda r: (r["group"], r["bytes_per_token"], r["run"]))]
