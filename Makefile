@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.caramba-setup
 
-.PHONY: setup quickstart test test-fast bench clean-runs
+.PHONY: setup quickstart test test-fast lint bench clean-runs
 
 setup: $(STAMP)
 
@@ -22,6 +22,9 @@ quickstart: setup
 
 test: setup
 	$(VENV)/bin/pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check caramba tests benchmarks
 
 test-fast: setup
 	$(VENV)/bin/pytest -q -m "not integration"

@@ -27,7 +27,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,7 +206,7 @@ def _maybe_busy(busy: bool, busy_core):
 def summary(rows: list[dict], workers: list[Worker], load: list) -> None:
     """Medians per (impl, spin, mode, busy), with the ratio to the 1-thread median of the same impl,
     spin and busy state (the goal's reference: one thread on the machine as it is)."""
-    print(f"\nload average per round: {[tuple(round(v, 2) for v in l) for l in load]}")
+    print(f"\nload average per round: {[tuple(round(v, 2) for v in avg) for avg in load]}")
     print("impl       spin     mode  busy  decode tok/s (x 1 thread)  prefill s (x 1 thread)  threads used")
     for impl, spin in sorted({(x["impl"], x["spin"]) for x in rows}):
         mine = [x for x in rows if x["impl"] == impl and x["spin"] == spin]

@@ -60,7 +60,7 @@ def main() -> None:
     lm = load_model("smollm2-135m", progress=False, weights=args.weights)
     ids = tasks.make_samples("niah_single_essay", args.context, 1, 0, lm.tokenizer, chat=True)[0].context_ids
     run_press(lm.model, ids[:256], "none", args)   # warm-up: kernels built, threads chosen
-    env_before = capture_env()
+    env_before = capture_env(None, "cpu")
     runs: dict[str, list[dict]] = {p: [] for p in presses}
     for r in range(args.rounds):
         order = presses[r % len(presses):] + presses[: r % len(presses)]
@@ -68,7 +68,7 @@ def main() -> None:
             runs[press].append(run_press(lm.model, ids, press, args))
             print(f"round {r + 1} {press}: ttft {runs[press][-1]['ttft_s']:.2f} s, "
                   f"step {1000 * runs[press][-1]['step_s']:.1f} ms", file=sys.stderr, flush=True)
-    env_after = capture_env()
+    env_after = capture_env(None, "cpu")
     base_ttft = statistics.median(x["ttft_s"] for x in runs["none"])
     base_step = statistics.median(x["step_s"] for x in runs["none"])
     rows = []

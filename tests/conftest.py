@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must never reach fo
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from caramba.model.config import ModelConfig  # noqa: E402
-from caramba.model.transformer import RMSNorm, Transformer  # noqa: E402
+from caramba.model.transformer import Transformer  # noqa: E402
 
 # dim 64, 4 query heads / 2 KV heads of 16, 2 layers, an odd vocabulary size.
 TINY = dict(

@@ -90,10 +90,10 @@ def test_generate_cache_kind_auto(tiny_model, tmp_path, monkeypatch):
 def test_manifest_cache_autotune_then_cache_kind_auto_reuses_its_plan(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
     manifest = tmp_path / "m.yaml"
-    write_manifest(manifest, f"""\
+    write_manifest(manifest, """\
       - id: tune
         mode: cache-autotune
-        autotune: {{budget_mb: 0.5, max_seq_len: 96, cache_plan_probe_interval_sec: 600}}
+        autotune: {budget_mb: 0.5, max_seq_len: 96, cache_plan_probe_interval_sec: 600}
       - id: gen
         mode: generate
         generate:

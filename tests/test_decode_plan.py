@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
@@ -374,10 +373,10 @@ def test_schema_rejects_a_window_with_search_or_speculative(tmp_path, tiny_model
         GenerateSettings(prompts=["hi"], num_beams=2, decode_plan="fixed", decode_local_window=4)
     monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
     path = tmp_path / "m.yaml"
-    write_manifest(path, f"""\
+    write_manifest(path, """\
       - id: s
         mode: speculative
-        speculative: {{prompts: ["one two"], max_new_tokens: 4, decode_plan: fixed, decode_local_window: 4}}
+        speculative: {prompts: ["one two"], max_new_tokens: 4, decode_plan: fixed, decode_local_window: 4}
 """, model=tiny_model, name="plans")
     r = CliRunner().invoke(app, ["run", str(path)])
     assert r.exit_code == 2 and "decode_local_window" in r.output

@@ -67,12 +67,12 @@ def random_kept(L, B, KVH, S, counts, valid=None, seed=0):
     """counts[l][b][h] random kept slots of each layer, row and head (among the valid ones)."""
     g = torch.Generator().manual_seed(seed)
     kept = torch.zeros(L, B, KVH, S, dtype=torch.bool)
-    for l in range(L):
+    for layer in range(L):
         for b in range(B):
             for h in range(KVH):
                 pool = torch.arange(S) if valid is None else valid[b].nonzero().flatten()
-                pick = pool[torch.randperm(len(pool), generator=g)[: counts[l][b][h]]]
-                kept[l, b, h, pick] = True
+                pick = pool[torch.randperm(len(pool), generator=g)[: counts[layer][b][h]]]
+                kept[layer, b, h, pick] = True
     return list(kept)
 
 

@@ -4,7 +4,6 @@ gate, plain q4_0 (mean KL ~0.1 on this model, docs/kv-cache.md) fails the KL gat
 from __future__ import annotations
 
 
-import pytest
 
 from conftest import SMOLLM2
 

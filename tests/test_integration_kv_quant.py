@@ -4,7 +4,6 @@ cache, teacher-forced through the cache on caramba's corpus) and greedy agreemen
 from __future__ import annotations
 
 
-import pytest
 
 from conftest import SMOLLM2
 

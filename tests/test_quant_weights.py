@@ -486,12 +486,12 @@ def test_split_codes_hold_fp32_activations_to_within_fp32_rounding(monkeypatch, 
     inv = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), -e), torch.zeros_like(amax))
     scaled = xb * inv[..., None]                              # exact: a power of two
     h = torch.round(scaled)                                   # half to even, as the kernels round
-    l = torch.round((scaled - h) * 32768.0)
-    want = torch.cat([h, l], -1).to(torch.int16).reshape(8, 512)
+    lo = torch.round((scaled - h) * 32768.0)
+    want = torch.cat([h, lo], -1).to(torch.int16).reshape(8, 512)
     real = amax > 0
     unclamped = real & (e > -100)    # below 2^-100 the scale stays there (2^100 stays finite)
     assert (amax[real] / d[real] <= 32767).all() and (amax[unclamped] / d[unclamped] > 16383).all()
-    back = d[..., None].double() * (h.double() + l.double() / 32768)
+    back = d[..., None].double() * (h.double() + lo.double() / 32768)
     assert ((back - xb.double()).abs() <= d[..., None].double() / 65536).all()
     assert ((back - xb.double()).abs() <= xb.abs().amax(-1, keepdim=True).double() * 2.0 ** -24).all()
     for lib in native_and_portable(monkeypatch, tmp_path):

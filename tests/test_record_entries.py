@@ -106,7 +106,7 @@ def test_a_lock_or_record_path_that_is_not_ours_fails_that_run_by_name(world, en
     r = within(120, invoke, "run", manifest)
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
     text = flat(r.output)
-    assert f"failed t/b: " in text and str(records / entry) in text, text
+    assert "failed t/b: " in text and str(records / entry) in text, text
     assert "2 done, 0 skipped, 1 failed" in text
     assert (records / "a" / DONE).is_file() and (records / "c" / DONE).is_file()
     assert snapshot(outside) == before and (outside / "canary.txt").read_bytes() == CANARY

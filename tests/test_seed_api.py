@@ -95,7 +95,7 @@ def test_stateful_generator(model, input_ids):
     generator = Generator(model, config=config, device=device)
 
     # First generation
-    output1 = generator.generate(input_ids_1)
+    generator.generate(input_ids_1)
 
     # Continue with context
     output2 = generator.generate(input_ids_2)
@@ -209,7 +209,7 @@ def test_speculative_examples(model, input_ids):
         config=config,
     )
 
-    output = generator.generate(input_ids)
+    generator.generate(input_ids)
     print(f"Acceptance rate: {generator.acceptance_rate:.2%}")
     assert generator.acceptance_rate == 1.0   # the draft is the target: every draft is accepted
 

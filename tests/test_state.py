@@ -13,7 +13,7 @@ from caramba.infer import GenerateConfig
 from caramba.infer.padding import left_pad
 from caramba.infer.state import DecodeState
 from caramba.infer.stops import StopChecker, fill_eos_from_tokenizer, pad_id_for
-from conftest import TINY, make_model
+from conftest import TINY
 
 V = TINY["vocab_size"]
 PAD = 0

@@ -60,8 +60,8 @@ def evict(source: KVCache, kept: Sequence[torch.Tensor], template: KVCache | Non
     uniform = bool((counts == counts[:1, :, :1]).all())
     width = int(counts.max()) if counts.numel() else 0
     built = []
-    for l, (src, tpl, mask) in enumerate(zip(layers, template.layers, kept)):
-        w = width if uniform else int(counts[l].max())
+    for i, (src, tpl, mask) in enumerate(zip(layers, template.layers, kept)):
+        w = width if uniform else int(counts[i].max())
         keys, values, valid = _gather(src, mask, S, w, dtype)
         layer = tpl.like(B, w + room)
         layer.extend(keys, values)
