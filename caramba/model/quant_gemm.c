@@ -301,16 +301,32 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* One panel with AMX: per block, four tile products then the scales applied in fp32. */
+/* Block b's scales applied to its int32 tile results c (four 16x16 tiles) into acc. */
+static inline void amx_epilogue(const int32_t (*c)[256], const float *wdp, const float *xdp, int nb, int b, int Mp,
+                                int m0, float *acc) {
+    const __m512 d0 = _mm512_load_ps(xdp + (long)b * Mp + m0), d1 = _mm512_load_ps(xdp + (long)b * Mp + m0 + 16);
+    for (int i = 0; i < PANEL; i++) {
+        const __m512 s = _mm512_set1_ps(wdp[i * nb + b]);
+        const int32_t *c0 = c[(i / 16) * 2] + (i % 16) * 16, *c1 = c[(i / 16) * 2 + 1] + (i % 16) * 16;
+        float *a = acc + i * MTILE;
+        _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_mul_ps(s, d0), _mm512_cvtepi32_ps(_mm512_load_si512(c0)), _mm512_load_ps(a)));
+        _mm512_store_ps(a + 16, _mm512_fmadd_ps(_mm512_mul_ps(s, d1), _mm512_cvtepi32_ps(_mm512_load_si512(c1)), _mm512_load_ps(a + 16)));
+    }
+}
+
+/* One panel with AMX: per block four tile products, stored, and the previous block's scales
+   applied meanwhile (two result buffers: the vector epilogue of block b-1 does not wait for the
+   tiles of block b, so the two units overlap; in turn that took 2x as long). */
 static void panel_amx(const int8_t *w, const float *wdp, const int8_t *xp, const float *xdp, int Mp, int K,
                       long n0, int N, int M, float *out) {
     const int nb = K / QK;
     float acc[PANEL * MTILE] __attribute__((aligned(64)));
-    int32_t c[4][16 * 16] __attribute__((aligned(64)));
+    int32_t c[2][4][16 * 16] __attribute__((aligned(64)));
     for (int m0 = 0; m0 < Mp; m0 += MTILE) {
         memset(acc, 0, sizeof acc);
         for (int b = 0; b < nb; b++) {
             const int8_t *xb = xp + ((long)b * 8 * Mp + m0) * 4;
+            int32_t (*cb)[256] = c[b & 1];
             _tile_loadd(4, w + b * QK, K);
             _tile_loadd(5, w + 16L * K + b * QK, K);
             _tile_loadd(6, xb, Mp * 4);
@@ -320,17 +336,11 @@ static void panel_amx(const int8_t *w, const float *wdp, const int8_t *xp, const
             _tile_dpbssd(1, 4, 7);
             _tile_dpbssd(2, 5, 6);
             _tile_dpbssd(3, 5, 7);
-            _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
-            _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
-            const __m512 d0 = _mm512_load_ps(xdp + (long)b * Mp + m0), d1 = _mm512_load_ps(xdp + (long)b * Mp + m0 + 16);
-            for (int i = 0; i < PANEL; i++) {
-                const __m512 s = _mm512_set1_ps(wdp[i * nb + b]);
-                const int32_t *c0 = c[(i / 16) * 2] + (i % 16) * 16, *c1 = c[(i / 16) * 2 + 1] + (i % 16) * 16;
-                float *a = acc + i * MTILE;
-                _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_mul_ps(s, d0), _mm512_cvtepi32_ps(_mm512_load_si512(c0)), _mm512_load_ps(a)));
-                _mm512_store_ps(a + 16, _mm512_fmadd_ps(_mm512_mul_ps(s, d1), _mm512_cvtepi32_ps(_mm512_load_si512(c1)), _mm512_load_ps(a + 16)));
-            }
+            _tile_stored(0, cb[0], 64); _tile_stored(1, cb[1], 64);
+            _tile_stored(2, cb[2], 64); _tile_stored(3, cb[3], 64);
+            if (b) amx_epilogue((const int32_t (*)[256])c[(b - 1) & 1], wdp, xdp, nb, b - 1, Mp, m0, acc);
         }
+        amx_epilogue((const int32_t (*)[256])c[(nb - 1) & 1], wdp, xdp, nb, nb - 1, Mp, m0, acc);
         store_transposed(acc, n0, N, m0, M, out);
     }
 }
@@ -475,12 +485,27 @@ static void amx_configure_bf16(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* Block b's scales (and q4_1's minimums times the blocks' sums) applied to its two fp32 tiles. */
+static inline void bf16_epilogue(int fmt, const float (*c)[256], const float *wdf, const float *wmf, const float *sx,
+                                 int nb, int b, long n0, float *acc) {
+    const __m512 s = _mm512_load_ps(sx + (long)b * BF_MTILE);
+    for (int i = 0; i < PANEL; i++) {
+        __m512 a = _mm512_fmadd_ps(_mm512_set1_ps(wdf[(n0 + i) * nb + b]), _mm512_load_ps(c[i / 16] + (i % 16) * 16),
+                                   _mm512_load_ps(acc + i * BF_MTILE));
+        if (fmt == FMT_Q4_1) a = _mm512_fmadd_ps(_mm512_set1_ps(wmf[(n0 + i) * nb + b]), s, a);
+        _mm512_store_ps(acc + i * BF_MTILE, a);
+    }
+}
+
+/* One panel: per block six tile products (two weight tiles x three pieces), stored, and the
+   previous block's epilogue meanwhile (as panel_amx). */
 static void panel_bf16(int fmt, const uint16_t *w, const float *wdf, const float *wmf, const uint16_t *xp,
                        const float *sx, int tiles, int K, long n0, int N, int m0, int M, float *out) {
     const int nb = K / QK;
     float acc[PANEL * BF_MTILE] __attribute__((aligned(64)));
-    float c[2][16 * 16] __attribute__((aligned(64)));
+    float c[2][2][16 * 16] __attribute__((aligned(64)));
     for (int t = 0; t < tiles; t++) {
+        const float *sxt = sx + (long)t * nb * BF_MTILE;
         memset(acc, 0, sizeof acc);
         for (int b = 0; b < nb; b++) {
             const uint16_t *xb = xp + ((long)t * nb + b) * 3 * 512;
@@ -493,15 +518,10 @@ static void panel_bf16(int fmt, const uint16_t *w, const float *wdf, const float
             _tile_dpbf16ps(0, 2, 4); _tile_dpbf16ps(1, 3, 4);
             _tile_dpbf16ps(0, 2, 5); _tile_dpbf16ps(1, 3, 5);
             _tile_dpbf16ps(0, 2, 6); _tile_dpbf16ps(1, 3, 6);
-            _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
-            const __m512 s = _mm512_load_ps(sx + ((long)t * nb + b) * BF_MTILE);
-            for (int i = 0; i < PANEL; i++) {
-                __m512 a = _mm512_fmadd_ps(_mm512_set1_ps(wdf[(n0 + i) * nb + b]), _mm512_load_ps(c[i / 16] + (i % 16) * 16),
-                                           _mm512_load_ps(acc + i * BF_MTILE));
-                if (fmt == FMT_Q4_1) a = _mm512_fmadd_ps(_mm512_set1_ps(wmf[(n0 + i) * nb + b]), s, a);
-                _mm512_store_ps(acc + i * BF_MTILE, a);
-            }
+            _tile_stored(0, c[b & 1][0], 64); _tile_stored(1, c[b & 1][1], 64);
+            if (b) bf16_epilogue(fmt, (const float (*)[256])c[(b - 1) & 1], wdf, wmf, sxt, nb, b - 1, n0, acc);
         }
+        bf16_epilogue(fmt, (const float (*)[256])c[(nb - 1) & 1], wdf, wmf, sxt, nb, nb - 1, n0, acc);
         const int cols = N - n0 < PANEL ? (int)(N - n0) : PANEL;
         for (int j = 0; j < BF_MTILE && m0 + t * BF_MTILE + j < M; j++)
             for (int i = 0; i < cols; i++) out[(long)(m0 + t * BF_MTILE + j) * N + n0 + i] = acc[i * BF_MTILE + j];
