@@ -20,9 +20,14 @@
    The torch path this replaces multiplies the same values (round_activations times the
    dequantized weight), summing the fp32 products in another order.
 
+   fp32 activations (native's Q4_1 and Q8_0 head) take gemm_f32 below instead: AMX-BF16 on
+   exact bf16 pieces of each activation, where the CPU and OS have AMX (else the caller keeps
+   torch's path).
+
    Layouts as quant_gemv.c: q8_0 qs int8 [N, K]; q4_0 qs uint8 [N, K/2], byte j of a block holds
-   element j (low nibble) and j + 16 (high nibble). out is [M, N] fp32. Parallel over 32-row
-   panels of the weight with OpenMP (torch's libgomp). */
+   element j (low nibble) and j + 16 (high nibble); q4_1 the same with fp16 minimums m [N, K/32]
+   (w = d q + m). out is [M, N] fp32. Parallel over 32-row panels of the weight with OpenMP
+   (torch's libgomp). */
 
 #include <stdint.h>
 #include <stdlib.h>
