@@ -300,7 +300,7 @@ class QuantLinear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(torch.float32)
         if rows.is_cpu and not (rows.requires_grad and torch.is_grad_enabled()):
-            # Prefill-sized: an int8 GEMM on the codes where the CPU has one (q8 activations only)
+            # Prefill-sized: the codes in an int8 GEMM (q8 activations) or AMX-BF16 (fp32) where the CPU has one
             from caramba.model import quant_gemm
 
             y = quant_gemm.linear(self, rows.contiguous())

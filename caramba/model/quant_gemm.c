@@ -20,9 +20,14 @@
    The torch path this replaces multiplies the same values (round_activations times the
    dequantized weight), summing the fp32 products in another order.
 
+   fp32 activations (native's Q4_1 and Q8_0 head) take gemm_f32 below instead: AMX-BF16 on
+   exact bf16 pieces of each activation, where the CPU and OS have AMX (else the caller keeps
+   torch's path).
+
    Layouts as quant_gemv.c: q8_0 qs int8 [N, K]; q4_0 qs uint8 [N, K/2], byte j of a block holds
-   element j (low nibble) and j + 16 (high nibble). out is [M, N] fp32. Parallel over 32-row
-   panels of the weight with OpenMP (torch's libgomp). */
+   element j (low nibble) and j + 16 (high nibble); q4_1 the same with fp16 minimums m [N, K/32]
+   (w = d q + m). out is [M, N] fp32. Parallel over 32-row panels of the weight with OpenMP
+   (torch's libgomp). */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -301,16 +306,32 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* One panel with AMX: per block, four tile products then the scales applied in fp32. */
+/* Block b's scales applied to its int32 tile results c (four 16x16 tiles) into acc. */
+static inline void amx_epilogue(const int32_t (*c)[256], const float *wdp, const float *xdp, int nb, int b, int Mp,
+                                int m0, float *acc) {
+    const __m512 d0 = _mm512_load_ps(xdp + (long)b * Mp + m0), d1 = _mm512_load_ps(xdp + (long)b * Mp + m0 + 16);
+    for (int i = 0; i < PANEL; i++) {
+        const __m512 s = _mm512_set1_ps(wdp[i * nb + b]);
+        const int32_t *c0 = c[(i / 16) * 2] + (i % 16) * 16, *c1 = c[(i / 16) * 2 + 1] + (i % 16) * 16;
+        float *a = acc + i * MTILE;
+        _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_mul_ps(s, d0), _mm512_cvtepi32_ps(_mm512_load_si512(c0)), _mm512_load_ps(a)));
+        _mm512_store_ps(a + 16, _mm512_fmadd_ps(_mm512_mul_ps(s, d1), _mm512_cvtepi32_ps(_mm512_load_si512(c1)), _mm512_load_ps(a + 16)));
+    }
+}
+
+/* One panel with AMX: per block four tile products, stored, and the previous block's scales
+   applied meanwhile (two result buffers: the vector epilogue of block b-1 does not wait for the
+   tiles of block b, so the two units overlap; in turn that took 2x as long). */
 static void panel_amx(const int8_t *w, const float *wdp, const int8_t *xp, const float *xdp, int Mp, int K,
                       long n0, int N, int M, float *out) {
     const int nb = K / QK;
     float acc[PANEL * MTILE] __attribute__((aligned(64)));
-    int32_t c[4][16 * 16] __attribute__((aligned(64)));
+    int32_t c[2][4][16 * 16] __attribute__((aligned(64)));
     for (int m0 = 0; m0 < Mp; m0 += MTILE) {
         memset(acc, 0, sizeof acc);
         for (int b = 0; b < nb; b++) {
             const int8_t *xb = xp + ((long)b * 8 * Mp + m0) * 4;
+            int32_t (*cb)[256] = c[b & 1];
             _tile_loadd(4, w + b * QK, K);
             _tile_loadd(5, w + 16L * K + b * QK, K);
             _tile_loadd(6, xb, Mp * 4);
@@ -320,17 +341,11 @@ static void panel_amx(const int8_t *w, const float *wdp, const int8_t *xp, const
             _tile_dpbssd(1, 4, 7);
             _tile_dpbssd(2, 5, 6);
             _tile_dpbssd(3, 5, 7);
-            _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
-            _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
-            const __m512 d0 = _mm512_load_ps(xdp + (long)b * Mp + m0), d1 = _mm512_load_ps(xdp + (long)b * Mp + m0 + 16);
-            for (int i = 0; i < PANEL; i++) {
-                const __m512 s = _mm512_set1_ps(wdp[i * nb + b]);
-                const int32_t *c0 = c[(i / 16) * 2] + (i % 16) * 16, *c1 = c[(i / 16) * 2 + 1] + (i % 16) * 16;
-                float *a = acc + i * MTILE;
-                _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_mul_ps(s, d0), _mm512_cvtepi32_ps(_mm512_load_si512(c0)), _mm512_load_ps(a)));
-                _mm512_store_ps(a + 16, _mm512_fmadd_ps(_mm512_mul_ps(s, d1), _mm512_cvtepi32_ps(_mm512_load_si512(c1)), _mm512_load_ps(a + 16)));
-            }
+            _tile_stored(0, cb[0], 64); _tile_stored(1, cb[1], 64);
+            _tile_stored(2, cb[2], 64); _tile_stored(3, cb[3], 64);
+            if (b) amx_epilogue((const int32_t (*)[256])c[(b - 1) & 1], wdp, xdp, nb, b - 1, Mp, m0, acc);
         }
+        amx_epilogue((const int32_t (*)[256])c[(nb - 1) & 1], wdp, xdp, nb, nb - 1, Mp, m0, acc);
         store_transposed(acc, n0, N, m0, M, out);
     }
 }
@@ -344,7 +359,7 @@ static void panel_amx(const int8_t *w, const float *wdp, const int8_t *xp, const
    values the fp32 path does; only its fp32 accumulation rounds. Per output (m, n), block b:
        c   = sum over the block and the three pieces of code * piece      (fp32, the tile's order)
        acc = fmaf(d[n,b], c, acc);  q4_1: acc = fmaf(min[n,b], sx[m,b], acc)
-   with sx the block's fp32 sum of x in element order. The same bound as any fp32 dot product of
+   with sx the block's fp32 sum of x (any order). The same bound as any fp32 dot product of
    3K + 2K/32 terms (tests/test_quant_prefill.py); gemm_f32_ref is that arithmetic in C order.
    Values below bf16's normal range (2^-126) in a piece count as zero (AMX's DAZ): an error below
    2^-126 per element. */
@@ -396,7 +411,6 @@ void gemm_f32_ref(int fmt, const float *x, int M, int K, const void *qs, const u
 #if HAVE_AMX && defined(__AMX_BF16__)
 #define HAVE_AMX_BF16 1
 #define BF_MTILE 16        /* activation rows per tile */
-#define BF_CHUNK 128       /* activation rows packed at a time: 3 pieces of 128 x K bf16 stay in L2 */
 
 static int amx_bf16_cpu(void) {
     unsigned a, b, c, d;
@@ -404,69 +418,78 @@ static int amx_bf16_cpu(void) {
     return (d >> 22) & 1;
 }
 
-/* Rows m0 .. m0+rows-1 of x as B tiles: xp [tile][b][piece][16 pairs][16 rows][2] bf16, one
-   contiguous KiB per tile, rows past M zero; sx [tile][b][16] their blocks' fp32 sums. */
-static void pack_pieces(const float *x, int m0, int rows, int M, int K, uint16_t *xp, float *sx) {
-    const int nb = K / QK, tiles = (rows + BF_MTILE - 1) / BF_MTILE;
-    for (int t = 0; t < tiles; t++)
-        for (int j = 0; j < BF_MTILE; j++) {
-            const int m = m0 + t * BF_MTILE + j;
-            for (int b = 0; b < nb; b++) {
-                uint16_t *dst = xp + (((long)t * nb + b) * 3) * 512 + j * 2;
-                float *s = sx + ((long)t * nb + b) * BF_MTILE + j;
-                if (m >= M || t * BF_MTILE + j >= rows) {
-                    for (int p = 0; p < 3; p++)
-                        for (int r = 0; r < 16; r++) dst[p * 512 + r * 32] = dst[p * 512 + r * 32 + 1] = 0;
-                    *s = 0.0f;
-                    continue;
-                }
-                const float *xb = x + (long)m * K + b * QK;
-                for (int k = 0; k < QK; k++) {
-                    const float x1 = bf16_trunc(xb[k]), x2 = bf16_trunc(xb[k] - x1), x3 = xb[k] - x1 - x2;
-                    const float piece[3] = {x1, x2, x3};
-                    for (int p = 0; p < 3; p++) {
-                        uint32_t bits;
-                        memcpy(&bits, &piece[p], 4);
-                        dst[p * 512 + (k / 2) * 32 + (k % 2)] = (uint16_t)(bits >> 16);
-                    }
-                }
-                *s = block_sum(xb);
-            }
-        }
-}
-
-/* Weight rows as bf16 codes [Np][K] (rows past N zero), scales and minimums fp32 [Np][nb]. */
-static void convert_weights(int fmt, const void *qs, const uint16_t *wd, const uint16_t *wm, int N, int Np, int K,
-                            uint16_t *wb, float *wdf, float *wmf) {
-    const int nb = K / QK;
-    #pragma omp for schedule(static)
-    for (long n = 0; n < Np; n++) {
-        uint16_t *dst = wb + n * K;
-        for (int b = 0; b < nb; b++) {
-            wdf[n * nb + b] = n < N ? fp16_to_fp32(wd[n * nb + b]) : 0.0f;
-            wmf[n * nb + b] = n < N && fmt == FMT_Q4_1 ? fp16_to_fp32(wm[n * nb + b]) : 0.0f;
-        }
-        if (n >= N) {
-            memset(dst, 0, (size_t)K * 2);
+/* Rows m0 .. m0+rows-1 of x as three bf16 piece matrices xpc [3][rows16][K] (the A tiles, rows
+   as they are; rows past M zero) and their blocks' fp32 sums sx [rows16][nb] (q4_1's minimums). */
+static void split_pieces(const float *x, int m0, int rows, int M, int K, uint16_t *xpc, float *sx) {
+    const int nb = K / QK, rows16 = (rows + BF_MTILE - 1) / BF_MTILE * BF_MTILE;
+    const long plane = (long)rows16 * K;
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    #pragma omp for schedule(static) nowait
+    for (int j = 0; j < rows16; j++) {
+        const int m = m0 + j;
+        if (j >= rows || m >= M) {
+            for (int p = 0; p < 3; p++) memset(xpc + p * plane + (long)j * K, 0, (size_t)K * 2);
+            for (int b = 0; b < nb; b++) sx[(long)j * nb + b] = 0.0f;
             continue;
         }
+        const float *xr = x + (long)m * K;
         for (int k = 0; k < K; k += 16) {
-            __m128i codes;   /* 16 codes as int8 */
-            if (fmt == FMT_Q8_0) codes = _mm_loadu_si128((const __m128i *)((const int8_t *)qs + n * K + k));
-            else {
-                const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + n * (K / 2) + (k / QK) * (QK / 2)));
-                const __m128i nib = (k % QK) ? _mm_srli_epi16(bytes, 4) : bytes;
-                codes = _mm_and_si128(nib, _mm_set1_epi8(15));
-                if (fmt == FMT_Q4_0) codes = _mm_sub_epi8(codes, _mm_set1_epi8(8));
+            const __m512 xv = _mm512_loadu_ps(xr + k);
+            const __m512 x1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(xv), top));
+            const __m512 r = _mm512_sub_ps(xv, x1);                 /* exact */
+            const __m512 x2 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r), top));
+            const __m512 x3 = _mm512_sub_ps(r, x2);                 /* exact, <= 8 significant bits */
+            const __m512 piece[3] = {x1, x2, x3};
+            for (int p = 0; p < 3; p++)
+                _mm256_storeu_si256((__m256i *)(xpc + p * plane + (long)j * K + k),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(piece[p]), 16)));
+        }
+        for (int b = 0; b < nb; b++)
+            sx[(long)j * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xr + b * QK), _mm512_loadu_ps(xr + b * QK + 16)));
+    }
+}
+
+/* The weight as B tiles of exact bf16 codes: wpk [N16/16 groups][nb][16 pairs][16 rows][2] (one
+   contiguous KiB per tile, rows past N zero), and per PANEL of rows their scales and minimums
+   [Np/PANEL][nb][PANEL] fp32 (a vector per block). */
+static void convert_weights(int fmt, const void *qs, const uint16_t *wd, const uint16_t *wm, int N, int Np, int K,
+                            uint16_t *wpk, float *wdf, float *wmf) {
+    const int nb = K / QK;
+    const __m512i pair = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+    #pragma omp for schedule(static) nowait
+    for (long n = 0; n < Np; n++) {
+        const long panel = n / PANEL;
+        for (int b = 0; b < nb; b++) {
+            wdf[(panel * nb + b) * PANEL + n % PANEL] = n < N ? fp16_to_fp32(wd[n * nb + b]) : 0.0f;
+            wmf[(panel * nb + b) * PANEL + n % PANEL] = n < N && fmt == FMT_Q4_1 ? fp16_to_fp32(wm[n * nb + b]) : 0.0f;
+            int32_t *dst = (int32_t *)(wpk + ((n / 16) * nb + b) * 512) + n % 16;
+            if (n >= N) {
+                _mm512_i32scatter_epi32(dst, pair, _mm512_setzero_si512(), 4);
+                continue;
             }
-            const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));   /* exact: |code| <= 127 */
-            _mm256_storeu_si256((__m256i *)(dst + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
+            __m128i codes[2];   /* the block's 32 codes as int8 */
+            if (fmt == FMT_Q8_0) {
+                codes[0] = _mm_loadu_si128((const __m128i *)((const int8_t *)qs + n * K + b * QK));
+                codes[1] = _mm_loadu_si128((const __m128i *)((const int8_t *)qs + n * K + b * QK + 16));
+            } else {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + n * (K / 2) + b * (QK / 2)));
+                codes[0] = _mm_and_si128(bytes, _mm_set1_epi8(15));
+                codes[1] = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
+                if (fmt == FMT_Q4_0) codes[0] = _mm_sub_epi8(codes[0], _mm_set1_epi8(8)), codes[1] = _mm_sub_epi8(codes[1], _mm_set1_epi8(8));
+            }
+            __m256i half[2];
+            for (int h = 0; h < 2; h++) {   /* exact: |code| <= 127 */
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes[h]));
+                half[h] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16));
+            }
+            _mm512_i32scatter_epi32(dst, pair, _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1), 4);
         }
     }
 }
 
-/* tmm0-1: C (16 weight rows x 16 activation rows, fp32); tmm2-3: A (16 weight rows x one block);
-   tmm4-6: B (the three pieces of one block of 16 activation rows). */
+/* tmm0-1: C (16 activation rows x 16 weight rows, fp32); tmm2-4: A (the three pieces of 16
+   activation rows, one block); tmm5-6: B (two groups of 16 weight rows, one block). */
 static void amx_configure_bf16(void) {
     struct tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -475,36 +498,58 @@ static void amx_configure_bf16(void) {
     _tile_loadconfig(&cfg);
 }
 
-static void panel_bf16(int fmt, const uint16_t *w, const float *wdf, const float *wmf, const uint16_t *xp,
-                       const float *sx, int tiles, int K, long n0, int N, int m0, int M, float *out) {
+/* Block b's scales (and q4_1's minimums times the blocks' sums) applied to its two fp32 tiles. */
+static inline void bf16_epilogue(int fmt, const float (*c)[256], const float *wdv, const float *wmv, const float *sx,
+                                 int nb, int b, float *acc) {
+    const __m512 d0 = _mm512_load_ps(wdv), d1 = _mm512_load_ps(wdv + 16);
+    const __m512 n0 = _mm512_load_ps(wmv), n1 = _mm512_load_ps(wmv + 16);
+    for (int i = 0; i < BF_MTILE; i++) {
+        __m512 a0 = _mm512_fmadd_ps(d0, _mm512_load_ps(c[0] + i * 16), _mm512_load_ps(acc + i * PANEL));
+        __m512 a1 = _mm512_fmadd_ps(d1, _mm512_load_ps(c[1] + i * 16), _mm512_load_ps(acc + i * PANEL + 16));
+        if (fmt == FMT_Q4_1) {
+            const __m512 s = _mm512_set1_ps(sx[(long)i * nb + b]);
+            a0 = _mm512_fmadd_ps(n0, s, a0);
+            a1 = _mm512_fmadd_ps(n1, s, a1);
+        }
+        _mm512_store_ps(acc + i * PANEL, a0);
+        _mm512_store_ps(acc + i * PANEL + 16, a1);
+    }
+}
+
+/* One panel of PANEL weight rows against a chunk of activation rows: per block six tile
+   products (three pieces x two weight tiles), stored, and the previous block's epilogue
+   meanwhile (as panel_amx). */
+static void panel_bf16(int fmt, const uint16_t *wpk, const float *wdf, const float *wmf, const uint16_t *xpc,
+                       const float *sx, long plane, int rows16, int K, long p, int N, int m0, int M, float *out) {
     const int nb = K / QK;
-    float acc[PANEL * BF_MTILE] __attribute__((aligned(64)));
-    float c[2][16 * 16] __attribute__((aligned(64)));
-    for (int t = 0; t < tiles; t++) {
+    xpc += (long)m0 * K;
+    sx += (long)m0 * nb;
+    const uint16_t *w0 = wpk + (2 * p) * nb * 512L, *w1 = w0 + nb * 512L;
+    const float *wdp = wdf + p * nb * PANEL, *wmp = wmf + p * nb * PANEL;
+    float acc[BF_MTILE * PANEL] __attribute__((aligned(64)));
+    float c[2][2][16 * 16] __attribute__((aligned(64)));
+    const long n0 = p * PANEL;
+    const int cols = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+    for (int t = 0; t < rows16 / BF_MTILE; t++) {
+        const uint16_t *xa = xpc + (long)t * BF_MTILE * K;
+        const float *sxt = sx + (long)t * BF_MTILE * nb;
         memset(acc, 0, sizeof acc);
         for (int b = 0; b < nb; b++) {
-            const uint16_t *xb = xp + ((long)t * nb + b) * 3 * 512;
-            _tile_loadd(2, w + b * QK, K * 2);
-            _tile_loadd(3, w + 16L * K + b * QK, K * 2);
-            _tile_loadd(4, xb, 64);
-            _tile_loadd(5, xb + 512, 64);
-            _tile_loadd(6, xb + 1024, 64);
+            _tile_loadd(2, xa + b * QK, K * 2);
+            _tile_loadd(3, xa + plane + b * QK, K * 2);
+            _tile_loadd(4, xa + 2 * plane + b * QK, K * 2);
+            _tile_loadd(5, w0 + b * 512L, 64);
+            _tile_loadd(6, w1 + b * 512L, 64);
             _tile_zero(0); _tile_zero(1);
-            _tile_dpbf16ps(0, 2, 4); _tile_dpbf16ps(1, 3, 4);
-            _tile_dpbf16ps(0, 2, 5); _tile_dpbf16ps(1, 3, 5);
-            _tile_dpbf16ps(0, 2, 6); _tile_dpbf16ps(1, 3, 6);
-            _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
-            const __m512 s = _mm512_load_ps(sx + ((long)t * nb + b) * BF_MTILE);
-            for (int i = 0; i < PANEL; i++) {
-                __m512 a = _mm512_fmadd_ps(_mm512_set1_ps(wdf[(n0 + i) * nb + b]), _mm512_load_ps(c[i / 16] + (i % 16) * 16),
-                                           _mm512_load_ps(acc + i * BF_MTILE));
-                if (fmt == FMT_Q4_1) a = _mm512_fmadd_ps(_mm512_set1_ps(wmf[(n0 + i) * nb + b]), s, a);
-                _mm512_store_ps(acc + i * BF_MTILE, a);
-            }
+            _tile_dpbf16ps(0, 2, 5); _tile_dpbf16ps(1, 2, 6);
+            _tile_dpbf16ps(0, 3, 5); _tile_dpbf16ps(1, 3, 6);
+            _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6);
+            _tile_stored(0, c[b & 1][0], 64); _tile_stored(1, c[b & 1][1], 64);
+            if (b) bf16_epilogue(fmt, (const float (*)[256])c[(b - 1) & 1], wdp + (b - 1) * PANEL, wmp + (b - 1) * PANEL, sxt, nb, b - 1, acc);
         }
-        const int cols = N - n0 < PANEL ? (int)(N - n0) : PANEL;
-        for (int j = 0; j < BF_MTILE && m0 + t * BF_MTILE + j < M; j++)
-            for (int i = 0; i < cols; i++) out[(long)(m0 + t * BF_MTILE + j) * N + n0 + i] = acc[i * BF_MTILE + j];
+        bf16_epilogue(fmt, (const float (*)[256])c[(nb - 1) & 1], wdp + (nb - 1) * PANEL, wmp + (nb - 1) * PANEL, sxt, nb, nb - 1, acc);
+        for (int i = 0; i < BF_MTILE && m0 + t * BF_MTILE + i < M; i++)
+            memcpy(out + (long)(m0 + t * BF_MTILE + i) * N + n0, acc + i * PANEL, cols * sizeof(float));
     }
 }
 #else
@@ -528,30 +573,33 @@ int gemm_f32(int fmt, const float *x, int M, int K, const void *qs, const uint16
 #if HAVE_AMX_BF16
     if (gemm_f32_available()) {
         const int nb = K / QK, Np = (N + PANEL - 1) / PANEL * PANEL;
-        const int chunk_tiles = BF_CHUNK / BF_MTILE;
-        uint16_t *wb = aligned_alloc(64, (size_t)Np * K * 2);
+        uint16_t *wpk = aligned_alloc(64, (size_t)Np * K * 2);
         float *wdf = aligned_alloc(64, (size_t)Np * nb * sizeof(float)), *wmf = aligned_alloc(64, (size_t)Np * nb * sizeof(float));
-        uint16_t *xp = aligned_alloc(64, (size_t)chunk_tiles * nb * 3 * 512 * 2);
-        float *sx = aligned_alloc(64, (size_t)chunk_tiles * nb * BF_MTILE * sizeof(float));
-        const int failed = !wb || !wdf || !wmf || !xp || !sx;
+        const int M16 = (M + BF_MTILE - 1) / BF_MTILE * BF_MTILE;
+        uint16_t *xpc = aligned_alloc(64, (size_t)3 * M16 * K * 2);
+        float *sx = aligned_alloc(64, (size_t)M16 * nb * sizeof(float));
+        const int failed = !wpk || !wdf || !wmf || !xpc || !sx;
         if (!failed) {
+            /* Two barriers a call: on a shared machine each one waits for a descheduled thread
+               (one per 128-row chunk of pieces made 2 threads 2x slower than 1 at load 8). */
             #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
             {
-                convert_weights(fmt, qs, wd, wm, N, Np, K, wb, wdf, wmf);
+                convert_weights(fmt, qs, wd, wm, N, Np, K, wpk, wdf, wmf);
+                split_pieces(x, 0, M, M, K, xpc, sx);
                 amx_configure_bf16();
-                for (int m0 = 0; m0 < M; m0 += BF_CHUNK) {
-                    const int rows = M - m0 < BF_CHUNK ? M - m0 : BF_CHUNK;
-                    #pragma omp single
-                    pack_pieces(x, m0, rows, M, K, xp, sx);
-                    #pragma omp for schedule(dynamic)
+                #pragma omp barrier
+                /* 128 activation rows at a time (their pieces stay in L2 across the panels: 1.3x
+                   over whole-M sweeps at K = 1536); the same panels per thread each time, no wait */
+                for (int m0 = 0; m0 < M16; m0 += 128) {
+                    const int rows16 = M16 - m0 < 128 ? M16 - m0 : 128;
+                    #pragma omp for schedule(static) nowait
                     for (long p = 0; p < Np / PANEL; p++)
-                        panel_bf16(fmt, wb + p * PANEL * K, wdf, wmf, xp, sx, (rows + BF_MTILE - 1) / BF_MTILE, K, p * PANEL,
-                                   N, m0, M, out);
+                        panel_bf16(fmt, wpk, wdf, wmf, xpc, sx, (long)M16 * K, rows16, K, p, N, m0, M, out);
                 }
                 _tile_release();
             }
         }
-        free(wb); free(wdf); free(wmf); free(xp); free(sx);
+        free(wpk); free(wdf); free(wmf); free(xpc); free(sx);
         return failed;
     }
 #endif

@@ -31,6 +31,7 @@ from caramba import kernels
 
 LEVELS = ("scalar", "avx512vnni", "amx")
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+INT8_FORMATS = ("q8_0", "q4_0")   # gemm_q8's weights (q4_1's minimums need the block sums of x: gemm_f32)
 SOURCE = Path(__file__).with_name("quant_gemm.c")
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
@@ -96,8 +97,10 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 
 def gemm(fmt: str, xq: torch.Tensor, xd: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, N: int,
          reference: bool = False, threads: int | None = None) -> torch.Tensor:
-    """out [M, N] fp32 = (xq, xd) q8 rows times the (qs, d) weight^T, at the library's level or
+    """out [M, N] fp32 = (xq, xd) q8 rows times the (qs, d) q8_0 or q4_0 weight^T, at the library's level or
     with the portable reference (`reference`). The library must be loaded."""
+    if fmt not in INT8_FORMATS:
+        raise ValueError(f"the int8 GEMM takes {' or '.join(INT8_FORMATS)} weights, not {fmt}")
     lib = library()
     M, K = xq.shape
     out = torch.empty(M, N)
@@ -140,7 +143,7 @@ def linear(layer, rows: torch.Tensor) -> torch.Tensor | None:
     lib = library()
     if lib is None:
         return None
-    if layer.act == "q8":
+    if layer.act == "q8" and layer.fmt in INT8_FORMATS:
         if lib.gemm_isa_name() == b"scalar":
             return None
         q = quantize_rows(rows)
@@ -150,10 +153,10 @@ def linear(layer, rows: torch.Tensor) -> torch.Tensor | None:
     else:
         if not lib.gemm_f32_available():
             return None
-        if layer.act == "i16":   # the values the int16 kernels multiply
+        if layer.act != "f32":   # q4_1 with q8 or int16 codes: the values those kernels multiply
             from caramba.model import quant
 
-            rows = quant.round_activations(rows, "i16").contiguous()
+            rows = quant.round_activations(rows, layer.act).contiguous()
         out = gemm_f32(layer.fmt, rows, layer.qs, layer.d, layer.m, layer.out_features)
     if layer.bias is not None:
         out += layer.bias
