@@ -623,6 +623,8 @@ def capture_env(seed: int | None, device: str) -> dict[str, Any]:
     env["cuda_version"] = torch.version.cuda if torch else None
     env["gpu"] = torch.cuda.get_device_name(0) if cuda else None
     env["kernel_isa"] = __import__("caramba.model.isa", fromlist=["isa"]).kernel_isa() if torch else None
+    # the quantized prefill's GEMM level (amx, vnni, ...: caramba.model.quant_gemm)
+    env["prefill_gemm"] = __import__("caramba.model.quant_gemm", fromlist=["level"]).level() if torch else None
     return env
 
 

@@ -105,7 +105,7 @@ def old_path(lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("M,K,N", SHAPES)
 def test_int8_levels_are_the_reference_bit_for_bit(level, fmt, M, K, N):
     lin = layer(fmt, "q8", N, K, seed=M + N)
-    xq, xd = quant_gemm.quantize_rows(activations(M, K, seed=K))
+    xq, xd = quant.quantize_rows_q8(activations(M, K, seed=K))
     ref = quant_gemm.gemm(fmt, xq, xd, lin.qs, lin.d, N, reference=True)
     for threads in (1, 2):
         assert torch.equal(quant_gemm.gemm(fmt, xq, xd, lin.qs, lin.d, N, threads=threads), ref)
@@ -119,7 +119,7 @@ def test_int8_reference_is_dequantize_then_matmul_within_fp32_rounding(fmt, M, K
     needs_library()
     lin = layer(fmt, "q8", N, K, seed=M * N)
     x = activations(M, K, seed=M)
-    xq, xd = quant_gemm.quantize_rows(x)
+    xq, xd = quant.quantize_rows_q8(x)
     assert torch.equal(xq.float() * xd.repeat_interleave(32, 1), quant.round_activations(x, "q8"))   # the same codes
     got = quant_gemm.gemm(fmt, xq, xd, lin.qs, lin.d, N, reference=True)
     expected = old_path(lin, x)
@@ -139,7 +139,7 @@ def test_quantlinear_prefill_takes_the_gemm(fmt, T):
     got = lin(x)
     assert got.shape == (1, T, 45)
     if quant_gemm.level() != "scalar":
-        xq, xd = quant_gemm.quantize_rows(x[0])
+        xq, xd = quant.quantize_rows_q8(x[0])
         assert torch.equal(got[0], quant_gemm.gemm(fmt, xq, xd, lin.qs, lin.d, 45) + lin.bias)
     with quant_gemm.use_level("scalar"):
         old = lin(x)

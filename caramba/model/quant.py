@@ -20,8 +20,10 @@ best of a search (quantize_blocks), which on a checkpoint that was quantized bef
 Q4_1) removes most of the requantization error (docs/decode-speed.md).
 
 QuantLinear calls the C kernels for batch-1 decode and other small row counts (<= KERNEL_ROWS) on
-the CPU; prefill, larger batches, other devices and a missing kernel library take the eager path
-(dequantize, then matmul). Both multiply the same values: where the kernels round activations
+the CPU; prefill and larger batches multiply the codes in caramba.model.quant_gemm (an int8 GEMM
+on AMX/VNNI for q8 activations, AMX-BF16 for fp32 ones) where the CPU has one; other devices,
+other CPUs and a missing kernel library take the eager path (dequantize, then matmul). All
+multiply the same values: where the kernels round activations
 (q8 for q8_0 and q4_0, int16 for native_i16) the eager path rounds them by the same rule
 (round_activations), so a batch, a long prompt or a machine without a compiler changes only the
 fp32 summation order, never the arithmetic.
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from caramba import kernels
+from caramba.model import quant_gemm
 
 WEIGHT_KINDS = ("fp32", "q8_0", "q4_0", "native", "native_i16")
 NATIVE_ACT = {"native": "f32", "native_i16": "i16"}   # the native kinds' activations
@@ -216,6 +219,19 @@ def gguf_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> dic
 
 # --- the layer ------------------------------------------------------------------------------------
 
+def quantize_rows_q8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """rows [M, K] fp32 contiguous -> (q8 codes int8 [M, K], scales fp32 [M, K/32]) by the decode
+    kernels' rule (quant_gemv.c), or None without their library."""
+    qlib = library()
+    if qlib is None:
+        return None
+    M, K = rows.shape
+    xq = torch.empty(M, K, dtype=torch.int8)
+    xd = torch.empty(M, K // QK)
+    qlib.quantize_activations_q8(rows.data_ptr(), M, K, xq.data_ptr(), xd.data_ptr())
+    return xq, xd
+
+
 class QuantLinear(nn.Module):
     """y = x @ W^T (+ bias) with W [out, in] held as quantized blocks.
 
@@ -301,15 +317,39 @@ class QuantLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).to(torch.float32)
         if rows.is_cpu and not (rows.requires_grad and torch.is_grad_enabled()):
             # Prefill-sized: the codes in an int8 GEMM (q8 activations) or AMX-BF16 (fp32) where the CPU has one
-            from caramba.model import quant_gemm
-
-            y = quant_gemm.linear(self, rows.contiguous())
+            y = self._gemm(rows.contiguous())
             if y is not None:
                 return y.to(x.dtype).view(*shape[:-1], self.out_features)
         if self.act in ACTIVATION_LEVELS:
             rows = round_activations(rows, self.act)
         y = F.linear(rows, self.dequantized().to(x.device), self.bias)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def _gemm(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """rows [M, K] fp32 (contiguous, CPU) times this layer's weight^T (+ bias) in caramba.model.quant_gemm,
+        or None where no GEMM here applies (no library, no int8 level for q8 activations, no AMX-BF16
+        for fp32 or int16 ones): forward then dequantizes and calls torch."""
+        if not self.qs.is_cpu:
+            return None
+        lib = quant_gemm.library()
+        if lib is None:
+            return None
+        if self.act == "q8" and self.fmt in quant_gemm.INT8_FORMATS:
+            if lib.gemm_isa_name() == b"scalar":
+                return None
+            q = quantize_rows_q8(rows)
+            if q is None:
+                return None
+            out = quant_gemm.gemm(self.fmt, *q, self.qs, self.d, self.out_features)
+        else:
+            if not lib.gemm_f32_available():
+                return None
+            if self.act != "f32":   # q4_1 with q8 or int16 codes: the values those kernels multiply
+                rows = round_activations(rows, self.act).contiguous()
+            out = quant_gemm.gemm_f32(self.fmt, rows, self.qs, self.d, self.m, self.out_features)
+        if self.bias is not None:
+            out += self.bias
+        return out
 
     def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, M: int) -> torch.Tensor:
         N, K = self.out_features, self.in_features

@@ -80,21 +80,6 @@ def use_level(name: str) -> Iterator[str]:
         lib.gemm_isa_set(before)
 
 
-def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """rows [M, K] fp32 contiguous -> (q8 codes int8 [M, K], scales fp32 [M, K/32]) by the decode
-    kernels' rule, or None without their library."""
-    from caramba.model import quant
-
-    qlib = quant.library()
-    if qlib is None:
-        return None
-    M, K = rows.shape
-    xq = torch.empty(M, K, dtype=torch.int8)
-    xd = torch.empty(M, K // quant.QK)
-    qlib.quantize_activations_q8(rows.data_ptr(), M, K, xq.data_ptr(), xd.data_ptr())
-    return xq, xd
-
-
 def gemm(fmt: str, xq: torch.Tensor, xd: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, N: int,
          reference: bool = False, threads: int | None = None) -> torch.Tensor:
     """out [M, N] fp32 = (xq, xd) q8 rows times the (qs, d) q8_0 or q4_0 weight^T, at the library's level or
@@ -134,30 +119,3 @@ def f32_available() -> bool:
     return bool(lib and lib.gemm_f32_available())
 
 
-def linear(layer, rows: torch.Tensor) -> torch.Tensor | None:
-    """rows [M, K] fp32 (contiguous, CPU) times the QuantLinear `layer`'s weight^T (+ bias), or
-    None where no GEMM here applies (no library, no int8 level for q8 activations, no AMX-BF16
-    for fp32 or int16 ones): the caller then dequantizes and calls torch."""
-    if not layer.qs.is_cpu:
-        return None
-    lib = library()
-    if lib is None:
-        return None
-    if layer.act == "q8" and layer.fmt in INT8_FORMATS:
-        if lib.gemm_isa_name() == b"scalar":
-            return None
-        q = quantize_rows(rows)
-        if q is None:
-            return None
-        out = gemm(layer.fmt, *q, layer.qs, layer.d, layer.out_features)
-    else:
-        if not lib.gemm_f32_available():
-            return None
-        if layer.act != "f32":   # q4_1 with q8 or int16 codes: the values those kernels multiply
-            from caramba.model import quant
-
-            rows = quant.round_activations(rows, layer.act).contiguous()
-        out = gemm_f32(layer.fmt, rows, layer.qs, layer.d, layer.m, layer.out_features)
-    if layer.bias is not None:
-        out += layer.bias
-    return out
