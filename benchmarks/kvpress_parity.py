@@ -172,10 +172,14 @@ def answers_parity(model, tok, hf: dict, args) -> list[dict]:
         press = PressConfig.parse(spec)
         impl = "eager" if press.method == "observed_attention" else "sdpa"
         theirs, kv_first, kv_decode, kv_steps = [], [], 0.0, 0
-        for sample in samples:
-            out, first, decode_s, steps = kvpress_answer(hf[impl], press.method, press.ratio, sample.context_ids,
-                                                         sample.question_ids, sample.max_new_tokens, stops,
-                                                         press.adaptive)
+        try:
+            answers = [kvpress_answer(hf[impl], press.method, press.ratio, sample.context_ids, sample.question_ids,
+                                      sample.max_new_tokens, stops, press.adaptive) for sample in samples]
+        except RuntimeError as e:   # e.g. per-layer cache lengths that HF's mask for the question does not follow
+            rows.append(dict(press=spec, samples=len(samples), kvpress_error=str(e).splitlines()[0]))
+            print(f"{spec:>24} kvpress failed: {rows[-1]['kvpress_error']}", flush=True)
+            continue
+        for out, first, decode_s, steps in answers:
             theirs.append(out)
             kv_first.append(first)
             kv_decode, kv_steps = kv_decode + decode_s, kv_steps + steps
