@@ -33,10 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
-#if defined(__linux__) && defined(__x86_64__)
-#include <sys/syscall.h>
-long syscall(long number, ...);   /* unistd.h declares it only outside strict -std=c11 */
-#endif
+
+#include "cpu_isa.h"   /* fp16_to_fp32, isa_amx (cpu_isa.c, compiled into this library too) */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -55,23 +53,6 @@ long syscall(long number, ...);   /* unistd.h declares it only outside strict -s
 #define MTILE 32          /* activation rows per inner step (two tiles of 16 / two zmm of 16 lanes) */
 
 enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1 };
-
-static inline float fp16_to_fp32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);                 /* inf, nan */
-    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);            /* normal */
-    else if (!man) bits = sign;                                               /* zero */
-    else {                                                                     /* subnormal: normalise */
-        int e = -1;
-        uint32_t mm = man;
-        do { e++; mm <<= 1; } while (!(mm & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((mm & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 static inline int weight_code(int fmt, const void *qs, long n, int k, int K) {
     if (fmt == FMT_Q8_0) return ((const int8_t *)qs)[n * K + k];
@@ -101,20 +82,6 @@ void gemm_q8_ref(int fmt, const int8_t *xq, const float *xd, int M, int K, const
 enum { LVL_SCALAR = 0, LVL_VNNI = 1, LVL_AMX = 2, LVL_COUNT = 3 };
 static const char *const LVL_NAMES[LVL_COUNT] = {"scalar", "avx512vnni", "amx"};
 
-static int amx_granted(void) {
-#if HAVE_AMX && defined(__linux__)
-    unsigned a, b, c, d;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
-    if (a < 7) return 0;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return 0;   /* AMX-TILE, AMX-INT8 */
-    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-#else
-    return 0;
-#endif
-}
-
 static int level_usable(int level) {
     switch (level) {
     case LVL_SCALAR: return 1;
@@ -127,7 +94,7 @@ static int level_usable(int level) {
 #if HAVE_AMX
     case LVL_AMX: {
         static int granted = -1;   /* ask the OS once */
-        if (granted < 0) granted = level_usable(LVL_VNNI) && amx_granted();
+        if (granted < 0) granted = level_usable(LVL_VNNI) && isa_amx();
         return granted;
     }
 #endif

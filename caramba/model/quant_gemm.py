@@ -32,7 +32,8 @@ from caramba import kernels
 LEVELS = ("scalar", "avx512vnni", "amx")
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 INT8_FORMATS = ("q8_0", "q4_0")   # gemm_q8's weights (q4_1's minimums need the block sums of x: gemm_f32)
-SOURCE = Path(__file__).with_name("quant_gemm.c")
+# with cpu_isa.c: the CPU checks (AMX and the OS's permission) and fp16 conversion the decode kernels use
+SOURCES = [Path(__file__).with_name(name) for name in ("quant_gemm.c", "cpu_isa.c")]
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "gemm_q8": ([_I, _P, _P, _I, _I, _P, _P, _I, _P, _I], _I),
@@ -44,7 +45,7 @@ _SIGNATURES = {
     "gemm_isa_set": ([ctypes.c_char_p], _I),
     "gemm_isa_available": ([ctypes.c_char_p], _I),
 }
-library = kernels.Library(SOURCE, _SIGNATURES, "quantized prefill (int8 GEMM)")
+library = kernels.Library(SOURCES, _SIGNATURES, "quantized prefill (int8 GEMM)")
 
 
 def level() -> str:
