@@ -305,8 +305,6 @@ def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causa
         return False
     if type(cache) not in (KVCache, RingKVCache) or torch.is_grad_enabled() and model.norm.weight.requires_grad:
         return False
-    if cache.layers[0].observer is not None:   # a press watches this prefill through the torch attention
-        return False
     # A sliding window's ring holds slot s at s % capacity: until it first wraps, storage order is
     # slot order and the step (which writes slot `length` and reads slots below it, masked by the
     # window) is exact. After that it would need ring addressing in decode_step.c: the torch path.
