@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from caramba.infer import GenerateConfig, Generator
 from caramba.model import quant, quant_gemm
 from caramba.model.quant import QuantLinear
+from test_isa import cpu_flags
 from conftest import SMOLLM2
 from test_quant_weights import models, tiny_gguf  # noqa: F401  (fixtures: a tiny Q4_1/Q8_0 GGUF per weight kind)
 
@@ -31,14 +31,6 @@ U = 2.0 ** -24   # fp32's unit roundoff
 SHAPES = [(1, 32, 1), (17, 96, 33), (33, 160, 31), (65, 224, 64), (40, 576, 7)]   # M, K (odd block counts), N
 
 
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 FEATURES = {"avx512vnni": ["avx512f", "avx512bw", "avx512_vnni"], "amx": ["amx_tile", "amx_int8"]}
