@@ -60,7 +60,7 @@ class Mode:
             **extra: Any) -> dict[str, Any]:
         """Do the run: write extra files through `record.path`, log through `record.log`, and
         return the result (result.json); `extra` holds `draft` (a LoadedModel) when the run has one."""
-        raise NotImplementedError
+        raise NotImplementedError(f"mode {self.name!r} defines no run(): a Mode subclass must")
 
     def preflight(self, r: ResolvedRun, where: str, sources: Any) -> None:
         """Raise UserError (naming `where` and the field) when `r` cannot succeed; cheap: `sources`
