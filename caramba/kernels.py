@@ -27,6 +27,9 @@ import warnings
 from pathlib import Path
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# after the sources: the kernels call libm (lrintf, expf), which x86-64 inlines and aarch64 does
+# not; inside Python libm happens to be loaded already, but a library must name what it needs
+LIBS = ["-lm"]
 
 
 def cpu_flags() -> str:
@@ -63,7 +66,7 @@ def build(source: Path | list[Path], cc: str, flags: list[str] = FLAGS) -> Path:
     """The shared library of `source` (one C file, or several compiled together: the first names
     it), compiled once per (sources, command, CPU) and cached."""
     sources = _sources(source)
-    command = [cc, *flags]
+    command = [cc, *flags, *LIBS]
     key = hashlib.sha256(b"".join(_source_bytes(s) for s in sources) + " ".join(command).encode()
                          + cpu_flags().encode() + platform.machine().encode()).hexdigest()[:16]
     out_dir = kernel_dir()
@@ -73,7 +76,7 @@ def build(source: Path | list[Path], cc: str, flags: list[str] = FLAGS) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            subprocess.run([*command, *map(str, sources), "-o", tmp], check=True, capture_output=True, text=True,
+            subprocess.run([cc, *flags, *map(str, sources), *LIBS, "-o", tmp], check=True, capture_output=True, text=True,
                            timeout=600)   # a build took 130 s at load average 12
             os.replace(tmp, out)   # atomic: a concurrent build or reader never sees half a library
         finally:

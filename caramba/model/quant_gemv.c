@@ -721,7 +721,7 @@ QUANT_ROWS_LEVEL(quant_rows_avx512vnni, ISA_AVX512VNNI)
    3: q4 x int16; w: the blocks' codes or nibbles, a: the activation codes) into out[n], through
    the library's level's integer primitives as its products use them (a vector's lanes added up
    in int32, exactly), or through the reference. */
-static int32_t hsum_i32(const int32_t *lanes, int n) {
+static inline int32_t hsum_i32(const int32_t *lanes, int n) {
     int32_t s = 0;
     for (int i = 0; i < n; i++) s += lanes[i];
     return s;
