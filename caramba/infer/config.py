@@ -371,10 +371,10 @@ class GenerateConfig(Composed):
             raise OptionError("top_k", s.top_k, "is not used by beam search (only by contrastive search); "
                               "drop top_k or num_beams")
         press = self.cache.press
-        if press.active and searching:
+        if press.enabled and searching:
             raise OptionError("press", press.method, "(KV eviction) runs with greedy, sampled and speculative decoding, "
                               "not beam or contrastive search; drop press or num_beams / penalty_alpha")
-        if press.active and self.plan.local_window is not None:
+        if press.enabled and self.plan.local_window is not None:
             raise OptionError("press", press.method, "(KV eviction) and decode_local_window (a sliding window) are two "
                               "ways of dropping tokens; use one of them")
         if searching and self.plan.local_window is not None:
@@ -421,6 +421,10 @@ class SpeculativeConfig(Composed):
                 raise OptionError(name, value, f"is not supported with speculative decoding; leave it at {default!r} "
                                   "or use plain decoding")
         cache = self.generate.cache
+        if cache.press.decoding:   # a compression inside a verified block would have to be rolled back with it
+            raise OptionError("press_interval", cache.press.interval, "(decoding-time compression) is not supported "
+                              "with speculative decoding: rejected drafts cannot roll back an eviction; drop "
+                              "press_interval (the context press, press_ratio, works) or use plain decoding")
         if not cache.is_auto:
             policy = cache.spec()
             grouped = sorted({c.kind.value for c in (policy.k, policy.v, policy.k_sem, policy.k_geo) if c.kind.spec.per_channel})

@@ -21,6 +21,7 @@ from caramba import resolvers, threads
 from caramba.cache import KVCache
 from caramba.cache.layer import CacheOverflowError
 from caramba.infer.config import GenerateConfig
+from caramba.infer.decoding_press import DecodingPress
 from caramba.infer.padding import left_pad
 from caramba.infer.plan import ResolvedPlan, warn_window
 from caramba.infer.sampling import History, process_logits, select_tokens
@@ -68,6 +69,7 @@ class Generator:
         self.rng: torch.Generator | None = None
         self.plan: ResolvedPlan | None = None   # the decode plan the last call ran with
         self.cache_auto: dict | None = None      # what cache_kind="auto" resolved to (None: not auto)
+        self.decoding: DecodingPress | None = None   # the last turn's decoding-time compression (press_interval)
         if self.config.decode_local_window is not None:
             warn_window(self.config.decode_local_window)
         self.reset()
@@ -181,20 +183,30 @@ class Generator:
             logits = self._forward(tokens, mask)
         active = torch.ones(B, dtype=torch.bool, device=self.device)
         self.stops.start(B)
-        for step in range(cfg.max_new_tokens):
-            new = select_tokens(process_logits(logits, cfg.sampling, self.seen, self.history), cfg.sampling, self.rng)
-            new = torch.where(active, new, torch.full_like(new, self.pad_id))
-            yield new, active
-            was_active = active
-            active = self.stops.update(new, active)
-            self._track_seen(new[:, None], was_active[:, None])
-            if self.history is not None:
-                self.history.add_generated(new, was_active)
-            if not bool(active.any()) or step == cfg.max_new_tokens - 1:
-                # Rows whose last token is real keep it pending for the next turn.
-                state.pending, state.pending_mask = new, was_active
-                return
-            logits = self._forward(new[:, None], was_active[:, None])
+        # Decoding-time compression (press_interval): every N steps the cache is pressed to a target.
+        self.decoding = DecodingPress(state, cfg.cache.press) if cfg.cache.press.decoding else None
+        try:
+            for step in range(cfg.max_new_tokens):
+                new = select_tokens(process_logits(logits, cfg.sampling, self.seen, self.history), cfg.sampling, self.rng)
+                new = torch.where(active, new, torch.full_like(new, self.pad_id))
+                yield new, active
+                was_active = active
+                active = self.stops.update(new, active)
+                self._track_seen(new[:, None], was_active[:, None])
+                if self.history is not None:
+                    self.history.add_generated(new, was_active)
+                if not bool(active.any()) or step == cfg.max_new_tokens - 1:
+                    # Rows whose last token is real keep it pending for the next turn.
+                    state.pending, state.pending_mask = new, was_active
+                    return
+                if self.decoding is not None:
+                    self.decoding.before_step()
+                logits = self._forward(new[:, None], was_active[:, None])
+                if self.decoding is not None:
+                    self.decoding.after_step(was_active)
+        finally:
+            if self.decoding is not None:
+                self.decoding.close()   # observers off, the C step back, even if the caller stopped early
 
     def _forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Feed tokens [B, T] (mask: which are real) -> logits of each row's next token [B, V].
