@@ -426,6 +426,9 @@ def autotune(
     plan_path: Annotated[Optional[Path], typer.Option(help="The plan store (default: runs/cache_plans.json). A file that is not a plan store is never overwritten.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Measure again even when a fresh plan is stored.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with chosen and candidates.")] = False,
+    presses: Annotated[str, typer.Option(help="KV presses to try as candidates too, comma-separated, each alone and "
+                                              "with q8_0 / q4_0 (keys q8_0, rotated): METHOD@RATIO[/INTERVAL:TARGET] "
+                                              "(e.g. snapkv@0.5,knorm@0/64:512). Default none.")] = "none",
 ) -> None:
     """Choose the KV cache for a memory budget: budget filter, quality gates, speed pick.
 
@@ -443,8 +446,12 @@ def autotune(
             raise UserError(f"--text {text}: no such file")
         if not (math.isfinite(budget_mb) and budget_mb > 0):
             raise UserError(f"--budget-mb {budget_mb}: give a finite number of MiB > 0")
+        try:   # checked before the model loads
+            settings = AutotuneSettings(budget_mb=budget_mb, max_seq_len=max_seq_len, batch_size=batch_size,
+                                        presses=tuple(p.strip() for p in presses.split(",") if p.strip()))
+        except ValueError as e:
+            raise UserError(f"--presses: {e}") from None
         loaded = load_model(model, dtype, device, progress=not as_json, weights=weights)
-        settings = AutotuneSettings(budget_mb=budget_mb, max_seq_len=max_seq_len, batch_size=batch_size)
         result = run_tuned(loaded, settings, err if as_json else out, text, plan_path, force, quiet=as_json)
         if as_json:
             print(json_text(result.to_dict()))

@@ -218,7 +218,8 @@ class Generator:
             if self.config.cache.is_auto:   # chosen above the engine, on first use (caramba.resolvers)
                 resolve = self.cache_resolver or resolvers.cache_resolver()
                 policy, self.cache_auto = resolve(self.model, self.tokenizer, self.config.cache, B)
-                self.config = self.config.replace(cache=self.config.cache.with_policy(policy))
+                press = (self.cache_auto or {}).get("press")   # the plan's press (cache_auto_presses), if any
+                self.config = self.config.replace(cache=self.config.cache.with_policy(policy, press))
             cfg, V = self.config, self.model.config.vocab_size
             self.state = DecodeState.for_config(self.model, B, cfg)
             if cfg.repetition_penalty != 1.0:
