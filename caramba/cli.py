@@ -427,7 +427,7 @@ def autotune(
     force: Annotated[bool, typer.Option("--force", help="Measure again even when a fresh plan is stored.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with chosen and candidates.")] = False,
     presses: Annotated[str, typer.Option(help="KV presses to try as candidates too, comma-separated, each alone and "
-                                              "with q8_0 / q4_0 (keys q8_0, rotated): METHOD@RATIO[/INTERVAL:TARGET] "
+                                              "with q8_0 / q4_0 (keys q8_0, rotated): METHOD@RATIO or METHOD@RATIO/INTERVAL:TARGET "
                                               "(e.g. snapkv@0.5,knorm@0/64:512). Default none.")] = "none",
 ) -> None:
     """Choose the KV cache for a memory budget: budget filter, quality gates, speed pick.

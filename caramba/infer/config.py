@@ -103,9 +103,9 @@ class AutoCacheConfig:
     probe: bool = option(True, name="cache_plan_probe", help="re-run the selection when the stored plan is stale")
     probe_interval_sec: float = option(3600.0, ge=0, name="cache_plan_probe_interval_sec",
                                        help="a plan older than this is stale")
-    presses: tuple[str, ...] = option((), name="cache_auto_presses", key="presses", schema=list[str],
+    presses: tuple[str, ...] = option((), name="cache_auto_presses", key="presses",
                                       help="presses the autotune also tries, each alone and with quantized kinds "
-                                           "(METHOD@RATIO[/INTERVAL:TARGET], e.g. snapkv@0.5); the gates decide. "
+                                           "(METHOD@RATIO or METHOD@RATIO/INTERVAL:TARGET, e.g. snapkv@0.5); the gates decide. "
                                            "Default none: the plans stay as they were")
 
     def __post_init__(self) -> None:
