@@ -371,6 +371,10 @@ def eval_cache(
     cache_kind: Annotated[Optional[list[str]], typer.Option(help="Candidate cache kind; repeatable.")] = None,
     cache_policy: Annotated[Optional[list[str]], typer.Option(help="Candidate per-stream policy, e.g. k=q8_0,v=q4_0; repeatable.")] = None,
     baseline: Annotated[str, typer.Option(help="The reference cache kind.")] = "fp32",
+    press: Annotated[Optional[list[str]], typer.Option(
+        "--press", help="A KV press as candidates too: on every candidate's kind and alone on the baseline's; "
+                        "METHOD@RATIO (snapkv@0.5, ada_tova@0.25) or METHOD@RATIO/INTERVAL:TARGET (decoding-time "
+                        "compression, knorm@0/64:512); repeatable; needs --tasks (docs/kv-cache.md#presses).")] = None,
     qblock: Annotated[int, candidate_option("qblock")] = candidate_default("qblock"),
     residual_len: Annotated[int, candidate_option("residual_len")] = candidate_default("residual_len"),
     rotate_keys: Annotated[bool, candidate_option("rotate_keys")] = candidate_default("rotate_keys"),
@@ -401,14 +405,16 @@ def eval_cache(
     --protocol decode (default): the first --prompt-len tokens are prefilled; each later token is
     fed one at a time through the cache, as generation does. --protocol chunks --ctx 512: as
     llama.cpp's perplexity tool, with the PPL's standard error. Candidates: each --cache-kind and
-    --cache-policy (default q8_0). `caramba eval --tasks all --no-perplexity` runs the task suite."""
+    --cache-policy (default q8_0). `caramba eval --tasks all --no-perplexity` runs the task suite;
+    `--press snapkv@0.5` adds each candidate pressed and the press alone (the task's context is
+    pressed before its question)."""
     with _errors_as_exit_codes():
         from caramba.cli_eval import eval_command
 
         shared = dict(qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys, rotate_values=rotate_values,
                       cache_fp16_prefix_layers=cache_fp16_prefix_layers)
         eval_command({"source": model, "dtype": dtype, "device": device, "weights": weights}, text, cache_kind or [],
-                     cache_policy or [], baseline, shared, perplexity=perplexity, protocol=protocol, ctx=ctx,
+                     cache_policy or [], baseline, shared, presses=press or [], perplexity=perplexity, protocol=protocol, ctx=ctx,
                      prompt_len=prompt_len, max_tokens=max_tokens, tasks=tasks, lengths=lengths, samples=samples,
                      seed=seed, overrides=overrides or [], as_json=as_json, out=out, err=err)
 
