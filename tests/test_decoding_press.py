@@ -20,6 +20,7 @@ from caramba.options import OptionError
 from caramba.press import PressConfig
 from conftest import make_model
 from test_cli import invoke
+from test_eval_mode import LENGTH, loaded, long_tiny  # noqa: F401 (fixtures)
 from test_evict import MaskedLayer
 
 PROMPT, NEW, INTERVAL, TARGET, WINDOW = 40, 30, 9, 24, 4
@@ -243,3 +244,26 @@ def test_the_press_form_carries_decoding_time_compression():
     for bad in ("knorm@0/64", "knorm@0/x:5"):
         with pytest.raises(ValueError, match="INTERVAL:TARGET"):
             PressConfig.parse(bad)
+
+
+def test_eval_answers_with_decoding_time_compression_equal_the_generator(loaded):  # noqa: F811 (fixture)
+    """An eval candidate's answer steps run the same compression as the Generator: one sample,
+    the context and question fed (unpressed: press_ratio 0), then every 3 answer tokens the
+    cache is pressed to 500; the tokens equal the Generator's over the same prompt."""
+    from caramba.cache import CachePolicy
+    from caramba.infer import tasks as task_suite
+    from caramba.infer.task_eval import Candidate, answer_tasks
+
+    [sample] = task_suite.make_samples("niah_single", LENGTH, 1, 0, loaded.tokenizer, chat=False)
+    press = PressConfig(method="knorm", ratio=0.0, interval=3, target=500)
+    fp32 = CachePolicy.build("fp32")
+    results, _ = answer_tasks(loaded.model, loaded.tokenizer, [sample], [Candidate("pressed", fp32, None, press)],
+                              Candidate("fp32", fp32), prefill="own", batch_size=1)
+    got = results[0].answers[0].output_ids
+    n = len(sample.prompt_ids)
+    config = GenerateConfig(max_new_tokens=len(got), temperature=0.0, max_seq_len=n + sample.max_new_tokens,
+                            press="knorm", press_ratio=0.0, press_interval=3, press_target=500, eos_token_id=None)
+    gen = Generator(loaded.model, config)
+    want = gen.generate(torch.tensor([sample.prompt_ids]))[0, n:].tolist()
+    assert len(got) >= 7 and gen.decoding.compressions >= 2
+    assert got == want
