@@ -267,3 +267,18 @@ def test_eval_answers_with_decoding_time_compression_equal_the_generator(loaded)
     want = gen.generate(torch.tensor([sample.prompt_ids]))[0, n:].tolist()
     assert len(got) >= 7 and gen.decoding.compressions >= 2
     assert got == want
+
+
+def test_a_caller_that_stops_mid_watch_gets_the_c_step_and_no_observers_back(model):
+    config = GenerateConfig(max_new_tokens=NEW, temperature=0.0, max_seq_len=PROMPT + NEW, press="snapkv",
+                            press_ratio=0.0, press_interval=INTERVAL, press_target=TARGET, press_window=WINDOW)
+    model.__dict__.pop("fast_decode")            # the class default is what must come back
+    gen = Generator(model, config)
+    it = gen.generate_iter(prompt(model))
+    for _ in range(INTERVAL - 1):   # the watched steps have started: observers on, the C step off
+        next(it)
+    assert gen.decoding._observing is not None and model.__dict__["fast_decode"] is False
+    assert all(layer.observer is not None for layer in gen.state.cache.layers)
+    it.close()
+    assert "fast_decode" not in model.__dict__
+    assert all(layer.observer is None for layer in gen.state.cache.layers)

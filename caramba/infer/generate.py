@@ -148,11 +148,15 @@ class Generator:
         """Yield (tokens [B], active [B]) per generated position; inactive rows are padding."""
         B = tokens.shape[0]
         state = self._start_turn(B)
-        if self._cpu_threads() is None:
-            yield from self._turn(state, tokens, mask)
-            return
-        with threads.applied(self.threads):     # prefill and steps alike; torch's count restored after
-            yield from self._turn(state, tokens, mask)
+        try:
+            if self._cpu_threads() is None:
+                yield from self._turn(state, tokens, mask)
+                return
+            with threads.applied(self.threads):     # prefill and steps alike; torch's count restored after
+                yield from self._turn(state, tokens, mask)
+        finally:   # a decoding-time press's observers off and the C step back, even if the caller stopped early
+            if self.decoding is not None:
+                self.decoding.close()
 
     def _cpu_threads(self) -> threads.Choice | None:
         """The CPU thread count of this session, chosen once from the cores free when it starts
@@ -185,28 +189,24 @@ class Generator:
         self.stops.start(B)
         # Decoding-time compression (press_interval): every N steps the cache is pressed to a target.
         self.decoding = DecodingPress(state, cfg.cache.press) if cfg.cache.press.decoding else None
-        try:
-            for step in range(cfg.max_new_tokens):
-                new = select_tokens(process_logits(logits, cfg.sampling, self.seen, self.history), cfg.sampling, self.rng)
-                new = torch.where(active, new, torch.full_like(new, self.pad_id))
-                yield new, active
-                was_active = active
-                active = self.stops.update(new, active)
-                self._track_seen(new[:, None], was_active[:, None])
-                if self.history is not None:
-                    self.history.add_generated(new, was_active)
-                if not bool(active.any()) or step == cfg.max_new_tokens - 1:
-                    # Rows whose last token is real keep it pending for the next turn.
-                    state.pending, state.pending_mask = new, was_active
-                    return
-                if self.decoding is not None:
-                    self.decoding.before_step()
-                logits = self._forward(new[:, None], was_active[:, None])
-                if self.decoding is not None:
-                    self.decoding.after_step(was_active)
-        finally:
+        for step in range(cfg.max_new_tokens):
+            new = select_tokens(process_logits(logits, cfg.sampling, self.seen, self.history), cfg.sampling, self.rng)
+            new = torch.where(active, new, torch.full_like(new, self.pad_id))
+            yield new, active
+            was_active = active
+            active = self.stops.update(new, active)
+            self._track_seen(new[:, None], was_active[:, None])
+            if self.history is not None:
+                self.history.add_generated(new, was_active)
+            if not bool(active.any()) or step == cfg.max_new_tokens - 1:
+                # Rows whose last token is real keep it pending for the next turn.
+                state.pending, state.pending_mask = new, was_active
+                return
             if self.decoding is not None:
-                self.decoding.close()   # observers off, the C step back, even if the caller stopped early
+                self.decoding.before_step()
+            logits = self._forward(new[:, None], was_active[:, None])
+            if self.decoding is not None:
+                self.decoding.after_step(was_active)
 
     def _forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Feed tokens [B, T] (mask: which are real) -> logits of each row's next token [B, V].
