@@ -270,7 +270,7 @@ def bench(
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1",
     cache_kinds: Annotated[str, typer.Option(help="KV cache kinds, comma-separated.")] = "fp32",
     decode_plans: Annotated[str, typer.Option(help="Decode plans, ';'-separated: none, auto, chunk=N, window=W, chunk=N,window=W.")] = "none",
-    presses: Annotated[str, typer.Option(help="KV presses, comma-separated: none, METHOD@RATIO, ada_METHOD@RATIO (e.g. none,snapkv@0.5).")] = "none",
+    presses: Annotated[str, typer.Option(help="KV presses, comma-separated: none, METHOD@RATIO, ada_METHOD@RATIO, METHOD@RATIO/INTERVAL:TARGET (decoding-time compression) (e.g. none,snapkv@0.5,knorm@0/64:512).")] = "none",
     new_tokens: Annotated[int, typer.Option(help="Tokens generated per repeat (first = prefill).")] = 32,
     warmup: Annotated[int, typer.Option(help="Unmeasured runs per cell.")] = 1,
     repeats: Annotated[int, typer.Option(help="Measured runs per cell.")] = 3,
