@@ -270,7 +270,7 @@ def bench(
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1",
     cache_kinds: Annotated[str, typer.Option(help="KV cache kinds, comma-separated.")] = "fp32",
     decode_plans: Annotated[str, typer.Option(help="Decode plans, ';'-separated: none, auto, chunk=N, window=W, chunk=N,window=W.")] = "none",
-    presses: Annotated[str, typer.Option(help="KV presses, comma-separated: none, METHOD@RATIO, ada_METHOD@RATIO (e.g. none,snapkv@0.5).")] = "none",
+    presses: Annotated[str, typer.Option(help="KV presses, comma-separated: none, METHOD@RATIO, ada_METHOD@RATIO, METHOD@RATIO/INTERVAL:TARGET (decoding-time compression) (e.g. none,snapkv@0.5,knorm@0/64:512).")] = "none",
     new_tokens: Annotated[int, typer.Option(help="Tokens generated per repeat (first = prefill).")] = 32,
     warmup: Annotated[int, typer.Option(help="Unmeasured runs per cell.")] = 1,
     repeats: Annotated[int, typer.Option(help="Measured runs per cell.")] = 3,
@@ -371,6 +371,10 @@ def eval_cache(
     cache_kind: Annotated[Optional[list[str]], typer.Option(help="Candidate cache kind; repeatable.")] = None,
     cache_policy: Annotated[Optional[list[str]], typer.Option(help="Candidate per-stream policy, e.g. k=q8_0,v=q4_0; repeatable.")] = None,
     baseline: Annotated[str, typer.Option(help="The reference cache kind.")] = "fp32",
+    press: Annotated[Optional[list[str]], typer.Option(
+        "--press", help="A KV press as candidates too: on every candidate's kind and alone on the baseline's; "
+                        "METHOD@RATIO (snapkv@0.5, ada_tova@0.25) or METHOD@RATIO/INTERVAL:TARGET (decoding-time "
+                        "compression, knorm@0/64:512); repeatable; needs --tasks (docs/kv-cache.md#presses).")] = None,
     qblock: Annotated[int, candidate_option("qblock")] = candidate_default("qblock"),
     residual_len: Annotated[int, candidate_option("residual_len")] = candidate_default("residual_len"),
     rotate_keys: Annotated[bool, candidate_option("rotate_keys")] = candidate_default("rotate_keys"),
@@ -401,14 +405,16 @@ def eval_cache(
     --protocol decode (default): the first --prompt-len tokens are prefilled; each later token is
     fed one at a time through the cache, as generation does. --protocol chunks --ctx 512: as
     llama.cpp's perplexity tool, with the PPL's standard error. Candidates: each --cache-kind and
-    --cache-policy (default q8_0). `caramba eval --tasks all --no-perplexity` runs the task suite."""
+    --cache-policy (default q8_0). `caramba eval --tasks all --no-perplexity` runs the task suite;
+    `--press snapkv@0.5` adds each candidate pressed and the press alone (the task's context is
+    pressed before its question)."""
     with _errors_as_exit_codes():
         from caramba.cli_eval import eval_command
 
         shared = dict(qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys, rotate_values=rotate_values,
                       cache_fp16_prefix_layers=cache_fp16_prefix_layers)
         eval_command({"source": model, "dtype": dtype, "device": device, "weights": weights}, text, cache_kind or [],
-                     cache_policy or [], baseline, shared, perplexity=perplexity, protocol=protocol, ctx=ctx,
+                     cache_policy or [], baseline, shared, presses=press or [], perplexity=perplexity, protocol=protocol, ctx=ctx,
                      prompt_len=prompt_len, max_tokens=max_tokens, tasks=tasks, lengths=lengths, samples=samples,
                      seed=seed, overrides=overrides or [], as_json=as_json, out=out, err=err)
 
@@ -426,6 +432,9 @@ def autotune(
     plan_path: Annotated[Optional[Path], typer.Option(help="The plan store (default: runs/cache_plans.json). A file that is not a plan store is never overwritten.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Measure again even when a fresh plan is stored.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with chosen and candidates.")] = False,
+    presses: Annotated[str, typer.Option(help="KV presses to try as candidates too, comma-separated, each alone and "
+                                              "with q8_0 / q4_0 (keys q8_0, rotated): METHOD@RATIO or METHOD@RATIO/INTERVAL:TARGET "
+                                              "(e.g. snapkv@0.5,knorm@0/64:512). Default none.")] = "none",
 ) -> None:
     """Choose the KV cache for a memory budget: budget filter, quality gates, speed pick.
 
@@ -443,8 +452,12 @@ def autotune(
             raise UserError(f"--text {text}: no such file")
         if not (math.isfinite(budget_mb) and budget_mb > 0):
             raise UserError(f"--budget-mb {budget_mb}: give a finite number of MiB > 0")
+        try:   # checked before the model loads
+            settings = AutotuneSettings(budget_mb=budget_mb, max_seq_len=max_seq_len, batch_size=batch_size,
+                                        presses=tuple(p.strip() for p in presses.split(",") if p.strip()))
+        except ValueError as e:
+            raise UserError(f"--presses: {e}") from None
         loaded = load_model(model, dtype, device, progress=not as_json, weights=weights)
-        settings = AutotuneSettings(budget_mb=budget_mb, max_seq_len=max_seq_len, batch_size=batch_size)
         result = run_tuned(loaded, settings, err if as_json else out, text, plan_path, force, quiet=as_json)
         if as_json:
             print(json_text(result.to_dict()))

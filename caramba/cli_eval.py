@@ -45,8 +45,8 @@ def candidate_default(name: str):
 
 
 def eval_command(model: dict[str, str], text: Path | None, kinds: list[str], policies: list[str], baseline: str,
-                 shared: dict[str, Any], *, perplexity: bool, protocol: str, ctx: int, prompt_len: int,
-                 max_tokens: int | None, tasks: str | None, lengths: str, samples: int, seed: int,
+                 shared: dict[str, Any], *, presses: list[str] = (), perplexity: bool, protocol: str, ctx: int,
+                 prompt_len: int, max_tokens: int | None, tasks: str | None, lengths: str, samples: int, seed: int,
                  overrides: list[str], as_json: bool, out: Console, err: Console) -> None:
     """`caramba eval`: the flags checked (each error naming its flag), the one-run manifest built and run."""
     from caramba.cli_bench import int_list
@@ -54,6 +54,7 @@ def eval_command(model: dict[str, str], text: Path | None, kinds: list[str], pol
     check_flags(text, protocol, ctx, shared, kinds, policies, baseline)
     if not perplexity and tasks is None:
         raise UserError("--no-perplexity leaves nothing to score: add --tasks all (or a list of tasks)")
+    press_settings = press_flags(presses, perplexity, tasks)
     ppl = {"protocol": protocol, "ctx": ctx, "prompt_len": prompt_len, "max_tokens": max_tokens,
            "text": str(text) if text else None} if perplexity else None
     task_settings = None
@@ -61,8 +62,32 @@ def eval_command(model: dict[str, str], text: Path | None, kinds: list[str], pol
         names = None if tasks.strip() == "all" else [t.strip() for t in tasks.split(",") if t.strip()]
         task_settings = {"names": names, "lengths": int_list(lengths, "--lengths"), "samples": samples,
                          "seed": seed, "text": str(text) if text else None}
-    manifest = eval_manifest(model, kinds, policies, baseline, shared, ppl, task_settings, overrides)
+    manifest = eval_manifest(model, kinds, policies, baseline, shared, ppl, task_settings, overrides, press_settings)
     run_eval_command(manifest, as_json, out, err)
+
+
+def press_flags(presses: list[str], perplexity: bool, tasks: str | None) -> list[dict[str, Any]]:
+    """Each --press as a candidate's press settings (PressConfig's flat names); errors name the flag."""
+    from caramba.options import OptionError, options_of
+    from caramba.press import PressConfig
+
+    out = []
+    for text in presses:
+        try:
+            press = PressConfig.parse(text)
+        except OptionError as e:
+            raise UserError(f"--press {text}: {e.name}={e.value!r} {e.why}") from None
+        except ValueError as e:
+            raise UserError(f"--press {text}: {e}") from None
+        if not press.enabled:
+            continue
+        defaults = PressConfig()
+        out.append({o.name: getattr(press, o.attr) for o in options_of(PressConfig)
+                    if getattr(press, o.attr) != getattr(defaults, o.attr) or o.name == "press"})
+    if out and (perplexity or tasks is None):
+        raise UserError("--press: a press compresses a task's context before its question, so it is scored on "
+                        "--tasks only: add --tasks (e.g. --tasks all) and --no-perplexity")
+    return out
 
 
 def check_flags(text: Path | None, protocol: str, ctx: int, shared: dict[str, Any], kinds: list[str],
@@ -96,16 +121,18 @@ def check_flags(text: Path | None, protocol: str, ctx: int, shared: dict[str, An
 
 def eval_manifest(model: dict[str, str], kinds: list[str], policies: list[str], baseline: str,
                   shared: dict[str, Any], perplexity: dict[str, Any] | None, tasks: dict[str, Any] | None,
-                  overrides: list[str]):
-    """The one-run manifest of these flags, validated."""
+                  overrides: list[str], presses: list[dict[str, Any]] = ()):
+    """The one-run manifest of these flags, validated. presses: each on every candidate, and
+    alone (on the baseline's kind)."""
     from caramba.manifest.overrides import apply_overrides
     from caramba.manifest.schema import Manifest
 
     candidates = [{"cache_kind": k, **shared} for k in kinds]
     candidates += [{"cache_policy": p, **shared} for p in policies]
     candidates = candidates or [{"cache_kind": "q8_0", **shared}]
+    candidates += [{**c, **p} for p in presses for c in [*candidates, {"cache_kind": baseline}]]
     # A candidate of the baseline's own kind (to see what --weights costs, say) keeps its name; the baseline is renamed.
-    same = any(c.get("cache_kind") == baseline and not c.get("cache_policy") for c in candidates)
+    same = any(c.get("cache_kind") == baseline and not c.get("cache_policy") and "press" not in c for c in candidates)
     section = {"candidates": candidates, "baseline": {"cache_kind": baseline, **({"name": "baseline"} if same else {})},
                "perplexity": perplexity, "tasks": tasks}
     data = {"version": 1, "name": "eval", "defaults": {"model": model},

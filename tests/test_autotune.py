@@ -236,3 +236,97 @@ def test_haystack_plants_the_needle_at_its_depth_and_ends_with_the_question(load
     assert text.endswith("Answer: the secret code is")
     with pytest.raises(ValueError, match="too short"):
         build_haystack(tok, text_ids, 50)
+
+
+# ---- presses as candidates (cache_auto_presses) -------------------------------------------------
+
+PRESSES = ("knorm@0.5", "streaming_llm@0/4:16")
+
+
+def test_press_candidates_are_gated_timed_and_sized_by_what_they_keep(loaded, tmp_path):
+    from caramba.autotune.candidates import PRESSED_KINDS, kept_slots
+    from caramba.press import PressConfig
+
+    plain = autotune(loaded, settings(1.0), plan_path=tmp_path / "p.json")
+    result = autotune(loaded, settings(1.0, presses=PRESSES), plan_path=tmp_path / "p.json")
+    assert result.key_id != plain.key_id   # the candidates are part of the key: plans without presses stay
+    assert [c["name"] for c in result.candidates[:len(plain.candidates)]] == [c["name"] for c in plain.candidates]
+    pressed = [c for c in result.candidates if c.get("press")]
+    assert len(pressed) == len(PRESSES) * (1 + len(PRESSED_KINDS))
+    assert {c["name"] for c in pressed} >= {"fp32+knorm@0.5", "q8_0+knorm@0.5", "fp32+streaming_llm@0/4:16"}
+    for c in pressed:
+        press, policy = PressConfig.parse(c["press"]), policy_from_dict(c["policy"])
+        assert c["name"] == f"{policy.describe()}+{c['press']}"
+        assert c["bytes"] == cache_nbytes(loaded.model, 1, 48, policy)   # allocated before the press: the budget
+        assert c["kept_bytes"] == cache_nbytes(loaded.model, 1, kept_slots(press, 48), policy) < c["bytes"]
+        assert c["gates"] is not None and c["gates"]["dnll"] is not None, c   # the gates ran on the pressed cache
+        if c["verdict"] in ("passed", "chosen"):
+            assert c["speed"]["decode_tok_s"] > 0 and c["speed"]["error"] is None
+    assert kept_slots(PressConfig.parse("knorm@0.5"), 48) == 24
+    assert kept_slots(PressConfig.parse("streaming_llm@0/4:16"), 48) == 20
+
+
+def test_the_pressed_text_gate_scores_the_masked_full_cache(loaded):
+    """evaluate_cache with a press against a reference: the whole fp32 cache, the first scored
+    token from the whole prompt, then the press's dropped slots hidden (knorm from the keys)."""
+    import torch
+    import torch.nn.functional as F
+
+    from caramba.infer.evaluate import corpus_ids, evaluate_cache
+    from caramba.infer.state import DecodeState
+    from caramba.press import PressConfig
+    from test_evict import MaskedLayer
+
+    model = loaded.model
+    ids = corpus_ids(loaded.tokenizer)[:40]
+    P = 30
+    [got] = evaluate_cache(model, ids, ["fp32"], "fp32", prompt_len=P, presses=[PressConfig(method="knorm", ratio=0.5)])
+    tokens = torch.tensor([ids])
+    state = DecodeState(model, model.new_cache(1, len(ids), "fp32"))
+    base = DecodeState(model, model.new_cache(1, len(ids), "fp32"))
+    logits, want = [state.prefill(tokens[:, :P])], [base.prefill(tokens[:, :P])]
+    for layer in state.cache.layers:
+        norms = layer.contents(P)[0].norm(dim=-1)                    # [1, KVH, P]
+        kept = torch.zeros_like(norms, dtype=torch.bool).scatter_(-1, (-norms).topk(P // 2, dim=-1).indices, True)
+        layer.__class__, layer.hidden = MaskedLayer, ~kept
+    for t in range(P, len(ids) - 1):
+        logits.append(state.step(tokens[:, t]))
+        want.append(base.step(tokens[:, t]))
+    lp = [F.log_softmax(x.float(), -1) for x in logits]
+    bp = [F.log_softmax(x.float(), -1) for x in want]
+    targets = tokens[0, P:]
+    nll = -torch.stack([p[0, t] for p, t in zip(lp, targets)]).double().mean()
+    kl = torch.stack([(b.exp() * (b - p)).sum() for p, b in zip(lp, bp)]).double()
+    assert got.n_scored == len(ids) - P
+    assert got.nll == pytest.approx(float(nll), rel=1e-5)
+    assert got.kl_mean == pytest.approx(float(kl.mean()), rel=1e-4, abs=1e-7)   # fp32 sums in another order
+    assert got.kl_mean > 0                                                      # the press changed the logits
+
+
+def test_a_press_the_plan_chose_reaches_cache_kind_auto(loaded, tmp_path, monkeypatch):
+    """With every gate passed and no timing, the fewest kept bytes win (a press on 4-bit values);
+    the plan names the press and a Generator with cache_kind auto decodes with it."""
+    import torch
+
+    from caramba.autotune.gates import GateResult
+    from caramba.infer import GenerateConfig, Generator
+
+    def all_pass(model, tokenizer, ids, candidates, *args, **kwargs):
+        return {c.name: GateResult(dnll=0.0, passed=True) for c in candidates}, {}
+
+    monkeypatch.setattr(select_module, "run_gates", all_pass)
+    plans = tmp_path / "p.json"
+    config = GenerateConfig(cache_kind="auto", cache_budget_mb=1.0, max_seq_len=48, cache_auto_presses=["knorm@0.75"],
+                            cache_auto_benchmark=False, cache_plan_path=str(plans), max_new_tokens=4, temperature=0.0)
+    gen = Generator(loaded.model, config, tokenizer=loaded.tokenizer)
+    ids = torch.arange(1, 33)[None]
+    gen.generate(ids)
+    plan = json.loads(plans.read_text())["plans"][gen.cache_auto["plan_key_id"]]
+    assert plan["chosen"]["press"] == "knorm@0.75" == gen.cache_auto["press"]
+    assert plan["chosen"]["name"] == gen.cache_auto["resolved"] == "k=q8_0,v=q4_0 rotate_keys+knorm@0.75"
+    assert gen.config.cache.press.describe() == "knorm@0.75" and not gen.config.cache.is_auto
+    assert gen.state.kept_share == pytest.approx(8 / 32)                # n_kept(32, 0.75) of the 32-token prompt
+    with pytest.raises(ValueError, match="cache_auto_presses"):
+        GenerateConfig(cache_kind="auto", cache_auto_presses=["knorm@0.5"], press="snapkv")
+    with pytest.raises(ValueError, match="cache_auto_presses"):
+        GenerateConfig(cache_kind="auto", cache_auto_presses=["snap"])

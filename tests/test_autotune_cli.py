@@ -135,6 +135,9 @@ def test_manifest_cache_autotune_then_cache_kind_auto_reuses_its_plan(tiny_model
     ("{prompts: [hi], cache_kind: q8_0, cache_budget_mb: .nan}", 2, "cache_budget_mb"),
     ("{prompts: [hi], cache_kind: auto, cache_budget_mb: 4, rotate_keys: true}", 2, "chooses rotate_keys itself"),
     ("{prompts: [hi], cache_kind: auto, cache_quality_max_mean_kl: -1}", 2, "cache_quality_max_mean_kl"),
+    ("{prompts: [hi], cache_kind: auto, cache_auto_presses: [snap]}", 2, "cache_auto_presses"),
+    ("{prompts: [hi], cache_kind: auto, cache_auto_presses: [knorm@0.5], press: tova}", 2, "cache_auto_presses"),
+    ("{prompts: [hi], cache_kind: auto, cache_auto_presses: [knorm@0.5, snapkv@0/80:256]}", 0, "ok"),
     # As the seed guide writes them: auto with no budget picks among every candidate; a budget with a
     # named kind is a bound the built cache is checked against.
     ("{prompts: [hi], cache_kind: auto}", 0, "ok"),
@@ -169,3 +172,35 @@ def test_autotune_reports_a_corrupt_plan_file_and_keeps_it(tiny_model, tmp_path)
     aside = list(tmp_path.glob("plans.json.corrupt-*"))
     assert len(aside) == 1 and aside[0].read_text() == '{"version": 1, "plans": []}'
     assert result["status"] == "measured" and list(json.loads(plans.read_text())["plans"]) == [result["key_id"]]
+
+
+def test_autotune_presses_flag_adds_press_candidates(tiny_model, tmp_path):
+    plans = tmp_path / "plans.json"
+    result = autotune_json(tiny_model, plans, "--presses", "knorm@0.5,none")
+    pressed = {c["name"]: c for c in result["candidates"] if c.get("press")}
+    assert set(pressed) == {"fp32+knorm@0.5", "q8_0+knorm@0.5", "k=q8_0,v=q4_0 rotate_keys+knorm@0.5"}
+    assert all(c["kept_bytes"] * 2 == c["bytes"] and c["gates"] is not None for c in pressed.values())
+    assert result["key"]["candidates"][-3:] == list(pressed)
+    bad = invoke("autotune", "--model", tiny_model, "--budget-mb", 1, "--plan-path", tmp_path / "other.json",
+                 "--presses", "knorm")
+    assert bad.exit_code == 2 and "--presses" in bad.output and "METHOD@RATIO" in bad.output
+    assert "Traceback" not in bad.output and not (tmp_path / "other.json").exists()
+    help_text = CliRunner().invoke(app, ["autotune", "--help"], env={"COLUMNS": "200"}).output
+    assert "--presses" in help_text and "METHOD@RATIO/INTERVAL:TARGET" in help_text
+
+
+def test_manifest_cache_autotune_with_presses(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
+    manifest = tmp_path / "m.yaml"
+    write_manifest(manifest, """\
+      - id: tune
+        mode: cache-autotune
+        autotune: {budget_mb: 1, max_seq_len: 64, presses: [knorm@0.5]}
+""", model=tiny_model, name="autop")
+    r = invoke("run", manifest)
+    assert r.exit_code == 0, r.output
+    records = tmp_path / "runs" / "autop" / "t" / "tune"
+    tune = json.loads((records / "result.json").read_text())
+    assert any(c.get("press") == "knorm@0.5" for c in tune["candidates"])
+    csv = (records / "candidates.csv").read_text().splitlines()
+    assert csv[0].endswith(",press,kept_bytes") and any(",knorm@0.5," in line for line in csv)

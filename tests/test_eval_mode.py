@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from caramba.cache import CachePolicy
+from caramba.cli import app
 from caramba.infer import tasks as task_suite
 from caramba.infer.task_eval import Candidate, answer_tasks, store_context, wilson
 from caramba.model.zoo import load_model
@@ -318,3 +320,24 @@ def test_steps_print_a_line_per_tenth_where_the_bar_cannot_draw():
             steps.advance()
     lines = [line for line in out.getvalue().splitlines() if line.startswith("work:")]
     assert [line.split()[1] for line in lines] == [f"{2 * i}/20" for i in range(1, 11)]
+
+
+def test_cli_eval_press_adds_pressed_candidates_and_the_press_alone(long_tiny):
+    r = invoke("eval", "--model", long_tiny, "--tasks", "niah_single", "--lengths", str(LENGTH), "--samples", "1",
+               "--no-perplexity", "--cache-kind", "q8_0", "--qblock", "8", "--press", "knorm@0.5",
+               "--press", "streaming_llm@0/8:600", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    by = {c["label"]: c for c in out["candidates"]}
+    assert list(by) == ["q8_0_qblock_8", "q8_0_qblock_8_knorm_0_5", "fp32_knorm_0_5",
+                        "q8_0_qblock_8_streaming_llm_0_8_600", "fp32_streaming_llm_0_8_600", "fp32"]
+    assert by["q8_0_qblock_8_knorm_0_5"]["press"] == "knorm@0.5" and by["fp32"]["press"] is None
+    assert by["fp32_knorm_0_5"]["kept_fraction"] == pytest.approx(0.5, abs=0.01)
+    assert by["fp32_streaming_llm_0_8_600"]["press"] == "streaming_llm@0/8:600"
+    for args, message in [(("--press", "snap"), "--press snap"), (("--press", "knorm@0.5/3"), "INTERVAL:TARGET"),
+                          (("--press", "pyramidkv@0.5/80:64"), "press_interval"),
+                          (("--press", "knorm@0.5", "--perplexity"), "--tasks")]:
+        bad = invoke("eval", "--model", long_tiny, "--tasks", "niah_single", "--no-perplexity", *args)
+        assert bad.exit_code == 2 and message in bad.output and "Traceback" not in bad.output, bad.output
+    help_text = CliRunner().invoke(app, ["eval", "--help"], env={"COLUMNS": "200"}).output
+    assert "--press" in help_text and "METHOD@RATIO/INTERVAL:TARGET" in help_text

@@ -7,11 +7,13 @@ figure is what `new_cache` allocates for the same (batch, max_seq_len, policy) o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from caramba.cache import CachePolicy
+from caramba.press import PressConfig, n_kept
 
 # The model dtype's own full-precision cache kind: the baseline every gate compares with.
 FULL_PRECISION = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -41,21 +43,31 @@ MIXED = [
 ]
 
 
+# The kinds each press of `cache_auto_presses` is tried with, besides the baseline's: evict, then
+# keep the survivors quantized (a press composes with every kind; these are the usual winners).
+PRESSED_KINDS = [
+    ("q8_0", None, {}),
+    ("q4_0", "k=q8_0", {"rotate_keys": True}),
+]
+
+
 @dataclass(frozen=True)
 class Candidate:
-    name: str              # CachePolicy.describe()
+    name: str              # CachePolicy.describe(), then "+" and the press's PressConfig.describe()
     policy: CachePolicy
     baseline: bool = False  # the full-precision reference itself
+    press: PressConfig | None = None   # KV eviction on top of the policy (caramba.press)
 
 
 def baseline_policy(model) -> CachePolicy:
     return canonical(CachePolicy.build(FULL_PRECISION[model.dtype]))
 
 
-def default_candidates(model) -> list[Candidate]:
-    """The baseline (the model dtype's full-precision cache) first, then the cheaper policies.
-    A policy whose settings the model cannot use (rotate_keys needs a power-of-two head_dim,
-    a block must divide head_dim) is left out, as is one that duplicates another."""
+def default_candidates(model, presses: Sequence[PressConfig] = ()) -> list[Candidate]:
+    """The baseline (the model dtype's full-precision cache) first, then the cheaper policies,
+    then each press on the baseline's kind and on PRESSED_KINDS. A policy whose settings the model
+    cannot use (rotate_keys needs a power-of-two head_dim, a block must divide head_dim) is left
+    out, as is one that duplicates another."""
     base = baseline_policy(model)
     out = [Candidate(base.describe(), base, baseline=True)]
     for kind, policy, options in MIXED:
@@ -64,7 +76,21 @@ def default_candidates(model) -> list[Candidate]:
         if p == base or redundant or any(c.policy == p for c in out) or not usable(model, p):
             continue
         out.append(Candidate(p.describe(), p))
+    kinds = [base] + [canonical(CachePolicy.build(kind, policy, **options)) for kind, policy, options in PRESSED_KINDS]
+    for press in presses:
+        for p in dict.fromkeys(kinds):
+            if usable(model, p):
+                out.append(Candidate(f"{p.describe()}+{press.describe()}", p, press=press))
     return out
+
+
+def kept_slots(press: PressConfig | None, max_seq_len: int) -> int:
+    """Slots a cache of max_seq_len holds after its press, with a max_seq_len-token context: the
+    prefill press's kept share; decoding-time compression's target plus one interval at most."""
+    if press is None:
+        return max_seq_len
+    kept = n_kept(max_seq_len, press.ratio) if press.active else max_seq_len
+    return min(kept, press.target + press.interval) if press.decoding else kept
 
 
 def usable(model, policy: CachePolicy) -> bool:

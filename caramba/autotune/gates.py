@@ -43,10 +43,11 @@ def run_gates(model, tokenizer, text_ids: Sequence[int], candidates: Sequence[Ca
     if len(text_ids) < n_text:
         raise ValueError(f"the gate text has {len(text_ids)} tokens; cache_quality_prompt_len + "
                          f"cache_quality_decode_steps = {n_text}: use a longer text or smaller settings")
-    policies = [c.policy for c in candidates]
+    candidates = list(candidates)
     text_step = (lambda done, total: on_step("text", done, total)) if on_step else None
-    text = _isolated(lambda ps: evaluate_cache(model, list(text_ids[:n_text]), ps, baseline,
-                                               s.cache_quality_prompt_len, on_step=text_step), policies)
+    text = _isolated(lambda cs: evaluate_cache(model, list(text_ids[:n_text]), [c.policy for c in cs], baseline,
+                                               s.cache_quality_prompt_len, on_step=text_step,
+                                               presses=[c.press for c in cs]), candidates)
     haystack = build_haystack(tokenizer, list(text_ids), s.cache_quality_needle_len, s.cache_quality_needle_depth)
     info = {"code": haystack.code, "context_tokens": len(haystack.ids), "depth_tokens": haystack.depth_tokens}
     if on_step:   # the bar (and its clock) shows while the needle's long prefills run
@@ -54,24 +55,25 @@ def run_gates(model, tokenizer, text_ids: Sequence[int], candidates: Sequence[Ca
     try:
         answer = baseline_answer(model, haystack.ids, baseline, haystack.answer_len)
     except Exception as e:  # no reference answer: every candidate fails the needle gate
-        needle = [e] * len(policies)
+        needle = [e] * len(candidates)
     else:
         info["baseline_answer"] = tokenizer.decode(answer)
         info["baseline_found"] = info["baseline_answer"].strip() == haystack.code
-        needle = _isolated(lambda ps: needle_scores(model, haystack, answer, ps, baseline), policies)
+        needle = _isolated(lambda cs: needle_scores(model, haystack, answer, [c.policy for c in cs], baseline,
+                                                    [c.press for c in cs]), candidates)
     if on_step:
         on_step("needle", 1, 1)
     return {c.name: _verdict(t, n, s) for c, t, n in zip(candidates, text, needle)}, info
 
 
-def _isolated(measure: Callable[[list[CachePolicy]], list], policies: list[CachePolicy]) -> list:
-    """measure(policies) in one lockstep pass; if it raises, each policy alone, so one failing
-    policy fails itself only. An error is returned in place of its policy's result."""
+def _isolated(measure: Callable[[list[Candidate]], list], candidates: list[Candidate]) -> list:
+    """measure(candidates) in one lockstep pass; if it raises, each candidate alone, so one failing
+    candidate fails itself only. An error is returned in place of its candidate's result."""
     try:
-        return list(measure(policies))
+        return list(measure(candidates))
     except Exception:
         out = []
-        for p in policies:
+        for p in candidates:
             try:
                 out.append(measure([p])[0])
             except Exception as e:

@@ -55,8 +55,10 @@ def baseline_answer(model, prompt: list[int], baseline: CachePolicy, n_tokens: i
 
 
 def needle_scores(model, haystack: Haystack, answer: list[int], candidates: list[CachePolicy],
-                  baseline: CachePolicy) -> list[dict]:
-    """Per candidate: mean/max KL on the answer tokens and whether its greedy answer matches."""
-    results = evaluate_cache(model, haystack.ids + answer, candidates, baseline, prompt_len=len(haystack.ids))
+                  baseline: CachePolicy, presses: list | None = None) -> list[dict]:
+    """Per candidate: mean/max KL on the answer tokens and whether its greedy answer matches.
+    presses: per candidate, a press (or None); the haystack and its question are its context."""
+    results = evaluate_cache(model, haystack.ids + answer, candidates, baseline, prompt_len=len(haystack.ids),
+                             presses=presses)
     return [{"kl_mean": r.kl_mean, "kl_max": r.kl_max, "match": r.top1_agreement == 1.0} for r in results]
 

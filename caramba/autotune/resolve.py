@@ -38,7 +38,8 @@ def weights_sha256(model) -> str:
 def resolve_cache(model, tokenizer, cache: CacheConfig, batch_size: int,
                   say: bool = True) -> tuple[CachePolicy, dict[str, Any]]:
     """The autotune's policy for the auto `cache` at `batch_size` rows, and what was chosen
-    (caramba.resolvers.CacheResolver); `say`: one line on stderr."""
+    (caramba.resolvers.CacheResolver): info["press"] is the plan's press when cache_auto_presses
+    let it choose one (None: none); `say`: one line on stderr."""
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if tokenizer is None:
         raise ValueError("cache_kind='auto' scores candidate caches on real text, which needs the tokenizer: "
@@ -46,7 +47,8 @@ def resolve_cache(model, tokenizer, cache: CacheConfig, batch_size: int,
     loaded = SimpleNamespace(model=model, tokenizer=tokenizer, content_hash=weights_sha256(model))
     result = autotune(loaded, AutotuneSettings.for_cache(cache, batch_size))
     policy = result.chosen_policy()
-    info = {"resolved": policy.describe(), "policy": policy.to_dict(), "bytes": result.chosen["bytes"],
+    info = {"resolved": result.chosen["name"], "policy": policy.to_dict(), "bytes": result.chosen["bytes"],
+            "press": result.chosen_press(),   # the Generator puts it in place of the config's (cache_auto_presses)
             "plan_key_id": result.key_id, "plan_status": result.status, "plan_path": str(result.plan_path)}
     if say:
         print(f"caramba: cache_kind='auto' -> {info['resolved']} ({info['bytes'] / 2**20:.2f} MiB; plan "

@@ -6,6 +6,12 @@ over the budget are dropped (none left: a UserError naming the smallest size and
 the rest are gated against the model dtype's full-precision cache, which passes as the
 reference; the passing ones are timed, and the fastest wins, where candidates within
 `speed_tie` of the fastest count as tied and the one with the fewest bytes among them wins.
+
+With `cache_auto_presses`, each press is a candidate too, alone and on quantized kinds
+(candidates.PRESSED_KINDS): gated with the text's prompt (and the needle's haystack) as the
+context it presses, timed on the survivors. Its `bytes` are what it allocates before the press
+(the prefill needs them; the budget filter uses them), its `kept_bytes` what it holds after
+(candidates.kept_slots), which the tie-break compares.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 
 import torch
 
-from caramba.autotune.candidates import (Candidate, baseline_policy, cache_nbytes, default_candidates,
+from caramba.autotune.candidates import (Candidate, baseline_policy, cache_nbytes, default_candidates, kept_slots,
                                          policy_from_dict)
 from caramba.autotune.gates import run_gates
 from caramba.autotune.plans import PlanStore, is_stale, key_id
@@ -73,6 +79,12 @@ class AutotuneResult:
             raise UserError(no_pass_message(self))
         return policy_from_dict(self.chosen["policy"])
 
+    def chosen_press(self) -> str | None:
+        """The chosen candidate's press (PressConfig.parse's form), None without one."""
+        if self.chosen is None:
+            raise UserError(no_pass_message(self))
+        return self.chosen.get("press")
+
     def to_dict(self) -> dict:
         return {"key_id": self.key_id, "key": self.key, "status": self.status, "plan_path": str(self.plan_path),
                 "created_utc": self.created_utc, "needle": self.needle, "chosen": self.chosen,
@@ -115,7 +127,7 @@ def autotune(loaded, settings: AutotuneSettings, text_path: str | Path | None = 
     Raises NoCandidateError (a UserError) when nothing fits the budget or passes the gates."""
     model = loaded.model
     text = corpus_text(text_path)
-    candidates = default_candidates(model)
+    candidates = default_candidates(model, settings.tuning.press_configs())
     key = plan_key(loaded, settings, text, candidates)
     store = PlanStore(plan_path or settings.tuning.plan_path, notice)
     entry = None if force else store.get(key)
@@ -149,7 +161,7 @@ def _measure(model, tokenizer, text: str, candidates: list[Candidate], s: Autotu
     elif passing:   # cache_auto_benchmark off: the smallest passing cache
         for _, r in passing:
             r["verdict"], r["why"] = "passed", r["why"] or ["not timed (cache_auto_benchmark: false)"]
-        best = min((r for _, r in passing), key=lambda r: r["bytes"])
+        best = min((r for _, r in passing), key=lambda r: r.get("kept_bytes", r["bytes"]))
         best["verdict"], best["why"] = "chosen", ["the fewest bytes of those passing (not timed)"]
     return reports, needle
 
@@ -158,9 +170,13 @@ def _sized(model, c: Candidate, s: AutotuneSettings) -> dict:
     """The candidate's report with its bytes and the budget's verdict."""
     nbytes = cache_nbytes(model, s.batch_size, s.max_seq_len, c.policy)
     fits = s.budget_mb is None or nbytes <= int(s.budget_mb * MIB)
-    return {"name": c.name, "policy": c.policy.to_dict(), "baseline": c.baseline, "bytes": nbytes, "fits": fits,
-            "gates": None, "speed": None, "verdict": "" if fits else "over budget",
-            "why": [] if fits else [f"{nbytes / MIB:.2f} MiB > budget {s.budget_mb:g} MiB"]}
+    report = {"name": c.name, "policy": c.policy.to_dict(), "baseline": c.baseline, "bytes": nbytes, "fits": fits,
+              "gates": None, "speed": None, "verdict": "" if fits else "over budget",
+              "why": [] if fits else [f"{nbytes / MIB:.2f} MiB > budget {s.budget_mb:g} MiB"]}
+    if c.press is not None:   # bytes: what is allocated before the press (the budget); kept_bytes: after it
+        report["press"] = c.press.describe()
+        report["kept_bytes"] = cache_nbytes(model, s.batch_size, kept_slots(c.press, s.max_seq_len), c.policy)
+    return report
 
 
 def _gate(model, tokenizer, ids: list[int], fitting: list, s: AutotuneSettings, progress) -> dict | None:
@@ -187,7 +203,8 @@ def _speed_pick(model, ids: list[int], passing: list, s: AutotuneSettings, progr
     """Time the passing candidates and mark the fastest "chosen" (ties: fewer bytes)."""
     speeds = measure_speed(model, [c.policy for c, _ in passing], baseline_policy(model), ids, s.batch_size,
                            s.max_seq_len, s.tuning.speed_steps, s.tuning.speed_repeats, context=s.tuning.bench_context,
-                           on_round=(lambda done, total: progress("speed", done, total)) if progress else None)
+                           on_round=(lambda done, total: progress("speed", done, total)) if progress else None,
+                           presses=[c.press for c, _ in passing])
     for (_, r), speed in zip(passing, speeds):
         r["speed"] = speed
         r["verdict"], r["why"] = ("passed", r["why"]) if speed["error"] is None else ("failed speed", [speed["error"]])
@@ -196,7 +213,7 @@ def _speed_pick(model, ids: list[int], passing: list, s: AutotuneSettings, progr
         return
     fastest = max(r["speed"]["decode_tok_s"] for r in timed)
     tied = [r for r in timed if r["speed"]["decode_tok_s"] >= fastest * (1 - s.speed_tie)]
-    best = min(tied, key=lambda r: (r["bytes"], -r["speed"]["decode_tok_s"]))
+    best = min(tied, key=lambda r: (r.get("kept_bytes", r["bytes"]), -r["speed"]["decode_tok_s"]))
     best["verdict"] = "chosen"
     for r in timed:
         if r is not best:

@@ -103,9 +103,25 @@ class AutoCacheConfig:
     probe: bool = option(True, name="cache_plan_probe", help="re-run the selection when the stored plan is stale")
     probe_interval_sec: float = option(3600.0, ge=0, name="cache_plan_probe_interval_sec",
                                        help="a plan older than this is stale")
+    presses: tuple[str, ...] = option((), name="cache_auto_presses", key="presses",
+                                      help="presses the autotune also tries, each alone and with quantized kinds "
+                                           "(METHOD@RATIO or METHOD@RATIO/INTERVAL:TARGET, e.g. snapkv@0.5); the gates decide. "
+                                           "Default none: the plans stay as they were")
 
     def __post_init__(self) -> None:
         check_options(self)
+        presses = (self.presses,) if isinstance(self.presses, str) else tuple(self.presses)
+        for text in presses:
+            try:
+                PressConfig.parse(text)
+            except ValueError as e:
+                raise OptionError("cache_auto_presses", text, f"is not a press: {e}") from None
+        object.__setattr__(self, "presses", tuple(PressConfig.parse(t).describe() for t in presses
+                                                  if PressConfig.parse(t).enabled))
+
+    def press_configs(self) -> list[PressConfig]:
+        """The presses the autotune tries (caramba.autotune.candidates)."""
+        return [PressConfig.parse(text) for text in self.presses]
 
 
 @dataclass(frozen=True)
@@ -143,6 +159,9 @@ class CacheConfig:
         clash = [name for name, (value, default) in chosen.items() if value != default]
         if clash:
             raise OptionError("cache_kind", "auto", f"chooses {', '.join(clash)} itself; drop them or name a cache_kind")
+        if self.auto.presses and self.press.enabled:
+            raise OptionError("cache_auto_presses", ",".join(self.auto.presses), f"lets the autotune choose the press; "
+                              f"drop press={self.press.method} or cache_auto_presses")
 
     @property
     def is_auto(self) -> bool:
@@ -166,10 +185,11 @@ class CacheConfig:
                    rotate_keys=d["rotate_keys"], rotate_values=d.get("rotate_values", False),
                    fp16_prefix_layers=d["cache_fp16_prefix_layers"], **keep)
 
-    def with_policy(self, policy: CachePolicy) -> CacheConfig:
-        """These settings with `policy` in place of the kind (what `auto` resolves to)."""
+    def with_policy(self, policy: CachePolicy, press: str | None = None) -> CacheConfig:
+        """These settings with `policy` in place of the kind (what `auto` resolves to); `press`: the
+        plan's press (PressConfig.parse's form, from cache_auto_presses) in place of this one."""
         return CacheConfig.of_policy(policy, max_seq_len=self.max_seq_len, budget_mb=self.budget_mb, auto=self.auto,
-                                     press=self.press)
+                                     press=self.press if press is None else PressConfig.parse(press))
 
     def check_budget(self, nbytes: int) -> None:
         """A named kind with a budget: the cache it builds must fit."""
@@ -371,10 +391,13 @@ class GenerateConfig(Composed):
             raise OptionError("top_k", s.top_k, "is not used by beam search (only by contrastive search); "
                               "drop top_k or num_beams")
         press = self.cache.press
-        if press.active and searching:
+        if self.cache.is_auto and self.cache.auto.presses and (searching or self.plan.local_window is not None):
+            raise OptionError("cache_auto_presses", ",".join(self.cache.auto.presses), "may choose a press, which "
+                              "beam/contrastive search and decode_local_window do not take; drop cache_auto_presses")
+        if press.enabled and searching:
             raise OptionError("press", press.method, "(KV eviction) runs with greedy, sampled and speculative decoding, "
                               "not beam or contrastive search; drop press or num_beams / penalty_alpha")
-        if press.active and self.plan.local_window is not None:
+        if press.enabled and self.plan.local_window is not None:
             raise OptionError("press", press.method, "(KV eviction) and decode_local_window (a sliding window) are two "
                               "ways of dropping tokens; use one of them")
         if searching and self.plan.local_window is not None:
@@ -421,6 +444,14 @@ class SpeculativeConfig(Composed):
                 raise OptionError(name, value, f"is not supported with speculative decoding; leave it at {default!r} "
                                   "or use plain decoding")
         cache = self.generate.cache
+        decoding = [p for p in cache.auto.presses if PressConfig.parse(p).decoding] if cache.is_auto else []
+        if decoding:
+            raise OptionError("cache_auto_presses", ",".join(decoding), "includes decoding-time compression, which "
+                              "speculative decoding does not take; drop the /INTERVAL:TARGET presses")
+        if cache.press.decoding:   # a compression inside a verified block would have to be rolled back with it
+            raise OptionError("press_interval", cache.press.interval, "(decoding-time compression) is not supported "
+                              "with speculative decoding: rejected drafts cannot roll back an eviction; drop "
+                              "press_interval (the context press, press_ratio, works) or use plain decoding")
         if not cache.is_auto:
             policy = cache.spec()
             grouped = sorted({c.kind.value for c in (policy.k, policy.v, policy.k_sem, policy.k_geo) if c.kind.spec.per_channel})

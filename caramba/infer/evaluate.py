@@ -29,6 +29,10 @@ import math
 import torch
 
 from caramba.cache import CachePolicy
+from caramba.infer.decoding_press import DecodingPress
+from caramba.infer.pressing import prefill_pressed
+from caramba.infer.state import DecodeState
+from caramba.press import PressConfig
 
 CORPUS = "corpus.txt"
 
@@ -104,29 +108,75 @@ def evaluate_cache(
     baseline: CachePolicy | str = "fp32",
     prompt_len: int = 256,
     on_step: Callable[[int, int], None] | None = None,   # (done, total) after each decode step
+    presses: Sequence[PressConfig | None] | None = None,
 ) -> list[EvalResult]:
-    """Score ids[prompt_len:] with each candidate cache and the baseline, in lockstep."""
+    """Score ids[prompt_len:] with each candidate cache and the baseline, in lockstep.
+    presses: per candidate, a press (caramba.press) on its cache: the prompt is its context,
+    pressed after its prefill; decoding-time compression runs through the scored steps."""
     if len(ids) < prompt_len + 2:
         raise ValueError(f"the text has {len(ids)} tokens; prompt_len={prompt_len} needs at least {prompt_len + 2}")
     if prompt_len < 1:
         raise ValueError(f"prompt_len={prompt_len} must be >= 1")
+    presses = list(presses) if presses is not None else [None] * len(candidates)
+    if len(presses) != len(candidates):
+        raise ValueError(f"presses has {len(presses)} entries for {len(candidates)} candidates")
     policies = [CachePolicy.of(baseline)] + [CachePolicy.of(c) for c in candidates]
     device = model.device
     tokens = torch.tensor([list(ids)], device=device)
     n = tokens.shape[1]
-    caches = [model.new_cache(1, n, p) for p in policies]
+    runs = [_Run(model, model.new_cache(1, n, p), press) for p, press in zip(policies, [None, *presses])]
     scores = [_Score() for _ in policies]
-    logits = [model(tokens[:, :prompt_len], cache=c, last_only=True)[:, -1] for c in caches]
-    total = n - prompt_len
-    for t in range(prompt_len, n):
-        logp = [torch.log_softmax(x.float(), dim=-1) for x in logits]  # [1, V] each
-        for s, lp in zip(scores, logp):
-            s.add(lp, logp[0], tokens[0, t : t + 1])
-        if t + 1 < n:
-            logits = [model(tokens[:, t : t + 1], cache=c)[:, -1] for c in caches]
-        if on_step is not None:
-            on_step(t - prompt_len + 1, total)
-    return _results(model, policies, caches, scores, "decode")
+    try:
+        logits = [r.prefill(tokens[:, :prompt_len]) for r in runs]
+        total = n - prompt_len
+        for t in range(prompt_len, n):
+            logp = [torch.log_softmax(x.float(), dim=-1) for x in logits]  # [1, V] each
+            for s, lp in zip(scores, logp):
+                s.add(lp, logp[0], tokens[0, t : t + 1])
+            if t + 1 < n:
+                logits = [r.step(tokens[:, t : t + 1]) for r in runs]
+            if on_step is not None:
+                on_step(t - prompt_len + 1, total)
+    finally:
+        for r in runs:
+            r.close()
+    return _results(model, policies, [r.cache for r in runs], scores, "decode")
+
+
+class _Run:
+    """One cache fed the text: plain (the model over the cache), or pressed (a decoding state
+    whose context is pressed after its prefill, with decoding-time compression if the press has it)."""
+
+    def __init__(self, model, cache, press: PressConfig | None) -> None:
+        self.model, self.press = model, press if press is not None and press.enabled else None
+        self.state = DecodeState(model, cache) if self.press is not None else None
+        self.decoding = DecodingPress(self.state, self.press) if self.press is not None and self.press.decoding else None
+        self._cache = cache
+
+    @property
+    def cache(self):
+        return self.state.cache if self.state is not None else self._cache
+
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.state is None:
+            return self.model(tokens, cache=self._cache, last_only=True)[:, -1]
+        if self.press.active:
+            return prefill_pressed(self.state, tokens, None, self.press)
+        return self.state.prefill(tokens)
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        if self.state is None:
+            return self.model(token, cache=self._cache)[:, -1]
+        if self.decoding is not None:
+            self.decoding.before_step()
+        logits = self.state.step(token[:, 0])
+        if self.decoding is not None:
+            self.decoding.after_step()
+        return logits
+
+    def close(self) -> None:
+        if self.decoding is not None:
+            self.decoding.close()
 
 
 def _results(model, policies, caches, scores, protocol: str) -> list[EvalResult]:

@@ -21,6 +21,7 @@ from caramba import resolvers, threads
 from caramba.cache import KVCache
 from caramba.cache.layer import CacheOverflowError
 from caramba.infer.config import GenerateConfig
+from caramba.infer.decoding_press import DecodingPress
 from caramba.infer.padding import left_pad
 from caramba.infer.plan import ResolvedPlan, warn_window
 from caramba.infer.sampling import History, process_logits, select_tokens
@@ -68,6 +69,7 @@ class Generator:
         self.rng: torch.Generator | None = None
         self.plan: ResolvedPlan | None = None   # the decode plan the last call ran with
         self.cache_auto: dict | None = None      # what cache_kind="auto" resolved to (None: not auto)
+        self.decoding: DecodingPress | None = None   # the last turn's decoding-time compression (press_interval)
         if self.config.decode_local_window is not None:
             warn_window(self.config.decode_local_window)
         self.reset()
@@ -146,11 +148,15 @@ class Generator:
         """Yield (tokens [B], active [B]) per generated position; inactive rows are padding."""
         B = tokens.shape[0]
         state = self._start_turn(B)
-        if self._cpu_threads() is None:
-            yield from self._turn(state, tokens, mask)
-            return
-        with threads.applied(self.threads):     # prefill and steps alike; torch's count restored after
-            yield from self._turn(state, tokens, mask)
+        try:
+            if self._cpu_threads() is None:
+                yield from self._turn(state, tokens, mask)
+                return
+            with threads.applied(self.threads):     # prefill and steps alike; torch's count restored after
+                yield from self._turn(state, tokens, mask)
+        finally:   # a decoding-time press's observers off and the C step back, even if the caller stopped early
+            if self.decoding is not None:
+                self.decoding.close()
 
     def _cpu_threads(self) -> threads.Choice | None:
         """The CPU thread count of this session, chosen once from the cores free when it starts
@@ -181,6 +187,8 @@ class Generator:
             logits = self._forward(tokens, mask)
         active = torch.ones(B, dtype=torch.bool, device=self.device)
         self.stops.start(B)
+        # Decoding-time compression (press_interval): every N steps the cache is pressed to a target.
+        self.decoding = DecodingPress(state, cfg.cache.press) if cfg.cache.press.decoding else None
         for step in range(cfg.max_new_tokens):
             new = select_tokens(process_logits(logits, cfg.sampling, self.seen, self.history), cfg.sampling, self.rng)
             new = torch.where(active, new, torch.full_like(new, self.pad_id))
@@ -194,7 +202,11 @@ class Generator:
                 # Rows whose last token is real keep it pending for the next turn.
                 state.pending, state.pending_mask = new, was_active
                 return
+            if self.decoding is not None:
+                self.decoding.before_step()
             logits = self._forward(new[:, None], was_active[:, None])
+            if self.decoding is not None:
+                self.decoding.after_step(was_active)
 
     def _forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Feed tokens [B, T] (mask: which are real) -> logits of each row's next token [B, V].
@@ -206,7 +218,8 @@ class Generator:
             if self.config.cache.is_auto:   # chosen above the engine, on first use (caramba.resolvers)
                 resolve = self.cache_resolver or resolvers.cache_resolver()
                 policy, self.cache_auto = resolve(self.model, self.tokenizer, self.config.cache, B)
-                self.config = self.config.replace(cache=self.config.cache.with_policy(policy))
+                press = (self.cache_auto or {}).get("press")   # the plan's press (cache_auto_presses), if any
+                self.config = self.config.replace(cache=self.config.cache.with_policy(policy, press))
             cfg, V = self.config, self.model.config.vocab_size
             self.state = DecodeState.for_config(self.model, B, cfg)
             if cfg.repetition_penalty != 1.0:

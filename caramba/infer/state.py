@@ -166,7 +166,8 @@ class DecodeState:
         self.kept_share = float(sum(int(m.sum()) for m in kept) / max(int(real), 1))
         self.cache, self.slot_mask = evict(self.cache, kept, template, room)
         # Tokens each row no longer holds a slot for: rollback counts tokens, the cache holds survivors.
-        self.evicted = self.evicted + self.next_pos - self.valid_slots().sum(dim=1)
+        # Recounted, not added to: a second press (decoding-time compression) sees the first's holes gone.
+        self.evicted = self.next_pos - self.valid_slots().sum(dim=1)
 
     @torch.inference_mode()
     def reorder(self, index: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ from caramba import threads
 from caramba.cache import CachePolicy, KVCache, LayerKVCache
 from caramba.infer.padding import left_pad
 from caramba.infer.pressing import observing_all, prefill_pressed
+from caramba.infer.decoding_press import DecodingPress
 from caramba.infer.state import DecodeState
 from caramba.press import PressConfig, kept_masks
 from caramba.infer.tasks import TaskSample, score
@@ -95,7 +96,7 @@ class CandidateAnswers:
         return steps / seconds if seconds > 0 else None
 
     def to_dict(self) -> dict:
-        press = self.candidate.press.describe() if self.candidate.pressed else None
+        press = self.candidate.press.describe() if self.candidate.press is not None and self.candidate.press.enabled else None
         return {"label": self.candidate.label, "policy": self.candidate.policy.describe(),
                 "window": self.candidate.window, "press": press, "kept_fraction": self.kept_fraction(),
                 "bytes_per_token": self.bytes_per_token,
@@ -190,7 +191,8 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
                 _feed(state, *context, c.window)
         if c.pressed:
             result.kept.append(state.kept_share)
-        for answer in _answer(state, tokenizer, group, question, c.window, stops, time.perf_counter() - t0):
+        decoding = DecodingPress(state, c.press) if c.press is not None and c.press.decoding else None
+        for answer in _answer(state, tokenizer, group, question, c.window, stops, time.perf_counter() - t0, decoding):
             result.answers.append(answer)
             if on_answer is not None:
                 on_answer(c.label, answer)
@@ -220,9 +222,10 @@ def _feed(state: DecodeState, tokens: torch.Tensor, mask: torch.Tensor, window: 
 
 @torch.inference_mode()
 def _answer(state: DecodeState, tokenizer, group: Sequence[TaskSample], question: tuple[torch.Tensor, torch.Tensor],
-            window: int | None, stops: set[int], spent: float) -> list[Answer]:
+            window: int | None, stops: set[int], spent: float, decoding: DecodingPress | None = None) -> list[Answer]:
     """Greedy: feed the questions, then one token per row until its end-of-reply id or budget; a
-    finished row's later slots are holes. The batch's seconds are shared equally among its rows."""
+    finished row's later slots are holes. The batch's seconds are shared equally among its rows.
+    decoding: the candidate's decoding-time compression (press_interval), stepped with the answer."""
     B = len(group)
     t0 = time.perf_counter()
     logits = _feed(state, *question, window)
@@ -246,7 +249,13 @@ def _answer(state: DecodeState, tokenizer, group: Sequence[TaskSample], question
                 steps[row] += 1
         if not bool(active.any()):
             break
+        if decoding is not None:
+            decoding.before_step()
         logits = state.step(tokens, None if bool(active.all()) else active)
+        if decoding is not None:
+            decoding.after_step(active)
+    if decoding is not None:
+        decoding.close()
     decode_s = time.perf_counter() - t0
     answers = []
     for sample, out, n in zip(group, outputs, steps):

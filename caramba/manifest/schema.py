@@ -320,7 +320,7 @@ class _CandidateSection(_Model):
     def press_config(self) -> PressConfig | None:
         """The candidate's press (caramba.press), or None without one."""
         press = self.cache_config().press
-        return press if press.active else None
+        return press if press.enabled else None
 
     def policy(self):
         """The CachePolicy (caramba.cache) these settings build."""

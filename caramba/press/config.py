@@ -14,6 +14,7 @@ from caramba.options import OptionError, check_options, option
 
 METHODS = ("streaming_llm", "knorm", "snapkv", "tova", "observed_attention", "expected_attention", "pyramidkv",
            "keydiff")
+DECODING_METHODS = ("streaming_llm", "knorm", "keydiff", "snapkv", "tova", "expected_attention")
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,35 @@ class PressConfig:
                             help="AdaKV: one budget per layer shared across heads (heads keep different counts)")
     alpha_safeguard: float = option(0.2, ge=0.0, le=1.0, name="press_safeguard",
                                     help="press_adaptive: share of each head's even budget it always keeps")
+    interval: int | None = option(None, ge=1, name="press_interval",
+                                  help="decoding-time compression: every N generated tokens, evict down to "
+                                       "press_target tokens per head (kvpress's DecodingPress); None: off")
+    target: int = option(2048, ge=1, name="press_target",
+                         help="press_interval: tokens each row keeps per layer and KV head after a decoding-time compression")
 
     def __post_init__(self) -> None:
         check_options(self)
         if self.method in ("snapkv", "pyramidkv") and self.kernel_size % 2 == 0:
             raise OptionError("press_kernel", self.kernel_size, "must be odd (the pooling keeps each score's position)")
+        if self.interval is not None:
+            self._check_decoding()
+
+    def _check_decoding(self) -> None:
+        """What decoding-time compression can wrap (kvpress's DecodingPress wraps scorer presses)."""
+        if self.method is None:
+            raise OptionError("press_interval", self.interval, "needs a press method to score with; set press "
+                              f"({', '.join(DECODING_METHODS)}) or drop press_interval")
+        if self.method not in DECODING_METHODS:
+            raise OptionError("press_interval", self.interval,
+                              f"does not work with press={self.method}: decoding-time compression wraps "
+                              f"{', '.join(DECODING_METHODS)} (observed_attention sums the attention of every query "
+                              "since the context began; pyramidkv's per-layer budgets make the cache ragged)")
+        if self.adaptive:
+            raise OptionError("press_interval", self.interval, "does not work with press_adaptive (AdaKV's per-head "
+                              "budgets make the cache ragged, and a ragged cache cannot be pressed again); drop one")
+        if self.method == "snapkv" and self.interval <= self.window_size:
+            raise OptionError("press_interval", self.interval, f"must exceed press_window={self.window_size}: snapkv "
+                              "scores with the queries of the last press_window generated tokens")
 
     def min_context(self) -> int:
         """The fewest context tokens this press can score: more than its window of queries."""
@@ -50,31 +75,52 @@ class PressConfig:
 
     @property
     def active(self) -> bool:
+        """Whether the context is pressed after its prefill."""
         return self.method is not None and self.ratio > 0
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the cache is compressed while decoding (press_interval)."""
+        return self.method is not None and self.interval is not None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is evicted, after the prefill or while decoding."""
+        return self.active or self.decoding
 
     @classmethod
     def parse(cls, text: str) -> PressConfig:
-        """'none', or METHOD@RATIO with an optional ada_ prefix (AdaKV): 'snapkv@0.5', 'ada_tova@0.75' --
-        the form describe() writes (decode-bench grids, CLI flags)."""
+        """'none', or METHOD@RATIO with an optional ada_ prefix (AdaKV) and an optional
+        /INTERVAL:TARGET (decoding-time compression): 'snapkv@0.5', 'ada_tova@0.75', 'knorm@0/64:512'
+        (no prefill press; every 64 generated tokens down to 512) -- the form describe() writes
+        (decode-bench grids, autotune and eval CLI flags)."""
         word = text.strip().lower()
         if word in ("none", ""):
             return cls()
-        method, at, ratio = word.partition("@")
+        method, at, rest = word.partition("@")
         adaptive = method.startswith("ada_")
         method = method.removeprefix("ada_")
         if not at or method not in METHODS:
-            raise ValueError(f"press {text!r}: write none or METHOD@RATIO (e.g. snapkv@0.5, ada_snapkv@0.5); "
-                             f"methods: {', '.join(METHODS)}")
+            raise ValueError(f"press {text!r}: write none or METHOD@RATIO[/INTERVAL:TARGET] (e.g. snapkv@0.5, "
+                             f"ada_snapkv@0.5, knorm@0/64:512); methods: {', '.join(METHODS)}")
+        ratio, slash, decoding = rest.partition("/")
         try:
             value = float(ratio)
         except ValueError:
             raise ValueError(f"press {text!r}: the ratio after @ must be a number in [0, 1), e.g. snapkv@0.5") from None
-        return cls(method=method, ratio=value, adaptive=adaptive)
+        if not slash:
+            return cls(method=method, ratio=value, adaptive=adaptive)
+        interval, colon, target = decoding.partition(":")
+        if not (colon and interval.isdigit() and target.isdigit()):
+            raise ValueError(f"press {text!r}: after / write INTERVAL:TARGET, two whole numbers (e.g. knorm@0/64:512: "
+                             "every 64 generated tokens, keep 512)")
+        return cls(method=method, ratio=value, adaptive=adaptive, interval=int(interval), target=int(target))
 
     def describe(self) -> str:
-        if not self.active:
+        if not self.enabled:
             return "none"
-        return f"{'ada_' if self.adaptive else ''}{self.method}@{self.ratio:g}"
+        tail = f"/{self.interval}:{self.target}" if self.decoding else ""
+        return f"{'ada_' if self.adaptive else ''}{self.method}@{self.ratio:g}{tail}"
 
 
-__all__ = ["METHODS", "PressConfig"]
+__all__ = ["DECODING_METHODS", "METHODS", "PressConfig"]

@@ -47,6 +47,7 @@ class Row:
     q_mean: torch.Tensor | None = None       # [H, D] pre-RoPE query mean (tokens n_sink..)
     q_cov: torch.Tensor | None = None        # [H, D, D] their covariance (population)
     inv_freq: torch.Tensor | None = None     # [D/2] RoPE frequencies; None: no RoPE
+    budget: int | None = None                # tokens this row keeps per head (set by caramba.press.select)
 
     @property
     def length(self) -> int:
@@ -59,7 +60,8 @@ class Row:
 
 def streaming_llm(row: Row, press) -> torch.Tensor:
     L = row.length
-    n_pruned = L - int(L * (1 - press.ratio))
+    # The row's budget where selection set one (decoding-time compression keeps a target count).
+    n_pruned = L - (int(L * (1 - press.ratio)) if row.budget is None else row.budget)
     scores = torch.ones(row.keys.shape[:2], device=row.keys.device)
     scores[:, press.n_sink: press.n_sink + n_pruned] = 0
     return scores

@@ -40,9 +40,10 @@ def window_of(press: PressConfig) -> int:
 class LayerObservation:
     """One layer's observer: called with (q, k, v, cos, sin, mask, causal) of every chunk."""
 
-    def __init__(self, layer: LayerKVCache, press: PressConfig, n_heads: int) -> None:
+    def __init__(self, layer: LayerKVCache, press: PressConfig, n_heads: int, start: int = 0) -> None:
         self.layer, self.press, self.n_heads = layer, press, n_heads
-        self.length = 0                               # slots observed (this chunk's included)
+        self.length = start                           # slots observed (this chunk's included)
+        self.partial = start > 0                      # decoding: only the queries from `start` on
         self.window = window_of(press)
         self.window_q: torch.Tensor | None = None     # [B, H, <=W, D] post-RoPE, last slots
         self.attn_sum: torch.Tensor | None = None     # [B, H, max_seq_len] fp32
@@ -156,21 +157,22 @@ def check_cache(cache: KVCache) -> None:
 
 
 @contextmanager
-def observing(model, cache: KVCache, press: PressConfig):
+def observing(model, cache: KVCache, press: PressConfig, decoding: bool = False):
     """Observe the context prefill that follows into `cache` for `press` -> Observations.
 
     Every forward of the context must run inside (the observers check that they saw every slot).
     The model's C decode step, which a small chunk would take and which calls no observer, is
-    switched off meanwhile."""
+    switched off meanwhile. decoding=True: the cache may hold tokens already; the observers watch
+    the decode steps that follow (decoding-time compression scores with their queries only)."""
     if not isinstance(press, PressConfig):
         raise TypeError(f"press must be a PressConfig, not {type(press).__name__}")
     check_cache(cache)
-    if cache.length:
+    if cache.length and not decoding:
         raise ValueError(f"observing needs an empty cache (it holds {cache.length} tokens): a press scores "
                          "the whole context, from its first token")
     cfg = model.config
     inv_freq = rope_inv_freq(cfg).to(model.device) if cfg.positions == "rope" else None
-    layers = [LayerObservation(layer, press, cfg.n_heads) for layer in cache.layers]
+    layers = [LayerObservation(layer, press, cfg.n_heads, layer.length) for layer in cache.layers]
     had = model.__dict__.get("fast_decode", None)
     model.fast_decode = False
     for layer, obs in zip(cache.layers, layers):

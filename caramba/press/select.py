@@ -83,9 +83,11 @@ def query_statistics(obs: LayerObservation, b: int, slots: torch.Tensor, n_sink:
     if n_sink == 0 and int(obs.first_slot[b]) == int(slots[0]):   # the row's first token (observe.py)
         first = obs.first_q[b]
         count, total, outer = count + 1, total + first, outer + first[:, :, None] * first[:, None, :]
-    if count != len(slots) - n_sink:
+    if not obs.partial and count != len(slots) - n_sink:
         raise ValueError(f"row {b}: the press saw {count} context queries after the sinks, expected "
                          f"{len(slots) - n_sink}; a pressed batch must be left-padded (real tokens last)")
+    if count == 0:
+        raise ValueError(f"row {b}: the press saw no queries to take statistics from")
     mean = total / count
     return mean, outer / count - mean[:, :, None] * mean[:, None, :]
 
@@ -106,17 +108,21 @@ def check_row(press: PressConfig, b: int, length: int, tail_real: bool) -> None:
 
 
 def kept_masks(cache: KVCache, observations: Observations | None, press: PressConfig,
-               valid: torch.Tensor | None = None) -> list[torch.Tensor]:
+               valid: torch.Tensor | None = None, target: int | None = None,
+               rows: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Per layer, [B, KVH, S] bool (True = keep) for the S = cache.length slots the context filled.
 
     observations: what `observing` collected over that prefill (None for knorm, keydiff and
     streaming_llm, which score the cache alone). valid [B, >= S]: True where a slot is a real
-    token (DecodeState.valid_slots()); None: all are."""
+    token (DecodeState.valid_slots()); None: all are. target: decoding-time compression (caramba.
+    infer.decoding_press): each row keeps min(its length, target) tokens per head instead of the
+    ratio's share; rows [B] bool: which rows are scored (the others keep every real slot)."""
     check_cache(cache)
     S, B = cache.length, cache.batch_size
     device = cache.layers[0].k.device
     valid = _check_valid(valid, B, S).to(device)
-    if press.active:
+    scoring = press.active or (target is not None and press.method is not None)
+    if scoring:
         _check_press(press, observations, cache, S)
     masks = []
     for i, layer in enumerate(cache.layers):
@@ -124,7 +130,8 @@ def kept_masks(cache: KVCache, observations: Observations | None, press: PressCo
         out = torch.zeros(B, layer.n_kv_heads, S, dtype=torch.bool, device=keys.device)
         for b in range(B):
             slots = valid[b].nonzero().flatten()
-            if not press.active or not len(slots):
+            if not scoring or not len(slots) or (rows is not None and not bool(rows[b])) or \
+                    (target is not None and len(slots) <= target):
                 out[b][:, slots] = True
                 continue
             W = window_of(press)
@@ -132,9 +139,11 @@ def kept_masks(cache: KVCache, observations: Observations | None, press: PressCo
             obs = observations[i] if observations is not None else None
             row = layer_row(obs, observations, b, slots, keys, values, press) if obs is not None else \
                 Row(keys[b][:, slots], values[b][:, slots], 0)
+            n = target if target is not None else pyramid_budget(i, len(cache.layers), len(slots), press) \
+                if press.method == "pyramidkv" else n_kept(len(slots), press.ratio)
+            if target is not None:
+                row.budget = n   # streaming_llm prunes to the count, not the ratio
             scores = score(row, press)
-            n = pyramid_budget(i, len(cache.layers), len(slots), press) if press.method == "pyramidkv" \
-                else n_kept(len(slots), press.ratio)
             kept = adaptive(scores, n, press.alpha_safeguard) if press.adaptive else top(scores, n)
             out[b][:, slots] = kept
         masks.append(out)

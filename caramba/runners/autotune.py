@@ -20,6 +20,7 @@ from caramba.infer.config import CacheConfig
 from caramba.manifest.schema import CacheAutotuneSettings, GenerateSettings
 from caramba.model.zoo import LoadedModel
 from caramba.options import options_of
+from caramba.press import PressConfig
 from caramba.autotune.plans import is_under
 from caramba.errors import UserError
 from caramba.runners.registry import Mode, is_number, register
@@ -90,13 +91,15 @@ def resolve_cache_auto(loaded: LoadedModel, settings: GenerateSettings, record: 
     cache = settings.engine_config().cache
     result = run_tuned(loaded, AutotuneSettings.for_cache(cache, settings.batch_size), console,
                        plan_path=manifest_plan_path(cache.auto.plan_path, "cache_plan_path"))
-    policy = result.chosen_policy()
-    record.log(f"cache_kind auto -> {policy.describe()} (plan {result.key_id}, {result.status}, {result.plan_path})")
-    console.print(f"[dim]cache_kind auto -> {policy.describe()} (plan {result.key_id}, {result.status})[/dim]")
-    info = {"resolved": policy.describe(), "policy": policy.to_dict(), "bytes": result.chosen["bytes"],
+    policy, press = result.chosen_policy(), result.chosen_press()
+    name = result.chosen["name"]
+    record.log(f"cache_kind auto -> {name} (plan {result.key_id}, {result.status}, {result.plan_path})")
+    console.print(f"[dim]cache_kind auto -> {name} (plan {result.key_id}, {result.status})[/dim]")
+    info = {"resolved": name, "policy": policy.to_dict(), "bytes": result.chosen["bytes"], "press": press,
             "plan_key_id": result.key_id, "plan_status": result.status, "plan_path": str(result.plan_path)}
-    resolved = cache.with_policy(policy)
+    resolved = cache.with_policy(policy, press)
     update = {opt.name: getattr(resolved, opt.attr) for opt in options_of(CacheConfig)}
+    update.update({opt.name: getattr(resolved.press, opt.attr) for opt in options_of(PressConfig)})
     return settings.model_copy(update=update), info
 
 
@@ -108,7 +111,8 @@ def candidate_rows(result: AutotuneResult) -> list[dict]:
         rows.append({"name": c["name"], "bytes": c["bytes"], "fits": c["fits"],
                      **{k: g.get(k) for k in GateResult.__dataclass_fields__ if k not in ("passed", "why")},
                      "decode_tok_s": (c["speed"] or {}).get("decode_tok_s"), "verdict": c["verdict"],
-                     "why": "; ".join(c["why"])})
+                     "why": "; ".join(c["why"]), "press": c.get("press"),
+                     "kept_bytes": c.get("kept_bytes", c["bytes"])})
     return rows
 
 

@@ -106,7 +106,7 @@ class DecodeBenchMode(Mode):
         s = r.run.settings
         for text in s.presses:
             press = PressConfig.parse(text)
-            if press.active:
+            if press.enabled:
                 check_pressable(press, sources.config(r.model.source), f"{where}: {self.section}.presses")
                 if min(s.prompt_lens) < press.min_context():
                     raise UserError(f"{where}: {self.section}.presses: {text} scores contexts of at least "

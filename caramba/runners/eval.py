@@ -79,7 +79,7 @@ def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, reco
         except ValueError as e:
             raise UserError(f"eval candidate {c.label}: {e}") from None
     rows = {c.label: {"label": c.label, "policy": c.policy.describe(decoupled), "window": c.window,
-                      "press": c.press.describe() if c.pressed else None,
+                      "press": c.press.describe() if c.press is not None and c.press.enabled else None,
                       "bytes_per_token": model.new_cache(1, 1, c.policy).bytes_per_token()}
             for c in [*candidates, baseline]}
     result: dict[str, Any] = {"mode": "eval", "baseline": baseline.label}

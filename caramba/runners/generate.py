@@ -160,7 +160,7 @@ class GenerateMode(Mode):
         if not self.ring_buffer(s):
             check_prompts_fit(s, self.section, self.searches(s), sources.prompt_lengths(r.model.source, s), where)
         press = PressConfig(**{o.attr: getattr(s, o.name) for o in options_of(PressConfig)})
-        if press.active:
+        if press.enabled:
             check_pressable(press, sources.config(r.model.source), f"{where}: {self.section}.press")
             lengths = sources.prompt_lengths(r.model.source, s)
             short = min(lengths)
