@@ -10,15 +10,17 @@ It applies to one new token per row (padding and sliding windows come as the cac
 an fp32 model with RMSNorm, RoPE and SwiGLU, projections of the kinds above, and a KVCache of
 plain layers whose streams are fp32, per-token q8_0 / q4_0 / q4_0l / nf4 / q4_1 / q2_1 (with or
 without a residual window) or per-channel q4_1c / q2_1c keys, stored rotated or not (rotate_keys,
-rotate_values), a ragged press's PressedKVCache included (each layer its own width, each head
-reading only its survivors: caramba.cache.evict). The step writes the new token's codes with
-caramba.cache.quant's arithmetic, bit for bit, completes per-channel groups, and keeps the
-streams' rings and their bookkeeping as the torch path does (kv_stream.c). Everything else
-takes the torch path, which stays the reference (tests compare the two): per-channel values,
-ring-buffer caches, fp16/bf16 caches, and a step that must first refill a per-channel group a
-rollback went into. `model.fast_decode = False` or CARAMBA_KERNELS=0 turns it off. The thread count starts from torch's, which a Generator sets
+rotate_values). The step writes the new token's codes with caramba.cache.quant's arithmetic, bit
+for bit, completes per-channel groups, and keeps the streams' rings and their bookkeeping as the
+torch path does (kv_stream.c). Everything else takes the torch path, which stays the reference
+(tests compare the two): per-channel values, ring-buffer caches, fp16/bf16 caches, and a step
+that must first refill a per-channel group a rollback went into. `model.fast_decode = False` or
+CARAMBA_KERNELS=0 turns it off. The thread count starts from torch's, which a Generator sets
 from the cores free (caramba.threads), and adapts to a busy machine (ThreadChoice;
 `model.decode_threads = ThreadChoice(fixed=n)` or CARAMBA_THREADS=n pins it).
+
+A ragged press's PressedKVCache (caramba.cache.evict: per-layer and per-head budgets) is read
+too: each layer its own width, each head only its run of survivors.
 """
 
 from __future__ import annotations
