@@ -272,9 +272,10 @@ POLICIES = {"fp32": CachePolicy.build("fp32"), "q8_0": CachePolicy.build("q8_0")
             "k=q4_1c,v=q4_1 qblock=16": CachePolicy.build("q4_1", "k=q4_1c", qblock=16)}    # KIVI
 
 
-def ragged_run(layout: str, policy: str, threads: int, fast: bool, calls: list):
+def ragged_run(layout: str, policy: str, threads: int, fast: bool, calls: list, rows: list | None = None):
     """A ragged press of a 2-row padded context into `policy`, a 5-token question (one forward,
-    T = 5), then 6 greedy steps, on the C step or the torch path -> (logits, tokens, cache, C calls)."""
+    T = 5), the rows reordered to `rows` (as beams or an eval's candidates are), then 6 greedy
+    steps, on the C step or the torch path -> (logits, tokens, cache, C calls, config)."""
     model = make_model(seed=3, n_layers=3, n_heads=4, n_kv_heads=2)
     model.decode_threads = ThreadChoice(fixed=threads)
     model.fast_decode = False
@@ -286,6 +287,9 @@ def ragged_run(layout: str, policy: str, threads: int, fast: bool, calls: list):
     before = len(calls)
     question = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(9))
     out = state.prefill(question)
+    if rows is not None:     # after a C step: the table it built must follow the rows
+        state.reorder(torch.tensor(rows))
+        out = out[rows]
     logits, tokens = decode(state, out.argmax(-1), 6)
     return torch.stack([out, *logits]), tokens, state.cache, len(calls) - before, model.config
 
@@ -294,6 +298,16 @@ def ragged_run(layout: str, policy: str, threads: int, fast: bool, calls: list):
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("layout", list(RAGGED))
 def test_ragged_press_on_the_c_step_equals_the_torch_path(layout, policy, threads, monkeypatch):
+    check_ragged_c_step(layout, policy, threads, monkeypatch)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "q8_0"])
+def test_a_reordered_ragged_cache_is_read_where_its_rows_went(policy, monkeypatch):
+    """Rows reordered and repeated after the press (each head's first valid slot moves with its row)."""
+    check_ragged_c_step("per_head", policy, 2, monkeypatch, rows=[1, 0, 1])
+
+
+def check_ragged_c_step(layout, policy, threads, monkeypatch, rows=None):
     """Per-layer and per-head budgets on the fused C step (each layer its own slots and capacity,
     each head reading its own survivors): the torch path's logits within the fp32 forward bound
     (the two differ only in summation order: projections, q.k, softmax sums and p V, over at most
@@ -304,8 +318,8 @@ def test_ragged_press_on_the_c_step_equals_the_torch_path(layout, policy, thread
     calls = []
     real = fast_decode.step
     monkeypatch.setattr(fast_decode, "step", lambda *a, **k: calls.append(1) or real(*a, **k))
-    want, want_tokens, ref_cache, torch_calls, config = ragged_run(layout, policy, threads, False, calls)
-    got, got_tokens, cache, c_calls, _ = ragged_run(layout, policy, threads, True, calls)
+    want, want_tokens, ref_cache, torch_calls, config = ragged_run(layout, policy, threads, False, calls, rows)
+    got, got_tokens, cache, c_calls, _ = ragged_run(layout, policy, threads, True, calls, rows)
     per_channel = "q4_1c" in policy        # a per-channel group is completed one token at a time
     assert (torch_calls, c_calls) == (0, 6 if per_channel else 7)
     kind = policy.split()[0].split(",")[-1].removeprefix("v=")
