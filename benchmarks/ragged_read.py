@@ -54,7 +54,8 @@ def main() -> None:
     presses = [p.strip() for p in args.presses.split(",") if p.strip()]
     lm = load_model("smollm2-135m", progress=False, weights=args.weights)
     model = lm.model
-    ids = torch.tensor([tasks.make_samples("niah_single_essay", args.context, 1, 0, lm.tokenizer, chat=True)[0].context_ids])
+    sample = tasks.make_samples("niah_single_essay", args.context, 1, 0, lm.tokenizer, chat=True)[0]
+    ids = torch.tensor([sample.context_ids])
     room = args.steps * args.rounds * 4
     env_before = capture_env(None, "cpu")
     torch.set_num_threads(env_before["threads"]["used"])

@@ -717,7 +717,8 @@ static void layer_slots(Step *s, const Stream *ks) {
     s->first = ks->first;
     const int np = s->nparts = (s->L + ATT_PART - 1) / ATT_PART;
     s->p0 = (int)((long)s->tid * np / s->nt), s->p1 = (int)((long)(s->tid + 1) * np / s->nt);
-    s->s0 = s->p0 * ATT_PART < s->L ? s->p0 * ATT_PART : s->L, s->s1 = s->p1 * ATT_PART < s->L ? s->p1 * ATT_PART : s->L;
+    s->s0 = s->p0 * ATT_PART < s->L ? s->p0 * ATT_PART : s->L;
+    s->s1 = s->p1 * ATT_PART < s->L ? s->p1 * ATT_PART : s->L;
     s->n = s->s1 - s->s0;
 }
 
@@ -819,7 +820,8 @@ int decode_step(const StepArgs *a) {
     const int M = shape.M, nthreads = a->nthreads > 0 ? a->nthreads : 1;
     /* shared: projection outputs, attention partials [parts, M, heads, D + 2], column sums */
     const size_t shared = (size_t)M * (shape.qkv_w + shape.dim + 2 * shape.hidden)
-                          + (size_t)shape.partmax * M * shape.n_heads * shape.part_w + (size_t)nthreads * M * COLS_CHUNK;
+                          + (size_t)shape.partmax * M * shape.n_heads * shape.part_w
+                          + (size_t)nthreads * M * COLS_CHUNK;
     float *sh = malloc(sizeof(float) * shared);
     if (!sh) return 1;
     shape.qkv = sh, shape.proj = sh + (size_t)M * shape.qkv_w, shape.gu = shape.proj + (size_t)M * shape.dim;

@@ -334,7 +334,8 @@ def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causa
         return False
     if mask is not None and (causal or mask.dtype != torch.bool or tuple(mask.shape) != (B, 1, T, cache.length + T)):
         return False
-    if type(cache) not in (KVCache, RingKVCache, PressedKVCache) or torch.is_grad_enabled() and model.norm.weight.requires_grad:
+    if type(cache) not in (KVCache, RingKVCache, PressedKVCache) \
+            or torch.is_grad_enabled() and model.norm.weight.requires_grad:
         return False
     # A sliding window's ring holds slot s at s % capacity: until it first wraps, storage order is
     # slot order and the step (which writes slot `length` and reads slots below it, masked by the
