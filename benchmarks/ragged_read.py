@@ -1,11 +1,13 @@
 """How a ragged press's cache is read at decode (issue 29): decode steps only, in one process.
 
     CARAMBA_THREADS=1 .venv/bin/python benchmarks/ragged_read.py [--weights native] [--context 4096]
-        [--presses pyramidkv@0.5,ada_snapkv@0.5,snapkv@0.5] [--rounds 12] [--steps 5]
+        [--presses pyramidkv@0.5,ada_snapkv@0.5,snapkv@0.5] [--cache-kind fp32] [--rounds 12] [--steps 5]
 
 One task context (niah_single_essay, chat) is prefilled once unpressed and once per press
-(caramba.infer.pressing); then, round by round in rotated order, each variant decodes `--steps`
-greedy tokens from its own state:
+(caramba.infer.pressing) into fp32 caches; with another `--cache-kind` every cache is then
+evicted into that kind (the unpressed one keeping every token: caramba.cache.evict), so the
+survivors are stored quantized. Then, round by round in rotated order, each variant decodes
+`--steps` greedy tokens from its own state:
 - `none`: the unpressed cache on the fused C step (the reference of every ratio);
 - `<press>`: the pressed cache on the C step, each head reading only its run of survivors
   (fast_decode passes each row and head's first valid slot);
@@ -36,6 +38,7 @@ def main() -> None:
     ap.add_argument("--weights", default="native")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--presses", default="pyramidkv@0.5,ada_snapkv@0.5,snapkv@0.5")
+    ap.add_argument("--cache-kind", default="fp32")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
@@ -59,12 +62,17 @@ def main() -> None:
     room = args.steps * args.rounds * 4
     env_before = capture_env(None, "cpu")
     torch.set_num_threads(env_before["threads"]["used"])
+    template = None if args.cache_kind == "fp32" else model.new_cache(1, 1, args.cache_kind)
     states = {}
     full = DecodeState(model, model.new_cache(1, ids.shape[1] + room, "fp32"))
     states["none"] = [full, full.prefill(ids).argmax(-1)]
+    if template is not None:
+        kv = model.config.n_kv_heads
+        full.press([torch.ones(1, kv, ids.shape[1], dtype=torch.bool)] * model.config.n_layers, template)
     for press in presses:
         state = DecodeState(model, model.new_cache(1, ids.shape[1] + room, "fp32"))
-        states[press] = [state, prefill_pressed(state, ids, None, PressConfig.parse(press)).argmax(-1)]
+        logits = prefill_pressed(state, ids, None, PressConfig.parse(press), template)
+        states[press] = [state, logits.argmax(-1)]
         print(f"{press}: {type(state.cache).__name__}, kept {state.kept_share:.3f}", file=sys.stderr, flush=True)
     first_valid = fast_decode._first_valid
 
@@ -98,7 +106,7 @@ def main() -> None:
     env_after = capture_env(None, "cpu")
     print(f"CPU {env_before['cpu_model']}, {env_before['threads']['used']} thread(s), load average "
           f"{[round(x, 2) for x in env_before['load_average']]} -> {[round(x, 2) for x in env_after['load_average']]}, "
-          f"weights {args.weights}, context {ids.shape[1]} tokens, {args.rounds} rounds x {args.steps} steps")
+          f"weights {args.weights}, cache {args.cache_kind}, context {ids.shape[1]} tokens, {args.rounds} rounds x {args.steps} steps")
     print("| variant | ms / step | tok/s | speedup vs none |")
     print("|---|---|---|---|")
     for _, _, name in variants:
