@@ -11,7 +11,9 @@ import torch
 from caramba.cache import CachePolicy, KVCache, LayerKVCache
 from caramba.cache.evict import PressedKVCache
 from caramba.infer.state import DecodeState
+import tolerance as tol
 from caramba.model import fast_decode
+from caramba.model.fast_decode import ThreadChoice
 from conftest import make_model
 
 
@@ -258,3 +260,74 @@ def test_a_pressed_context_cannot_be_rolled_back_into(model):
     state.cache.truncate(state.cache.length - 2)       # the new tokens: fine
     with pytest.raises(ValueError, match="pressed context"):
         state.cache.truncate(2)
+
+
+# Ragged budgets over contexts longer than the C step's attention parts (64 slots), so a head's
+# holes cover whole parts, end inside one, or leave none: [layer][row][KV head] kept slots of a
+# 160-slot context whose row 1 has 20 slots of padding.
+RAGGED = {"per_layer": [[[150, 150], [90, 90]], [[70, 70], [40, 40]], [[20, 20], [130, 130]]],
+          "per_head": [[[150, 10], [3, 120]], [[64, 65], [1, 100]], [[128, 70], [66, 2]]]}
+POLICIES = {"fp32": CachePolicy.build("fp32"), "q8_0": CachePolicy.build("q8_0"),
+            "q4_0 residual_len=8": CachePolicy.build("q4_0", residual_len=8),
+            "k=q4_1c,v=q4_1 qblock=16": CachePolicy.build("q4_1", "k=q4_1c", qblock=16)}    # KIVI
+
+
+def ragged_run(layout: str, policy: str, threads: int, fast: bool, calls: list, rows: list | None = None):
+    """A ragged press of a 2-row padded context into `policy`, a 5-token question (one forward,
+    T = 5), the rows reordered to `rows` (as beams or an eval's candidates are), then 6 greedy
+    steps, on the C step or the torch path -> (logits, tokens, cache, C calls, config)."""
+    model = make_model(seed=3, n_layers=3, n_heads=4, n_kv_heads=2)
+    model.decode_threads = ThreadChoice(fixed=threads)
+    model.fast_decode = False
+    state, _ = prefilled(model, B=2, S=160, room=24, lengths=[160, 140])
+    kept = random_kept(3, 2, 2, 160, RAGGED[layout], state.valid_slots(), seed=6)
+    state.press(kept, model.new_cache(2, 1, POLICIES[policy]))
+    assert isinstance(state.cache, PressedKVCache)
+    model.fast_decode = fast
+    before = len(calls)
+    question = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(9))
+    out = state.prefill(question)
+    if rows is not None:     # after a C step: the table it built must follow the rows
+        state.reorder(torch.tensor(rows))
+        out = out[rows]
+    logits, tokens = decode(state, out.argmax(-1), 6)
+    return torch.stack([out, *logits]), tokens, state.cache, len(calls) - before, model.config
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("layout", list(RAGGED))
+def test_ragged_press_on_the_c_step_equals_the_torch_path(layout, policy, threads, monkeypatch):
+    check_ragged_c_step(layout, policy, threads, monkeypatch)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "q8_0"])
+def test_a_reordered_ragged_cache_is_read_where_its_rows_went(policy, monkeypatch):
+    """Rows reordered and repeated after the press (each head's first valid slot moves with its row)."""
+    check_ragged_c_step("per_head", policy, 2, monkeypatch, rows=[1, 0, 1])
+
+
+def check_ragged_c_step(layout, policy, threads, monkeypatch, rows=None):
+    """Per-layer and per-head budgets on the fused C step (each layer its own slots and capacity,
+    each head reading its own survivors): the torch path's logits within the fp32 forward bound
+    (the two differ only in summation order: projections, q.k, softmax sums and p V, over at most
+    n_layers * max(dim, hidden) roundings), plus one storage step where a new token's codes can
+    round the other way; the same greedy tokens, and the same cache contents."""
+    if fast_decode.library() is None:
+        pytest.skip(f"decode step kernel {fast_decode.status()}")
+    calls = []
+    real = fast_decode.step
+    monkeypatch.setattr(fast_decode, "step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    want, want_tokens, ref_cache, torch_calls, config = ragged_run(layout, policy, threads, False, calls, rows)
+    got, got_tokens, cache, c_calls, _ = ragged_run(layout, policy, threads, True, calls, rows)
+    per_channel = "q4_1c" in policy        # a per-channel group is completed one token at a time
+    assert (torch_calls, c_calls) == (0, 6 if per_channel else 7)
+    kind = policy.split()[0].split(",")[-1].removeprefix("v=")
+    bound = tol.cache_paths(want, config, kind)
+    torch.testing.assert_close(got, want, **bound)
+    assert torch.equal(got_tokens, want_tokens)
+    assert cache.length == ref_cache.length
+    for a, b in zip(cache.layers, ref_cache.layers):
+        assert a.length == b.length and a.offset == b.offset
+        for x, y in zip(a.contents(a.length), b.contents(b.length)):
+            torch.testing.assert_close(x, y, **tol.cache_paths(y, config, kind))

@@ -15,8 +15,9 @@ Two layouts:
   decoding state's slot mask marks like left padding. The fused C step reads it as it is.
 - ragged (per-layer budgets such as PyramidKV, per-head ones such as AdaKV): layer l holds
   W_l slots, each head's survivors right-aligned with a per-head validity mask in front, and
-  maps the model's slot numbers (W + t for the t-th new token) to its own (W_l + t). These
-  layers attend through torch.
+  maps the model's slot numbers (W + t for the t-th new token) to its own (W_l + t). The fused
+  C step reads each head's run of survivors only (its first valid slot, fast_decode), so the
+  holes cost memory but no reading; PressedLayerKVCache.attend is the torch path's reference.
 """
 
 from __future__ import annotations
@@ -126,16 +127,17 @@ class PressedLayerKVCache(LayerKVCache):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                causal: bool) -> torch.Tensor:
         """As LayerKVCache.attend, with the model's mask [B, 1, T, offset + end] (PressedKVCache
-        always gives one) mapped onto this layer's slots and each head's holes masked."""
+        always gives one) mapped onto this layer's slots (its slot i is the model's i + offset)
+        and each head's holes masked. The C decode step reads the same (fast_decode)."""
         B, H, T, _ = q.shape
         if mask is None or causal:
             raise ValueError("a pressed layer needs an explicit mask (PressedKVCache.attention_mask)")
         end = self._append(k, v)
         KVH = self.n_kv_heads
-        front = torch.ones(B, KVH, T, self.width, dtype=torch.bool, device=q.device) if self.valid is None \
-            else self.valid[:, :, None, :].expand(B, KVH, T, self.width)
-        tail = mask[..., self.offset + self.width:].expand(B, KVH, T, end - self.width)
-        layer_mask = torch.cat([front, tail], dim=-1)              # [B, KVH, T, end]
+        layer_mask = mask[..., self.offset:].expand(B, KVH, T, end)          # [B, KVH, T, end]
+        if self.valid is not None:
+            layer_mask = torch.cat([layer_mask[..., :self.width] & self.valid[:, :, None, :],
+                                    layer_mask[..., self.width:]], dim=-1)
         if self.rotation is not None:
             q = q @ self.rotation.to(q.dtype)
         if T <= CHUNKED_MAX_T:

@@ -45,6 +45,13 @@
    a per-channel key group the token completes: it is quantized into the cache first (one more
    barrier, every G steps), since the torch path reads that group from its codes at once.
 
+   A ragged press (caramba.cache.evict: PyramidKV's per-layer budgets, AdaKV's per-head ones)
+   gives each layer its own slots: its Streams carry their capacity and the model's slot of their
+   slot 0 (offset), so the new token lands in the layer's own next slot while its RoPE position is
+   the sequence's; and each cache row and head's first valid slot: a head's survivors lie right-
+   aligned in one run, and the step neither reads nor scores the holes in front of them, so a
+   head that keeps fewer tokens costs less to read.
+
    Projections come in the layouts the model holds (no copies): fp32 [N, K] (nn.Linear), fp32
    [K, N] (InputMajorLinear) and the block formats of quant_gemv.c.
 
@@ -77,8 +84,9 @@ typedef struct {
    parts and private scratch, and the layer in hand. Every part of the step takes it. */
 typedef struct {
     const StepArgs *a;
-    int M, T, dim, n_heads, n_kv, D, hidden, slot, L, rep, q_w, qkv_w, kmax, nparts, gmax;
-    long S;
+    int M, T, dim, n_heads, n_kv, D, hidden, rep, q_w, qkv_w, kmax, gmax, tid, nt;
+    int slot0, Lm, partmax, nalloc;   /* the model's first new slot and mask row; the most parts of a layer;
+                                         the most slots a thread takes in one */
     float scale;
     size_t part_w, chan_n;
     /* shared: projection outputs, attention partials [parts, M, heads, D + 2], column sums */
@@ -93,10 +101,16 @@ typedef struct {
     uint16_t *kpar, *vpar;
     uint8_t *ku, *vu, *ug;
     Act codes;
-    /* the layer in hand: its weights and streams; keys read from codes below kce, values below vce */
+    /* the layer in hand: its weights and streams; keys read from codes below kce, values below vce;
+       its own slots (a ragged press gives each layer its own): the first new token's, the slots
+       attended (L = slot + T), the capacity S, the model's slot of its slot 0 (off), each cache row
+       and head's first valid slot (first, NULL: 0) and its parts of ATT_PART slots */
     const LayerPlan *lp;
     const Stream *ks, *vs;
     int kchan, kce, vce, kgroup;
+    int slot, L, off, nparts;
+    long S;
+    const int64_t *first;
 } Step;
 
 /* ---- projections ----------------------------------------------------------------------------- */
@@ -521,21 +535,23 @@ static void group_scores(Step *s, int r, int g, const float *qg) {
     const int D = s->D, rep = s->rep, n = s->n, s0 = s->s0, s1 = s->s1, slot = s->slot, tt = r % s->T;
     const long rg = (long)(r / s->T) * s->n_kv + g;    /* the cache row's KV head */
     float *sc = s->sc;
+    /* a ragged press's holes [0, lo) are neither read nor scored: the head reads its survivors only */
+    const int lo = s->first ? (int)s->first[rg] : 0, b0 = s0 > lo ? s0 : lo;
     const int c1 = s1 < s->kce ? s1 : s->kce;
-    if (c1 > s0) {
-        if (s->kchan) key_scores_channels(ks, rg, s->S, D, qg, rep, s0, c1 - s0, sc, n, s->qs);
-        else key_scores_tokens(ks, rg, s->S, D, qg, rep, s0, c1 - s0, sc, n, s->t, s->sf, s->bf);
+    if (c1 > b0) {
+        if (s->kchan) key_scores_channels(ks, rg, s->S, D, qg, rep, b0, c1 - b0, sc + (b0 - s0), n, s->qs);
+        else key_scores_tokens(ks, rg, s->S, D, qg, rep, b0, c1 - b0, sc + (b0 - s0), n, s->t, s->sf, s->bf);
     }
-    for (int sl = c1 > s0 ? c1 : s0; sl < s1; sl++) {
+    for (int sl = c1 > b0 ? c1 : b0; sl < s1; sl++) {
         if (sl - slot > tt) break;                             /* a later new token */
         const float *kk = sl >= slot ? new_row(s, s->kn, r, sl - slot, g) : ring_row(ks, rg, sl, D);
         for (int j = 0; j < rep; j++) sc[(long)j * n + sl - s0] = dot_f32(kk, qg + (long)j * D, D);
     }
-    const uint8_t *mr = s->a->mask ? s->a->mask + (long)r * s->L : NULL;
+    const uint8_t *mr = s->a->mask ? s->a->mask + (long)r * s->Lm + s->off : NULL;   /* in the layer's slots */
     for (int j = 0; j < rep; j++) {
         float *sj = sc + (long)j * n;
         for (int i = 0; i < n; i++)
-            sj[i] = (mr && !mr[s0 + i]) || s0 + i - slot > tt ? -INFINITY : sj[i] * s->scale;
+            sj[i] = s0 + i < lo || (mr && !mr[s0 + i]) || s0 + i - slot > tt ? -INFINITY : sj[i] * s->scale;
     }
 }
 
@@ -694,6 +710,18 @@ static void head(Step *s) {
 
 /* ---- the step -------------------------------------------------------------------------------- */
 
+/* A layer's own slots (ks's: step_shapes checked that V's agree) and this thread's run of whole
+   parts of them. (A ragged press's widest head has no holes, so every part has slots to read.) */
+static void layer_slots(Step *s, const Stream *ks) {
+    s->off = (int)ks->offset, s->slot = s->slot0 - s->off, s->L = s->slot + s->T, s->S = ks->slots;
+    s->first = ks->first;
+    const int np = s->nparts = (s->L + ATT_PART - 1) / ATT_PART;
+    s->p0 = (int)((long)s->tid * np / s->nt), s->p1 = (int)((long)(s->tid + 1) * np / s->nt);
+    s->s0 = s->p0 * ATT_PART < s->L ? s->p0 * ATT_PART : s->L;
+    s->s1 = s->p1 * ATT_PART < s->L ? s->p1 * ATT_PART : s->L;
+    s->n = s->s1 - s->s0;
+}
+
 /* Layer l into the Step: its weights, streams and where each stream is read from codes (keys
    [0, kce), values [0, vce); the rest from the ring, the new tokens from kn / vn, except a new key
    a completed per-channel group holds: kce > slot). */
@@ -702,6 +730,7 @@ static void enter_layer(Step *s, int l) {
     s->ks = s->a->streams + 2L * l;
     s->vs = s->ks + 1;
     const Stream *ks = s->ks, *vs = s->vs;
+    layer_slots(s, ks);
     const int slot = s->slot, kr0 = (int)ks->r0, vr0 = (int)vs->r0;
     s->kchan = kv_per_channel((int)ks->kind);
     s->kce = ks->kind == KV_FP32 ? 0 : s->kchan ? kr0 : (kr0 < slot ? kr0 : slot);
@@ -719,21 +748,37 @@ static void layer(Step *s, int l) {
     mlp(s);
 }
 
+/* Whether a stream's own slots fit the step: the layer's K and V agree on them (key: its K), the new
+   tokens land inside its capacity, and every first valid slot lies in [0, its first new slot]. */
+static int layer_slots_ok(const StepArgs *a, const Stream *st, const Stream *key) {
+    const long slot = a->slot - st->offset, rows = a->M / a->T * a->n_kv;
+    if (st->slots != key->slots || st->offset != key->offset || st->first != key->first || st->offset < 0
+        || slot < 0 || slot + a->T > st->slots)
+        return 0;
+    for (long i = 0; st->first && i < rows; i++)
+        if (st->first[i] < 0 || st->first[i] > slot) return 0;
+    return 1;
+}
+
 /* The step's shapes from its arguments; 2 for shapes or streams it does not take. */
 static int step_shapes(const StepArgs *a, Step *s) {
     memset(s, 0, sizeof *s);
     s->a = a;
     s->M = (int)a->M, s->T = (int)a->T, s->dim = (int)a->dim, s->n_heads = (int)a->n_heads, s->n_kv = (int)a->n_kv;
-    s->D = (int)a->head_dim, s->hidden = (int)a->hidden, s->slot = (int)a->slot, s->S = a->max_seq;
-    if (s->D > 512 || s->n_kv < 1 || s->n_heads / s->n_kv > 64 || s->T < 1 || s->M % s->T) return 2;
-    s->L = s->slot + s->T, s->rep = s->n_heads / s->n_kv, s->q_w = s->n_heads * s->D;
+    s->D = (int)a->head_dim, s->hidden = (int)a->hidden, s->slot0 = (int)a->slot;
+    if (s->D > 512 || s->n_kv < 1 || s->n_heads / s->n_kv > 64 || s->T < 1 || s->M % s->T
+        || a->slot < 0 || a->slot + a->T > a->max_seq) return 2;
+    s->Lm = s->slot0 + s->T, s->rep = s->n_heads / s->n_kv, s->q_w = s->n_heads * s->D;
     s->qkv_w = (s->n_heads + 2 * s->n_kv) * s->D, s->kmax = s->dim > s->hidden ? s->dim : s->hidden;
     s->scale = 1.0f / sqrtf((float)s->D);
-    s->part_w = (size_t)s->D + 2, s->nparts = (s->L + ATT_PART - 1) / ATT_PART;
+    s->part_w = (size_t)s->D + 2, s->partmax = 1;
     s->gmax = 1;   /* the largest per-channel group: complete_group's scratch */
     for (int i = 0; i < 2 * a->n_layers; i++) {
         const Stream *st = a->streams + i;
         if (!stream_ok(st, s->D, i % 2 == 0) || (s->T > 1 && kv_per_channel((int)st->kind))) return 2;   /* groups: one token a step */
+        if (!layer_slots_ok(a, st, i % 2 ? st - 1 : st)) return 2;
+        const int L = (int)(a->slot - st->offset + a->T), np = (L + ATT_PART - 1) / ATT_PART;
+        s->partmax = np > s->partmax ? np : s->partmax;
         if (kv_per_channel((int)st->kind)) {
             s->gmax = st->block > s->gmax ? (int)st->block : s->gmax;
             s->chan_n = channel_scratch(s->rep, s->D);
@@ -745,11 +790,10 @@ static int step_shapes(const StepArgs *a, Step *s) {
 /* This thread's parts and private scratch (one allocation: floats, then uint16, then bytes);
    NULL when it could not be had. */
 static void *thread_scratch(Step *s) {
-    const int tid = omp_get_thread_num(), nt = omp_get_num_threads(), M = s->M, D = s->D, rep = s->rep;
-    s->p0 = (int)((long)tid * s->nparts / nt), s->p1 = (int)((long)(tid + 1) * s->nparts / nt);
-    s->s0 = s->p0 * ATT_PART < s->L ? s->p0 * ATT_PART : s->L, s->s1 = s->p1 * ATT_PART < s->L ? s->p1 * ATT_PART : s->L;
-    s->n = s->s1 - s->s0;
-    const size_t kv_n = (size_t)M * s->n_kv * D, n = (size_t)s->n, kq = (size_t)M * (s->kmax / QK);
+    const int M = s->M, D = s->D, rep = s->rep;
+    s->tid = omp_get_thread_num(), s->nt = omp_get_num_threads();
+    s->nalloc = (s->partmax + s->nt - 1) / s->nt * ATT_PART;   /* layer_slots gives a thread at most this many */
+    const size_t kv_n = (size_t)M * s->n_kv * D, n = (size_t)s->nalloc, kq = (size_t)M * (s->kmax / QK);
     const size_t nf = (size_t)M * (s->dim + s->kmax + 2 * s->q_w + s->hidden) + 4 * kv_n + 2 * kq + 2 * rep * n + 2 * n
                       + (size_t)D + (size_t)rep * D + (size_t)D * s->gmax + 3 * (size_t)VCHUNK * D + s->chan_n;
     const size_t nh = 2 * kv_n, nbytes = 4 * (size_t)M * s->kmax + 2 * kv_n + (size_t)D * s->gmax;
@@ -776,12 +820,13 @@ int decode_step(const StepArgs *a) {
     const int M = shape.M, nthreads = a->nthreads > 0 ? a->nthreads : 1;
     /* shared: projection outputs, attention partials [parts, M, heads, D + 2], column sums */
     const size_t shared = (size_t)M * (shape.qkv_w + shape.dim + 2 * shape.hidden)
-                          + (size_t)shape.nparts * M * shape.n_heads * shape.part_w + (size_t)nthreads * M * COLS_CHUNK;
+                          + (size_t)shape.partmax * M * shape.n_heads * shape.part_w
+                          + (size_t)nthreads * M * COLS_CHUNK;
     float *sh = malloc(sizeof(float) * shared);
     if (!sh) return 1;
     shape.qkv = sh, shape.proj = sh + (size_t)M * shape.qkv_w, shape.gu = shape.proj + (size_t)M * shape.dim;
     shape.part = shape.gu + (size_t)M * 2 * shape.hidden;
-    shape.cols = shape.part + (size_t)shape.nparts * M * shape.n_heads * shape.part_w;
+    shape.cols = shape.part + (size_t)shape.partmax * M * shape.n_heads * shape.part_w;
     int failed = 0;
 
 #pragma omp parallel num_threads(nthreads)
@@ -814,5 +859,6 @@ int step_abi_layout(int64_t *out) {
 #undef OFF
     out[i++] = offsetof(LayerPlan, qkv), out[i++] = offsetof(LayerPlan, o), out[i++] = offsetof(LayerPlan, w13);
     out[i++] = offsetof(LayerPlan, w2), out[i++] = offsetof(Stream, r0), out[i++] = offsetof(Stream, rot);
+    out[i++] = offsetof(Stream, slots), out[i++] = offsetof(Stream, offset), out[i++] = offsetof(Stream, first);
     return i;
 }

@@ -36,10 +36,14 @@ typedef struct {
     int64_t M, T;                 /* M token rows: T consecutive new tokens per cache row */
     int64_t last_only;            /* logits of each cache row's last new token only */
     int64_t dim, n_heads, n_kv, head_dim, hidden;
-    int64_t max_seq, slot;        /* the cache's length in slots; the first new token's slot */
+    int64_t max_seq, slot;        /* the cache's length in slots; the first new token's slot (the model's
+                                     numbers: a ragged press's layers have their own, Stream.slots and
+                                     Stream.offset) */
     const int64_t *positions;     /* [M] rotary positions */
     const uint8_t *mask;          /* [M, slot + T]: nonzero where row r attends slot s; NULL: every cached
-                                     slot, and the row's new tokens up to its own */
+                                     slot, and the row's new tokens up to its own; a layer reads its
+                                     slot i at i + its offset, and below each head's first valid slot
+                                     nothing */
     const float *cos, *ssin;      /* [P, head_dim] rotary tables (ssin: sin, first half negated) */
     float eps;                    /* RMSNorm's */
     int32_t nthreads;

@@ -18,6 +18,9 @@ that must first refill a per-channel group a rollback went into. `model.fast_dec
 CARAMBA_KERNELS=0 turns it off. The thread count starts from torch's, which a Generator sets
 from the cores free (caramba.threads), and adapts to a busy machine (ThreadChoice;
 `model.decode_threads = ThreadChoice(fixed=n)` or CARAMBA_THREADS=n pins it).
+
+A ragged press's PressedKVCache (caramba.cache.evict: per-layer and per-head budgets) is read
+too: each layer its own width, each head only its run of survivors.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from caramba import kernels, threads
+from caramba.cache.evict import PressedKVCache, PressedLayerKVCache
 from caramba.cache.layer import KVCache, LayerKVCache
 from caramba.cache.ring import RingKVCache, RingLayerKVCache
 from caramba.cache.kinds import KVCacheKind
@@ -222,18 +226,21 @@ def _stream_kind(stream, keys: bool, head_dim: int) -> int | None:
 
 class _Layout:
     """What decode_step.c takes of a cache: per layer, K then V, (stream, kind, rotation or None);
-    the streams whose full-precision ring the step keeps up (`ringed`) and the per-channel ones.
-    `table` holds decode_step.c's Streams once _stream_table has built them, `bound` the
-    (stream, attribute, tensor) they point into and `fp_slots` the (index, stream) of the entries
-    whose r0 moves with every step."""
+    each layer (`layers`: its slots are the model's minus its offset, a ragged press's); the
+    streams whose full-precision ring the step keeps up (`ringed`) and the per-channel ones, each
+    with its layer's offset. `table` holds decode_step.c's Streams once _stream_table has built
+    them, `bound` the (object, attribute, tensor) they point into and `fp_slots` the (index,
+    stream, offset) of the entries whose r0 moves with every step."""
 
-    def __init__(self, streams: list[tuple], heads: int, head_dim: int) -> None:
-        self.streams, self.heads, self.head_dim = streams, heads, head_dim
-        self.ringed = [s for s, kind, _ in streams if kind != KV_FP32 and s.ring is not None]
-        self.channels = [s for s, kind, _ in streams if kind in CHANNEL_KINDS.values()]
+    def __init__(self, streams: list[tuple], layers: list, heads: int, head_dim: int) -> None:
+        self.streams, self.layers, self.heads, self.head_dim = streams, layers, heads, head_dim
+        offsets = [_offset(layer) for layer in layers for _ in (0, 1)]
+        self.ringed = [(s, o) for (s, kind, _), o in zip(streams, offsets) if kind != KV_FP32 and s.ring is not None]
+        self.channels = [(s, o) for (s, kind, _), o in zip(streams, offsets) if kind in CHANNEL_KINDS.values()]
         self.table: ctypes.Array | None = None    # of step_abi.Stream
         self.bound: list[tuple] = []
         self.fp_slots: list[tuple] = []
+        self.firsts: list[torch.Tensor | None] = []   # per layer: _first_valid, which the table points into
 
 
 def _cache_layout(cache) -> _Layout | None:
@@ -244,8 +251,26 @@ def _cache_layout(cache) -> _Layout | None:
     return cache._fast_decode_layout
 
 
+def _offset(layer) -> int:
+    """The model's slot of the layer's slot 0 (a ragged press's layers are narrower than the model's)."""
+    return layer.offset if type(layer) is PressedLayerKVCache else 0
+
+
+def _first_valid(layer) -> torch.Tensor | None:
+    """int64 [B, KVH]: each row and head's first valid slot of a ragged press's layer (its
+    survivors lie right-aligned in [first, width): caramba.cache.evict), or None when every slot
+    is valid; False when the valid slots are not one run below width (the torch path)."""
+    valid = layer.valid if type(layer) is PressedLayerKVCache else None
+    if valid is None:
+        return None
+    first = layer.width - valid.sum(dim=-1)
+    run = torch.arange(layer.width, device=valid.device) >= first[..., None]
+    return first.to(torch.int64).contiguous() if bool((run == valid).all()) else False
+
+
 def _scan_layout(cache) -> _Layout | None:
-    if any(type(layer) not in (LayerKVCache, RingLayerKVCache) for layer in cache.layers):
+    kinds = (PressedLayerKVCache,) if type(cache) is PressedKVCache else (LayerKVCache, RingLayerKVCache)
+    if any(type(layer) not in kinds or _first_valid(layer) is False for layer in cache.layers):
         return None
     streams = []
     H, D = cache.layers[0].n_kv_heads, cache.layers[0].k_stream.head_dim
@@ -257,38 +282,44 @@ def _scan_layout(cache) -> _Layout | None:
             if kind is None or not _fp32(rotation) or rotation is not None and tuple(rotation.shape) != (D, D):
                 return None
             streams.append((stream, kind, rotation))
-    return _Layout(streams, H, D)
+    return _Layout(streams, list(cache.layers), H, D)
 
 
 def _stream_table(layout: _Layout, slot: int, T: int = 1) -> ctypes.Array:
-    """decode_step.c's Streams (kv_stream.h) for a step writing slots [slot, slot + T).
-    Built once per set of tensors (a reorder replaces them): a step only moves each quantized
-    stream's r0 (its fp_start) on, after the rings' bookkeeping (note_written: the step writes
-    their new tokens). Rebuilding the table each step cost ~0.13 ms of Python per token."""
+    """decode_step.c's Streams (kv_stream.h) for a step writing the model's slots [slot, slot + T)
+    (each layer's own: minus its offset). Built once per set of tensors (a reorder replaces them):
+    a step only moves each quantized stream's r0 (its fp_start) on, after the rings' bookkeeping
+    (note_written: the step writes their new tokens). Rebuilding the table each step cost ~0.13 ms
+    of Python per token."""
     if layout.table is None or any(getattr(s, name) is not t for s, name, t in layout.bound):
         _build_table(layout)
     table, end = layout.table, slot + T
-    for s in layout.ringed:
-        s.note_written(slot, end)
-    for i, s in layout.fp_slots:
-        table[i].r0 = s.fp_start(end)
+    for s, off in layout.ringed:
+        s.note_written(slot - off, end - off)
+    for i, s, off in layout.fp_slots:
+        table[i].r0 = s.fp_start(end - off)
     return table
 
 
 def _build_table(layout: _Layout) -> None:
     table, bound, fp_slots = (Stream * len(layout.streams))(), [], []
+    firsts = [_first_valid(layer) for layer in layout.layers]    # the table points into these: kept on the layout
     for i, (s, kind, rotation) in enumerate(layout.streams):
+        layer, first = layout.layers[i // 2], firsts[i // 2]
         rot = None if rotation is None else rotation.data_ptr()
+        own = (layer.max_seq_len, _offset(layer), None if first is None else first.data_ptr())
+        if i % 2 == 0 and type(layer) is PressedLayerKVCache:    # a reorder replaces valid
+            bound.append((layer, "valid", layer.valid))
         if kind == KV_FP32:           # its values, read as a ring of every slot
-            table[i] = Stream(KV_FP32, s.data.data_ptr(), None, 1, s.data.data_ptr(), s.data.shape[2], 0, rot)
+            table[i] = Stream(KV_FP32, s.data.data_ptr(), None, 1, s.data.data_ptr(), s.data.shape[2], 0, rot, *own)
             bound.append((s, "data", s.data))
             continue
         ring = s.ring
-        fp_slots.append((i, s))
+        fp_slots.append((i, s, own[1]))
         table[i] = Stream(kind, s.codes.data_ptr(), s.scales.data_ptr(), s.block,
-                          None if ring is None else ring.data_ptr(), 0 if ring is None else ring.shape[2], 0, rot)
+                          None if ring is None else ring.data_ptr(), 0 if ring is None else ring.shape[2], 0, rot, *own)
         bound += [(s, "codes", s.codes), (s, "scales", s.scales), (s, "ring", ring)]
-    layout.table, layout.bound, layout.fp_slots = table, bound, fp_slots
+    layout.table, layout.bound, layout.fp_slots, layout.firsts = table, bound, fp_slots, firsts
 
 
 def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causal: bool) -> bool:
@@ -303,7 +334,8 @@ def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causa
         return False
     if mask is not None and (causal or mask.dtype != torch.bool or tuple(mask.shape) != (B, 1, T, cache.length + T)):
         return False
-    if type(cache) not in (KVCache, RingKVCache) or torch.is_grad_enabled() and model.norm.weight.requires_grad:
+    if type(cache) not in (KVCache, RingKVCache, PressedKVCache) \
+            or torch.is_grad_enabled() and model.norm.weight.requires_grad:
         return False
     # A sliding window's ring holds slot s at s % capacity: until it first wraps, storage order is
     # slot order and the step (which writes slot `length` and reads slots below it, masked by the
@@ -312,7 +344,7 @@ def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causa
         return False
     layout = _cache_layout(cache)
     if layout is None or (layout.heads, layout.head_dim) != (model.config.n_kv_heads, model.config.head_dim) \
-            or cache.batch_size != B or any(s.refills(cache.length) for s in layout.channels) \
+            or cache.batch_size != B or any(s.refills(cache.length - off) for s, off in layout.channels) \
             or T > 1 and layout.channels:      # a per-channel group is completed one token at a time
         return False
     if library() is None:
@@ -411,5 +443,5 @@ def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVC
     if failed:
         raise ValueError(f"decode_step.c refused the shapes (code {failed}); fast_decode.applies should have")
     for layer in cache.layers:
-        layer.length = slot + T
+        layer.length = slot + T - _offset(layer)
     return logits

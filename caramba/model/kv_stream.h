@@ -19,6 +19,12 @@ typedef struct {
     int64_t ring_n;
     int64_t r0;         /* positions < r0 are read from codes, the rest from the ring */
     const float *rot;   /* [D, D]: the stream holds x @ rot; NULL: x */
+    /* A layer's own slots (a ragged press: caramba.cache.evict's PressedLayerKVCache). K and V of
+       a layer agree on these three. */
+    int64_t slots;          /* the stream's capacity S: its codes and parameters are [rows, n_kv, S, ...] */
+    int64_t offset;         /* the model's slot of this stream's slot i is i + offset */
+    const int64_t *first;   /* [cache rows, n_kv]: each row and head's first valid slot (its survivors
+                               lie in [first, the survivors' end)); NULL: 0 */
 } Stream;
 
 static inline int kv_bits(int kind) { return KV_BITS[kind]; }

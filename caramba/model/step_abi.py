@@ -26,9 +26,11 @@ class LayerPlan(ctypes.Structure):
 class Stream(ctypes.Structure):
     """One layer's K or V: kind (KindSpec.step), codes (KV_FP32: the values), fp16 parameters,
     block (per-channel kinds: tokens per group), fp32 ring and its slots, r0 (positions below it
-    are read from codes), rotation [D, D] (0: none)."""
+    are read from codes), rotation [D, D] (0: none); the layer's own slots: capacity, the model's
+    slot of its slot 0 (offset), and each cache row and head's first valid slot (int64
+    [rows, n_kv], 0: none), which a ragged press gives (caramba.cache.evict)."""
     _fields_ = [("kind", _L), ("codes", _P), ("params", _P), ("block", _L), ("ring", _P), ("ring_n", _L),
-                ("r0", _L), ("rot", _P)]
+                ("r0", _L), ("rot", _P), ("slots", _L), ("offset", _L), ("first", _P)]
 
 
 class StepArgs(ctypes.Structure):
@@ -42,8 +44,8 @@ class StepArgs(ctypes.Structure):
 def layout() -> list[int]:
     """What step_abi_layout in C reports, computed from these Structures: the sizes of Lin,
     LayerPlan, Stream and StepArgs, StepArgs' field offsets in order, then LayerPlan's qkv, o,
-    w13, w2 and Stream's r0 and rot offsets."""
+    w13, w2 and Stream's r0, rot, slots, offset and first offsets."""
     return ([ctypes.sizeof(t) for t in (Lin, LayerPlan, Stream, StepArgs)]
             + [getattr(StepArgs, name).offset for name, _ in StepArgs._fields_]
             + [getattr(LayerPlan, f).offset for f in ("qkv", "o", "w13", "w2")]
-            + [Stream.r0.offset, Stream.rot.offset])
+            + [getattr(Stream, f).offset for f in ("r0", "rot", "slots", "offset", "first")])
