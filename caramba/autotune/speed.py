@@ -18,6 +18,7 @@ import torch
 
 from caramba.bench.measure import prompt_batch, sync_device
 from caramba.cache import CachePolicy, KVCache
+from caramba.model.backend import Backend, choose
 
 
 @torch.inference_mode()
@@ -33,7 +34,8 @@ def measure_speed(model, policies: Sequence[CachePolicy], baseline: CachePolicy,
     context = max_seq_len - steps if context is None else min(context, max_seq_len - steps)
     tokens = torch.tensor(prompt_batch(text_ids, context, batch_size), device=model.device)   # [B, context]
     source = model.new_cache(batch_size, max_seq_len, baseline)
-    first = model(tokens, cache=source, last_only=True)[:, -1].argmax(-1)                   # [B]
+    forward = choose(model)     # the backend a Generator would decode with (caramba.model.backend)
+    first = forward(tokens, cache=source, last_only=True)[:, -1].argmax(-1)                 # [B]
     samples: list[list[float]] = [[] for _ in policies]
     errors: list[str | None] = [None for _ in policies]
     rounds = warmup + repeats
@@ -42,7 +44,7 @@ def measure_speed(model, policies: Sequence[CachePolicy], baseline: CachePolicy,
             if errors[i] is not None:
                 continue
             try:
-                rate = _decode_rate(model, _filled(model, policy, source, batch_size, max_seq_len), first, steps)
+                rate = _decode_rate(forward, _filled(model, policy, source, batch_size, max_seq_len), first, steps)
             except Exception as e:   # fails this candidate only
                 errors[i] = f"speed error: {type(e).__name__}: {e}"
                 continue
@@ -63,12 +65,13 @@ def _filled(model, policy: CachePolicy, source: KVCache, batch_size: int, max_se
     return cache
 
 
-def _decode_rate(model, cache: KVCache, first: torch.Tensor, steps: int) -> float:
+def _decode_rate(forward: Backend, cache: KVCache, first: torch.Tensor, steps: int) -> float:
     """Tokens per second over `steps` greedy decode steps from the cache's current length."""
     token = first
-    sync_device(model.device)
+    device = forward.model.device
+    sync_device(device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        token = model(token[:, None], cache=cache, last_only=True)[:, -1].argmax(-1)
-    sync_device(model.device)
+        token = forward(token[:, None], cache=cache, last_only=True)[:, -1].argmax(-1)
+    sync_device(device)
     return steps * token.shape[0] / (time.perf_counter() - t0)

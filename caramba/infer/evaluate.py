@@ -29,6 +29,7 @@ import math
 import torch
 
 from caramba.cache import CachePolicy
+from caramba.model.backend import choose
 
 CORPUS = "corpus.txt"
 
@@ -116,14 +117,15 @@ def evaluate_cache(
     n = tokens.shape[1]
     caches = [model.new_cache(1, n, p) for p in policies]
     scores = [_Score() for _ in policies]
-    logits = [model(tokens[:, :prompt_len], cache=c, last_only=True)[:, -1] for c in caches]
+    forward = choose(model)     # decode steps through the fused C step where it applies, as a Generator's
+    logits = [forward(tokens[:, :prompt_len], cache=c, last_only=True)[:, -1] for c in caches]
     total = n - prompt_len
     for t in range(prompt_len, n):
         logp = [torch.log_softmax(x.float(), dim=-1) for x in logits]  # [1, V] each
         for s, lp in zip(scores, logp):
             s.add(lp, logp[0], tokens[0, t : t + 1])
         if t + 1 < n:
-            logits = [model(tokens[:, t : t + 1], cache=c)[:, -1] for c in caches]
+            logits = [forward(tokens[:, t : t + 1], cache=c)[:, -1] for c in caches]
         if on_step is not None:
             on_step(t - prompt_len + 1, total)
     return _results(model, policies, caches, scores, "decode")

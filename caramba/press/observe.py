@@ -159,9 +159,9 @@ def check_cache(cache: KVCache) -> None:
 def observing(model, cache: KVCache, press: PressConfig):
     """Observe the context prefill that follows into `cache` for `press` -> Observations.
 
-    Every forward of the context must run inside (the observers check that they saw every slot).
-    The model's C decode step, which a small chunk would take and which calls no observer, is
-    switched off meanwhile."""
+    Every forward of the context must run inside (the observers check that they saw every slot),
+    through the model's own forward: the fused C step calls no observer, so the decoder feeding
+    the context chooses the torch path for it (caramba.model.backend.TorchStep; DecodeState.using)."""
     if not isinstance(press, PressConfig):
         raise TypeError(f"press must be a PressConfig, not {type(press).__name__}")
     check_cache(cache)
@@ -171,8 +171,6 @@ def observing(model, cache: KVCache, press: PressConfig):
     cfg = model.config
     inv_freq = rope_inv_freq(cfg).to(model.device) if cfg.positions == "rope" else None
     layers = [LayerObservation(layer, press, cfg.n_heads) for layer in cache.layers]
-    had = model.__dict__.get("fast_decode", None)
-    model.fast_decode = False
     for layer, obs in zip(cache.layers, layers):
         layer.observer = obs
     try:
@@ -180,10 +178,6 @@ def observing(model, cache: KVCache, press: PressConfig):
     finally:
         for layer in cache.layers:
             layer.observer = None
-        if had is None:
-            del model.fast_decode
-        else:
-            model.fast_decode = had
 
 
 __all__ = ["LayerObservation", "Observations", "check_cache", "observing", "window_of"]
