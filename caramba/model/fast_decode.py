@@ -1,8 +1,8 @@
 """The decode step of a Llama-family model as one C call (decode_step.c), on the CPU.
 
 A batch-1 decode step through torch spends nearly as long dispatching ~300 small ops as reading
-the weights (docs/decode-speed.md). Where it applies, Transformer.forward hands the step to
-`step`, which runs every layer, the final norm and the head in one parallel region, reading the
+the weights (docs/decode-speed.md). Where it applies, a CStep (the backend below) hands the
+forward to `step`, which runs every layer, the final norm and the head in one parallel region, reading the
 weights in the layouts the model holds (fp32 nn.Linear / InputMajorLinear, or QuantLinear's
 blocks) and writing K and V into the cache as the torch path does.
 
