@@ -36,6 +36,7 @@ import torch  # noqa: E402
 import llamacpp  # noqa: E402  (benchmarks/llamacpp.py)
 
 from caramba.infer import GenerateConfig, generate_batched  # noqa: E402
+from caramba.model.backend import choose  # noqa: E402
 from caramba.model.quant import WEIGHT_KINDS  # noqa: E402
 from caramba.model.zoo import load_model  # noqa: E402
 
@@ -50,17 +51,19 @@ TEXT = (
 @torch.inference_mode()
 def step_ms(model, batch: int, prompt_len: int = 40, steps: int = 32) -> float:
     """ms per decode step of `batch` rows (one new token each) after a prompt_len-token prefill:
-    the step alone, without generation's bookkeeping or prefill."""
+    the step alone, without generation's bookkeeping or prefill, through the backend a Generator
+    chooses (caramba.model.backend: the fused C step up to its 16 token rows)."""
+    forward = choose(model)
     ids = torch.randint(0, 1000, (batch, prompt_len), generator=torch.Generator().manual_seed(batch))
     cache = model.new_cache(batch, prompt_len + steps + 4)
-    model(ids, cache=cache)
+    forward(ids, cache=cache)
     tok = ids[:, -1:]
     for _ in range(3):
-        model(tok, cache=cache)
+        forward(tok, cache=cache)
     cache.truncate(prompt_len)
     t0 = time.perf_counter()
     for _ in range(steps):
-        model(tok, cache=cache)
+        forward(tok, cache=cache)
     return (time.perf_counter() - t0) / steps * 1e3
 
 

@@ -10,10 +10,11 @@ Also prints, per kind, the bytes the cache allocated next to the analytic bytes/
         [--weights fp32|q8_0|q4_0|native|native_i16] [--json out.json]
 
 Every kind (per-channel values excepted) decodes through the one-call C step
-(caramba.model.fast_decode); the others through the torch path, reading codes with the C kernels
-(caramba.cache.kernel) when they build. --torch-path sends every kind through the torch path
-(like for like with the kinds the C step does not take); CARAMBA_KERNELS=0 times the eager path.
-The `step` column says which path each kind took. --weights: quantized weights make the rest of the
+(caramba.model.fast_decode.CStep, chosen as a Generator chooses it: caramba.model.backend); the
+others through the torch path, reading codes with the C kernels (caramba.cache.kernel) when they
+build. --torch-path sends every kind through the torch path (backend.TorchStep: like for like with
+the kinds the C step does not take); CARAMBA_KERNELS=0 times the eager path. The `step` column
+says which path each kind's steps took. --weights: quantized weights make the rest of the
 step faster, so the cache read is a larger share of it.
 """
 
@@ -35,18 +36,19 @@ from caramba.cache import kernel  # noqa: E402
 from caramba.cache import CachePolicy  # noqa: E402
 from caramba.infer.evaluate import corpus_ids  # noqa: E402
 from caramba.model import fast_decode  # noqa: E402
+from caramba.model.backend import Backend, TorchStep, choose  # noqa: E402
 from caramba.model.quant import WEIGHT_KINDS  # noqa: E402
 from caramba.model.zoo import load_model  # noqa: E402
 
 
 @torch.inference_mode()
-def decode_steps(model, cache, context: int, first: torch.Tensor, steps: int) -> float:
-    """Roll back to the context, then time `steps` greedy one-token forwards."""
+def decode_steps(forward: Backend, cache, context: int, first: torch.Tensor, steps: int) -> float:
+    """Roll back to the context, then time `steps` greedy one-token forwards through the backend."""
     cache.truncate(context)
     tok = first
     t0 = time.perf_counter()
     for _ in range(steps):
-        tok = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)
+        tok = forward(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)
     return time.perf_counter() - t0
 
 
@@ -62,8 +64,8 @@ def main() -> None:
                     help="newest tokens also kept in full precision (KIVI's window; autotune's KIVI-2 uses 128)")
     ap.add_argument("--chunk", type=int, default=attend.READ_CHUNK, help="tokens per dequantized chunk (eager path)")
     ap.add_argument("--torch-path", action="store_true",
-                    help="every kind through the torch path (model.fast_decode = False): the C decode step "
-                         "(caramba.model.fast_decode) takes every kind but per-channel values")
+                    help="every kind through the torch path (caramba.model.backend.TorchStep): the C decode step "
+                         "(caramba.model.fast_decode.CStep) takes every kind but per-channel values")
     ap.add_argument("--weights", default="fp32", choices=WEIGHT_KINDS, help="weight format (default fp32)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -71,7 +73,6 @@ def main() -> None:
 
     loaded = load_model(args.model, "float32", "cpu", progress=False, weights=args.weights)
     model = loaded.model
-    model.fast_decode = not args.torch_path
     ids = corpus_ids(loaded.tokenizer)
     if len(ids) < args.context + 1:
         ids = (ids * (args.context // len(ids) + 2))
@@ -86,12 +87,14 @@ def main() -> None:
         with torch.inference_mode():
             model(context, cache=cache, last_only=True)
         caches[kind] = cache
+    # one backend per kind, so that each says which path its steps took
+    forwards = {kind: TorchStep(model) if args.torch_path else choose(model) for kind in kinds}
     for kind in kinds:  # warm-up
-        decode_steps(model, caches[kind], args.context, first, 4)
+        decode_steps(forwards[kind], caches[kind], args.context, first, 4)
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(args.repeats):
         for kind in kinds:
-            times[kind].append(args.steps / decode_steps(model, caches[kind], args.context, first, args.steps))
+            times[kind].append(args.steps / decode_steps(forwards[kind], caches[kind], args.context, first, args.steps))
 
     cfg = model.config
     print(f"SmolLM2 decode at context {args.context}, {args.steps} steps x {args.repeats} repeats, "
@@ -108,7 +111,7 @@ def main() -> None:
         analytic = sum(layer.k_cfg.bytes_per_token(cfg.n_kv_heads, cfg.head_dim)
                        + layer.v_cfg.bytes_per_token(cfg.n_kv_heads, cfg.head_dim) for layer in cache.layers)
         allocated_per_token = cache.nbytes / cache.max_seq_len
-        step = "torch" if args.torch_path or fast_decode._cache_layout(cache) is None else "C"
+        step = {"c": "C", "torch": "torch"}.get(forwards[kind].path, "both")
         rows.append({"kind": kind, "step": step, "tok_s": rate, "samples": times[kind], "vs_first": rate / base,
                      "bytes_per_token": cache.bytes_per_token(), "analytic_bytes_per_token": analytic,
                      "allocated_bytes": cache.nbytes, "allocated_per_token": allocated_per_token})

@@ -42,7 +42,6 @@ def worker(args) -> None:
 
     from caramba import threads
     from caramba.infer.generate import Generator
-    from caramba.model import fast_decode
     from caramba.model.zoo import load_model
 
     threads.REUSE_S = 0.0     # every generation samples: the busy process comes and goes between them
@@ -58,13 +57,12 @@ def worker(args) -> None:
             os.environ.pop("CARAMBA_THREADS", None)
         else:
             os.environ["CARAMBA_THREADS"] = mode
-        lm.model.decode_threads = fast_decode.ThreadChoice()    # as a fresh process would start
-        gen = Generator(lm.model, _config(args.new_tokens))
+        gen = Generator(lm.model, _config(args.new_tokens))    # its C step's thread choice fresh, as a new process's
         decode = gen.run([short_ids])
         choice = gen.threads.as_record()
         pre = Generator(lm.model, _config(1)).run([long_ids])
         return {"decode_tok_s": decode.decode_tok_s, "prefill_s": pre.prefill_s, "threads_used": choice["used"],
-                "why": choice["why"], "step_threads": lm.model.decode_threads.current}
+                "why": choice["why"], "step_threads": getattr(gen.backend, "threads", None) and gen.backend.threads.current}
 
     with torch.inference_mode():
         measure("1")     # warm-up: kernels built and loaded, caches touched

@@ -23,8 +23,9 @@ sides alike; the table gives medians, with the load average before and after.
 (caramba.model.isa; each level the machine lacks falls back, and the table says to what), in the
 same alternation: an A/B of the kernels on one machine. The first level fills the ratio column.
 
---torch-path adds caramba with its one-call decode step off (caramba.model.fast_decode), the
-torch-op path every step took before it, in the same alternation.
+--torch-path adds caramba with its one-call decode step off (the torch backend,
+caramba.model.backend.TorchStep, instead of fast_decode.CStep), the torch-op path every step took
+before it, in the same alternation.
 
 llama.cpp is built by benchmarks/llamacpp.py (from the llama-cpp-python sdist, cached under
 ~/.cache/caramba/llama.cpp/<version>/; targets llama-bench and llama-quantize). It is a
@@ -51,6 +52,7 @@ import torch  # noqa: E402
 import llamacpp  # noqa: E402  (benchmarks/llamacpp.py)
 from caramba.cache import kernel as cache_kernel  # noqa: E402
 from caramba.model import fast_decode, fused, isa, quant  # noqa: E402
+from caramba.model.backend import Backend, TorchStep, choose  # noqa: E402
 from caramba.model.zoo import load_model  # noqa: E402
 
 def llama_bench(tools: llamacpp.Tools, model: Path, tokens: int, threads: int) -> tuple[float, list[str]]:
@@ -68,15 +70,15 @@ CPU_TOK_S: list[float] = []   # caramba_decode's tokens per second of this proce
 
 
 @torch.inference_mode()
-def caramba_decode(model, prompt: torch.Tensor, tokens: int) -> float:
-    """tok/s of `tokens` greedy single-token decode steps after the prompt's prefill (wall clock;
-    per CPU second, all threads, appended to CPU_TOK_S: what a descheduled thread does not spend,
-    so an A/B of kernels survives a busy machine better)."""
-    cache = model.new_cache(1, prompt.shape[1] + tokens + 1)
-    tok = model(prompt, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+def caramba_decode(step: Backend, prompt: torch.Tensor, tokens: int) -> float:
+    """tok/s of `tokens` greedy single-token decode steps after the prompt's prefill, through the
+    backend `step` (wall clock; per CPU second, all threads, appended to CPU_TOK_S: what a
+    descheduled thread does not spend, so an A/B of kernels survives a busy machine better)."""
+    cache = step.model.new_cache(1, prompt.shape[1] + tokens + 1)
+    tok = step(prompt, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(tokens):
-        tok = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)
+        tok = step(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)
     CPU_TOK_S.append(tokens / (time.process_time() - c0))
     return tokens / (time.perf_counter() - t0)
 
@@ -113,29 +115,29 @@ def main() -> None:
     models = {w: load_model("smollm2-135m", progress=False, weights=w) for w in kinds}
     tokenizer = next(iter(models.values())).tokenizer
     prompt = torch.tensor([tokenizer.encode("The history of the lighthouse begins with")])
+    steps = {w: choose(models[w].model) for w in kinds}            # the C step where it applies, as a Generator's
+    torch_steps = {w: TorchStep(models[w].model) for w in kinds}
 
     load_before = os.getloadavg()
     rows = {w: {"caramba": [], "torch path": [], **{f"isa {v}": [] for v in levels if v}} for w in kinds}
     llama_runs = {f: [] for f in formats}
     commands = {}
     for w in kinds:   # warm-up: kernel builds, first-touch of the weights
-        caramba_decode(models[w].model, prompt, 4)
+        caramba_decode(steps[w], prompt, 4)
     for _ in range(args.repeats):
         for f in formats:
             for w in llamacpp.CARAMBA_WEIGHTS[f]:
                 for v in levels:
                     if v is None:
-                        rows[w]["caramba"].append(caramba_decode(models[w].model, prompt, args.tokens))
+                        rows[w]["caramba"].append(caramba_decode(steps[w], prompt, args.tokens))
                         continue
                     with isa.use_isa(v):
-                        rows[w][f"isa {v}"].append(caramba_decode(models[w].model, prompt, args.tokens))
+                        rows[w][f"isa {v}"].append(caramba_decode(steps[w], prompt, args.tokens))
                         rows[w].setdefault(f"cpu {v}", []).append(CPU_TOK_S[-1])
                 if levels[0] is not None:
                     rows[w]["caramba"] = rows[w][f"isa {levels[0]}"]
                 if args.torch_path:
-                    models[w].model.fast_decode = False
-                    rows[w]["torch path"].append(caramba_decode(models[w].model, prompt, args.tokens))
-                    models[w].model.fast_decode = True
+                    rows[w]["torch path"].append(caramba_decode(torch_steps[w], prompt, args.tokens))
             if tools is not None:
                 ts, commands[f] = llama_bench(tools, ggufs[f], args.tokens, args.threads)
                 llama_runs[f].append(ts)
@@ -165,13 +167,13 @@ def main() -> None:
             tp += "".join(f" {statistics.median(rows[w][f'isa {v}']):.1f} |" for v in levels[1:] if v)
             tp += "".join(f" {statistics.median(rows[w][f'cpu {v}']):.1f} |" for v in cpu_levels)
             print(f"| {f} | {w} | {c:.1f} | {f'{lc:.1f}' if lc else '-'} | {ratio} |{tp}")
-            choice = getattr(models[w].model, "decode_threads", None)   # the C step's adaptive thread count
+            choice = getattr(steps[w], "threads", None)   # the C step's adaptive thread count
             if choice is not None and choice.current not in (None, args.threads):
                 print(f"  note: caramba's {w} step settled on {choice.current} thread(s) (fast_decode.ThreadChoice: "
                       "two measured slower on this machine just then)")
             table.append({"format": f, "caramba_weights": w, "caramba_tok_s": c, "llamacpp_tok_s": lc,
                           "caramba_runs": rows[w]["caramba"], "llamacpp_runs": llama_runs[f],
-                          "torch_path_runs": rows[w]["torch path"],
+                          "torch_path_runs": rows[w]["torch path"], "decode_step": steps[w].path,
                           "isa_runs": {v: rows[w][f"isa {v}"] for v in levels if v},
                           "isa_cpu_tok_s": {v: rows[w].get(f"cpu {v}", []) for v in levels if v}})
     if args.json:

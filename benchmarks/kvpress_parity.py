@@ -236,6 +236,7 @@ def main() -> None:
     from caramba.runs import cpu_model
     from caramba.press import PressConfig, kept_masks, observing
     from caramba.infer.state import DecodeState
+    from caramba.model.backend import TorchStep
 
     torch.manual_seed(0)
     loaded = load_model("smollm2-135m", "float32", "cpu", progress=False)
@@ -265,7 +266,9 @@ def main() -> None:
             press = PressConfig(method=method, ratio=ratio, adaptive=adaptive)
             t0 = time.perf_counter()
             with torch.inference_mode():
-                state = DecodeState(model, model.new_cache(1, ids.shape[1], "fp32"), q_chunk=args.q_chunk)
+                # the torch path: its forwards call the press's observers (the fused C step's do not)
+                state = DecodeState(model, model.new_cache(1, ids.shape[1], "fp32"), q_chunk=args.q_chunk,
+                                    backend=TorchStep(model))
                 with observing(model, state.cache, press) as obs:
                     state.prefill(ids)
                 ours = [m[0] for m in kept_masks(state.cache, obs, press, state.valid_slots())]

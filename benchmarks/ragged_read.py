@@ -50,6 +50,7 @@ def main() -> None:
     from caramba.infer.pressing import prefill_pressed
     from caramba.infer.state import DecodeState
     from caramba.model import fast_decode
+    from caramba.model.backend import TorchStep
     from caramba.model.zoo import load_model
     from caramba.press import PressConfig
     from caramba.runs import capture_env
@@ -75,6 +76,7 @@ def main() -> None:
         states[press] = [state, logits.argmax(-1)]
         print(f"{press}: {type(state.cache).__name__}, kept {state.kept_share:.3f}", file=sys.stderr, flush=True)
     first_valid = fast_decode._first_valid
+    c_step, torch_path = fast_decode.CStep(model), TorchStep(model)   # the two backends a variant decodes with
 
     def no_holes(layer):
         first = first_valid(layer)
@@ -88,7 +90,7 @@ def main() -> None:
         for r in range(args.rounds):
             for key, how, name in variants[r % len(variants):] + variants[: r % len(variants)]:
                 state, token = states[key]
-                model.fast_decode = how != "torch"
+                state.backend = torch_path if how == "torch" else c_step
                 fast_decode._first_valid = no_holes if how == "holes" else first_valid
                 layout = state.cache.__dict__.get("_fast_decode_layout")
                 if layout is not None:
@@ -102,7 +104,6 @@ def main() -> None:
                 times[name].append(statistics.median(steps))
     finally:
         fast_decode._first_valid = first_valid
-        model.fast_decode = True
     env_after = capture_env(None, "cpu")
     print(f"CPU {env_before['cpu_model']}, {env_before['threads']['used']} thread(s), load average "
           f"{[round(x, 2) for x in env_before['load_average']]} -> {[round(x, 2) for x in env_after['load_average']]}, "

@@ -2,9 +2,9 @@
 
 Variants alternate in one process (repeat r: each variant once), medians reported as tok/s of
 generate() for --new-tokens tokens (a 17-token prompt's prefill included, the same in each):
-  no window            the fused C step (caramba.model.fast_decode)
+  no window            the fused C step (caramba.model.fast_decode.CStep)
   window               decode_local_window=512: a ring buffer, the C step until the ring wraps
-  window, torch path   the same with every ring refused by fast_decode.applies (before issue 32)
+  window, torch path   the same with every ring refused by CStep.applies (before issue 32)
   no window, torch     the ordinary torch path (model.fast_decode = False), for scale
 All four give the same tokens while prompt + new tokens stay inside the window (checked).
 
@@ -35,10 +35,10 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_model("smollm2-135m", progress=False)
     ids = torch.tensor([loaded.tokenizer.encode(PROMPT)])
-    real = fast_decode.applies
+    real = fast_decode.CStep.applies
 
-    def ring_refused(model, tokens, cache, *rest):   # fast_decode.applies as it was: every ring refused
-        return type(cache) is not RingKVCache and real(model, tokens, cache, *rest)
+    def ring_refused(step, tokens, cache, *rest):   # CStep.applies as it was: every ring refused
+        return type(cache) is not RingKVCache and real(step, tokens, cache, *rest)
 
     variants = {"no window": (None, real, True), "window": (512, real, True),
                 "window, torch path": (512, ring_refused, True), "no window, torch": (None, real, False)}
@@ -47,13 +47,13 @@ def main() -> None:
     n = args.new_tokens
     for _ in range(args.repeats):
         for name, (window, applies, fast) in variants.items():
-            fast_decode.applies, loaded.model.fast_decode = applies, fast
+            fast_decode.CStep.applies, loaded.model.fast_decode = applies, fast
             plan = {} if window is None else {"decode_plan": "fixed", "decode_local_window": window}
             config = GenerateConfig(max_new_tokens=n, min_new_tokens=n, temperature=0.0, max_seq_len=1024, **plan)
             began = time.perf_counter()
             outputs[name] = Generator(loaded.model, config, tokenizer=loaded.tokenizer).generate(ids)
             times[name].append(time.perf_counter() - began)
-    fast_decode.applies, loaded.model.fast_decode = real, True
+    fast_decode.CStep.applies, loaded.model.fast_decode = real, True
     print(f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}, "
           f"{ids.shape[1]}-token prompt, {n} new tokens, {args.repeats} repeats")
     base = statistics.median(times["no window"])

@@ -623,6 +623,9 @@ def capture_env(seed: int | None, device: str) -> dict[str, Any]:
     env["cuda_version"] = torch.version.cuda if torch else None
     env["gpu"] = torch.cuda.get_device_name(0) if cuda else None
     env["kernel_isa"] = __import__("caramba.model.isa", fromlist=["isa"]).kernel_isa() if torch else None
+    # whether the fused C decode step can run here ('c', else why not); the decoders choose it per
+    # session (caramba.model.backend), and bench cells and generate rows say which path their steps took
+    env["decode_step"] = __import__("caramba.model.fast_decode", fromlist=["status"]).status() if torch else None
     # the quantized prefill's GEMM level (amx, vnni, ...: caramba.model.quant_gemm)
     env["prefill_gemm"] = __import__("caramba.model.quant_gemm", fromlist=["level"]).level() if torch else None
     return env

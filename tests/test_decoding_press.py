@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from caramba.infer import GenerateConfig, Generator, SpeculativeConfig
 from caramba.infer.state import DecodeState
 from caramba.model import fast_decode
+from caramba.model.backend import TorchStep
 from caramba.options import OptionError
 from caramba.press import PressConfig
 from conftest import make_model
@@ -180,7 +181,6 @@ def test_query_methods_decode_their_watched_steps_on_torch_and_the_rest_on_the_c
             watched = 3 * WINDOW if method == "snapkv" else 0
             assert len(calls) == (NEW - 1 - watched if fast else 0), (method, fast)
         assert torch.equal(outs[method, True], outs[method, False])
-    assert model.fast_decode is False   # the observers gave the setting back
 
 
 def test_expected_attention_and_a_prefill_press_compose(model):
@@ -272,13 +272,15 @@ def test_eval_answers_with_decoding_time_compression_equal_the_generator(loaded)
 def test_a_caller_that_stops_mid_watch_gets_the_c_step_and_no_observers_back(model):
     config = GenerateConfig(max_new_tokens=NEW, temperature=0.0, max_seq_len=PROMPT + NEW, press="snapkv",
                             press_ratio=0.0, press_interval=INTERVAL, press_target=TARGET, press_window=WINDOW)
-    model.__dict__.pop("fast_decode")            # the class default is what must come back
+    if fast_decode.library() is None:
+        pytest.skip(f"decode step kernel {fast_decode.status()}")
+    model.__dict__.pop("fast_decode")            # the class default: the C step
     gen = Generator(model, config)
     it = gen.generate_iter(prompt(model))
-    for _ in range(INTERVAL - 1):   # the watched steps have started: observers on, the C step off
+    for _ in range(INTERVAL - 1):   # the watched steps have started: observers on, the torch path
         next(it)
-    assert gen.decoding._observing is not None and model.__dict__["fast_decode"] is False
+    assert gen.decoding._observing is not None and isinstance(gen.state.backend, TorchStep)
     assert all(layer.observer is not None for layer in gen.state.cache.layers)
     it.close()
-    assert "fast_decode" not in model.__dict__
+    assert isinstance(gen.state.backend, fast_decode.CStep)     # the session's own backend is back
     assert all(layer.observer is None for layer in gen.state.cache.layers)

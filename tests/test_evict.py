@@ -13,6 +13,7 @@ from caramba.cache.evict import PressedKVCache
 from caramba.infer.state import DecodeState
 import tolerance as tol
 from caramba.model import fast_decode
+from caramba.model.backend import choose
 from caramba.model.fast_decode import ThreadChoice
 from conftest import make_model
 
@@ -277,13 +278,13 @@ def ragged_run(layout: str, policy: str, threads: int, fast: bool, calls: list, 
     T = 5), the rows reordered to `rows` (as beams or an eval's candidates are), then 6 greedy
     steps, on the C step or the torch path -> (logits, tokens, cache, C calls, config)."""
     model = make_model(seed=3, n_layers=3, n_heads=4, n_kv_heads=2)
-    model.decode_threads = ThreadChoice(fixed=threads)
     model.fast_decode = False
     state, _ = prefilled(model, B=2, S=160, room=24, lengths=[160, 140])
     kept = random_kept(3, 2, 2, 160, RAGGED[layout], state.valid_slots(), seed=6)
     state.press(kept, model.new_cache(2, 1, POLICIES[policy]))
     assert isinstance(state.cache, PressedKVCache)
     model.fast_decode = fast
+    state.backend = choose(model, ThreadChoice(fixed=threads))    # the C step, or the torch path
     before = len(calls)
     question = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(9))
     out = state.prefill(question)

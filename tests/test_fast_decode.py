@@ -1,6 +1,7 @@
 """The one-call decode step (caramba.model.fast_decode, decode_step.c) against the torch path it
 stands in for: the same logits and the same cache, for every weight layout and format it reads,
-batches, padding and windows; and the torch path wherever it does not apply."""
+batches, padding and windows; and the torch path wherever it does not apply. Each test builds
+the backends explicitly (caramba.model.backend): TorchStep for the reference, CStep for the C step."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import tolerance as tol
 from caramba import kernels
 from caramba.model import fast_decode, quant
+from caramba.model.backend import CStep, TorchStep
 from caramba.model.quant import QuantLinear, gguf_blocks
 from conftest import make_model
 
@@ -46,19 +48,22 @@ def to_q4_1(model, act: str) -> None:
                 setattr(parent, name, QuantLinear("q4_1", p["qs"], p["d"], p["m"], getattr(child, "bias", None), act=act))
 
 
+def backend(model, fast: bool, threads: int | None = None):
+    """The C step (pinned to `threads`) or the torch path, chosen explicitly."""
+    return CStep(model, fast_decode.ThreadChoice(fixed=threads)) if fast else TorchStep(model)
+
+
 def run_both(model, ids, steps, kind="fp32", max_len=40, **forward_kw):
     """(torch path, C path): logits of a prefill and `steps` teacher-forced decode steps, and the caches."""
     out = []
     for fast in (False, True):
-        model.fast_decode = fast
+        step = backend(model, fast)
         with torch.inference_mode():
             cache = model.new_cache(ids.shape[0], max_len, kind)
-            model.fast_decode = False                          # the same prefill for both
-            logits = [model(ids, cache=cache, **forward_kw.get("prefill", {}))[:, -1:]]
-            model.fast_decode = fast
+            logits = [model(ids, cache=cache, **forward_kw.get("prefill", {}))[:, -1:]]   # the same prefill for both
             for t in steps:
                 tok = torch.full((ids.shape[0], 1), t)
-                logits.append(model(tok, cache=cache, **forward_kw.get("step", {})))
+                logits.append(step(tok, cache=cache, **forward_kw.get("step", {})))
         out.append((torch.cat(logits, 1), cache))
     return out
 
@@ -142,14 +147,12 @@ def test_a_steps_bits_do_not_depend_on_the_thread_count(name, weights, taken):
     ids = torch.randint(0, 97, (2, 150), generator=torch.Generator().manual_seed(9))   # three parts and more
     runs = []
     for threads in (1, 2, 3):
-        model.decode_threads = fast_decode.ThreadChoice(fixed=threads)
+        step = backend(model, True, threads)
         with torch.inference_mode():
             cache = model.new_cache(2, 160, policy)
-            model.fast_decode = False                          # the same prefill for all
-            model(ids, cache=cache)
-            model.fast_decode = True
-            steps = [model(torch.full((2, 1), t), cache=cache) for t in (7, 8, 9)]
-            steps.append(model(torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), cache=cache))   # a verify
+            model(ids, cache=cache)                            # the same prefill for all: the torch path
+            steps = [step(torch.full((2, 1), t), cache=cache) for t in (7, 8, 9)]
+            steps.append(step(torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), cache=cache))   # a verify
         runs.append(torch.cat(steps, 1))
     per_channel_keys = name is not None and "q4_1c" in name    # a verify into them takes the torch path
     assert len(taken) == (9 if per_channel_keys else 12)
@@ -175,14 +178,13 @@ def test_a_rows_step_bits_do_not_depend_on_the_batch_around_it(weights, taken):
         wide = torch.randn(model.config.dim, 1003, generator=torch.Generator().manual_seed(13)) * 0.1
         model.head.weight_t = torch.nn.Parameter(wide, requires_grad=False)
         model.config.vocab_size = 1003
-    model.fast_decode = True
-    model.decode_threads = fast_decode.ThreadChoice(fixed=2)
+    step = backend(model, True, threads=2)
     tokens = [5, 17, 3, 88, 41, 9]
     runs = {}
     for batch in (1, 2, 5, 8):
         with torch.inference_mode():
             cache = model.new_cache(batch, 16)
-            runs[batch] = torch.cat([model(torch.full((batch, 1), t), cache=cache) for t in tokens], 1)
+            runs[batch] = torch.cat([step(torch.full((batch, 1), t), cache=cache) for t in tokens], 1)
     assert len(taken) == 4 * len(tokens)
     alone = runs[2][0] if weights == "fp32" else runs[1][0]
     for batch in (2, 5, 8):
@@ -205,14 +207,13 @@ def test_padding_and_windows_come_as_a_mask(name, taken):
     positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]])
     out = []
     for fast in (False, True):
+        step = backend(model, fast)
         with torch.inference_mode():
             cache = model.new_cache(2, 40, policy)
-            model.fast_decode = False
             logits = [model(ids, positions, cache, slot_mask)[:, -1:]]
-            model.fast_decode = fast
             for i, t in enumerate([7, 8, 9]):
                 pos = positions[:, -1:] + 1 + i
-                logits.append(model(torch.full((2, 1), t), pos, cache, slot_mask, window=4))   # a window too
+                logits.append(step(torch.full((2, 1), t), pos, cache, slot_mask, window=4))   # a window too
         out.append((torch.cat(logits, 1), cache))
     assert len(taken) == 3
     if name:
@@ -252,10 +253,8 @@ def test_q8_0_caches_equal_the_torch_path(policy, qblock, taken):
         caches = []
         for kind in ("fp32", policy):
             cache = model.new_cache(2, 40, kind)
-            model.fast_decode = False
             model(ids, cache=cache)
-            model.fast_decode = True
-            model(torch.tensor([[11], [12]]), cache=cache)
+            backend(model, True)(torch.tensor([[11], [12]]), cache=cache)
             caches.append(cache)
     f32, q8 = caches[0].layers[0], caches[1].layers[0]
     for keys, (fs, qs) in ((True, (f32.k_stream, q8.k_stream)), (False, (f32.v_stream, q8.v_stream))):
@@ -350,15 +349,14 @@ def test_a_reordered_cache_is_read_where_its_rows_went(name, taken):
     ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(22))
     out = []
     for fast in (False, True):
+        step = backend(model, fast)
         with torch.inference_mode():
-            model.fast_decode = False
             cache = model.new_cache(2, 40, policy or "fp32")
             logits = [model(ids, cache=cache)[:, -1:]]
-            model.fast_decode = fast
             for t, rows in ((7, None), (8, [1, 0]), (9, [1, 1]), (10, None), (11, [0, 1])):
                 if rows is not None:
                     cache.reorder(torch.tensor(rows))
-                logits.append(model(torch.full((2, 1), t), cache=cache))
+                logits.append(step(torch.full((2, 1), t), cache=cache))
         out.append((torch.cat(logits, 1), cache))
     assert len(taken) == 5
     if policy is None:
@@ -374,13 +372,13 @@ CHUNK_POLICIES = [None, "q4_0", "q4_0l rotated", "q2_1 qblock=8 residual_len=2",
 def run_chunks(model, ids, chunks, policy, fast, slot_mask=None, positions=None, window=None):
     """Logits of a forward per chunk of new tokens [B, n] (the first into the empty cache; with
     last_only every other chunk, as a prefill asks), and the cache."""
-    model.fast_decode = fast
+    step = backend(model, fast)
     out = []
     with torch.inference_mode():
         cache = model.new_cache(ids.shape[0], 40, policy)
         for i, (a, b) in enumerate(chunks):
             pos = None if positions is None else positions[:, a:b]
-            logits = model(ids[:, a:b], pos, cache, slot_mask, last_only=i % 2 == 1, window=window)
+            logits = step(ids[:, a:b], pos, cache, slot_mask, last_only=i % 2 == 1, window=window)
             out.append(logits if i % 2 else logits[:, -1:])    # last_only: [B, 1, V]
             if i % 2 == 0:
                 out.append(logits[:, :-1])
@@ -450,11 +448,10 @@ def test_the_step_writes_the_codes_of_caramba_quantizers(name):
     with torch.inference_mode():
         for kind in ("fp32", policy):
             cache = model.new_cache(2, 40, kind)
-            model.fast_decode = False
             model(ids, cache=cache)
-            model.fast_decode = True
+            step = backend(model, True)
             for t in STEPS:
-                model(torch.tensor([[t], [t + 30]]), cache=cache)
+                step(torch.tensor([[t], [t + 30]]), cache=cache)
             caches.append(cache)
     f32, qc = caches[0].layers[0], caches[1].layers[0]
     n = qc.length
@@ -490,15 +487,14 @@ def test_a_rollback_into_a_quantized_group_refills_through_the_torch_path(taken)
     ids = torch.tensor([[5, 9, 1, 44, 3]])
     out = []
     for fast in (False, True):
+        step = backend(model, fast)
         with torch.inference_mode():
             cache = model.new_cache(1, 40, policy)
-            model.fast_decode = False
             model(ids, cache=cache)
-            model.fast_decode = fast
-            logits = [model(torch.tensor([[t]]), cache=cache) for t in range(7, 19)]   # slots 5..16
+            logits = [step(torch.tensor([[t]]), cache=cache) for t in range(7, 19)]   # slots 5..16
             cache.truncate(10)             # into group [8, 12), whose head the ring (8 slots) no longer holds
             assert cache.layers[0].k_stream.refills(10)
-            logits += [model(torch.tensor([[t]]), cache=cache) for t in range(30, 34)]
+            logits += [step(torch.tensor([[t]]), cache=cache) for t in range(30, 34)]
         out.append((torch.cat(logits, 1), cache))
     assert len(taken) == 12 + 3
     assert_same_cache_kind(*out, model.config, policy)
@@ -586,64 +582,111 @@ def test_the_nf4_tables_are_the_kinds_codebook_and_midpoints(lib=None):
     assert torch.equal(mids.view(torch.int32), spec.midpoints.view(torch.int32))
 
 
-@pytest.mark.parametrize("case", ["fp16 cache", "per-channel values", "ring cache", "long prefill", "grad",
-                                  "switched off", "bf16 model", "gelu model", "hooked"])
-def test_everything_else_takes_the_torch_path(case, taken):
+@pytest.mark.parametrize("case", ["fp16 cache", "per-channel values", "ring cache", "long prefill", "grad"])
+def test_forwards_the_step_cannot_take_go_to_the_torch_path(case, taken):
+    """A CStep hands every forward it cannot compute to the model's own forward, and says so."""
     from caramba.cache import CachePolicy
     from caramba.cache.ring import RingKVCache
 
-    model = make_model(seed=7, **({"mlp": "gelu", "norm": "layer", "positions": "learned"} if case == "gelu model" else {}))
-    if case == "bf16 model":
-        model = model.to(torch.bfloat16)
+    model = make_model(seed=7)
     kind = {"fp16 cache": "fp16",
             "per-channel values": CachePolicy.build("fp32", "v=q4_1c", qblock=4)}.get(case, "fp32")
     with torch.inference_mode(case != "grad"):
         if case == "grad":
             model.requires_grad_(True)
-        if case == "switched off":
-            model.fast_decode = False
-        if case == "hooked":                                   # contrastive search reads the norm's output
-            model.norm.register_forward_hook(lambda *_: None)
+        step = CStep(model)
         cache = model.new_cache(1, 16, kind)
         if case == "ring cache":                               # wrapping: its storage order is no longer slot order
             cache = RingKVCache.build(model, 1, window=2, max_write=3, spec="q4_0")
-            model.fast_decode = False
             model(torch.tensor([[5, 6, 7]]), cache=cache)      # 3 of its 5 slots: every forward below wraps
-            model.fast_decode = True
         cache = model.new_cache(1, 40, kind) if case == "long prefill" else cache
-        model(torch.arange(fast_decode.MAX_ROWS + 1)[None] if case == "long prefill" else torch.tensor([[1, 2, 3]]), cache=cache)
+        ref = model.new_cache(1, 40, kind) if case == "long prefill" else None
+        ids = torch.arange(fast_decode.MAX_ROWS + 1)[None] if case == "long prefill" else torch.tensor([[1, 2, 3]])
+        got = step(ids, cache=cache)
+        if ref is not None:
+            torch.testing.assert_close(got, model(ids, cache=ref), atol=0, rtol=0)   # the same forward
         if case != "long prefill":
-            model(torch.tensor([[4]]), cache=cache)
+            step(torch.tensor([[4]]), cache=cache)
     assert taken == []
+    assert step.path == "torch" if case != "long prefill" else step.path == "c"   # a long prefill is no step
+
+
+@pytest.mark.parametrize("case", ["switched off", "kernels off", "bf16 model", "gelu model"])
+def test_choose_gives_the_torch_path_where_the_step_cannot_run(case, monkeypatch):
+    from caramba.model import backend
+
+    model = make_model(seed=7, **({"mlp": "gelu", "norm": "layer", "positions": "learned"} if case == "gelu model" else {}))
+    if case == "bf16 model":
+        model = model.to(torch.bfloat16)
+    if case == "switched off":
+        model.fast_decode = False
+    if case == "kernels off":                                  # the library loads nothing, and says why
+        monkeypatch.setenv("CARAMBA_KERNELS", "0")
+        fast_decode.library.cache_clear()
+    try:
+        chosen = backend.choose(model)
+        assert isinstance(chosen, TorchStep) and chosen.path == "torch"
+        if case != "switched off":
+            with pytest.raises(fast_decode.Unsupported, match="CARAMBA_KERNELS=0" if case == "kernels off" else "fp32"):
+                CStep(model)
+    finally:
+        monkeypatch.undo()
+        fast_decode.library.cache_clear()                      # loaded again for the tests after
+    if case == "switched off":
+        del model.fast_decode
+        assert isinstance(backend.choose(model), CStep)
 
 
 class Subclassed(torch.nn.Linear):
     """A projection the step has no plan slot for (it matches exact types only)."""
 
 
-def test_a_projection_without_a_kernel_keeps_the_torch_path_until_it_is_swapped(taken):
+def test_a_projection_without_a_kernel_gets_the_torch_path_until_it_is_swapped(taken):
+    from caramba.model.backend import choose
+
     model = make_model(seed=8)
     plain = model.layers[1].mlp.w2
     other = Subclassed(plain.in_features, plain.out_features, bias=False).requires_grad_(False)
     other.weight.copy_(plain.weight)
     model.layers[1].mlp.w2 = other
-    ids = torch.tensor([[5, 9, 1]])
-    for _ in range(2):                                         # the verdict is remembered, not re-raised
-        run_both(model, ids, [7])
-    assert taken == []
+    with pytest.raises(fast_decode.Unsupported, match="projection"):
+        CStep(model)
+    assert isinstance(choose(model), TorchStep)
     model.layers[1].mlp.w2 = plain
-    run_both(model, ids, [7])
+    assert isinstance(choose(model), CStep)                    # a backend chosen after the swap
+    ref, got = run_both(model, torch.tensor([[5, 9, 1]]), [7])
     assert len(taken) == 1
+    assert_same(ref, got, model.config)
 
 
-def test_a_swapped_projection_rebuilds_the_plan(taken):
+def test_a_backend_built_after_a_swap_reads_the_new_weights(taken):
     model = make_model(seed=8)
     ids = torch.tensor([[5, 9, 1]])
     run_both(model, ids, [7])
-    quant.quantize_model(model, act="f32")                     # new modules: the old pointers must go
+    quant.quantize_model(model, act="f32")                     # new modules: a new backend reads them
     ref, got = run_both(model, ids, [7, 8])
     assert len(taken) == 3
     assert_same(ref, got, model.config)
+
+
+def test_a_generator_chooses_its_backend_when_a_session_starts(taken):
+    """A Generator's session reads the model as it is then: after quantize_model and reset() it
+    decodes the quantized weights (as the torch path does), through the C step."""
+    from caramba.infer import GenerateConfig, Generator
+
+    config = GenerateConfig(max_new_tokens=6, temperature=0.0, eos_token_id=None, max_seq_len=32)
+    model = make_model(seed=8)
+    gen = Generator(model, config)
+    gen.generate([5, 9, 1])
+    assert isinstance(gen.backend, CStep) and gen.backend.path == "c" and len(taken) == 6   # the short prompt too
+    quant.quantize_model(model, act="f32")                     # exact activations: the paths agree to fp32 rounding
+    gen.reset()
+    got = gen.generate([5, 9, 1])
+    assert gen.backend.path == "c" and len(taken) == 12
+    model.fast_decode = False                                  # the torch path, on the same weights
+    ref = Generator(model, config).generate([5, 9, 1])
+    assert len(taken) == 12
+    assert torch.equal(got, ref)
 
 
 def test_portable_build_equals_the_native_one(monkeypatch, tmp_path, taken):
@@ -734,13 +777,12 @@ def test_a_sliding_window_ring_takes_the_step_until_it_wraps(kind, taken):
     window, max_write = 5, 5                                   # capacity 10: the 6th step writes slot 10
     out = []
     for fast in (False, True):
-        model.fast_decode = False                              # the same prefill for both
+        step = backend(model, fast)
         with torch.inference_mode():
             cache = RingKVCache.build(model, 1, window=window, max_write=max_write, spec=kind)
-            logits = [model(ids, cache=cache)[:, -1:]]
-            model.fast_decode = fast
+            logits = [model(ids, cache=cache)[:, -1:]]            # the same prefill for both
             for t in steps:
-                logits.append(model(torch.tensor([[t]]), cache=cache))
+                logits.append(step(torch.tensor([[t]]), cache=cache))
         out.append(torch.cat(logits, 1))
     assert len(taken) == window + max_write - ids.shape[1]   # slots 5..9 by the step, 10.. by torch
     bound = tol.forward(out[0], model.config)

@@ -78,8 +78,7 @@ def test_applies_only_to_small_fp32_cpu_inference():
 
 
 def test_decode_steps_equal_the_unfused_model(monkeypatch):
-    model = make_model(seed=2)
-    model.fast_decode = False          # the torch path's steps, where these ops are used
+    model = make_model(seed=2)         # its own forward: the torch path's steps, where these ops are used
     ids = torch.tensor([[5, 9, 1, 44, 3]])
 
     def steps():

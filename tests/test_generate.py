@@ -36,15 +36,18 @@ def greedy(**kw) -> GenerateConfig:
 
 
 def count_forwards(monkeypatch, model) -> list[tuple[int, ...]]:
-    """Record the token shape of every model forward."""
+    """Record the token shape of every forward a decoder runs, through whichever backend it chose
+    (caramba.model.backend: the C step's or the model's own)."""
+    from caramba.model.backend import CStep, TorchStep
+
     calls: list[tuple[int, ...]] = []
-    real = model.forward
+    for cls in (CStep, TorchStep):
+        def forward(self, tokens, *args, _real=cls.__call__, **kwargs):
+            if self.model is model:
+                calls.append(tuple(tokens.shape))
+            return _real(self, tokens, *args, **kwargs)
 
-    def forward(tokens, *args, **kwargs):
-        calls.append(tuple(tokens.shape))
-        return real(tokens, *args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", forward)
+        monkeypatch.setattr(cls, "__call__", forward)
     return calls
 
 

@@ -85,7 +85,11 @@ def test_the_one_call_decode_step_gives_the_torch_paths_greedy_output(smollm2):
     model, tok = smollm2.model, smollm2.tokenizer
     cfg = GenerateConfig(max_new_tokens=24, temperature=0.0)
     ids = [tok.encode(p) for p in PROMPTS[1:3]]
-    fast = [Generator(model, cfg).run([i]).sequences[0] for i in ids]
+    fast = []
+    for i in ids:
+        gen = Generator(model, cfg)
+        fast.append(gen.run([i]).sequences[0])
+        assert gen.backend.path == "c"
     model.fast_decode = False
     try:
         assert [Generator(model, cfg).run([i]).sequences[0] for i in ids] == fast

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from caramba.model import fast_decode, isa, quant
+from caramba.model.backend import CStep
 from caramba.model.quant import QuantLinear, gguf_blocks
 from conftest import make_model
 
@@ -233,10 +234,10 @@ def test_decode_steps_are_bit_identical_at_every_vector_level(level, weights):
     for name in (level, "avx2"):
         with isa.use_isa(name), torch.inference_mode():
             cache = model.new_cache(3, 20)
-            model.fast_decode = False
-            model(ids, cache=cache)
-            model.fast_decode = True
-            steps = [model(torch.full((3, 1), t), cache=cache) for t in (5, 6)]
+            model(ids, cache=cache)                        # the torch path's prefill
+            step = CStep(model)
+            steps = [step(torch.full((3, 1), t), cache=cache) for t in (5, 6)]
+            assert step.path == "c"
         runs.append(torch.cat([s.reshape(-1) for s in steps]))
     assert torch.equal(runs[0], runs[1])
 

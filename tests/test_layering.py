@@ -158,3 +158,17 @@ def test_engine_imports_nothing_above_it(layer):
 def test_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_decoder_does_not_reach_its_c_backend():
+    """The fused C step is a backend the decoders choose (caramba.model.backend): the model's own
+    forward never hands off to it, so the decoder module imports neither it nor the chooser."""
+    graph = import_graph()
+    reach, todo = set(), ["caramba.model.transformer"]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in reach:
+                reach.add(dep)
+                todo.append(dep)
+    assert not reach & {"caramba.model.fast_decode", "caramba.model.backend"}
+    assert "caramba.model.fast_decode" in graph["caramba.model.backend"]   # the chooser does reach it

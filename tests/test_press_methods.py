@@ -273,20 +273,42 @@ def test_left_padded_rows_keep_what_each_row_keeps_alone(model, method, n_sink):
 @pytest.mark.parametrize("method", ["snapkv", "observed_attention", "expected_attention"])
 def test_chunk_size_does_not_change_the_kept_tokens(model, ids, method):
     """q_chunk 1 runs every token as a one-token step, which the C decode step would take and
-    no observer would see: observing switches it off."""
+    no observer would see: press_masks feeds the context through the torch path."""
     press = press_of(method, 0.5)
     whole = press_masks(model, ids, press, q_chunk=None)
     for q_chunk in (1, 7):
         assert all(torch.equal(a, b) for a, b in zip(whole, press_masks(model, ids, press, q_chunk=q_chunk)))
 
 
-def test_observing_restores_the_model_and_the_cache(model):
+def test_observing_restores_the_cache_and_leaves_the_model_alone(model):
     cache = model.new_cache(1, 32)
-    assert model.fast_decode is True
     with observing(model, cache, press_of("snapkv")):
-        assert model.fast_decode is False and all(layer.observer is not None for layer in cache.layers)
-    assert model.fast_decode is True and "fast_decode" not in model.__dict__
+        assert all(layer.observer is not None for layer in cache.layers)
     assert all(layer.observer is None for layer in cache.layers)
+    assert "fast_decode" not in model.__dict__
+
+
+def test_a_prefill_through_the_c_step_is_not_observed_and_is_refused(model, ids):
+    """The fused C step calls no observer: a decoder observing its prefill chooses the torch path
+    (DecodeState.using(TorchStep)); one that does not is told, not given a silently wrong press."""
+    from caramba.infer.state import DecodeState
+    from caramba.model import backend, fast_decode
+
+    if fast_decode.library() is None:
+        pytest.skip(f"decode step kernel {fast_decode.status()}")
+    press = press_of("snapkv", 0.5)
+    state = DecodeState(model, model.new_cache(1, S), q_chunk=8, backend=backend.CStep(model))
+    with observing(model, state.cache, press) as obs:
+        state.prefill(ids)                          # 8-token chunks: every one a C step
+    assert state.backend.path == "c"
+    with pytest.raises(ValueError, match="inside `observing`"):
+        kept_masks(state.cache, obs, press, state.valid_slots())
+    state = DecodeState(model, model.new_cache(1, S), q_chunk=8, backend=backend.CStep(model))
+    with observing(model, state.cache, press) as obs, state.using(backend.TorchStep(model)):
+        state.prefill(ids)
+    assert state.backend.path == "c" and isinstance(state.backend, backend.CStep)   # its own again after
+    want = press_masks(model, ids, press, q_chunk=8)
+    assert all(torch.equal(a, b) for a, b in zip(kept_masks(state.cache, obs, press, state.valid_slots()), want))
 
 
 # ---- bad input ------------------------------------------------------------------------------

@@ -126,10 +126,11 @@ def test_capture_env_keys_and_json(tmp_path, monkeypatch):
     expected = {
         "timestamp_utc", "caramba_version", "python", "platform", "machine", "cpu_model", "logical_cores",
         "load_average", "seed", "device", "git", "torch_version", "torch_threads", "cuda_version", "gpu",
-        "kernel_isa",
+        "kernel_isa", "decode_step",
     }  # fmt: skip
     assert expected <= env.keys()
     assert env["kernel_isa"] in ("scalar", "avx2", "avxvnni", "avx512", "avx512vnni") or env["kernel_isa"].startswith("eager")
+    assert env["decode_step"] == "c" or env["decode_step"].startswith(("off", "unavailable"))
     assert env["caramba_version"] == caramba.__version__
     assert env["seed"] == 3
     assert env["git"] is None

@@ -70,8 +70,8 @@ def test_chunked_feed_equals_one_forward(model, prompts, monkeypatch):
     chunked = state(model, 3)
     assert chunked.resolve(GenerateConfig(decode_plan="fixed", decode_q_chunk=4).decode, 9).q_chunk == 4
     widths = []
-    real_forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or real_forward(tokens, *a, **kw))
+    real_forward = chunked.backend                                # the forwards go through the state's backend
+    monkeypatch.setattr(chunked, "backend", lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or real_forward(tokens, *a, **kw))
     parts = chunked.feed(ids, mask)
     assert widths == [4, 4, 1]
     real = mask[:, :, None].expand_as(whole)                      # padding's logits are unused

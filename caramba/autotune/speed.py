@@ -22,6 +22,7 @@ from caramba.cache.evict import evict
 from caramba.infer.decoding_press import DecodingPress
 from caramba.infer.pressing import observing_all
 from caramba.infer.state import DecodeState
+from caramba.model.backend import Backend, choose
 from caramba.press import PressConfig, kept_masks, n_kept
 
 
@@ -43,8 +44,10 @@ def measure_speed(model, policies: Sequence[CachePolicy], baseline: CachePolicy,
     source = model.new_cache(batch_size, max_seq_len, baseline)
     watched = list(dict.fromkeys(p for p in presses if p is not None))
     with observing_all(model, source, watched) as seen:   # the presses score what this prefill shows them
+        # through the model's own forward (the torch path), whose attention calls the observers
         first = model(tokens, cache=source, last_only=True)[:, -1].argmax(-1)                # [B]
     kept = {p: _kept(source, seen[watched.index(p)], p) for p in watched}
+    forward = choose(model)     # the backend a Generator would decode with (caramba.model.backend)
     samples: list[list[float]] = [[] for _ in policies]
     errors: list[str | None] = [None for _ in policies]
     rounds = warmup + repeats
@@ -55,9 +58,9 @@ def measure_speed(model, policies: Sequence[CachePolicy], baseline: CachePolicy,
             try:
                 press = presses[i]
                 if press is None:
-                    rate = _decode_rate(model, _filled(model, policy, source, batch_size, max_seq_len), first, steps)
+                    rate = _decode_rate(forward, _filled(model, policy, source, batch_size, max_seq_len), first, steps)
                 else:
-                    rate = _pressed_rate(model, policy, source, kept[press], press, first, steps)
+                    rate = _pressed_rate(forward, policy, source, kept[press], press, first, steps)
             except Exception as e:   # fails this candidate only
                 errors[i] = f"speed error: {type(e).__name__}: {e}"
                 continue
@@ -79,12 +82,12 @@ def _kept(source: KVCache, seen, press: PressConfig) -> list[torch.Tensor]:
     return kept_masks(source, seen, press, target=target)
 
 
-def _pressed_rate(model, policy: CachePolicy, source: KVCache, kept, press: PressConfig, first: torch.Tensor,
-                  steps: int) -> float:
+def _pressed_rate(forward: Backend, policy: CachePolicy, source: KVCache, kept, press: PressConfig,
+                  first: torch.Tensor, steps: int) -> float:
     """Tokens per second over `steps` greedy decode steps on the survivors, stored in `policy`'s
     kinds (caramba.cache.evict); decoding-time compression runs if its interval falls inside."""
-    B = source.batch_size
-    state = DecodeState(model, model.new_cache(B, 1, policy))
+    B, model = source.batch_size, forward.model
+    state = DecodeState(model, model.new_cache(B, 1, policy), backend=forward)
     state.cache, state.slot_mask = evict(source, kept, state.cache, source.max_seq_len - source.length)
     state.next_pos = torch.full((B,), source.length, dtype=torch.long, device=first.device)
     decoding = DecodingPress(state, press) if press.decoding else None
@@ -114,12 +117,13 @@ def _filled(model, policy: CachePolicy, source: KVCache, batch_size: int, max_se
     return cache
 
 
-def _decode_rate(model, cache: KVCache, first: torch.Tensor, steps: int) -> float:
+def _decode_rate(forward: Backend, cache: KVCache, first: torch.Tensor, steps: int) -> float:
     """Tokens per second over `steps` greedy decode steps from the cache's current length."""
     token = first
-    sync_device(model.device)
+    device = forward.model.device
+    sync_device(device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        token = model(token[:, None], cache=cache, last_only=True)[:, -1].argmax(-1)
-    sync_device(model.device)
+        token = forward(token[:, None], cache=cache, last_only=True)[:, -1].argmax(-1)
+    sync_device(device)
     return steps * token.shape[0] / (time.perf_counter() - t0)

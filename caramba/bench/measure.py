@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from caramba.infer import CacheConfig, GenerateConfig, Generator
+from caramba.model.backend import ThreadChoice
 from caramba.press import PressConfig
 from caramba.infer.plan import parse_plan, quiet_window
 
@@ -56,6 +57,7 @@ class CellResult:
     cuda_max_allocated_mb: float | None = None
     cache_bytes: int | None = None
     plan: dict | None = None                    # the resolved decode plan (caramba only)
+    decode_step: str | None = None              # the path caramba's steps took: "c", "torch" or both (caramba.model.backend)
 
     def summary(self) -> dict:
         c, lat = self.cell, sorted(self.token_latency_s)
@@ -77,6 +79,7 @@ class CellResult:
             # What the plan resolved to; exact=False: a window changed outputs.
             **({f"plan_{k}": self.plan[k] for k in ("q_chunk", "window", "ring")} | {"exact": self.plan["exact"]}
                if self.plan else {}),
+            **({"decode_step": self.decode_step} if self.decode_step else {}),
             "repeats": len(self.ttft_s),
             "decode_samples": len(lat),
         }
@@ -175,14 +178,16 @@ def measure_caramba(model, cell: Cell, prompts: list[list[int]], warmup: int, re
                             decode_plan=plan.plan, decode_q_chunk=plan.q_chunk, decode_local_window=plan.local_window,
                             cache=CacheConfig(kind=cell.cache_kind, press=press))
 
+    decode_threads = ThreadChoice()   # the C step's thread choice carries from the warm-up to the repeats
+
     def one() -> tuple[float, list[float], Generator]:
         with quiet_window():   # the runner warns once; cells carry exact=False
-            gen = Generator(model, config)
+            gen = Generator(model, config, decode_threads=decode_threads)
         ttft, lat = timed_tokens(gen.generate_iter(prompts), model.device)
         return ttft, lat, gen
 
     def inspect(gen: Generator, result: CellResult) -> None:
-        result.cache_bytes, result.plan = gen.cache.nbytes, gen.plan.to_dict()
+        result.cache_bytes, result.plan, result.decode_step = gen.cache.nbytes, gen.plan.to_dict(), gen.backend.path
 
     return _measure("caramba", cell, one, warmup, repeats, model.device, inspect)
 

@@ -13,6 +13,7 @@ import torch
 
 from caramba.infer.config import GenerateConfig
 from caramba.infer.generate import Generator
+from caramba.model.backend import ThreadChoice
 
 # Share of free memory "auto" plans to use: the rest is headroom for the allocator, the
 # tokenizer, other processes and what the estimate leaves out.
@@ -116,10 +117,11 @@ def generate_batched(model, prompts: list[list[int]] | list[str], batch_size: in
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     sequences: list[list[int]] = [[] for _ in prompts]
     reasons = ["length"] * len(prompts)
+    decode_threads = ThreadChoice()   # the C step's thread choice, carried from batch to batch
     for b, rows in enumerate(batches):
         # Each batch is its own session; with a seed, batch b draws from seed + b so batches differ.
         batch_cfg = cfg if cfg.seed is None else cfg.replace(seed=cfg.seed + b)
-        out = Generator(model, batch_cfg, tokenizer=tokenizer).run([prompts[i] for i in rows])
+        out = Generator(model, batch_cfg, tokenizer=tokenizer, decode_threads=decode_threads).run([prompts[i] for i in rows])
         for j, i in enumerate(rows):
             sequences[i], reasons[i] = out.sequences[j], out.finish_reasons[j]
     return BatchedResult(sequences, reasons, batch_size, batches, time.perf_counter() - t0, sizing)

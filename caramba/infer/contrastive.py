@@ -26,6 +26,7 @@ from caramba.infer.generate import GenerateConfig, GenerationResult
 from caramba.infer.sampling import History, process_logits
 from caramba.infer.state import DecodeState
 from caramba.infer.stops import StopChecker, pad_id_for
+from caramba.model.backend import TorchStep
 
 
 def _with_hidden(model, forward) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +62,9 @@ def contrastive_search(model, input_ids, config: GenerateConfig | None = None, *
     # Every step feeds its candidates, the last one too (its hidden states score it): T + N slots.
     if T + N > cfg.max_seq_len:
         raise ValueError(f"prompt ({T} tokens) + max_new_tokens={N} exceed max_seq_len={cfg.max_seq_len}")
-    state = DecodeState.for_config(model, B, cfg, slots=T + N)
+    # The torch path, chosen: the final norm's output (the hidden states it scores) comes through a
+    # forward hook, and the fused C step runs no module's forward.
+    state = DecodeState.for_config(model, B, cfg, slots=T + N, backend=TorchStep(model))
     logits, hidden = _with_hidden(model, lambda: state.feed(ids, mask))   # every position's hidden state
     logits = logits[:, -1]                                                  # [B, V]
     context = hidden.float()                                                # [B, S, D] every fed position

@@ -17,7 +17,7 @@ kvpress's DecodingPress (kvpress/presses/decoding_press.py), in caramba's terms:
   n_sink, which are not sinks).
 
 Cost: the C decode step calls no observer, so a query-scoring method decodes its watched steps on
-the torch path (observe.observing switches the C step off); the other steps, and every step of
+the torch path (the state feeds them through TorchStep meanwhile); the other steps, and every step of
 the key/value methods, keep the C step. Each compression scores every row and rebuilds the cache
 (caramba.cache.evict) with uniform budgets, which the C step reads as it is. Survivors keep their
 RoPE positions; new tokens continue at each row's next position (DecodeState.next_pos), and
@@ -31,6 +31,7 @@ import contextlib
 import torch
 
 from caramba.infer.state import DecodeState
+from caramba.model.backend import TorchStep
 from caramba.press import PressConfig, kept_masks, observing
 from caramba.press.observe import window_of
 
@@ -64,6 +65,8 @@ class DecodingPress:
             self._observing = contextlib.ExitStack()
             self._seen = self._observing.enter_context(
                 observing(self.state.model, self.state.cache, self.press, decoding=True))
+            # the observers see only the model's own forward, never the fused C step
+            self._observing.enter_context(self.state.using(TorchStep(self.state.model)))
             self.watched = torch.ones(self.state.batch_size, dtype=torch.bool, device=self.state.next_pos.device)
 
     def after_step(self, active: torch.Tensor | None = None) -> bool:

@@ -23,6 +23,7 @@ from torch import nn
 
 from caramba.infer.padding import left_pad
 from caramba.infer.state import DecodeState
+from caramba.model.backend import ThreadChoice, choose
 from caramba.model.layers import InputMajorLinear
 from caramba.model.transformer import Transformer
 
@@ -41,9 +42,11 @@ class ModelDraft:
         self.rows: DecodeState | None = None
         self.fed: list[list[int]] = []  # per row: the tokens in the draft cache, in order
         self.forwards = 0
+        self.decode_threads = ThreadChoice()   # its C step's thread choice, kept across runs
 
     def start(self, batch_size: int, max_seq_len: int, cache_spec) -> None:
-        self.rows = DecodeState(self.model, self.model.new_cache(batch_size, max_seq_len, cache_spec))
+        self.rows = DecodeState(self.model, self.model.new_cache(batch_size, max_seq_len, cache_spec),
+                                backend=choose(self.model, self.decode_threads))
         self.fed = [[] for _ in range(batch_size)]
         self.forwards = 0
 

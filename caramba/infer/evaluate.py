@@ -32,6 +32,7 @@ from caramba.cache import CachePolicy
 from caramba.infer.decoding_press import DecodingPress
 from caramba.infer.pressing import prefill_pressed
 from caramba.infer.state import DecodeState
+from caramba.model.backend import Backend, choose
 from caramba.press import PressConfig
 
 CORPUS = "corpus.txt"
@@ -124,7 +125,8 @@ def evaluate_cache(
     device = model.device
     tokens = torch.tensor([list(ids)], device=device)
     n = tokens.shape[1]
-    runs = [_Run(model, model.new_cache(1, n, p), press) for p, press in zip(policies, [None, *presses])]
+    forward = choose(model)     # decode steps through the fused C step where it applies, as a Generator's
+    runs = [_Run(forward, model.new_cache(1, n, p), press) for p, press in zip(policies, [None, *presses])]
     scores = [_Score() for _ in policies]
     try:
         logits = [r.prefill(tokens[:, :prompt_len]) for r in runs]
@@ -147,9 +149,9 @@ class _Run:
     """One cache fed the text: plain (the model over the cache), or pressed (a decoding state
     whose context is pressed after its prefill, with decoding-time compression if the press has it)."""
 
-    def __init__(self, model, cache, press: PressConfig | None) -> None:
-        self.model, self.press = model, press if press is not None and press.enabled else None
-        self.state = DecodeState(model, cache) if self.press is not None else None
+    def __init__(self, forward: Backend, cache, press: PressConfig | None) -> None:
+        self.forward, self.press = forward, press if press is not None and press.enabled else None
+        self.state = DecodeState(forward.model, cache, backend=forward) if self.press is not None else None
         self.decoding = DecodingPress(self.state, self.press) if self.press is not None and self.press.decoding else None
         self._cache = cache
 
@@ -159,14 +161,14 @@ class _Run:
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.state is None:
-            return self.model(tokens, cache=self._cache, last_only=True)[:, -1]
+            return self.forward(tokens, cache=self._cache, last_only=True)[:, -1]
         if self.press.active:
             return prefill_pressed(self.state, tokens, None, self.press)
         return self.state.prefill(tokens)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         if self.state is None:
-            return self.model(token, cache=self._cache)[:, -1]
+            return self.forward(token, cache=self._cache)[:, -1]
         if self.decoding is not None:
             self.decoding.before_step()
         logits = self.state.step(token[:, 0])

@@ -28,6 +28,7 @@ from caramba.infer.sampling import History, process_logits, select_tokens
 from caramba.infer.pressing import prefill_pressed
 from caramba.infer.state import DecodeState
 from caramba.infer.stops import StopChecker, pad_id_for
+from caramba.model.backend import Backend, ThreadChoice, choose
 
 
 @dataclass
@@ -52,12 +53,18 @@ class GenerationResult:
 class Generator:
     """A stateful generation session over `model` (see the module doc). `cache_resolver` picks the
     cache for `cache_kind="auto"` on first use; None: the default registered in caramba.resolvers
-    (caramba.autotune's: the stored plan first, else a fresh selection)."""
+    (caramba.autotune's: the stored plan first, else a fresh selection).
+
+    Each session (the first generate() after construction or reset()) chooses its decoding backend
+    from the model as it is then (caramba.model.backend.choose: the fused C step where it applies,
+    `model.fast_decode = False` for the torch path); `decode_threads` is the C step's thread choice,
+    kept across sessions (pass one to share it between Generators: a benchmark's repeats)."""
 
     def __init__(self, model, config: GenerateConfig | None = None, device: torch.device | str | None = None, tokenizer=None,
-                 cache_resolver: resolvers.CacheResolver | None = None) -> None:
+                 cache_resolver: resolvers.CacheResolver | None = None, decode_threads: ThreadChoice | None = None) -> None:
         self.config = config or GenerateConfig()
         self.cache_resolver = cache_resolver
+        self.decode_threads = ThreadChoice() if decode_threads is None else decode_threads
         self.tokenizer = tokenizer
         self.model = model if device is None else model.to(device)
         self.device = self.model.device
@@ -86,6 +93,11 @@ class Generator:
     @property
     def cache(self) -> KVCache | None:
         return None if self.state is None else self.state.cache
+
+    @property
+    def backend(self) -> Backend | None:
+        """The session's decoding backend (its `path` says which path the steps took)."""
+        return None if self.state is None else self.state.backend
 
     @property
     def has_holes(self) -> bool:
@@ -221,7 +233,7 @@ class Generator:
                 press = (self.cache_auto or {}).get("press")   # the plan's press (cache_auto_presses), if any
                 self.config = self.config.replace(cache=self.config.cache.with_policy(policy, press))
             cfg, V = self.config, self.model.config.vocab_size
-            self.state = DecodeState.for_config(self.model, B, cfg)
+            self.state = DecodeState.for_config(self.model, B, cfg, backend=choose(self.model, self.decode_threads))
             if cfg.repetition_penalty != 1.0:
                 self.seen = torch.zeros(B, V, dtype=torch.bool, device=self.device)
             if cfg.min_new_tokens or cfg.no_repeat_ngram_size or cfg.frequency_penalty or cfg.presence_penalty:

@@ -18,6 +18,7 @@ import torch
 
 from caramba.cache import KVCache
 from caramba.infer.state import DecodeState
+from caramba.model.backend import TorchStep
 from caramba.press import PressConfig, kept_masks, observing
 
 
@@ -33,7 +34,8 @@ def prefill_pressed(state: DecodeState, tokens: torch.Tensor, mask: torch.Tensor
                     template: KVCache | None = None) -> torch.Tensor:
     """Prefill tokens [B, T] (mask: which are real) and press the cache -> next-token logits [B, V]."""
     check_pressable(state.model, press)
-    with observing(state.model, state.cache, press) as seen:
+    # the torch path: its forwards call the observers (the fused C step's do not)
+    with observing(state.model, state.cache, press) as seen, state.using(TorchStep(state.model)):
         logits = state.prefill(tokens, mask)
     state.press(kept_masks(state.cache, seen, press, state.valid_slots()), template)
     return logits

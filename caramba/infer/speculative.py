@@ -45,6 +45,7 @@ from caramba.infer.sampling import process_logits, select_tokens
 from caramba.infer.pressing import prefill_pressed
 from caramba.infer.state import DecodeState
 from caramba.infer.stops import StopChecker, pad_id_for
+from caramba.model.backend import ThreadChoice, choose
 
 SPEC_ACCEPT_WINDOW = 4    # drafting rounds per row that spec_disable_below_accept averages over
 SPEC_PROBE_INTERVAL = 16  # plain target steps before a disabled row drafts again
@@ -105,6 +106,7 @@ class SpeculativeGenerator:
         self.plan = None                     # the decode plan (ResolvedPlan) of the last call
         self.rng: torch.Generator | None = None
         self.threads: threads.Choice | None = None    # CPU threads of the last run (caramba.threads)
+        self.decode_threads = ThreadChoice()         # the target's C step thread choice, kept across runs
 
     def _make_draft(self, draft_model):
         cfg = self.config
@@ -168,7 +170,8 @@ class SpeculativeGenerator:
         if cfg.seed is not None:
             self.rng = torch.Generator(device=device).manual_seed(cfg.seed)
         sampling = cfg.sampling
-        target = self.rows = DecodeState.for_config(self.target, B, cfg)   # kept for inspection
+        # kept for inspection; its backend read from the target as it is now (caramba.model.backend)
+        target = self.rows = DecodeState.for_config(self.target, B, cfg, backend=choose(self.target, self.decode_threads))
         self.plan = target.resolve(cfg.decode, width)   # the prefill and long verifications run in chunks
         self.draft.start(B, cfg.max_seq_len, cfg.cache_spec())
         stats = self.stats = SpeculativeStats(k_history=[[] for _ in range(B)], row_forwards=[0] * B, row_tokens=[0] * B,

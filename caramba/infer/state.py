@@ -14,9 +14,16 @@ drafts) feeds tokens through a `DecodeState`:
 
 `slot_mask` stays None while every slot below `cache.length` is a real token: a dense batch
 writes and gathers no mask and the model takes its unmasked fast path.
+
+The forwards run through the state's `backend` (caramba.model.backend): by default the fused C
+step where it applies (backend.choose, from the model as it is when the state is built), or what
+the caller passes (TorchStep where module forwards must run: the contrastive search's hook, a
+press's observed prefill, which `using` scopes).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -25,11 +32,13 @@ from caramba.cache.evict import evict
 from caramba.cache.layer import CacheOverflowError
 from caramba.cache.ring import RingKVCache
 from caramba.infer.plan import DecodePlan, ResolvedPlan, has_residual_window, run_chunks
+from caramba.model.backend import Backend, choose
 
 
 class DecodeState:
-    def __init__(self, model, cache: KVCache, q_chunk: int | None = None) -> None:
+    def __init__(self, model, cache: KVCache, q_chunk: int | None = None, backend: Backend | None = None) -> None:
         self.model, self.cache = model, cache
+        self.backend = choose(model) if backend is None else backend   # runs every feed's forwards
         self.q_chunk = q_chunk          # longer feeds (prefill, verification) run in chunks
         self.ring = isinstance(cache, RingKVCache)
         B, device = cache.batch_size, model.device
@@ -41,20 +50,22 @@ class DecodeState:
         self.evicted = torch.zeros(B, dtype=torch.long, device=device)   # [B] tokens a press dropped
 
     @classmethod
-    def for_config(cls, model, batch_size: int, config, slots: int | None = None) -> DecodeState:
+    def for_config(cls, model, batch_size: int, config, slots: int | None = None,
+                   backend: Backend | None = None) -> DecodeState:
         """The cache a GenerateConfig describes: with decode_local_window, a ring buffer where
         the cache supports one (generation is then not bounded by max_seq_len), else a plain
         cache of `slots` (default max_seq_len) slots that masks to the window."""
         window = config.decode_local_window
         if window is not None:
             try:
-                return cls(model, RingKVCache.build(model, batch_size, window, config.decode.max_write(), config.cache_spec()))
+                ring = RingKVCache.build(model, batch_size, window, config.decode.max_write(), config.cache_spec())
+                return cls(model, ring, backend=backend)
             except ValueError:
                 pass  # e.g. a residual window: the plain cache below, the plan records ring=False
         cache = model.new_cache(batch_size, config.max_seq_len if slots is None else slots, config.cache_spec())
         config.cache.check_budget(cache.nbytes)   # a named kind with cache_budget_mb must fit it
         cache.window = window
-        return cls(model, cache)
+        return cls(model, cache, backend=backend)
 
     @property
     def batch_size(self) -> int:
@@ -114,7 +125,7 @@ class DecodeState:
         def run(a: int, b: int, last: bool) -> torch.Tensor:
             if self.slot_mask is not None:   # marked chunk by chunk: a ring's mask is too narrow for a long input
                 self._mark(self.cache.length, b - a, True if mask is None else mask[:, a:b])
-            return self.model(tokens[:, a:b], positions[:, a:b], self.cache, self.slot_mask, last_only=last)
+            return self.backend(tokens[:, a:b], positions[:, a:b], self.cache, self.slot_mask, last_only=last)
 
         return run_chunks(run, T, self.q_chunk, last_only)
 
@@ -125,6 +136,16 @@ class DecodeState:
     def step(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Feed one token per row (tokens [B], mask [B] or None) -> next-token logits [B, V]."""
         return self.feed(tokens[:, None], None if mask is None else mask[:, None], last_only=True)[:, -1]
+
+    @contextmanager
+    def using(self, backend: Backend):
+        """The feeds inside run through `backend` (a press's observed prefill: TorchStep, whose
+        forwards call the cache's observers); the state's own backend after."""
+        own, self.backend = self.backend, backend
+        try:
+            yield self
+        finally:
+            self.backend = own
 
     # ---- editing ----------------------------------------------------------------------------
 

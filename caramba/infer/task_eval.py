@@ -34,6 +34,7 @@ from caramba.infer.padding import left_pad
 from caramba.infer.pressing import observing_all, prefill_pressed
 from caramba.infer.decoding_press import DecodingPress
 from caramba.infer.state import DecodeState
+from caramba.model.backend import Backend, TorchStep, choose
 from caramba.press import PressConfig, kept_masks
 from caramba.infer.tasks import TaskSample, score
 
@@ -142,6 +143,7 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
     stops = set(eos_ids)
     pad = next(iter(stops), 0)
     device = model.device
+    backend = choose(model)     # one for the whole eval: its thread choice carries across batches
     # Batches of samples of similar length: a row shorter than its batch's longest is padding the
     # prefill computes anyway. The answers are put back in the samples' order at the end.
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].context_ids) + len(samples[i].question_ids))
@@ -151,7 +153,7 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
         choice = threads.choose() if device.type == "cpu" else None
         with threads.applied(choice) if choice is not None else contextlib.nullcontext():
             context_s += _answer_group(model, tokenizer, group, results, baseline, prefill, q_chunk, stops, pad,
-                                       on_answer)
+                                       on_answer, backend)
         for result in results:
             result.threads.append(choice.used if choice is not None else None)
     for result in results:
@@ -162,17 +164,19 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
 
 def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[CandidateAnswers], baseline: Candidate,
                   prefill: str, q_chunk: int | None, stops: set[int], pad: int,
-                  on_answer: Callable[[str, Answer], None] | None) -> float:
+                  on_answer: Callable[[str, Answer], None] | None, backend: Backend) -> float:
     """One batch of samples through every cache; returns the seconds of its shared context prefill."""
     device = model.device
     context = left_pad([s.context_ids for s in group], pad, device=device)
     question = left_pad([s.question_ids for s in group], pad, device=device)
     slots = context[0].shape[1] + question[0].shape[1] + max(s.max_new_tokens for s in group)
-    base = DecodeState(model, model.new_cache(len(group), slots, baseline.policy), q_chunk)
+    base = DecodeState(model, model.new_cache(len(group), slots, baseline.policy), q_chunk, backend)
     # Shared: the candidates' presses watch the one context prefill (observers of equal presses are shared).
     presses = list(dict.fromkeys(r.candidate.press for r in results if r.candidate.pressed)) if prefill == "shared" else []
     t0 = time.perf_counter()
-    with observing_all(model, base.cache, presses) as seen:
+    # observed: the torch path, whose forwards call the presses' observers (the fused C step's do not)
+    observed = base.using(TorchStep(model)) if presses else contextlib.nullcontext()
+    with observing_all(model, base.cache, presses) as seen, observed:
         _feed(base, *context, baseline.window)
     context_s = time.perf_counter() - t0
     for result in results:
@@ -183,7 +187,7 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
         elif prefill == "shared":
             state = _shared_context(model, base, c, slots, q_chunk, seen[presses.index(c.press)] if c.pressed else None)
         else:
-            state = DecodeState(model, model.new_cache(len(group), slots, c.policy), q_chunk)
+            state = DecodeState(model, model.new_cache(len(group), slots, c.policy), q_chunk, backend)
             if c.pressed:
                 mask = context[1]
                 prefill_pressed(state, context[0], None if bool(mask.all()) else mask, c.press)
@@ -203,7 +207,7 @@ def _shared_context(model, base: DecodeState, c: Candidate, slots: int, q_chunk:
     """A candidate's state holding the baseline's context in its own kinds: stored whole, or
     (with a press) only the survivors, chosen from the full-precision context."""
     B = base.batch_size
-    state = DecodeState(model, base.cache, q_chunk)
+    state = DecodeState(model, base.cache, q_chunk, base.backend)
     state.next_pos = base.next_pos.clone()
     state.slot_mask = None if base.slot_mask is None else base.slot_mask.clone()
     if c.pressed:

@@ -1,8 +1,8 @@
 """The decode step of a Llama-family model as one C call (decode_step.c), on the CPU.
 
 A batch-1 decode step through torch spends nearly as long dispatching ~300 small ops as reading
-the weights (docs/decode-speed.md). Where it applies, Transformer.forward hands the step to
-`step`, which runs every layer, the final norm and the head in one parallel region, reading the
+the weights (docs/decode-speed.md). Where it applies, a CStep (the backend below) hands the
+forward to `step`, which runs every layer, the final norm and the head in one parallel region, reading the
 weights in the layouts the model holds (fp32 nn.Linear / InputMajorLinear, or QuantLinear's
 blocks) and writing K and V into the cache as the torch path does.
 
@@ -14,10 +14,15 @@ rotate_values). The step writes the new token's codes with caramba.cache.quant's
 for bit, completes per-channel groups, and keeps the streams' rings and their bookkeeping as the
 torch path does (kv_stream.c). Everything else takes the torch path, which stays the reference
 (tests compare the two): per-channel values, ring-buffer caches, fp16/bf16 caches, and a step
-that must first refill a per-channel group a rollback went into. `model.fast_decode = False` or
-CARAMBA_KERNELS=0 turns it off. The thread count starts from torch's, which a Generator sets
-from the cores free (caramba.threads), and adapts to a busy machine (ThreadChoice;
-`model.decode_threads = ThreadChoice(fixed=n)` or CARAMBA_THREADS=n pins it).
+that must first refill a per-channel group a rollback went into.
+
+The step is a backend (caramba.model.backend): `CStep(model)` reads the model's weights once, when
+it is built, and whoever drives decoding builds and owns it (a DecodeState, so the Generator and
+every other decoder; backend.choose picks it or the torch path). The decoder's own forward never
+comes here. A model changed afterwards (quantize_model, .to(), a module swap) needs a new CStep.
+The thread count starts from torch's, which a Generator sets from the cores free
+(caramba.threads), and adapts to a busy machine (ThreadChoice, owned by the CStep;
+`CStep(model, ThreadChoice(fixed=n))` or CARAMBA_THREADS=n pins it).
 
 A ragged press's PressedKVCache (caramba.cache.evict: per-layer and per-head budgets) is read
 too: each layer its own width, each head only its run of survivors.
@@ -31,7 +36,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn.modules import module as torch_module
 
 from caramba import kernels, threads
 from caramba.cache.evict import PressedKVCache, PressedLayerKVCache
@@ -96,14 +100,11 @@ def _linear(module: nn.Module, n: int, k: int) -> tuple[Lin, list[torch.Tensor]]
 
 
 class _Plan:
-    """The model's weights as decode_step.c reads them: a LayerPlan per layer and the head's Lin."""
+    """The model's weights as decode_step.c reads them: a LayerPlan per layer and the head's Lin,
+    read once (raises _NoKernel when a projection has no kernel)."""
 
-    usable = True
-
-    def __init__(self, model, modules: list) -> None:
+    def __init__(self, model) -> None:
         cfg = model.config
-        self.registrations = _registrations
-        self.hooks = _hook_dicts(modules)
         self.layers, keep = (LayerPlan * len(model.layers))(), []
         qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
         for plan, layer in zip(self.layers, model.layers):
@@ -123,73 +124,10 @@ class _Plan:
             raise _NoKernel
         self.head = head[0]
         self.keep = keep + head[1] + [model.norm.weight]   # the pointers stay valid while the plan lives
-        self.pointers = [t.data_ptr() for t in self.keep]
 
 
 class _NoKernel(Exception):
     pass
-
-
-def _module_list(model) -> list:
-    """Every module whose forward the C step stands in for."""
-    return [model.head, model.norm] + [m for layer in model.layers
-                                       for m in (layer, layer.attn, layer.mlp, layer.attn_norm, layer.mlp_norm,
-                                                 layer.attn.wqkv, layer.attn.wo, layer.mlp.w13, layer.mlp.w2)]
-
-
-# Every submodule, parameter or buffer registered anywhere in the process (module swaps such as
-# quantize_model's included) counts here, so a cached plan knows in O(1) that it may be stale.
-_registrations = 0
-
-
-def _count_registration(*_args) -> None:
-    global _registrations
-    _registrations += 1
-
-
-torch_module.register_module_module_registration_hook(_count_registration)
-torch_module.register_module_parameter_registration_hook(_count_registration)
-torch_module.register_module_buffer_registration_hook(_count_registration)
-
-
-def _plan(model) -> _Plan | None:
-    """The cached plan, rebuilt after any registration (a swapped module) or when the weights moved
-    (.to()); None when the weights have no kernel or a forward hook is set on a module the step
-    stands in for (contrastive search reads the final norm's output through one)."""
-    plan = model.__dict__.get("_fast_plan")
-    if plan is None or plan.registrations != _registrations or (
-            plan.pointers[0] != plan.keep[0].data_ptr() or plan.pointers[-1] != plan.keep[-1].data_ptr()):
-        # remembered until a module or the weights change (a swap registers; .to() moves them)
-        if not model_applies(model):
-            plan = _Unusable(model, [])
-        else:
-            modules = _module_list(model)
-            try:
-                plan = _Plan(model, modules)
-            except _NoKernel:
-                plan = _Unusable(model, modules)
-        model._fast_plan = plan
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks or any(plan.hooks):
-        return None
-    return plan if plan.usable else None
-
-
-class _Unusable:
-    """A model the step cannot compute (another architecture, dtype or device) or whose weights it
-    cannot read (a projection of another kind); its final norm's weight tells a .to() apart."""
-
-    usable = False
-
-    def __init__(self, model, modules: list) -> None:
-        self.registrations = _registrations
-        self.hooks = _hook_dicts(modules)
-        self.keep = [model.norm.weight]
-        self.pointers = [model.norm.weight.data_ptr()]
-
-
-def _hook_dicts(modules: list) -> list:
-    """The (live) forward-hook dicts of the modules: non-empty once a hook is registered."""
-    return [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
 
 
 def model_applies(model) -> bool:
@@ -322,36 +260,6 @@ def _build_table(layout: _Layout) -> None:
     layout.table, layout.bound, layout.fp_slots, layout.firsts = table, bound, fp_slots, firsts
 
 
-def applies(model, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causal: bool) -> bool:
-    """Whether this forward is a step decode_step.c can take. mask, causal: the cache's attention
-    mask for it (KVCache.attention_mask: None, or [B, 1, T, slots] in slot order). Causal without
-    a mask is a first chunk into an empty cache, which the step's own rule gives: new token t sees
-    the cached slots and new tokens 0..t."""
-    B, T = tokens.shape
-    if B * T > MAX_ROWS or not getattr(model, "fast_decode", True):
-        return False
-    if mask is None and causal != (T > 1):
-        return False
-    if mask is not None and (causal or mask.dtype != torch.bool or tuple(mask.shape) != (B, 1, T, cache.length + T)):
-        return False
-    if type(cache) not in (KVCache, RingKVCache, PressedKVCache) \
-            or torch.is_grad_enabled() and model.norm.weight.requires_grad:
-        return False
-    # A sliding window's ring holds slot s at s % capacity: until it first wraps, storage order is
-    # slot order and the step (which writes slot `length` and reads slots below it, masked by the
-    # window) is exact. After that it would need ring addressing in decode_step.c: the torch path.
-    if type(cache) is RingKVCache and cache.length + T > cache.capacity:
-        return False
-    layout = _cache_layout(cache)
-    if layout is None or (layout.heads, layout.head_dim) != (model.config.n_kv_heads, model.config.head_dim) \
-            or cache.batch_size != B or any(s.refills(cache.length - off) for s, off in layout.channels) \
-            or T > 1 and layout.channels:      # a per-channel group is completed one token at a time
-        return False
-    if library() is None:
-        return False
-    return _plan(model) is not None
-
-
 class ThreadChoice:
     """How many threads the next step runs with: torch's count, unless one thread measures faster.
 
@@ -408,9 +316,10 @@ class ThreadChoice:
 
 
 def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVCache,
-         mask: torch.Tensor | None, last_only: bool = False) -> torch.Tensor:
+         mask: torch.Tensor | None, last_only: bool = False, *, plan: _Plan, choice: ThreadChoice) -> torch.Tensor:
     """logits [B, T, vocab] ([B, 1, vocab] with last_only) of T new tokens per row, their K and V
-    appended to the cache; mask [B, 1, T, slots] (True: attend) or None, as `applies` took it."""
+    appended to the cache; mask [B, 1, T, slots] (True: attend) or None, as CStep.applies took it;
+    plan: the model's weights (CStep's), choice: the thread count's (CStep's)."""
     cfg = model.config
     B, T = tokens.shape
     slot = cache.length
@@ -424,11 +333,9 @@ def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVC
         table = model._rope
     x = model.embed_tokens(tokens).reshape(B * T, cfg.dim).contiguous()   # read only
     logits = torch.empty(B, 1 if last_only else T, cfg.vocab_size)
-    plan = model._fast_plan          # as applies() just checked it
     if mask is not None:
         mask = mask.contiguous()
-    streams = _stream_table(cache._fast_decode_layout, slot, T)     # as applies() just found it
-    choice = model.__dict__.setdefault("decode_threads", ThreadChoice())
+    streams = _stream_table(cache._fast_decode_layout, slot, T)     # as CStep.applies just found it
     threads = choice.next(B * T)
     args = StepArgs(cfg.n_layers, ctypes.addressof(plan.layers), ctypes.addressof(plan.head), model.norm.weight.data_ptr(),
                     ctypes.addressof(streams), x.data_ptr(), logits.data_ptr(), B * T, T, int(last_only), cfg.dim,
@@ -441,7 +348,84 @@ def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVC
     if failed == 1:
         raise MemoryError("the fused decode step could not allocate its scratch")
     if failed:
-        raise ValueError(f"decode_step.c refused the shapes (code {failed}); fast_decode.applies should have")
+        raise ValueError(f"decode_step.c refused the shapes (code {failed}); CStep.applies should have")
     for layer in cache.layers:
         layer.length = slot + T - _offset(layer)
     return logits
+
+
+class Unsupported(ValueError):
+    """A model decode_step.c cannot compute: CStep(model) refuses it (backend.choose then picks
+    the torch path)."""
+
+
+class CStep:
+    """The fused C step as a decoding backend (caramba.model.backend): called like the model, it
+    takes every forward decode_step.c can compute (`applies`) and gives the others to the model's
+    own forward, the torch path. Its plan holds the model's weights as they are when it is built:
+    after changing the model (quantize_model, .to(), a module swap) build a new one. Its steps
+    run no module's forward, so forward hooks see none of them: a caller that needs them (the
+    contrastive search reads the final norm's output) uses backend.TorchStep."""
+
+    name = "c"
+
+    def __init__(self, model, threads: ThreadChoice | None = None) -> None:
+        if library() is None:
+            raise Unsupported(f"the fused decode step is unavailable: {status()}")
+        if not model_applies(model):
+            raise Unsupported("decode_step.c computes fp32 Llama-family models on the CPU (RMSNorm, RoPE, SwiGLU, "
+                              "standard attention): use the torch path (caramba.model.backend.TorchStep)")
+        try:
+            self.plan = _Plan(model)
+        except _NoKernel:
+            raise Unsupported("a projection of this model is of a kind decode_step.c cannot read (fp32 nn.Linear, "
+                              "InputMajorLinear or CPU QuantLinear): use the torch path") from None
+        self.model = model
+        self.threads = ThreadChoice() if threads is None else threads
+        self.steps = {"c": 0, "torch": 0}     # forwards of up to MAX_ROWS token rows, by the path taken
+
+    @property
+    def path(self) -> str:
+        """Which path the steps took: 'c', 'torch', or both with their counts."""
+        c, t = self.steps["c"], self.steps["torch"]
+        return "torch" if t and not c else "c" if not t else f"c ({c} steps), torch ({t})"
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
+                 slot_mask: torch.Tensor | None = None, last_only: bool = False, window: int | None = None) -> torch.Tensor:
+        """The model's forward (Transformer.forward's arguments and logits), through decode_step.c
+        where it applies."""
+        B, T = tokens.shape
+        if cache is not None and B * T <= MAX_ROWS:
+            cache.check_room(T)
+            mask, causal = self.model.cache_mask(B, T, cache, slot_mask, tokens.device, window)
+            if self.applies(tokens, cache, mask, causal):
+                self.steps["c"] += 1
+                return step(self.model, tokens, positions, cache, mask, last_only, plan=self.plan, choice=self.threads)
+            self.steps["torch"] += 1
+        return self.model(tokens, positions, cache, slot_mask, last_only=last_only, window=window)
+
+    def applies(self, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causal: bool) -> bool:
+        """Whether this forward is a step decode_step.c can take. mask, causal: the cache's attention
+        mask for it (KVCache.attention_mask: None, or [B, 1, T, slots] in slot order). Causal without
+        a mask is a first chunk into an empty cache, which the step's own rule gives: new token t sees
+        the cached slots and new tokens 0..t."""
+        B, T = tokens.shape
+        if B * T > MAX_ROWS:
+            return False
+        if mask is None and causal != (T > 1):
+            return False
+        if mask is not None and (causal or mask.dtype != torch.bool or tuple(mask.shape) != (B, 1, T, cache.length + T)):
+            return False
+        model = self.model
+        if type(cache) not in (KVCache, RingKVCache, PressedKVCache) \
+                or torch.is_grad_enabled() and model.norm.weight.requires_grad:
+            return False
+        # A sliding window's ring holds slot s at s % capacity: until it first wraps, storage order is
+        # slot order and the step (which writes slot `length` and reads slots below it, masked by the
+        # window) is exact. After that it would need ring addressing in decode_step.c: the torch path.
+        if type(cache) is RingKVCache and cache.length + T > cache.capacity:
+            return False
+        layout = _cache_layout(cache)
+        return not (layout is None or (layout.heads, layout.head_dim) != (model.config.n_kv_heads, model.config.head_dim)
+                    or cache.batch_size != B or any(s.refills(cache.length - off) for s, off in layout.channels)
+                    or T > 1 and layout.channels)      # a per-channel group is completed one token at a time

@@ -14,7 +14,7 @@ from torch import nn
 
 from caramba.cache import CachePolicy, KVCache, KVCacheKind, LayerKVCache
 from caramba.cache.mask import attention_mask, narrowest
-from caramba.model import fast_decode, fused
+from caramba.model import fused
 from caramba.model.config import ModelConfig
 from caramba.model.decoupled import DecoupledAttention, decoupled_cache
 from caramba.model.layers import MLP, Attention, GeluMLP, InputMajorLinear, RMSNorm, make_norm
@@ -40,8 +40,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    # Decode steps of one token per row go through decode_step.c where they can
-    # (caramba.model.fast_decode); False keeps every step on the torch path.
+    # Whether decoders may run this model's steps through the fused C step. The forward below never
+    # does: the C step is a backend a decoder chooses when it starts (caramba.model.backend.choose
+    # reads this flag; False: the torch path).
     fast_decode: bool = True
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -121,11 +122,7 @@ class Transformer(nn.Module):
         start = cache.length if cache is not None else 0
         if cache is not None:
             cache.check_room(T)
-            # The cache knows where its keys lie (a ring buffer's are not in slot order) and its
-            # own window; the model's trained window binds too.
-            mask, causal = cache.attention_mask(B, T, slot_mask, tokens.device, window, self.config.sliding_window)
-            if fast_decode.applies(self, tokens, cache, mask, causal):
-                return fast_decode.step(self, tokens, positions, cache, mask, last_only)
+            mask, causal = self.cache_mask(B, T, cache, slot_mask, tokens.device, window)
         else:
             mask, causal = self._attention_mask(B, T, slot_mask, tokens.device,
                                                 narrowest(window, self.config.sliding_window))
@@ -140,6 +137,13 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.head(self.norm(x))
+
+    def cache_mask(self, B: int, T: int, cache: KVCache, slot_mask: torch.Tensor | None, device: torch.device,
+                   window: int | None = None) -> tuple[torch.Tensor | None, bool]:
+        """The attention mask of T new tokens per row over the cache (and whether it is causal).
+        The cache knows where its keys lie (a ring buffer's are not in slot order) and its own
+        window; the model's trained window binds too."""
+        return cache.attention_mask(B, T, slot_mask, device, window, self.config.sliding_window)
 
     @staticmethod
     def _attention_mask(B, T, slot_mask, device, window=None) -> tuple[torch.Tensor | None, bool]:

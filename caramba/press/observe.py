@@ -160,10 +160,11 @@ def check_cache(cache: KVCache) -> None:
 def observing(model, cache: KVCache, press: PressConfig, decoding: bool = False):
     """Observe the context prefill that follows into `cache` for `press` -> Observations.
 
-    Every forward of the context must run inside (the observers check that they saw every slot).
-    The model's C decode step, which a small chunk would take and which calls no observer, is
-    switched off meanwhile. decoding=True: the cache may hold tokens already; the observers watch
-    the decode steps that follow (decoding-time compression scores with their queries only)."""
+    Every forward of the context must run inside (the observers check that they saw every slot),
+    through the model's own forward: the fused C step calls no observer, so the decoder feeding
+    the context chooses the torch path for it (caramba.model.backend.TorchStep; DecodeState.using).
+    decoding=True: the cache may hold tokens already; the observers watch the decode steps that
+    follow (decoding-time compression scores with their queries only)."""
     if not isinstance(press, PressConfig):
         raise TypeError(f"press must be a PressConfig, not {type(press).__name__}")
     check_cache(cache)
@@ -173,8 +174,6 @@ def observing(model, cache: KVCache, press: PressConfig, decoding: bool = False)
     cfg = model.config
     inv_freq = rope_inv_freq(cfg).to(model.device) if cfg.positions == "rope" else None
     layers = [LayerObservation(layer, press, cfg.n_heads, layer.length) for layer in cache.layers]
-    had = model.__dict__.get("fast_decode", None)
-    model.fast_decode = False
     for layer, obs in zip(cache.layers, layers):
         layer.observer = obs
     try:
@@ -182,10 +181,6 @@ def observing(model, cache: KVCache, press: PressConfig, decoding: bool = False)
     finally:
         for layer in cache.layers:
             layer.observer = None
-        if had is None:
-            del model.fast_decode
-        else:
-            model.fast_decode = had
 
 
 __all__ = ["LayerObservation", "Observations", "check_cache", "observing", "window_of"]

@@ -18,6 +18,7 @@ def press_masks(model, context_ids: torch.Tensor, press: PressConfig, q_chunk: i
     """Per layer, [B, KVH, S] bool (True = keep) for context_ids [B, S] (left-padded where mask
     [B, S], True = real token, says so), prefilled in chunks of q_chunk tokens (None: one)."""
     from caramba.infer.state import DecodeState   # the engine's state imports presses, not the reverse
+    from caramba.model.backend import TorchStep
 
     if context_ids.dim() != 2 or context_ids.dtype not in (torch.long, torch.int32, torch.int64):
         raise ValueError(f"context_ids must be integer token ids [batch, tokens]; got {context_ids.dtype} "
@@ -28,7 +29,8 @@ def press_masks(model, context_ids: torch.Tensor, press: PressConfig, q_chunk: i
                          f"{list(mask.shape)}")
     if q_chunk is not None and q_chunk < 1:
         raise ValueError(f"q_chunk={q_chunk} must be >= 1 or None")
-    state = DecodeState(model, model.new_cache(B, S, "fp32"), q_chunk=q_chunk)
+    # the torch path: its forwards call the observers (the fused C step's do not)
+    state = DecodeState(model, model.new_cache(B, S, "fp32"), q_chunk=q_chunk, backend=TorchStep(model))
     with observing(model, state.cache, press) as observations:
         state.prefill(context_ids.to(model.device), None if mask is None else mask.to(model.device))
     return kept_masks(state.cache, observations, press, state.valid_slots())

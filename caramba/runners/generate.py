@@ -13,6 +13,7 @@ from caramba.errors import UserError
 from caramba.infer import GenerateConfig, Generator, beam_search, contrastive_search
 from caramba.infer.plan import quiet_window, window_warning
 from caramba.manifest import GenerateSettings, ResolvedRun
+from caramba.model.backend import ThreadChoice
 from caramba.model.zoo import LoadedModel
 from caramba.options import options_of
 from caramba.press import PressConfig
@@ -57,6 +58,7 @@ def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | No
         console.print(f"[yellow]warning: {escape(warning)}[/yellow]")
         record.log(f"warning: {warning}")
     batches = [range(i, min(i + settings.batch_size, len(prompt_ids))) for i in range(0, len(prompt_ids), settings.batch_size)]
+    decode_threads = ThreadChoice()   # the C step's thread choice, carried from batch to batch
     for b, rows in enumerate(batches):
         # Each batch is its own session; with a seed, batch b draws from seed + b so batches differ.
         config = settings.engine_config(None if seed is None else seed + b, list(tok.stop_token_ids) or None)
@@ -64,7 +66,7 @@ def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | No
             results.extend(_search_batch(loaded, settings, config, rows, prompt_ids, b, record, console))
             continue
         with quiet_window():   # warned above, once
-            generator = Generator(loaded.model, config, tokenizer=tok)
+            generator = Generator(loaded.model, config, tokenizer=tok, decode_threads=decode_threads)
         stream = settings.stream and len(rows) == 1
         if stream:
             console.print(f"[bold]{escape(settings.prompts[rows[0]])}[/bold]", end="\n" if settings.chat else "", highlight=False)
@@ -90,6 +92,7 @@ def run_generate(loaded: LoadedModel, settings: GenerateSettings, seed: int | No
                 "decode_s": out.decode_s,
                 "decode_tok_s": out.decode_tok_s,
                 "decode_plan": generator.plan.to_dict(),
+                "decode_step": generator.backend.path,   # the path the steps took (caramba.model.backend)
             })
         record.log(f"batch {b}: {len(rows)} prompt(s), {out.n_generated} tokens, prefill {out.prefill_s:.3f}s, "
                    f"decode {out.decode_s:.3f}s ({out.decode_tok_s:.1f} tok/s), decode plan {generator.plan.to_dict()}")

@@ -1,0 +1,127 @@
+"""Who runs the fused C step (caramba.model.backend): every decoder that relied on the old
+hand-off inside Transformer.forward now chooses it, gives the torch path's output with it, and
+says which path ran; contrastive search chooses the torch path; the model's forward never
+takes the C step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from caramba.infer import GenerateConfig, Generator, beam_search, contrastive_search, generate_batched
+from caramba.infer.speculative import SpeculativeConfig, SpeculativeGenerator
+from caramba.infer.state import DecodeState
+from caramba.model import backend, fast_decode
+from conftest import make_model
+
+PROMPTS = [[5, 9, 1, 44, 3], [7, 7, 2]]
+GREEDY = dict(max_new_tokens=8, temperature=0.0, eos_token_id=[], max_seq_len=48)
+
+
+@pytest.fixture(autouse=True)
+def needs_kernels():
+    if fast_decode.library() is None:
+        pytest.skip(f"decode step kernel {fast_decode.status()}")
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """How many forwards went through the C step."""
+    calls = []
+    real = fast_decode.step
+    monkeypatch.setattr(fast_decode, "step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def run_generator(model):
+    gen = Generator(model, GenerateConfig(**GREEDY))
+    return gen.generate(PROMPTS), gen.backend.path
+
+
+def run_beam(model):
+    return beam_search(model, PROMPTS[:1], num_beams=3, **GREEDY).sequences, None
+
+
+def run_speculative(model):
+    draft = make_model(seed=2)
+    draft.fast_decode = model.fast_decode   # the draft's own switch, set alike
+    gen = SpeculativeGenerator(model, draft, SpeculativeConfig(draft="model", spec_k=3, **GREEDY))
+    return gen.generate(PROMPTS[:1]), gen.rows.backend.path
+
+
+def run_batched(model):
+    return generate_batched(model, PROMPTS, 2, GenerateConfig(**GREEDY)).sequences, None
+
+
+def run_evaluate(model):
+    from caramba.infer.evaluate import evaluate_cache
+
+    ids = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    return [r.ppl for r in evaluate_cache(model, ids, ["q8_0"], prompt_len=16)], None
+
+
+def run_speed(model):
+    from caramba.autotune.speed import measure_speed
+    from caramba.cache import CachePolicy
+
+    ids = torch.randint(0, 97, (64,), generator=torch.Generator().manual_seed(4)).tolist()
+    rows = measure_speed(model, [CachePolicy.of("q8_0")], CachePolicy.of("fp32"), ids, 1, 24, steps=4, repeats=1)
+    assert rows[0]["error"] is None
+    return None, None
+
+
+DECODERS = {"generator": run_generator, "beam": run_beam, "speculative": run_speculative, "batched": run_batched,
+            "evaluate_cache": run_evaluate, "autotune speed": run_speed}
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_every_decoder_chooses_the_c_step_and_gives_the_torch_paths_output(name, taken):
+    model = make_model(seed=1)
+    got, path = DECODERS[name](model)
+    assert taken, f"{name} never took the C step"
+    if path is not None:
+        assert path == "c"
+    n = len(taken)
+    model.fast_decode = False              # the one switch: every backend chosen after it is the torch path
+    want, path = DECODERS[name](model)
+    assert len(taken) == n
+    if path is not None:
+        assert path == "torch"
+    if isinstance(got, torch.Tensor):
+        assert torch.equal(got, want)
+    elif name == "evaluate_cache":         # perplexities: the two paths agree to fp32 rounding
+        assert got == pytest.approx(want, rel=1e-5)
+    elif got is not None:
+        assert got == want
+
+
+def test_contrastive_search_chooses_the_torch_path(taken):
+    """It reads the final norm's output through a forward hook, which the C step would not call."""
+    model = make_model(seed=1)
+    got = contrastive_search(model, PROMPTS, penalty_alpha=0.6, top_k=3, max_new_tokens=6, eos_token_id=[])
+    assert taken == []
+    model.fast_decode = False
+    want = contrastive_search(model, PROMPTS, penalty_alpha=0.6, top_k=3, max_new_tokens=6, eos_token_id=[])
+    assert got.sequences == want.sequences
+
+
+def test_the_models_forward_is_the_torch_path(taken):
+    model = make_model(seed=1)
+    with torch.inference_mode():
+        cache = model.new_cache(1, 16)
+        model(torch.tensor([[5, 9, 1]]), cache=cache)
+        model(torch.tensor([[4]]), cache=cache)
+    assert taken == []
+
+
+def test_a_state_feeds_through_its_backend_and_using_scopes_another(taken):
+    model = make_model(seed=1)
+    state = DecodeState(model, model.new_cache(1, 16))
+    assert isinstance(state.backend, backend.CStep)
+    with state.using(backend.TorchStep(model)):
+        state.prefill(torch.tensor([[5, 9, 1]]))
+    assert taken == [] and isinstance(state.backend, backend.CStep)
+    state.step(torch.tensor([4]))
+    assert len(taken) == 1 and state.backend.path == "c"
+    chosen = backend.TorchStep(model)
+    assert DecodeState(model, model.new_cache(1, 16), backend=chosen).backend is chosen
