@@ -522,6 +522,9 @@ INLINE void block_rows512(const int RR, const int FMT, const int VNNI, const voi
    block, shared by every row; q4_0's -8 starts it at -8 sum(a) likewise. So each lane's int32 is
    exactly sum(w a) (with q4_0's w = q - 8), the reference's dot_*_ref sum. */
 
+#ifndef XPF
+#define XPF 2048   /* bytes ahead of the block in hand: from L3 the q8_0 head streamed at 19 GB/s without, 28 with 1-2 KiB (4-8 KiB worse); from DRAM 11 -> 13.9 GB/s at 2 KiB */
+#endif
 static inline __m512i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -568,6 +571,9 @@ INLINE void x16_rows512(const int RR, const int FMT, const uint8_t *w, const uin
     for (int r = 0; r < RR; r++) acc[r] = macc[r] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dg + b * XG)));
+#if XPF
+        for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)wg + (long)b * bb + XPF + l, _MM_HINT_T0);
+#endif
         for (int r = 0; r < RR; r++) {
             const int32_t as = asum[r * nb + b];
             const __m512i s = x16_block512(FMT, wg + (long)b * bb, xq + (long)r * K + b * QK, as);
