@@ -21,9 +21,10 @@ import torch
 from caramba.model import fast_decode, isa, quant
 from caramba.model.quant import QuantLinear
 from conftest import make_model
-from test_isa import SHAPES, U, exact_product, layer, level, library, ptr  # noqa: F401  (level: the fixture)
+from test_isa import SHAPES, U, exact_product, layer, level, library, ptr, weight_codes  # noqa: F401  (level: fixture)
 
-FORMATS = [("q8_0", "q8"), ("q4_0", "q8"), ("q4_1", "q8")]
+FORMATS = [("q8_0", "q8"), ("q4_0", "q8"), ("q4_1", "q8"), ("q8_0", "i16"), ("q4_1", "i16"), ("q8_0", "f32"),
+           ("q4_1", "f32")]
 
 
 def x16(lin: QuantLinear) -> QuantLinear:
@@ -70,8 +71,8 @@ def test_every_reader_sees_the_same_weights_in_either_layout(fmt, act, N):
 
 
 def test_layout_errors_name_the_field():
-    with pytest.raises(ValueError, match="no layout 'x16' for weights q8_0 with f32"):
-        layer("q8_0", "f32", 16, 32, seed=0).relayout("x16")
+    with pytest.raises(ValueError, match="no layout 'x32' for weights q8_0 with f32"):
+        layer("q8_0", "f32", 16, 32, seed=0).relayout("x32")
     with pytest.raises(ValueError, match="no layout 'cols'"):
         QuantLinear("q8_0", torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 1), act="q8", layout="cols")
 
@@ -82,7 +83,7 @@ def test_the_default_layout_follows_the_kernels_level():
     library()
     want = "x16" if isa.kernel_isa() == "avx512vnni" else "rows"
     assert quant.default_layout("q4_0", "q8") == want
-    assert quant.default_layout("q4_1", "f32") == "rows"
+    assert quant.default_layout("q4_1", "f32") == want
     with isa.use_isa("avx2"):
         assert quant.default_layout("q8_0", "q8") == "rows"
     code = ("from caramba.model import quant; import torch; "
@@ -126,16 +127,24 @@ def test_x16_block_sums_are_the_exact_sums(level, fmt, nb):
 @pytest.mark.parametrize("fmt,act", FORMATS)
 @pytest.mark.parametrize("M,N,K", SHAPES)
 def test_x16_products_equal_the_exact_product_within_fp32_rounding(level, fmt, act, M, N, K):
-    """Per lane: one rounding of d_w d_x, exact int32 sums converted exactly (|sum| < 2^24), an FMA
-    chain of nb = K / 32 block terms, q4_1's minimums chain and the bias: within (nb + 12) u of
-    sum |terms| (test_isa's bound), at every level (below avx512vnni: the portable reference)."""
+    """Per lane: one rounding of d_w d_x, exact int32 sums (int16 codes: 256 sum(w hi) + sum(w lo))
+    converted with at most one rounding, split codes' two sums met by one FMA, an FMA chain of
+    nb = K / 32 block terms, q4_1's minimums chain and the bias: within (nb + 12) u of sum |terms|
+    (test_isa's bound), at every level (below avx512vnni: the portable reference). f32 activations
+    go in as ACT_SPLIT's codes at every level: x to within s / 2^16 per element (test_isa)."""
     lin = x16(layer(fmt, act, N, K, seed=M * N + K))
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(K))
     with torch.inference_mode():
         got = lin(x).double().numpy()
-    exact, mag = exact_product(lin.relayout("rows"), x)
+    rows = lin.relayout("rows")
+    exact, mag = exact_product(rows, x)
     err = np.abs(got - exact)
     bound = (K // 32 + 12) * U * mag
+    if act == "f32":
+        c, d, m = weight_codes(rows)
+        wmax = np.abs(d[..., None] * c + m[..., None])
+        split = 2 * np.abs(x.double().numpy()).reshape(M, -1, 32).max(-1) / 32767 / 2 ** 16
+        bound = bound + np.einsum("nbi,mb->mn", wmax, split)
     assert (err <= bound).all(), float((err - bound).max())
 
 

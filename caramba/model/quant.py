@@ -93,17 +93,18 @@ def check_kind(weights: str) -> str:
 # the decode step's fp32 layouts, the row-major block formats (weight x activation codes), then
 # the row-interleaved ones (layout 'x16').
 (F32_ROWS, F32_COLS, Q8_0_Q8, Q8_0_F32, Q4_1_F32, Q4_1_Q8, Q4_0_Q8, Q8_0_I16, Q4_1_I16,
- Q8_0_Q8_X16, Q4_0_Q8_X16, Q4_1_Q8_X16) = range(12)
+ Q8_0_Q8_X16, Q4_0_Q8_X16, Q4_1_Q8_X16, Q8_0_I16_X16, Q4_1_I16_X16, Q8_0_F32_X16, Q4_1_F32_X16) = range(16)
 FORMAT_IDS = {("q8_0", "q8", "rows"): Q8_0_Q8, ("q8_0", "f32", "rows"): Q8_0_F32, ("q4_1", "f32", "rows"): Q4_1_F32,
               ("q4_1", "q8", "rows"): Q4_1_Q8, ("q4_0", "q8", "rows"): Q4_0_Q8, ("q8_0", "i16", "rows"): Q8_0_I16,
               ("q4_1", "i16", "rows"): Q4_1_I16, ("q8_0", "q8", "x16"): Q8_0_Q8_X16,
-              ("q4_0", "q8", "x16"): Q4_0_Q8_X16, ("q4_1", "q8", "x16"): Q4_1_Q8_X16}
+              ("q4_0", "q8", "x16"): Q4_0_Q8_X16, ("q4_1", "q8", "x16"): Q4_1_Q8_X16,
+              ("q8_0", "i16", "x16"): Q8_0_I16_X16, ("q4_1", "i16", "x16"): Q4_1_I16_X16,
+              ("q8_0", "f32", "x16"): Q8_0_F32_X16, ("q4_1", "f32", "x16"): Q4_1_F32_X16}
 
 # Layouts of QuantLinear's codes: 'rows' (llama.cpp's, row after row) or 'x16' (groups of X16 rows
 # interleaved 4 code bytes at a time, their scales side by side: quant_gemv.h), which the decode
 # products read with the rows as vector lanes (quant_gemv.c). x16 is chosen where its kernel runs
-# (avx512vnni) for the formats it has (q8 activations); elsewhere rows, whose kernels are tuned
-# for avx2. Either layout holds the same bytes; state_dict() gives rows whatever the layout.
+# (avx512vnni), for every format; elsewhere rows, whose kernels are tuned for avx2. Either layout holds the same bytes; state_dict() gives rows whatever the layout.
 LAYOUTS = ("rows", "x16")
 X16 = 16
 X16_LEVELS = ("avx512vnni",)
@@ -303,7 +304,7 @@ class QuantLinear(nn.Module):
         layout = default_layout(fmt, act) if layout is None else layout
         if layout not in LAYOUTS or (layout == "x16" and (fmt, act, layout) not in FORMAT_IDS):
             raise ValueError(f"no layout {layout!r} for weights {fmt} with {act} activations; "
-                             f"use one of {', '.join(LAYOUTS)} ('x16' has q8 activations only)")
+                             f"use one of {', '.join(LAYOUTS)}")
         self.fmt, self.act, self.layout = fmt, act, layout
         self.out_features = qs.shape[0]
         self.in_features = qs.shape[1] * (1 if fmt == "q8_0" else 2)

@@ -46,6 +46,11 @@
    multiply-adds (madd_epi16) instead of an int-to-float conversion per weight. */
 enum { ACT_Q8 = 0, ACT_I16 = 1, ACT_SPLIT = 2 };
 
+/* The int16-activation X16 formats: byte planes of their codes per block (2, or 4 for ACT_SPLIT's
+   two codes), and whether the weights are q8_0 (else q4_1). */
+#define X16_PLANES(FMT) ((FMT) == Q8_0_F32_X16 || (FMT) == Q4_1_F32_X16 ? 4 : 2)
+#define X16_Q8W(FMT) ((FMT) == Q8_0_I16_X16 || (FMT) == Q8_0_F32_X16)
+
 /* A block's scale d and its inverse for the codes of `mode`, from its largest magnitude. */
 static inline void block_scale(float amax, int mode, float *scale, float *inv) {
     if (!(amax <= 3.4e38f))   /* a NaN or an infinity in the block: its products come out NaN */
@@ -614,6 +619,112 @@ static void x16_group512(int fmt, const void *w, const uint16_t *d, const uint16
 #undef X16
     }
 }
+
+/* The int16-activation X16 formats (native_i16's ACT_I16 codes, native's two ACT_SPLIT codes h and
+   l): each int16 code c = 256 hi + lo, lo = c & 255 unsigned and hi = c >> 8 signed, so
+   sum(w c) = 256 sum(w hi) + sum(w lo), both through vpdpbusd: lo (unsigned) against the weights as
+   signed bytes (q4 nibbles and q8_0 codes both are), hi (signed) against nibbles as unsigned
+   bytes, or against q8_0's w + 128 with -128 sum(hi) to start (planes_sums). Exact in int32:
+   |sum(w c)| <= 128 x 32767 x 32 < 2^31. prepare_activations lays each block's codes out as
+   planes of 32 bytes: lo(h), hi(h) [, lo(l), hi(l)]. */
+
+/* lane sums of one weight vector wv (16 rows x 4 elements) with the activation quad at plane
+   byte offset o, plane pair (lo, hi) starting at pl: lo into sl, hi into sh. */
+#define X16W_QUAD(WV, WX, PL, O, SL, SH)                                                           \
+    SL = _mm512_dpbusd_epi32(SL, bcast4(PL + (O)), WV);                                              \
+    SH = _mm512_dpbusd_epi32(SH, WX, bcast4(PL + 32 + (O)));
+
+/* One block of a group: the 16 rows' sum(w h) (and sum(w l)) -> the block's float value per lane:
+   float(sum(w h)) for i16, float(sum(w h)) + float(sum(w l)) / 2^15 for split (one FMA, as the
+   row-major kernels' i16_block). hs: q8_0's -128 sum(hi) starts (two int16 halves for split). */
+INLINE __m512 x16w_block512(const int FMT, const uint8_t *wb, const int8_t *a, int32_t hs) {
+    const int P = X16_PLANES(FMT);
+    __m512 out = _mm512_setzero_ps();
+    for (int pair = 0; pair < P / 2; pair++) {
+        const int8_t *pl = a + pair * 64;
+        const int32_t hsum = pair ? (hs >> 16) : (int16_t)(hs & 0xFFFF);
+        __m512i sl0 = _mm512_setzero_si512(), sl1 = _mm512_setzero_si512(), sh1 = _mm512_setzero_si512();
+        __m512i sh0 = X16_Q8W(FMT) ? _mm512_set1_epi32(-128 * hsum) : _mm512_setzero_si512();
+        if (X16_Q8W(FMT)) {
+            const __m512i flip = _mm512_set1_epi8((char)0x80);
+            for (int j = 0; j < 8; j += 2) {
+                const __m512i v0 = _mm512_loadu_si512(wb + 64 * j), v1 = _mm512_loadu_si512(wb + 64 * j + 64);
+                X16W_QUAD(v0, _mm512_xor_si512(v0, flip), pl, 4 * j, sl0, sh0)
+                X16W_QUAD(v1, _mm512_xor_si512(v1, flip), pl, 4 * j + 4, sl1, sh1)
+            }
+        } else {
+            const __m512i low = _mm512_set1_epi8(15);
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512(wb + 64 * j);
+                const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                X16W_QUAD(lo, lo, pl, 4 * j, sl0, sh0)
+                X16W_QUAD(hi, hi, pl, 16 + 4 * j, sl1, sh1)
+            }
+        }
+        const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(sh0, sh1), 8), _mm512_add_epi32(sl0, sl1));
+        out = pair ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(1.0f / 32768.0f), out) : _mm512_cvtepi32_ps(s);
+    }
+    return out;
+}
+#undef X16W_QUAD
+
+/* x16_rows512 for the int16-activation formats (xs: q4_1's minimum factors as floats, q8_0's
+   -128 starts as int32: prepare_activations). */
+INLINE void x16w_rows512(const int RR, const int FMT, const uint8_t *w, const uint16_t *d, const uint16_t *m, int c,
+                         int N, int K, const int8_t *xq, const float *xd, const float *xs, float *y,
+                         const float *bias) {
+    const int nb = K / QK, bb = X16_Q8W(FMT) ? QK * XG : QK * XG / 2, P = X16_PLANES(FMT), q41 = !X16_Q8W(FMT);
+    const uint8_t *wg = w + (long)c * nb * bb;
+    const uint16_t *dg = d + (long)c * nb * XG, *mg = m ? m + (long)c * nb * XG : NULL;
+    __m512 acc[QTR], macc[QTR];
+    for (int r = 0; r < RR; r++) acc[r] = macc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dg + b * XG)));
+#if XPF
+        for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)wg + (long)b * bb + XPF + l, _MM_HINT_T0);
+#endif
+        for (int r = 0; r < RR; r++) {
+            const __m512 sf = x16w_block512(FMT, wg + (long)b * bb, xq + ((long)r * K + b * QK) * P, q41 ? 0 :
+                                            ((const int32_t *)xs)[r * nb + b]);
+            acc[r] = _mm512_fmadd_ps(sf, _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
+            if (q41)
+                macc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mg + b * XG))),
+                                          _mm512_set1_ps(xs[r * nb + b]), macc[r]);
+        }
+    }
+    const int n0 = c * XG, live = N - n0 < XG ? N - n0 : XG;
+    const __mmask16 k = (__mmask16)((1u << live) - 1);
+    for (int r = 0; r < RR; r++) {
+        __m512 o = q41 ? _mm512_add_ps(acc[r], macc[r]) : acc[r];
+        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(k, bias + n0));
+        _mm512_mask_storeu_ps(y + (long)r * N + n0, k, o);
+    }
+}
+
+static void x16w_group512(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
+                          const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
+    const int nb = K / QK, P = X16_PLANES(fmt);
+    for (int r0 = 0; r0 < M; r0 += QTR) {
+        const int rr = M - r0 < QTR ? M - r0 : QTR;
+        const int8_t *xr = xq + (long)r0 * K * P;
+        const float *xdr = xd + r0 * nb, *xsr = xs + r0 * nb;
+        float *yr = y + (long)r0 * N;
+#define X16W(RR)                                                                                           \
+        switch (fmt) {                                                                                     \
+        case Q8_0_I16_X16: x16w_rows512(RR, Q8_0_I16_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias); break; \
+        case Q4_1_I16_X16: x16w_rows512(RR, Q4_1_I16_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias); break; \
+        case Q8_0_F32_X16: x16w_rows512(RR, Q8_0_F32_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias); break; \
+        default: x16w_rows512(RR, Q4_1_F32_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias);                 \
+        }
+        switch (rr) {
+        case 1: X16W(1) break;
+        case 2: X16W(2) break;
+        case 3: X16W(3) break;
+        default: X16W(4)
+        }
+#undef X16W
+    }
+}
 #endif   /* HAVE_AVX512VNNI */
 #endif   /* HAVE_AVX2 */
 
@@ -675,6 +786,60 @@ static void x16_rows_ref(int fmt, const void *w, const uint16_t *d, const uint16
             if (bias) o += bias[n0 + i];
             y[(long)r * N + n0 + i] = o;
         }
+}
+
+/* The int16-activation X16 formats' reference: each lane's block value from the codes rebuilt
+   (c = 256 hi + lo) and dot_*_i16_ref, then x16w_rows512's FMAs in its order. */
+static float x16w_block_ref(int fmt, const uint8_t *wb, int i, const int8_t *a) {
+    uint8_t row[QK];
+    const int units = X16_Q8W(fmt) ? QK / 4 : QK / 8, P = X16_PLANES(fmt);
+    for (int u = 0; u < units; u++) memcpy(row + 4 * u, wb + (long)u * 4 * XG + 4 * i, 4);
+    float out = 0.0f;
+    for (int pair = 0; pair < P / 2; pair++) {
+        int16_t c[QK];
+        for (int j = 0; j < QK; j++) c[j] = (int16_t)(a[pair * 64 + 32 + j] * 256 + (uint8_t)a[pair * 64 + j]);
+        const int32_t s = X16_Q8W(fmt) ? dot_q8_0_i16_ref((const int8_t *)row, c) : dot_q4_i16_ref(row, c);
+        out = pair ? fmaf((float)s, 1.0f / 32768.0f, out) : (float)s;
+    }
+    return out;
+}
+
+static void x16w_rows_ref(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
+                          const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
+    const int nb = K / QK, bb = X16_Q8W(fmt) ? QK * XG : QK * XG / 2, n0 = c * XG, P = X16_PLANES(fmt);
+    const uint8_t *wg = (const uint8_t *)w + (long)c * nb * bb;
+    for (int r = 0; r < M; r++)
+        for (int i = 0; i < XG && n0 + i < N; i++) {
+            float acc = 0.0f, macc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                const float sf = x16w_block_ref(fmt, wg + (long)b * bb, i, xq + ((long)r * K + b * QK) * P);
+                const long at = ((long)c * nb + b) * XG + i;
+                acc = fmaf(sf, fp16_to_fp32(d[at]) * xd[r * nb + b], acc);
+                if (!X16_Q8W(fmt)) macc = fmaf(fp16_to_fp32(m[at]), xs[r * nb + b], macc);
+            }
+            float o = X16_Q8W(fmt) ? acc : acc + macc;
+            if (bias) o += bias[n0 + i];
+            y[(long)r * N + n0 + i] = o;
+        }
+}
+
+/* int16 codes [n, 32] (per block; split: h then l) -> byte planes lo(h), hi(h) [, lo(l), hi(l)] in
+   place, and the sums of the hi planes (q8_0 weights' starts; split: l's in the high half). */
+static void codes_to_planes(int8_t *q, long nblocks, int split, int32_t *hsums) {
+    for (long b = 0; b < nblocks; b++) {
+        int16_t c[2 * QK];
+        int8_t *blk = q + b * QK * 2 * (split ? 2 : 1);
+        memcpy(c, blk, sizeof(int16_t) * QK * (split ? 2 : 1));
+        int32_t hs[2] = {0, 0};
+        for (int pair = 0; pair < (split ? 2 : 1); pair++)
+            for (int j = 0; j < QK; j++) {
+                const int16_t v = c[pair * QK + j];
+                blk[pair * 64 + j] = (int8_t)(uint8_t)(v & 255);
+                blk[pair * 64 + 32 + j] = (int8_t)(v >> 8);
+                hs[pair] += (int8_t)(v >> 8);
+            }
+        if (hsums) hsums[b] = (int32_t)((uint32_t)hs[1] << 16) | (hs[0] & 0xFFFF);
+    }
 }
 
 /* For tests: the int32 sums of nb blocks of one X16 group (w: its codes, [nb, B/4, 16, 4]) times
@@ -775,6 +940,24 @@ INLINE void tile_blocks_i16(const int RR, const int split, const int8_t *w8, con
 HIDDEN void prepare_activations(int fmt, const float *x, int M, int K, int8_t *xq, float *xd, float *xs) {
     const int nb = K / QK;
     const int f32 = fmt == Q4_1_F32 || fmt == Q8_0_F32, wide = fmt == Q8_0_I16 || fmt == Q4_1_I16;
+    if (is_x16_wide(fmt)) {   /* codes as byte planes; xs: q4_1's minimum factors, q8_0's hi sums */
+        const int split = X16_PLANES(fmt) == 4;
+        quantize_rows(x, M, K, split ? ACT_SPLIT : ACT_I16, xq, xd);
+        if (fmt == Q4_1_I16_X16)
+            for (int mb = 0; mb < M * nb; mb++) {
+                int32_t s = 0;
+                for (int i = 0; i < QK; i++) s += ((const int16_t *)xq)[(long)mb * QK + i];
+                xs[mb] = xd[mb] * (float)s;
+            }
+        if (fmt == Q4_1_F32_X16)
+            for (int mb = 0; mb < M * nb; mb++) {
+                float s = 0.0f;
+                for (int i = 0; i < QK; i++) s += x[(long)mb * QK + i];
+                xs[mb] = s;
+            }
+        codes_to_planes(xq, (long)M * nb, split, X16_Q8W(fmt) ? (int32_t *)xs : NULL);
+        return;
+    }
     if (fmt == Q4_1_F32)
         for (int m = 0; m < M; m++)
             for (int b = 0; b < nb; b++) {
@@ -1020,13 +1203,14 @@ HIDDEN void quant_rows(int fmt, const void *w, const uint16_t *d, const uint16_t
                        const float *x, const int8_t *xq, const float *xd, const float *xs, int M, float *y,
                        const float *bias) {
     if (is_x16(fmt)) {
+        const int wide = is_x16_wide(fmt);
 #if HAVE_AVX512VNNI
         if (g_isa == ISA_AVX512VNNI) {
-            x16_group512(fmt, w, d, m, c, N, K, xq, xd, xs, M, y, bias);
+            (wide ? x16w_group512 : x16_group512)(fmt, w, d, m, c, N, K, xq, xd, xs, M, y, bias);
             return;
         }
 #endif
-        x16_rows_ref(fmt, w, d, m, c, N, K, xq, xd, xs, M, y, bias);
+        (wide ? x16w_rows_ref : x16_rows_ref)(fmt, w, d, m, c, N, K, xq, xd, xs, M, y, bias);
         return;
     }
     QUANT_ROWS[g_isa](fmt, w, d, m, c, N, K, x, xq, xd, xs, M, y, bias);
