@@ -19,6 +19,11 @@ q8_0 and q4_0 keep llama.cpp's block formats but not its rounding rule: each blo
 best of a search (quantize_blocks), which on a checkpoint that was quantized before (SmolLM2's
 Q4_1) removes most of the requantization error (docs/decode-speed.md).
 
+Where the avx512vnni kernels run, QuantLinear holds its codes row-interleaved (layout 'x16': 16
+rows per group, quant_gemv.h), the layout those decode kernels read with the rows as vector lanes;
+every other reader (dequantize, embedding rows, the prefill GEMM, state_dict) gets row-major codes
+back through row_major(). There is one copy of the weights either way.
+
 QuantLinear calls the C kernels for batch-1 decode and other small row counts (<= KERNEL_ROWS) on
 the CPU; prefill and larger batches multiply the codes in caramba.model.quant_gemm (an int8 GEMM
 on AMX/VNNI for q8 activations, AMX-BF16 for fp32 ones) where the CPU has one; other devices,
