@@ -11,6 +11,9 @@
      q4_1: qs uint8 [N, K/2], d, m fp16 [N, K/32];      w = d * q + m, q in 0..15, byte j of a block
            holds element j in its low nibble and element j + 16 in its high one (ggml's layout).
 
+   The same blocks row-interleaved, 16 rows to a group (quant_gemv.h's X16 formats), are what the
+   avx512vnni level's decode products read: "row-interleaved weights" below.
+
    Three activation modes:
      gemv_q8_0_q8 / gemv_q4_1_q8: the activations are quantized to q8_0 on the fly (per 32-block,
        scale amax/127) and the dot product runs in int8 x int8 -> int32, as llama.cpp's q8_0 x q8_0
