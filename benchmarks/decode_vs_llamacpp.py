@@ -17,11 +17,15 @@ sides alike; the table gives medians, with the load average before and after.
 
     .venv/bin/python benchmarks/decode_vs_llamacpp.py [--threads 2] [--tokens 64] [--repeats 5]
         [--formats F32,Q8_0,Q4_0,Q4_1] [--sdist FILE] [--no-llamacpp] [--torch-path] [--isa LEVELS]
-        [--json out.json]
+        [--rows] [--cpu-time] [--json out.json]
 
 --isa avx2,avx512vnni times caramba's quantized products at each of these instruction set levels
 (caramba.model.isa; each level the machine lacks falls back, and the table says to what), in the
 same alternation: an A/B of the kernels on one machine. The first level fills the ratio column.
+
+--rows adds caramba with its quantized weights in the row-major layout (caramba.model.quant's
+layout 'rows': the kernels before the row-interleaved x16 ones) in the same alternation: the A/B of
+the x16 kernels (--isa lowers the level, which on x16 weights runs their portable reference).
 
 --torch-path adds caramba with its one-call decode step off (the torch backend,
 caramba.model.backend.TorchStep, instead of fast_decode.CStep), the torch-op path every step took
@@ -35,6 +39,7 @@ benchmark, never a test: CI never builds llama.cpp.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -97,6 +102,8 @@ def main() -> None:
                     f"({', '.join(isa.LEVELS)}; default: the one chosen)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="also give caramba's tokens per CPU second (process time, all threads) per level")
+    ap.add_argument("--rows", action="store_true",
+                    help="also time caramba with row-major quantized weights (the kernels before the x16 layout)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -113,29 +120,44 @@ def main() -> None:
     ggufs = {} if tools is None else llamacpp.models(tools, formats)
     kinds = [w for f in formats for w in llamacpp.CARAMBA_WEIGHTS[f]]
     models = {w: load_model("smollm2-135m", progress=False, weights=w) for w in kinds}
+    rows_models = {}
+    if args.rows:   # the same weights held row-major (fp32 has none to relayout)
+        for w in kinds:
+            m = copy.deepcopy(models[w].model)
+            if quant.relayout(m, "rows"):
+                rows_models[w] = m
+    layouts = sorted({q.layout for lm in models.values() for q in lm.model.modules() if isinstance(q, quant.QuantLinear)})
     tokenizer = next(iter(models.values())).tokenizer
     prompt = torch.tensor([tokenizer.encode("The history of the lighthouse begins with")])
     steps = {w: choose(models[w].model) for w in kinds}            # the C step where it applies, as a Generator's
     torch_steps = {w: TorchStep(models[w].model) for w in kinds}
+    rows_steps = {w: choose(m) for w, m in rows_models.items()}
 
     load_before = os.getloadavg()
-    rows = {w: {"caramba": [], "torch path": [], **{f"isa {v}": [] for v in levels if v}} for w in kinds}
+    rows = {w: {"caramba": [], "torch path": [], "rows": [], "rows cpu": [], "cpu": [],
+                **{f"isa {v}": [] for v in levels if v}} for w in kinds}
     llama_runs = {f: [] for f in formats}
     commands = {}
     for w in kinds:   # warm-up: kernel builds, first-touch of the weights
         caramba_decode(steps[w], prompt, 4)
+        if w in rows_steps:
+            caramba_decode(rows_steps[w], prompt, 4)
     for _ in range(args.repeats):
         for f in formats:
             for w in llamacpp.CARAMBA_WEIGHTS[f]:
                 for v in levels:
                     if v is None:
                         rows[w]["caramba"].append(caramba_decode(steps[w], prompt, args.tokens))
+                        rows[w]["cpu"].append(CPU_TOK_S[-1])
                         continue
                     with isa.use_isa(v):
                         rows[w][f"isa {v}"].append(caramba_decode(steps[w], prompt, args.tokens))
                         rows[w].setdefault(f"cpu {v}", []).append(CPU_TOK_S[-1])
                 if levels[0] is not None:
                     rows[w]["caramba"] = rows[w][f"isa {levels[0]}"]
+                if w in rows_steps:
+                    rows[w]["rows"].append(caramba_decode(rows_steps[w], prompt, args.tokens))
+                    rows[w]["rows cpu"].append(CPU_TOK_S[-1])
                 if args.torch_path:
                     rows[w]["torch path"].append(caramba_decode(torch_steps[w], prompt, args.tokens))
             if tools is not None:
@@ -146,7 +168,8 @@ def main() -> None:
     print(f"SmolLM2-135M batch-1 decode, {args.tokens} tokens x {args.repeats} alternating repeats, "
           f"{args.threads} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}; "
           f"kernels: decode step {fast_decode.status()}, weights {quant.status()}, decode ops {fused.status()}, "
-          f"kv {cache_kernel.status()}, quantized products at {isa.kernel_isa()} (caramba.model.isa)")
+          f"kv {cache_kernel.status()}, quantized products at {isa.kernel_isa()} (caramba.model.isa), "
+          f"weight layout {'/'.join(layouts) or '-'}")
     print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
           f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} (on {os.cpu_count()} CPUs)")
     chosen = {v: isa.resolve(v) for v in levels if v}   # what each level ran at (a fallback where it is missing)
@@ -154,6 +177,10 @@ def main() -> None:
     extra += "".join(f" caramba at {v}{'' if chosen[v] == v else f' (ran {chosen[v]})'} tok/s |" for v in levels[1:] if v)
     cpu_levels = [v for v in levels if v] if args.cpu_time else []
     extra += "".join(f" caramba at {v}, tok per CPU s |" for v in cpu_levels)
+    if args.cpu_time and levels == [None]:
+        extra += " caramba, tok per CPU s |"
+    if args.rows:
+        extra += " caramba rows layout tok/s |" + (" rows layout, tok per CPU s |" if args.cpu_time else "")
     first = "" if levels[0] is None else f" at {levels[0]}" + ("" if chosen[levels[0]] == levels[0] else f" (ran {chosen[levels[0]]})")
     print(f"| format | caramba weights | caramba{first} tok/s | llama.cpp tok/s | caramba / llama.cpp |{extra}")
     print("|---|---|---|---|---|" + "---|" * extra.count("|"))
@@ -166,6 +193,11 @@ def main() -> None:
             tp = f" {statistics.median(rows[w]['torch path']):.1f} |" if args.torch_path else ""
             tp += "".join(f" {statistics.median(rows[w][f'isa {v}']):.1f} |" for v in levels[1:] if v)
             tp += "".join(f" {statistics.median(rows[w][f'cpu {v}']):.1f} |" for v in cpu_levels)
+            med = lambda k: f" {statistics.median(rows[w][k]):.1f} |" if rows[w][k] else " - |"  # noqa: E731
+            if args.cpu_time and levels == [None]:
+                tp += med("cpu")
+            if args.rows:
+                tp += med("rows") + (med("rows cpu") if args.cpu_time else "")
             print(f"| {f} | {w} | {c:.1f} | {f'{lc:.1f}' if lc else '-'} | {ratio} |{tp}")
             choice = getattr(steps[w], "threads", None)   # the C step's adaptive thread count
             if choice is not None and choice.current not in (None, args.threads):
@@ -175,12 +207,15 @@ def main() -> None:
                           "caramba_runs": rows[w]["caramba"], "llamacpp_runs": llama_runs[f],
                           "torch_path_runs": rows[w]["torch path"], "decode_step": steps[w].path,
                           "isa_runs": {v: rows[w][f"isa {v}"] for v in levels if v},
-                          "isa_cpu_tok_s": {v: rows[w].get(f"cpu {v}", []) for v in levels if v}})
+                          "isa_cpu_tok_s": {v: rows[w].get(f"cpu {v}", []) for v in levels if v},
+                          "cpu_tok_s": rows[w]["cpu"], "rows_layout_runs": rows[w]["rows"],
+                          "rows_layout_cpu_tok_s": rows[w]["rows cpu"]})
     if args.json:
         Path(args.json).write_text(json.dumps({
             "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "torch": torch.__version__,
             "loadavg_before": load_before, "loadavg_after": load_after, "kernels": quant.status(),
             "decode_step": fast_decode.status(), "kernel_isa": isa.kernel_isa(), "isa_levels": chosen,
+            "weight_layouts": layouts,
             "llamacpp_commands": commands, "rows": table}, indent=2))
 
 

@@ -97,8 +97,9 @@ def test_products_on_arm_equal_the_exact_product_within_fp32_rounding(arm, fmt, 
     lin = layer(fmt, act, N, K, seed=M * N + K)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(K))
     out = np.zeros((M, N), np.float32)
-    mins = [lin.m.numpy()] if fmt == "q4_1" else [0] if fmt == "q4_0" else []   # q4_0: no minimums (NULL)
-    args = [x.numpy(), lin.qs.numpy(), lin.d.numpy(), *mins]
+    qs, d, m = lin.row_major()      # the gemv_* exports take row-major blocks
+    mins = [m.numpy()] if fmt == "q4_1" else [0] if fmt == "q4_0" else []   # q4_0: no minimums (NULL)
+    args = [x.numpy(), qs.numpy(), d.numpy(), *mins]
     assert arm.call(GEMV[(fmt, act)], *args, out, M, N, K, 2) == 0
     exact, mag = exact_product(lin, x)
     err = np.abs(out.astype(np.float64) + lin.bias.double().numpy() - exact)

@@ -139,12 +139,13 @@ def layer(fmt: str, act: str, N: int, K: int, seed: int) -> QuantLinear:
 def weight_codes(lin: QuantLinear) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(codes [N, nb, 32] as float64, scales d [N, nb], offsets m [N, nb]) with w = d c + m."""
     N, K = lin.out_features, lin.in_features
-    d = lin.d.double().numpy()
+    qs, d, m = lin.row_major()
+    d = d.double().numpy()
     if lin.fmt == "q8_0":
-        return lin.qs.numpy().astype(np.float64).reshape(N, K // 32, 32), d, np.zeros_like(d)
-    q = lin.qs.numpy().reshape(N, K // 32, 16)
+        return qs.numpy().astype(np.float64).reshape(N, K // 32, 32), d, np.zeros_like(d)
+    q = qs.numpy().reshape(N, K // 32, 16)
     codes = np.concatenate([q & 15, q >> 4], -1).astype(np.float64)
-    return codes, d, (-8.0 * d if lin.fmt == "q4_0" else lin.m.double().numpy())
+    return codes, d, (-8.0 * d if lin.fmt == "q4_0" else m.double().numpy())
 
 
 def exact_product(lin: QuantLinear, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -98,9 +98,9 @@ def old_path(lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 def test_int8_levels_are_the_reference_bit_for_bit(level, fmt, M, K, N):
     lin = layer(fmt, "q8", N, K, seed=M + N)
     xq, xd = quant.quantize_rows_q8(activations(M, K, seed=K))
-    ref = quant_gemm.gemm(fmt, xq, xd, lin.qs, lin.d, N, reference=True)
+    ref = quant_gemm.gemm(fmt, xq, xd, *lin.row_major()[:2], N, reference=True)
     for threads in (1, 2):
-        assert torch.equal(quant_gemm.gemm(fmt, xq, xd, lin.qs, lin.d, N, threads=threads), ref)
+        assert torch.equal(quant_gemm.gemm(fmt, xq, xd, *lin.row_major()[:2], N, threads=threads), ref)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
@@ -113,7 +113,7 @@ def test_int8_reference_is_dequantize_then_matmul_within_fp32_rounding(fmt, M, K
     x = activations(M, K, seed=M)
     xq, xd = quant.quantize_rows_q8(x)
     assert torch.equal(xq.float() * xd.repeat_interleave(32, 1), quant.round_activations(x, "q8"))   # the same codes
-    got = quant_gemm.gemm(fmt, xq, xd, lin.qs, lin.d, N, reference=True)
+    got = quant_gemm.gemm(fmt, xq, xd, *lin.row_major()[:2], N, reference=True)
     expected = old_path(lin, x)
     limit = bound(quant.round_activations(x, "q8"), lin.dequantized(), K + 2 * (K // 32) + 2)
     assert ((got - expected).abs() <= limit).all(), float(((got - expected).abs() - limit).max())
@@ -132,7 +132,7 @@ def test_quantlinear_prefill_takes_the_gemm(fmt, T):
     assert got.shape == (1, T, 45)
     if quant_gemm.level() != "scalar":
         xq, xd = quant.quantize_rows_q8(x[0])
-        assert torch.equal(got[0], quant_gemm.gemm(fmt, xq, xd, lin.qs, lin.d, 45) + lin.bias)
+        assert torch.equal(got[0], quant_gemm.gemm(fmt, xq, xd, *lin.row_major()[:2], 45) + lin.bias)
     with quant_gemm.use_level("scalar"):
         old = lin(x)
     limit = bound(quant.round_activations(x[0], "q8"), lin.dequantized(), 96 + 8) + 4 * U * lin.bias.abs()
@@ -161,11 +161,11 @@ def test_f32_amx_is_dequantize_then_matmul_within_fp32_rounding(fmt, M, K, N):
     n = 3 * K + 2 * (K // 32) + 2
     limit = bound(x, w, n)
     if fmt == "q4_1":   # the minimum's term sums x separately: its own |m| |x| sizes
-        limit += bound(x, lin.m.float().repeat_interleave(32, 1), n)
+        limit += bound(x, lin.row_major()[2].float().repeat_interleave(32, 1), n)
     for threads in (1, 2):
-        got = quant_gemm.gemm_f32(fmt, x, lin.qs, lin.d, lin.m, N, threads=threads)
+        got = quant_gemm.gemm_f32(fmt, x, *lin.row_major(), N, threads=threads)
         assert ((got - old_path(lin, x)).abs() <= limit).all()
-        assert ((got - quant_gemm.gemm_f32(fmt, x, lin.qs, lin.d, lin.m, N, reference=True)).abs() <= limit).all()
+        assert ((got - quant_gemm.gemm_f32(fmt, x, *lin.row_major(), N, reference=True)).abs() <= limit).all()
 
 
 def test_f32_pieces_are_exact():
@@ -176,8 +176,8 @@ def test_f32_pieces_are_exact():
     x = (activations(20, 64, seed=9) * (1 + 2.0 ** -20)) * torch.logspace(-6, 3, 64)
     exact = (x.double() @ lin.dequantized().double().t()).float()
     n = 3 * 64 + 6
-    limit = bound(x, lin.dequantized(), n) + bound(x, lin.m.float().repeat_interleave(32, 1), n)
-    got = quant_gemm.gemm_f32("q4_1", x, lin.qs, lin.d, lin.m, 16)
+    limit = bound(x, lin.dequantized(), n) + bound(x, lin.row_major()[2].float().repeat_interleave(32, 1), n)
+    got = quant_gemm.gemm_f32("q4_1", x, *lin.row_major(), 16)
     assert ((got - exact).abs() <= limit).all()
 
 
@@ -266,7 +266,7 @@ def test_smollm2_projections_agree_with_the_old_path_on_real_activations(smollm2
         n = (lin.in_features if lin.act == "q8" else 3 * lin.in_features) + 2 * (lin.in_features // 32) + 2
         limit = bound(r, lin.dequantized(), n)
         if lin.m is not None:
-            limit += bound(r, lin.m.float().repeat_interleave(32, 1), n)
+            limit += bound(r, lin.row_major()[2].float().repeat_interleave(32, 1), n)
         assert ((got - old).abs() <= limit).all()
         checked += 1
     assert checked >= 4 * model.config.n_layers

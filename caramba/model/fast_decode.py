@@ -64,11 +64,11 @@ TOKEN_KINDS = {k: k.spec.step for k in KVCacheKind
                if k.spec.step is not None and k.spec.quantized and not k.spec.per_channel}
 CHANNEL_KINDS = {k: k.spec.step for k in KVCacheKind if k.spec.step is not None and k.spec.per_channel}   # keys only
 
-# decode_step.c's projection formats (quant_gemv.h)
-F32_ROWS, F32_COLS, Q8_0_Q8, Q8_0_F32, Q4_1_F32, Q4_1_Q8, Q4_0_Q8, Q8_0_I16, Q4_1_I16 = range(9)
-_QUANT_FORMATS = {("q8_0", "q8"): Q8_0_Q8, ("q8_0", "f32"): Q8_0_F32, ("q4_1", "f32"): Q4_1_F32,
-                  ("q4_1", "q8"): Q4_1_Q8, ("q4_0", "q8"): Q4_0_Q8, ("q8_0", "i16"): Q8_0_I16,
-                  ("q4_1", "i16"): Q4_1_I16}
+# decode_step.c's projection formats (quant_gemv.h's ids, kept in caramba.model.quant)
+from caramba.model.quant import (F32_COLS, F32_ROWS, Q4_0_Q8, Q4_0_Q8_X16, Q4_1_F32, Q4_1_F32_X16,  # noqa: E402,F401
+                                 Q4_1_I16, Q4_1_I16_X16, Q4_1_Q8, Q4_1_Q8_X16, Q8_0_F32, Q8_0_F32_X16, Q8_0_I16,
+                                 Q8_0_I16_X16, Q8_0_Q8, Q8_0_Q8_X16)
+_QUANT_FORMATS = quant.FORMAT_IDS   # (fmt, act, layout) -> id
 
 
 def status() -> str:
@@ -92,7 +92,7 @@ def _linear(module: nn.Module, n: int, k: int) -> tuple[Lin, list[torch.Tensor]]
         fmt, tensors = F32_COLS, [module.weight_t, None, None]
     elif type(module) is quant.QuantLinear and (module.out_features, module.in_features) == (n, k) \
             and module.qs.device.type == "cpu":
-        fmt, tensors = _QUANT_FORMATS[(module.fmt, module.act)], [module.qs, module.d, module.m]
+        fmt, tensors = _QUANT_FORMATS[(module.fmt, module.act, module.layout)], [module.qs, module.d, module.m]
     else:
         return None
     tensors.append(bias)

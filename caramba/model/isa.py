@@ -5,7 +5,10 @@ is built with it) each choose a level once, when they load: the best the CPU, th
 all have, or the one CARAMBA_ISA asks for (a level the machine lacks falls back to the best one
 below it, never above). Levels, slowest first: scalar (the portable reference), avx2, avxvnni,
 avx512, avx512vnni. Every vector level's outputs are bit-identical to avx2's; scalar differs by
-fp32 summation order only. In the decode step's library, scalar also runs the fp32 products,
+fp32 summation order only. Quantized layers made at avx512vnni hold their codes row-interleaved
+(caramba.model.quant's layout 'x16'), which that level's kernel reads; at any lower level those
+layers run the x16 portable reference, bit-identical and slow (for tests; an A/B of kernels
+compares layouts: quant.relayout, benchmarks/decode_vs_llamacpp.py --rows). In the decode step's library, scalar also runs the fp32 products,
 value mixing and dot products through their portable references (decode_step.c's *_ref).
 
     kernel_isa()           the level the products run with ('avx512vnni'), or why no C kernels run

@@ -19,6 +19,11 @@ q8_0 and q4_0 keep llama.cpp's block formats but not its rounding rule: each blo
 best of a search (quantize_blocks), which on a checkpoint that was quantized before (SmolLM2's
 Q4_1) removes most of the requantization error (docs/decode-speed.md).
 
+Where the avx512vnni kernels run, QuantLinear holds its codes row-interleaved (layout 'x16': 16
+rows per group, quant_gemv.h), the layout those decode kernels read with the rows as vector lanes;
+every other reader (dequantize, embedding rows, the prefill GEMM, state_dict) gets row-major codes
+back through row_major(). There is one copy of the weights either way.
+
 QuantLinear calls the C kernels for batch-1 decode and other small row counts (<= KERNEL_ROWS) on
 the CPU; prefill and larger batches multiply the codes in caramba.model.quant_gemm (an int8 GEMM
 on AMX/VNNI for q8 activations, AMX-BF16 for fp32 ones) where the CPU has one; other devices,
@@ -64,6 +69,9 @@ _SIGNATURES = {
     "split_activations": ([_P, _I, _I, _P, _P], None),
     "embed_rows_q8_0": ([_P, ctypes.c_long, _P, _P, ctypes.c_long, _I, _P], ctypes.c_long),
     "block_sums": ([_I, _P, _P, _I, _P], None),
+    "gemv_x16": ([_I] + [_P] * 5 + [_I] * 4, _I),
+    "x16_block_sums": ([_I, _P, _P, _I, _P], None),
+    "embed_rows_q8_0_x16": ([_P, ctypes.c_long, _P, _P, ctypes.c_long, _I, _P], ctypes.c_long),
 }
 # cpu_isa.c's exports, in every library built with it (caramba.model.isa reads them)
 ISA_SIGNATURES = {"isa_name": ([], ctypes.c_char_p), "isa_set": ([ctypes.c_char_p], _I),
@@ -85,6 +93,49 @@ def check_kind(weights: str) -> str:
 
 
 # --- the formats ----------------------------------------------------------------------------------
+
+# The products' format ids (quant_gemv.h's enum; decode_step.c and quant_gemv.c switch on them):
+# the decode step's fp32 layouts, the row-major block formats (weight x activation codes), then
+# the row-interleaved ones (layout 'x16').
+(F32_ROWS, F32_COLS, Q8_0_Q8, Q8_0_F32, Q4_1_F32, Q4_1_Q8, Q4_0_Q8, Q8_0_I16, Q4_1_I16,
+ Q8_0_Q8_X16, Q4_0_Q8_X16, Q4_1_Q8_X16, Q8_0_I16_X16, Q4_1_I16_X16, Q8_0_F32_X16, Q4_1_F32_X16) = range(16)
+FORMAT_IDS = {("q8_0", "q8", "rows"): Q8_0_Q8, ("q8_0", "f32", "rows"): Q8_0_F32, ("q4_1", "f32", "rows"): Q4_1_F32,
+              ("q4_1", "q8", "rows"): Q4_1_Q8, ("q4_0", "q8", "rows"): Q4_0_Q8, ("q8_0", "i16", "rows"): Q8_0_I16,
+              ("q4_1", "i16", "rows"): Q4_1_I16, ("q8_0", "q8", "x16"): Q8_0_Q8_X16,
+              ("q4_0", "q8", "x16"): Q4_0_Q8_X16, ("q4_1", "q8", "x16"): Q4_1_Q8_X16,
+              ("q8_0", "i16", "x16"): Q8_0_I16_X16, ("q4_1", "i16", "x16"): Q4_1_I16_X16,
+              ("q8_0", "f32", "x16"): Q8_0_F32_X16, ("q4_1", "f32", "x16"): Q4_1_F32_X16}
+
+# Layouts of QuantLinear's codes: 'rows' (llama.cpp's, row after row) or 'x16' (groups of X16 rows
+# interleaved 4 code bytes at a time, their scales side by side: quant_gemv.h), which the decode
+# products read with the rows as vector lanes (quant_gemv.c). x16 is chosen where its kernel runs
+# (avx512vnni), for every format; elsewhere rows, whose kernels are tuned for avx2. Either layout holds the same bytes; state_dict() gives rows whatever the layout.
+LAYOUTS = ("rows", "x16")
+X16 = 16
+X16_LEVELS = ("avx512vnni",)
+
+
+def default_layout(fmt: str, act: str) -> str:
+    """'x16' where the library runs its kernel (the level chosen now) and (fmt, act) has one, else 'rows'."""
+    lib = library()
+    if (fmt, act, "x16") in FORMAT_IDS and lib is not None and lib.isa_name().decode() in X16_LEVELS:
+        return "x16"
+    return "rows"
+
+
+def interleave(t: torch.Tensor, unit: int) -> torch.Tensor:
+    """[N, C] (codes' bytes: unit 4; scales: unit 1) -> [ceil(N/16), C/unit, 16, unit], rows past N zero."""
+    N, C = t.shape
+    pad = -N % X16
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, C)])
+    return t.reshape(-1, X16, C // unit, unit).transpose(1, 2).contiguous()
+
+
+def deinterleave(t: torch.Tensor, N: int) -> torch.Tensor:
+    """interleave's inverse: [G, C/unit, 16, unit] -> [N, C] (a new tensor)."""
+    G, U, _, unit = t.shape
+    return t.transpose(1, 2).reshape(G * X16, U * unit)[:N].contiguous()
 
 # Candidate scales of the search (quant_gemv.c, quantize_blocks_best): f times the scale that
 # maps a block's largest element onto the end code. f = 1 is llama.cpp's choice; larger f trade
@@ -242,24 +293,63 @@ class QuantLinear(nn.Module):
     q4_1 only); 'f32' multiplies them as they are, to fp32 rounding (q8_0 and q4_1 only; the
     kernels split each activation into two int16 codes, quant_gemv.c's ACT_SPLIT).
     `embedding(tokens)` reads rows of W, for a head tied to the embeddings.
+
+    qs, d and m come row-major ([N, K or K/2], [N, K/32]); `layout` is how the layer holds them
+    ('rows', or 'x16': row-interleaved for the decode kernels; None: default_layout). `row_major()`
+    gives them back row-major whatever the layout, and state_dict() holds them so.
     """
 
     def __init__(self, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, act: str = "f32") -> None:
+                 bias: torch.Tensor | None = None, act: str = "f32", layout: str | None = None) -> None:
         super().__init__()
         if fmt not in ("q8_0", "q4_0", "q4_1") or act not in ("q8", "i16", "f32") or (fmt == "q4_0" and act != "q8"):
             raise ValueError(f"no kernel for weights {fmt} with {act} activations")
         if (m is None) != (fmt != "q4_1"):
             raise ValueError(f"weights {fmt} {'need' if fmt == 'q4_1' else 'have no'} block minimums")
-        self.fmt, self.act = fmt, act
+        layout = default_layout(fmt, act) if layout is None else layout
+        if layout not in LAYOUTS or (layout == "x16" and (fmt, act, layout) not in FORMAT_IDS):
+            raise ValueError(f"no layout {layout!r} for weights {fmt} with {act} activations; "
+                             f"use one of {', '.join(LAYOUTS)}")
+        self.fmt, self.act, self.layout = fmt, act, layout
         self.out_features = qs.shape[0]
         self.in_features = qs.shape[1] * (1 if fmt == "q8_0" else 2)
         if self.in_features % QK:
             raise ValueError(f"quantized weights need in_features divisible by {QK}, got {self.in_features}")
-        self.register_buffer("qs", qs.contiguous())
-        self.register_buffer("d", d.to(torch.float16).contiguous())
-        self.register_buffer("m", None if m is None else m.to(torch.float16).contiguous())
+        self.register_buffer("qs", None)
+        self.register_buffer("d", None)
+        self.register_buffer("m", None)
+        self._hold(qs, d, m)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self._register_state_dict_hook(_rows_in_state_dict)
+        self._register_load_state_dict_pre_hook(_rows_from_state_dict, with_module=True)
+
+    def _hold(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> None:
+        """Keep row-major qs, d, m in this layer's layout (one copy: the row-major ones are dropped)."""
+        d = d.to(torch.float16)
+        m = None if m is None else m.to(torch.float16)
+        if self.layout == "x16":
+            qs, d = interleave(qs, 4), interleave(d, 1).squeeze(-1)
+            m = None if m is None else interleave(m, 1).squeeze(-1)
+        self.qs, self.d = qs.contiguous(), d.contiguous()
+        self.m = None if m is None else m.contiguous()
+
+    def row_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(qs, d, m) row-major: the buffers themselves for 'rows', a fresh copy for 'x16'."""
+        if self.layout == "rows":
+            return self.qs, self.d, self.m
+        N = self.out_features
+        m = None if self.m is None else deinterleave(self.m.unsqueeze(-1), N)
+        return deinterleave(self.qs, N), deinterleave(self.d.unsqueeze(-1), N), m
+
+    def relayout(self, layout: str) -> QuantLinear:
+        """Hold the codes in `layout` from now on ('rows' or 'x16'); returns self."""
+        if layout != self.layout:
+            if layout not in LAYOUTS or (layout == "x16" and (self.fmt, self.act, layout) not in FORMAT_IDS):
+                raise ValueError(f"no layout {layout!r} for weights {self.fmt} with {self.act} activations")
+            qs, d, m = self.row_major()
+            self.layout = layout
+            self._hold(qs, d, m)
+        return self
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str = "q8",
@@ -271,7 +361,7 @@ class QuantLinear(nn.Module):
         return cls(fmt, q, d, bias=bias, act=act)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, fmt={self.fmt}, act={self.act}"
+        return f"{self.in_features}, {self.out_features}, fmt={self.fmt}, act={self.act}, layout={self.layout}"
 
     @property
     def weight_t(self) -> torch.Tensor:
@@ -280,7 +370,7 @@ class QuantLinear(nn.Module):
         return self.dequantized().t()
 
     def dequantized(self) -> torch.Tensor:
-        return self._dequantize(self.qs, self.d, self.m)
+        return self._dequantize(*self.row_major())
 
     def _dequantize(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
         if self.fmt == "q8_0":
@@ -294,15 +384,24 @@ class QuantLinear(nn.Module):
         if lib is not None:
             flat = flat.contiguous()
             rows = torch.empty(flat.numel(), self.in_features)
-            bad = lib.embed_rows_q8_0(flat.data_ptr(), flat.numel(), self.qs.data_ptr(), self.d.data_ptr(),
-                                      self.out_features, self.in_features, rows.data_ptr())
+            fn = lib.embed_rows_q8_0_x16 if self.layout == "x16" else lib.embed_rows_q8_0
+            bad = fn(flat.data_ptr(), flat.numel(), self.qs.data_ptr(), self.d.data_ptr(),
+                     self.out_features, self.in_features, rows.data_ptr())
             if bad:
                 raise IndexError(f"token id {int(flat[bad - 1])} is outside the vocabulary 0..{self.out_features - 1}")
         else:   # as F.embedding does: a negative id is an error here too, not a row from the end
             if flat.is_cpu and flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
                 raise IndexError(f"a token id is outside the vocabulary 0..{self.out_features - 1}")
-            rows = self._dequantize(self.qs[flat], self.d[flat], None if self.m is None else self.m[flat])
+            rows = self._dequantize(*self._gather(flat))
         return rows.view(*tokens.shape, self.in_features)
+
+    def _gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Row-major (qs, d, m) of rows ids [n] of W."""
+        if self.layout == "rows":
+            return self.qs[ids], self.d[ids], None if self.m is None else self.m[ids]
+        g, lane = ids // X16, ids % X16
+        qs = self.qs[g, :, lane, :].reshape(len(ids), -1)
+        return qs, self.d[g, :, lane], None if self.m is None else self.m[g, :, lane]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The decode-step path first, with as few torch ops as possible: at batch 1 each op's
@@ -334,19 +433,22 @@ class QuantLinear(nn.Module):
         lib = quant_gemm.library()
         if lib is None:
             return None
+        # the GEMM reads row-major codes: an x16 layer's are made for the call (one weight's bytes,
+        # freed after; a prompt's rows outweigh the copy by far)
+        qs, d, m = self.row_major()
         if self.act == "q8" and self.fmt in quant_gemm.INT8_FORMATS:
             if lib.gemm_isa_name() == b"scalar":
                 return None
             q = quantize_rows_q8(rows)
             if q is None:
                 return None
-            out = quant_gemm.gemm(self.fmt, *q, self.qs, self.d, self.out_features)
+            out = quant_gemm.gemm(self.fmt, *q, qs, d, self.out_features)
         else:
             if not lib.gemm_f32_available():
                 return None
             if self.act != "f32":   # q4_1 with q8 or int16 codes: the values those kernels multiply
                 rows = round_activations(rows, self.act).contiguous()
-            out = quant_gemm.gemm_f32(self.fmt, rows, self.qs, self.d, self.m, self.out_features)
+            out = quant_gemm.gemm_f32(self.fmt, rows, qs, d, m, self.out_features)
         if self.bias is not None:
             out += self.bias
         return out
@@ -356,7 +458,11 @@ class QuantLinear(nn.Module):
         out = torch.empty(x.shape[:-1] + (N,))
         # Below ~64k weights a thread hand-off costs more than it saves.
         threads = torch.get_num_threads() if N * K >= 1 << 16 else 1
-        if self.fmt == "q8_0":
+        if self.layout == "x16":
+            failed = lib.gemv_x16(FORMAT_IDS[(self.fmt, self.act, "x16")], x.data_ptr(), self.qs.data_ptr(),
+                                  self.d.data_ptr(), None if self.m is None else self.m.data_ptr(), out.data_ptr(),
+                                  M, N, K, threads)
+        elif self.fmt == "q8_0":
             fn = getattr(lib, f"gemv_q8_0_{self.act}")
             failed = fn(x.data_ptr(), self.qs.data_ptr(), self.d.data_ptr(), out.data_ptr(), M, N, K, threads)
         else:
@@ -368,6 +474,40 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             out += self.bias
         return out
+
+
+def _rows_in_state_dict(module: QuantLinear, state: dict, prefix: str, local_metadata) -> None:
+    """state_dict() holds the codes row-major, whatever the layout: a saved model loads on any machine."""
+    if module.layout != "rows":
+        qs, d, m = module.row_major()
+        state[prefix + "qs"], state[prefix + "d"] = qs, d
+        if m is not None:
+            state[prefix + "m"] = m
+
+
+def _rows_from_state_dict(module: QuantLinear, state: dict, prefix: str, *_args) -> None:
+    """load_state_dict() takes row-major codes (state_dict's) into the layer's layout."""
+    if module.layout != "rows" and (prefix + "qs") in state and state[prefix + "qs"].dim() == 2:
+        m = state.get(prefix + "m")
+        qs, d = interleave(state[prefix + "qs"], 4), interleave(state[prefix + "d"].to(torch.float16), 1).squeeze(-1)
+        state[prefix + "qs"], state[prefix + "d"] = qs, d
+        if m is not None:
+            state[prefix + "m"] = interleave(m.to(torch.float16), 1).squeeze(-1)
+
+
+def relayout(model: nn.Module, layout: str | None = None) -> int:
+    """Every QuantLinear of `model` held in `layout` (None: default_layout's choice for each, 'rows'
+    where it has no x16 kernel); returns how many changed."""
+    changed = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            want = default_layout(mod.fmt, mod.act) if layout is None else layout
+            if want == "x16" and (mod.fmt, mod.act, "x16") not in FORMAT_IDS:
+                want = "rows"
+            if want != mod.layout:
+                mod.relayout(want)
+                changed += 1
+    return changed
 
 
 # --- whole models ---------------------------------------------------------------------------------

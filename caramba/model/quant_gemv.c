@@ -11,6 +11,9 @@
      q4_1: qs uint8 [N, K/2], d, m fp16 [N, K/32];      w = d * q + m, q in 0..15, byte j of a block
            holds element j in its low nibble and element j + 16 in its high one (ggml's layout).
 
+   The same blocks row-interleaved, 16 rows to a group (quant_gemv.h's X16 formats), are what the
+   avx512vnni level's decode products read: "row-interleaved weights" below.
+
    Three activation modes:
      gemv_q8_0_q8 / gemv_q4_1_q8: the activations are quantized to q8_0 on the fly (per 32-block,
        scale amax/127) and the dot product runs in int8 x int8 -> int32, as llama.cpp's q8_0 x q8_0
@@ -45,6 +48,11 @@
    scales d [M, K/32]. With these codes a block-quantized weight's product runs in integer
    multiply-adds (madd_epi16) instead of an int-to-float conversion per weight. */
 enum { ACT_Q8 = 0, ACT_I16 = 1, ACT_SPLIT = 2 };
+
+/* The int16-activation X16 formats: byte planes of their codes per block (2, or 4 for ACT_SPLIT's
+   two codes), and whether the weights are q8_0 (else q4_1). */
+#define X16_PLANES(FMT) ((FMT) == Q8_0_F32_X16 || (FMT) == Q4_1_F32_X16 ? 4 : 2)
+#define X16_Q8W(FMT) ((FMT) == Q8_0_I16_X16 || (FMT) == Q8_0_F32_X16)
 
 /* A block's scale d and its inverse for the codes of `mode`, from its largest magnitude. */
 static inline void block_scale(float amax, int mode, float *scale, float *inv) {
@@ -155,6 +163,24 @@ long embed_rows_q8_0(const int64_t *ids, long n, const int8_t *qs, const uint16_
         for (int b = 0; b < nb; b++) {
             const float s = fp16_to_fp32(dr[b]);
             for (int j = 0; j < QK; j++) o[b * QK + j] = (float)q[b * QK + j] * s;
+        }
+    }
+    return 0;
+}
+
+/* embed_rows_q8_0 for Q8_0_Q8_X16's interleaved codes and scales (quant_gemv.h). */
+long embed_rows_q8_0_x16(const int64_t *ids, long n, const int8_t *qs, const uint16_t *d, long N, int K, float *out) {
+    for (long i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return i + 1;
+    const int nb = K / QK;
+    for (long i = 0; i < n; i++) {
+        const long g = ids[i] / XG, lane = ids[i] % XG;
+        const int8_t *q = qs + g * (long)K * XG + 4 * lane;
+        const uint16_t *dr = d + g * (long)nb * XG + lane;
+        float *o = out + i * K;
+        for (int b = 0; b < nb; b++) {
+            const float s = fp16_to_fp32(dr[(long)b * XG]);
+            for (int j = 0; j < QK; j++) o[b * QK + j] = (float)q[((long)b * QK + j) / 4 * 4 * XG + j % 4] * s;
         }
     }
     return 0;
@@ -487,6 +513,222 @@ INLINE void block_rows512(const int RR, const int FMT, const int VNNI, const voi
 #undef FACTORS
 }
 #endif   /* HAVE_AVX512 */
+
+#if HAVE_AVX512VNNI
+/* --- row-interleaved weights (the X16 formats): lanes are weight rows --------------------------
+
+   The row-major kernels above take one weight row at a time: two blocks per vector, lanes partial
+   sums within a block, a per-pair permute of the factors and a horizontal sum per row; at ~300
+   codes a row (SmolLM2's K = 576) that fixed cost per row is as large as the products. Here 16
+   weight rows lie side by side (quant_gemv.h: 4 code bytes of each row per 32-bit lane), so one
+   vpdpbusd multiplies the same 4 activation codes (broadcast) into 16 rows, lane i summing row i's
+   block; a block's 16 fp16 scales are one vector, its factor one multiply, and the 16 outputs one
+   store. As llama.cpp's repacked Q4_0 (block_q4_0x8) and its AMX buffer's VNNI kernels do.
+
+   vpdpbusd multiplies unsigned by signed bytes: q4 nibbles are unsigned already; q8_0's signed
+   codes go in as w + 128 (xor 0x80) and the accumulator starts at -128 sum(a), a per activation
+   block, shared by every row; q4_0's -8 starts it at -8 sum(a) likewise. So each lane's int32 is
+   exactly sum(w a) (with q4_0's w = q - 8), the reference's dot_*_ref sum. */
+
+#ifndef XPF
+#define XPF 2048   /* bytes ahead of the block in hand: from L3 the q8_0 head streamed at 19 GB/s without, 28 with 1-2 KiB (4-8 KiB worse); from DRAM 11 -> 13.9 GB/s at 2 KiB */
+#endif
+static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* The 16 rows' int32 sums of block b (wb: its 16 x B/32 bytes; a: the activation block; asum:
+   sum of its codes), in four chains (vpdpbusd's latency, 4-5 cycles, against one a cycle). */
+INLINE __m512i x16_block512(const int FMT, const uint8_t *wb, const int8_t *a, int32_t asum) {
+    __m512i s0, s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512(), s3 = _mm512_setzero_si512();
+    if (FMT == Q8_0_Q8_X16) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        s0 = _mm512_set1_epi32(-128 * asum);
+        for (int j = 0; j < 8; j += 4) {
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * j), flip), bcast4(a + 4 * j));
+            s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * j + 64), flip), bcast4(a + 4 * j + 4));
+            s2 = _mm512_dpbusd_epi32(s2, _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * j + 128), flip), bcast4(a + 4 * j + 8));
+            s3 = _mm512_dpbusd_epi32(s3, _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * j + 192), flip), bcast4(a + 4 * j + 12));
+        }
+    } else {   /* unit j's low nibbles are elements 4j..4j+3, its high ones 16+4j.. (ggml's order) */
+        const __m512i low = _mm512_set1_epi8(15);
+        s0 = FMT == Q4_0_Q8_X16 ? _mm512_set1_epi32(-8 * asum) : _mm512_setzero_si512();
+        for (int j = 0; j < 4; j += 2) {
+            const __m512i v0 = _mm512_loadu_si512(wb + 64 * j), v1 = _mm512_loadu_si512(wb + 64 * j + 64);
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(v0, low), bcast4(a + 4 * j));
+            s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(v0, 4), low), bcast4(a + 16 + 4 * j));
+            s2 = _mm512_dpbusd_epi32(s2, _mm512_and_si512(v1, low), bcast4(a + 4 * j + 4));
+            s3 = _mm512_dpbusd_epi32(s3, _mm512_and_si512(_mm512_srli_epi16(v1, 4), low), bcast4(a + 20 + 4 * j));
+        }
+    }
+    return _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
+}
+
+/* y[r, n0 + i] for the 16 rows of group c and RR activation rows: per block, lane i of acc +=
+   float(sum_i) (d_w,i d_x) by one FMA (q4_1: macc += m_w,i (d_x sum(a)), added at the end), in
+   block order: the arithmetic of x16_rows_ref, lane for lane. asum: xs as int32 (prepare_activations). */
+INLINE void x16_rows512(const int RR, const int FMT, const uint8_t *w, const uint16_t *d, const uint16_t *m, int c,
+                        int N, int K, const int8_t *xq, const float *xd, const int32_t *asum, float *y,
+                        const float *bias) {
+    const int nb = K / QK, bb = FMT == Q8_0_Q8_X16 ? QK * XG : QK * XG / 2;   /* bytes of a group's block */
+    const uint8_t *wg = w + (long)c * nb * bb;
+    const uint16_t *dg = d + (long)c * nb * XG, *mg = m ? m + (long)c * nb * XG : NULL;
+    __m512 acc[QTR], macc[QTR];
+    for (int r = 0; r < RR; r++) acc[r] = macc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dg + b * XG)));
+#if XPF
+        for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)wg + (long)b * bb + XPF + l, _MM_HINT_T0);
+#endif
+        for (int r = 0; r < RR; r++) {
+            const int32_t as = asum[r * nb + b];
+            const __m512i s = x16_block512(FMT, wg + (long)b * bb, xq + (long)r * K + b * QK, as);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
+            if (FMT == Q4_1_Q8_X16)
+                macc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mg + b * XG))),
+                                          _mm512_set1_ps(xd[r * nb + b] * (float)as), macc[r]);
+        }
+    }
+    const int n0 = c * XG, live = N - n0 < XG ? N - n0 : XG;
+    const __mmask16 k = (__mmask16)((1u << live) - 1);
+    for (int r = 0; r < RR; r++) {
+        __m512 o = FMT == Q4_1_Q8_X16 ? _mm512_add_ps(acc[r], macc[r]) : acc[r];
+        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(k, bias + n0));
+        _mm512_mask_storeu_ps(y + (long)r * N + n0, k, o);
+    }
+}
+
+static void x16_group512(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
+                         const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
+    const int nb = K / QK;
+    for (int r0 = 0; r0 < M; r0 += QTR) {
+        const int rr = M - r0 < QTR ? M - r0 : QTR;
+        const int8_t *xr = xq + (long)r0 * K;
+        const float *xdr = xd + r0 * nb;
+        const int32_t *as = (const int32_t *)xs + r0 * nb;
+        float *yr = y + (long)r0 * N;
+#define X16(RR)                                                                                          \
+        if (fmt == Q8_0_Q8_X16) x16_rows512(RR, Q8_0_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias);    \
+        else if (fmt == Q4_0_Q8_X16) x16_rows512(RR, Q4_0_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias); \
+        else x16_rows512(RR, Q4_1_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias);
+        switch (rr) {
+        case 1: X16(1) break;
+        case 2: X16(2) break;
+        case 3: X16(3) break;
+        default: X16(4)
+        }
+#undef X16
+    }
+}
+
+/* The int16-activation X16 formats (native_i16's ACT_I16 codes, native's two ACT_SPLIT codes h and
+   l): each int16 code c = 256 hi + lo, lo = c & 255 unsigned and hi = c >> 8 signed, so
+   sum(w c) = 256 sum(w hi) + sum(w lo), both through vpdpbusd: lo (unsigned) against the weights as
+   signed bytes (q4 nibbles and q8_0 codes both are), hi (signed) against nibbles as unsigned
+   bytes, or against q8_0's w + 128 with -128 sum(hi) to start (planes_sums). Exact in int32:
+   |sum(w c)| <= 128 x 32767 x 32 < 2^31. prepare_activations lays each block's codes out as
+   planes of 32 bytes: lo(h), hi(h) [, lo(l), hi(l)]. */
+
+/* lane sums of one weight vector wv (16 rows x 4 elements) with the activation quad at plane
+   byte offset o, plane pair (lo, hi) starting at pl: lo into sl, hi into sh. */
+#define X16W_QUAD(WV, WX, PL, O, SL, SH)                                                           \
+    SL = _mm512_dpbusd_epi32(SL, bcast4(PL + (O)), WV);                                              \
+    SH = _mm512_dpbusd_epi32(SH, WX, bcast4(PL + 32 + (O)));
+
+/* One block of a group: the 16 rows' sum(w h) (and sum(w l)) -> the block's float value per lane:
+   float(sum(w h)) for i16, float(sum(w h)) + float(sum(w l)) / 2^15 for split (one FMA, as the
+   row-major kernels' i16_block). hs: q8_0's -128 sum(hi) starts (two int16 halves for split). */
+INLINE __m512 x16w_block512(const int FMT, const uint8_t *wb, const int8_t *a, int32_t hs) {
+    const int P = X16_PLANES(FMT);
+    __m512 out = _mm512_setzero_ps();
+    for (int pair = 0; pair < P / 2; pair++) {
+        const int8_t *pl = a + pair * 64;
+        const int32_t hsum = pair ? (hs >> 16) : (int16_t)(hs & 0xFFFF);
+        __m512i sl0 = _mm512_setzero_si512(), sl1 = _mm512_setzero_si512(), sh1 = _mm512_setzero_si512();
+        __m512i sh0 = X16_Q8W(FMT) ? _mm512_set1_epi32(-128 * hsum) : _mm512_setzero_si512();
+        if (X16_Q8W(FMT)) {
+            const __m512i flip = _mm512_set1_epi8((char)0x80);
+            for (int j = 0; j < 8; j += 2) {
+                const __m512i v0 = _mm512_loadu_si512(wb + 64 * j), v1 = _mm512_loadu_si512(wb + 64 * j + 64);
+                X16W_QUAD(v0, _mm512_xor_si512(v0, flip), pl, 4 * j, sl0, sh0)
+                X16W_QUAD(v1, _mm512_xor_si512(v1, flip), pl, 4 * j + 4, sl1, sh1)
+            }
+        } else {
+            const __m512i low = _mm512_set1_epi8(15);
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512(wb + 64 * j);
+                const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                X16W_QUAD(lo, lo, pl, 4 * j, sl0, sh0)
+                X16W_QUAD(hi, hi, pl, 16 + 4 * j, sl1, sh1)
+            }
+        }
+        const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(sh0, sh1), 8), _mm512_add_epi32(sl0, sl1));
+        out = pair ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(1.0f / 32768.0f), out) : _mm512_cvtepi32_ps(s);
+    }
+    return out;
+}
+#undef X16W_QUAD
+
+/* x16_rows512 for the int16-activation formats (xs: q4_1's minimum factors as floats, q8_0's
+   -128 starts as int32: prepare_activations). */
+INLINE void x16w_rows512(const int RR, const int FMT, const uint8_t *w, const uint16_t *d, const uint16_t *m, int c,
+                         int N, int K, const int8_t *xq, const float *xd, const float *xs, float *y,
+                         const float *bias) {
+    const int nb = K / QK, bb = X16_Q8W(FMT) ? QK * XG : QK * XG / 2, P = X16_PLANES(FMT), q41 = !X16_Q8W(FMT);
+    const uint8_t *wg = w + (long)c * nb * bb;
+    const uint16_t *dg = d + (long)c * nb * XG, *mg = m ? m + (long)c * nb * XG : NULL;
+    __m512 acc[QTR], macc[QTR];
+    for (int r = 0; r < RR; r++) acc[r] = macc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dg + b * XG)));
+#if XPF
+        for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)wg + (long)b * bb + XPF + l, _MM_HINT_T0);
+#endif
+        for (int r = 0; r < RR; r++) {
+            const __m512 sf = x16w_block512(FMT, wg + (long)b * bb, xq + ((long)r * K + b * QK) * P, q41 ? 0 :
+                                            ((const int32_t *)xs)[r * nb + b]);
+            acc[r] = _mm512_fmadd_ps(sf, _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
+            if (q41)
+                macc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mg + b * XG))),
+                                          _mm512_set1_ps(xs[r * nb + b]), macc[r]);
+        }
+    }
+    const int n0 = c * XG, live = N - n0 < XG ? N - n0 : XG;
+    const __mmask16 k = (__mmask16)((1u << live) - 1);
+    for (int r = 0; r < RR; r++) {
+        __m512 o = q41 ? _mm512_add_ps(acc[r], macc[r]) : acc[r];
+        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(k, bias + n0));
+        _mm512_mask_storeu_ps(y + (long)r * N + n0, k, o);
+    }
+}
+
+static void x16w_group512(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
+                          const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
+    const int nb = K / QK, P = X16_PLANES(fmt);
+    for (int r0 = 0; r0 < M; r0 += QTR) {
+        const int rr = M - r0 < QTR ? M - r0 : QTR;
+        const int8_t *xr = xq + (long)r0 * K * P;
+        const float *xdr = xd + r0 * nb, *xsr = xs + r0 * nb;
+        float *yr = y + (long)r0 * N;
+#define X16W(RR)                                                                                           \
+        switch (fmt) {                                                                                     \
+        case Q8_0_I16_X16: x16w_rows512(RR, Q8_0_I16_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias); break; \
+        case Q4_1_I16_X16: x16w_rows512(RR, Q4_1_I16_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias); break; \
+        case Q8_0_F32_X16: x16w_rows512(RR, Q8_0_F32_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias); break; \
+        default: x16w_rows512(RR, Q4_1_F32_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias);                 \
+        }
+        switch (rr) {
+        case 1: X16W(1) break;
+        case 2: X16W(2) break;
+        case 3: X16W(3) break;
+        default: X16W(4)
+        }
+#undef X16W
+    }
+}
+#endif   /* HAVE_AVX512VNNI */
 #endif   /* HAVE_AVX2 */
 
 /* --- the portable reference: the same sums, one element at a time ----------------------------
@@ -515,6 +757,115 @@ int32_t dot_q4_i16_ref(const uint8_t *w, const int16_t *a) {
     int32_t s = 0;
     for (int j = 0; j < QK / 2; j++) s += (w[j] & 15) * a[j] + (w[j] >> 4) * a[j + QK / 2];
     return s;
+}
+
+/* The X16 formats' portable reference: each row's block gathered back into row order and summed by
+   dot_*_ref, q4_0's -8 and q8_0's offset folded into the int32 sum as the vector kernel folds
+   them; then the same FMAs, lane by lane and block by block, as x16_rows512: the same bits. */
+static int32_t x16_block_ref(int fmt, const uint8_t *wb, int i, const int8_t *a, int32_t asum) {
+    uint8_t row[QK];
+    const int units = fmt == Q8_0_Q8_X16 ? QK / 4 : QK / 8;
+    for (int u = 0; u < units; u++) memcpy(row + 4 * u, wb + (long)u * 4 * XG + 4 * i, 4);
+    if (fmt == Q8_0_Q8_X16) return dot_q8_0_q8_ref((const int8_t *)row, a);
+    return dot_q4_q8_ref(row, a) - (fmt == Q4_0_Q8_X16 ? 8 * asum : 0);
+}
+
+static void x16_rows_ref(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
+                         const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
+    const int nb = K / QK, bb = fmt == Q8_0_Q8_X16 ? QK * XG : QK * XG / 2, n0 = c * XG;
+    const uint8_t *wg = (const uint8_t *)w + (long)c * nb * bb;
+    const int32_t *asum = (const int32_t *)xs;
+    for (int r = 0; r < M; r++)
+        for (int i = 0; i < XG && n0 + i < N; i++) {
+            float acc = 0.0f, macc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                const int32_t as = asum[r * nb + b];
+                const int32_t s = x16_block_ref(fmt, wg + (long)b * bb, i, xq + (long)r * K + b * QK, as);
+                const long at = ((long)c * nb + b) * XG + i;
+                acc = fmaf((float)s, fp16_to_fp32(d[at]) * xd[r * nb + b], acc);
+                if (fmt == Q4_1_Q8_X16) macc = fmaf(fp16_to_fp32(m[at]), xd[r * nb + b] * (float)as, macc);
+            }
+            float o = fmt == Q4_1_Q8_X16 ? acc + macc : acc;
+            if (bias) o += bias[n0 + i];
+            y[(long)r * N + n0 + i] = o;
+        }
+}
+
+/* The int16-activation X16 formats' reference: each lane's block value from the codes rebuilt
+   (c = 256 hi + lo) and dot_*_i16_ref, then x16w_rows512's FMAs in its order. */
+static float x16w_block_ref(int fmt, const uint8_t *wb, int i, const int8_t *a) {
+    uint8_t row[QK];
+    const int units = X16_Q8W(fmt) ? QK / 4 : QK / 8, P = X16_PLANES(fmt);
+    for (int u = 0; u < units; u++) memcpy(row + 4 * u, wb + (long)u * 4 * XG + 4 * i, 4);
+    float out = 0.0f;
+    for (int pair = 0; pair < P / 2; pair++) {
+        int16_t c[QK];
+        for (int j = 0; j < QK; j++) c[j] = (int16_t)(a[pair * 64 + 32 + j] * 256 + (uint8_t)a[pair * 64 + j]);
+        const int32_t s = X16_Q8W(fmt) ? dot_q8_0_i16_ref((const int8_t *)row, c) : dot_q4_i16_ref(row, c);
+        out = pair ? fmaf((float)s, 1.0f / 32768.0f, out) : (float)s;
+    }
+    return out;
+}
+
+static void x16w_rows_ref(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
+                          const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
+    const int nb = K / QK, bb = X16_Q8W(fmt) ? QK * XG : QK * XG / 2, n0 = c * XG, P = X16_PLANES(fmt);
+    const uint8_t *wg = (const uint8_t *)w + (long)c * nb * bb;
+    for (int r = 0; r < M; r++)
+        for (int i = 0; i < XG && n0 + i < N; i++) {
+            float acc = 0.0f, macc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                const float sf = x16w_block_ref(fmt, wg + (long)b * bb, i, xq + ((long)r * K + b * QK) * P);
+                const long at = ((long)c * nb + b) * XG + i;
+                acc = fmaf(sf, fp16_to_fp32(d[at]) * xd[r * nb + b], acc);
+                if (!X16_Q8W(fmt)) macc = fmaf(fp16_to_fp32(m[at]), xs[r * nb + b], macc);
+            }
+            float o = X16_Q8W(fmt) ? acc : acc + macc;
+            if (bias) o += bias[n0 + i];
+            y[(long)r * N + n0 + i] = o;
+        }
+}
+
+/* int16 codes [n, 32] (per block; split: h then l) -> byte planes lo(h), hi(h) [, lo(l), hi(l)] in
+   place, and the sums of the hi planes (q8_0 weights' starts; split: l's in the high half). */
+static void codes_to_planes(int8_t *q, long nblocks, int split, int32_t *hsums) {
+    for (long b = 0; b < nblocks; b++) {
+        int16_t c[2 * QK];
+        int8_t *blk = q + b * QK * 2 * (split ? 2 : 1);
+        memcpy(c, blk, sizeof(int16_t) * QK * (split ? 2 : 1));
+        int32_t hs[2] = {0, 0};
+        for (int pair = 0; pair < (split ? 2 : 1); pair++)
+            for (int j = 0; j < QK; j++) {
+                const int16_t v = c[pair * QK + j];
+                blk[pair * 64 + j] = (int8_t)(uint8_t)(v & 255);
+                blk[pair * 64 + 32 + j] = (int8_t)(v >> 8);
+                hs[pair] += (int8_t)(v >> 8);
+            }
+        if (hsums) hsums[b] = (int32_t)((uint32_t)hs[1] << 16) | (hs[0] & 0xFFFF);
+    }
+}
+
+/* For tests: the int32 sums of nb blocks of one X16 group (w: its codes, [nb, B/4, 16, 4]) times
+   one activation row's q8 codes a [nb * 32] -> out [nb, 16], through the library's level (the
+   vector kernel's at avx512vnni, else the reference). */
+void x16_block_sums(int fmt, const void *w, const int8_t *a, int nb, int32_t *out) {
+    const int bb = fmt == Q8_0_Q8_X16 ? QK * XG : QK * XG / 2;
+    for (int b = 0; b < nb; b++) {
+        const int8_t *ab = a + b * QK;
+        const uint8_t *wb = (const uint8_t *)w + (long)b * bb;
+        int32_t asum = 0;
+        for (int i = 0; i < QK; i++) asum += ab[i];
+#if HAVE_AVX512VNNI
+        if (g_isa == ISA_AVX512VNNI) {
+            const __m512i s = fmt == Q8_0_Q8_X16 ? x16_block512(Q8_0_Q8_X16, wb, ab, asum)
+                              : fmt == Q4_0_Q8_X16 ? x16_block512(Q4_0_Q8_X16, wb, ab, asum)
+                              : x16_block512(Q4_1_Q8_X16, wb, ab, asum);
+            _mm512_storeu_si512(out + b * XG, s);
+            continue;
+        }
+#endif
+        for (int i = 0; i < XG; i++) out[b * XG + i] = x16_block_ref(fmt, wb, i, ab, asum);
+    }
 }
 
 INLINE void tile_q8_0_q8(const int RR, const int8_t *wq, const uint16_t *wd, const int8_t *xq,
@@ -592,6 +943,24 @@ INLINE void tile_blocks_i16(const int RR, const int split, const int8_t *w8, con
 HIDDEN void prepare_activations(int fmt, const float *x, int M, int K, int8_t *xq, float *xd, float *xs) {
     const int nb = K / QK;
     const int f32 = fmt == Q4_1_F32 || fmt == Q8_0_F32, wide = fmt == Q8_0_I16 || fmt == Q4_1_I16;
+    if (is_x16_wide(fmt)) {   /* codes as byte planes; xs: q4_1's minimum factors, q8_0's hi sums */
+        const int split = X16_PLANES(fmt) == 4;
+        quantize_rows(x, M, K, split ? ACT_SPLIT : ACT_I16, xq, xd);
+        if (fmt == Q4_1_I16_X16)
+            for (int mb = 0; mb < M * nb; mb++) {
+                int32_t s = 0;
+                for (int i = 0; i < QK; i++) s += ((const int16_t *)xq)[(long)mb * QK + i];
+                xs[mb] = xd[mb] * (float)s;
+            }
+        if (fmt == Q4_1_F32_X16)
+            for (int mb = 0; mb < M * nb; mb++) {
+                float s = 0.0f;
+                for (int i = 0; i < QK; i++) s += x[(long)mb * QK + i];
+                xs[mb] = s;
+            }
+        codes_to_planes(xq, (long)M * nb, split, X16_Q8W(fmt) ? (int32_t *)xs : NULL);
+        return;
+    }
     if (fmt == Q4_1_F32)
         for (int m = 0; m < M; m++)
             for (int b = 0; b < nb; b++) {
@@ -604,6 +973,15 @@ HIDDEN void prepare_activations(int fmt, const float *x, int M, int K, int8_t *x
         return;
     }
     quantize_rows(x, M, K, wide ? ACT_I16 : ACT_Q8, xq, xd);
+    if (is_x16(fmt)) {   /* the X16 kernels take the codes' integer sums: xs holds int32s */
+        int32_t *as = (int32_t *)xs;
+        for (int mb = 0; mb < M * nb; mb++) {
+            int32_t s = 0;
+            for (int i = 0; i < QK; i++) s += xq[(long)mb * QK + i];
+            as[mb] = s;
+        }
+        return;
+    }
     if (fmt != Q8_0_Q8 && fmt != Q8_0_I16)
         for (int m = 0; m < M; m++)
             for (int b = 0; b < nb; b++) {
@@ -827,6 +1205,17 @@ static quant_rows_fn *const QUANT_ROWS[ISA_LEVELS] = {
 HIDDEN void quant_rows(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
                        const float *x, const int8_t *xq, const float *xd, const float *xs, int M, float *y,
                        const float *bias) {
+    if (is_x16(fmt)) {
+        const int wide = is_x16_wide(fmt);
+#if HAVE_AVX512VNNI
+        if (g_isa == ISA_AVX512VNNI) {
+            (wide ? x16w_group512 : x16_group512)(fmt, w, d, m, c, N, K, xq, xd, xs, M, y, bias);
+            return;
+        }
+#endif
+        (wide ? x16w_rows_ref : x16_rows_ref)(fmt, w, d, m, c, N, K, xq, xd, xs, M, y, bias);
+        return;
+    }
     QUANT_ROWS[g_isa](fmt, w, d, m, c, N, K, x, xq, xd, xs, M, y, bias);
 }
 
@@ -866,6 +1255,13 @@ int gemv_q8_0_i16(const float *x, const int8_t *qs, const uint16_t *d, float *ou
 int gemv_q4_1_i16(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins, float *out,
                   int M, int N, int K, int nthreads) {
     return gemv_blocks(Q4_1_I16, x, qs, d, mins, out, M, N, K, nthreads);
+}
+
+/* The X16 formats (quant_gemv.h's ids 9-11: codes, scales and minimums row-interleaved). */
+int gemv_x16(int fmt, const float *x, const void *qs, const uint16_t *d, const uint16_t *mins, float *out,
+             int M, int N, int K, int nthreads) {
+    if (!is_x16(fmt)) return 2;
+    return gemv_blocks(fmt, x, qs, d, mins, out, M, N, K, nthreads);
 }
 
 /* mins NULL: q4_0 weights (w = d (q - 8)). */
