@@ -123,10 +123,15 @@ static inline float dot_f32_ref(const float *w, const float *x, int K) {
 }
 
 #if HAVE_AVX2
+#ifndef ROW_PF
+#define ROW_PF 512   /* floats ahead (2 KiB): the weight rows are consecutive, so this runs into the next row */
+#endif
 static inline float dot_f32_avx2(const float *w, const float *x, int K) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     int k = 0;
     for (; k + 32 <= K; k += 32) {
+        _mm_prefetch((const char *)(w + k + ROW_PF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + k + ROW_PF + 16), _MM_HINT_T0);
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
         a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
         a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
