@@ -13,6 +13,7 @@ register() adds them to the schema. The built-in modes are the modules caramba.r
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
@@ -46,9 +47,10 @@ class Workload:
     max_seq_len: int | None = None
 
 
-class Mode:
-    """One mode. Subclasses set `name` (the manifest's `mode:` value) and override `run`; the
-    other hooks have defaults a simple mode keeps."""
+class Mode(ABC):
+    """One mode. Subclasses set `name` (the manifest's `mode:` value) and define `run` (a subclass
+    without it cannot be instantiated, so it cannot be registered); the other hooks have defaults a
+    simple mode keeps."""
 
     name: ClassVar[str]
     section: str | None = None               # the run's key for the settings (default: the schema's)
@@ -56,11 +58,11 @@ class Mode:
     columns: ClassVar[tuple[str, ...]] = ()  # `caramba report`: the result's summary metrics, in order
     frontier: ClassVar[bool] = False          # `caramba report`: its runs' candidates as a quality-cost frontier
 
+    @abstractmethod
     def run(self, loaded: LoadedModel, settings: Any, seed: int | None, record: RunDir, console: Console,
             **extra: Any) -> dict[str, Any]:
         """Do the run: write extra files through `record.path`, log through `record.log`, and
         return the result (result.json); `extra` holds `draft` (a LoadedModel) when the run has one."""
-        raise NotImplementedError(f"mode {self.name!r} defines no run(): a Mode subclass must")
 
     def preflight(self, r: ResolvedRun, where: str, sources: Any) -> None:
         """Raise UserError (naming `where` and the field) when `r` cannot succeed; cheap: `sources`
