@@ -26,18 +26,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from press_speed import timed_generation  # noqa: E402  (benchmarks/press_speed.py: one generation, timed)
 
 
 def run_variant(model, ids: list[int], press: str, args) -> dict:
-    from caramba.bench.measure import timed_tokens
-    from caramba.infer import CacheConfig, GenerateConfig, Generator
-    from caramba.press import PressConfig
-
-    config = GenerateConfig(max_new_tokens=args.new_tokens, temperature=0.0, eos_token_id=None,
-                            cache=CacheConfig(kind=args.cache_kind, press=PressConfig.parse(press)),
-                            max_seq_len=len(ids) + args.new_tokens)
-    gen = Generator(model, config)
-    ttft, steps = timed_tokens(gen.generate_iter([ids]), model.device)
+    gen, ttft, steps = timed_generation(model, ids, press, args)
     median = statistics.median(steps)
     compressed = [i for i in range(len(steps)) if (i + 1) % args.interval == 0] if press != "none" else []
     return {"ttft_s": ttft, "mean_step_s": statistics.fmean(steps), "median_step_s": median,

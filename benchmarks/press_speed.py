@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def run_press(model, ids: list[int], press: str, args) -> dict:
+def timed_generation(model, ids: list[int], press: str, args):
+    """(the Generator, time to first token, each decode step's seconds) of one greedy generation of
+    args.new_tokens from `ids` with `press` (a PressConfig string) on an args.cache_kind cache."""
     from caramba.bench.measure import timed_tokens
     from caramba.infer import CacheConfig, GenerateConfig, Generator
     from caramba.press import PressConfig
@@ -34,6 +36,11 @@ def run_press(model, ids: list[int], press: str, args) -> dict:
                             max_seq_len=len(ids) + args.new_tokens)
     gen = Generator(model, config)
     ttft, steps = timed_tokens(gen.generate_iter([ids]), model.device)
+    return gen, ttft, steps
+
+
+def run_press(model, ids: list[int], press: str, args) -> dict:
+    gen, ttft, steps = timed_generation(model, ids, press, args)
     return {"ttft_s": ttft, "step_s": statistics.median(steps), "cache_bytes": gen.cache.nbytes,
             "kept_share": gen.state.kept_share}
 
