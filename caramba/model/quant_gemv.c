@@ -566,6 +566,18 @@ INLINE __m512i x16_block512(const int FMT, const uint8_t *wb, const int8_t *a, i
     return _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
 }
 
+/* Group c's 16 outputs of each of RR rows: acc (+ macc, q4_1's minimum terms, when given) (+ bias),
+   stored masked past N (a padded tail group). */
+INLINE void x16_store(const int RR, const __m512 *acc, const __m512 *macc, int c, int N, float *y, const float *bias) {
+    const int n0 = c * XG, live = N - n0 < XG ? N - n0 : XG;
+    const __mmask16 k = (__mmask16)((1u << live) - 1);
+    for (int r = 0; r < RR; r++) {
+        __m512 o = macc ? _mm512_add_ps(acc[r], macc[r]) : acc[r];
+        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(k, bias + n0));
+        _mm512_mask_storeu_ps(y + (long)r * N + n0, k, o);
+    }
+}
+
 /* y[r, n0 + i] for the 16 rows of group c and RR activation rows: per block, lane i of acc +=
    float(sum_i) (d_w,i d_x) by one FMA (q4_1: macc += m_w,i (d_x sum(a)), added at the end), in
    block order: the arithmetic of x16_rows_ref, lane for lane. asum: xs as int32 (prepare_activations). */
@@ -591,13 +603,7 @@ INLINE void x16_rows512(const int RR, const int FMT, const uint8_t *w, const uin
                                           _mm512_set1_ps(xd[r * nb + b] * (float)as), macc[r]);
         }
     }
-    const int n0 = c * XG, live = N - n0 < XG ? N - n0 : XG;
-    const __mmask16 k = (__mmask16)((1u << live) - 1);
-    for (int r = 0; r < RR; r++) {
-        __m512 o = FMT == Q4_1_Q8_X16 ? _mm512_add_ps(acc[r], macc[r]) : acc[r];
-        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(k, bias + n0));
-        _mm512_mask_storeu_ps(y + (long)r * N + n0, k, o);
-    }
+    x16_store(RR, acc, FMT == Q4_1_Q8_X16 ? macc : NULL, c, N, y, bias);
 }
 
 static void x16_group512(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
@@ -695,13 +701,7 @@ INLINE void x16w_rows512(const int RR, const int FMT, const uint8_t *w, const ui
                                           _mm512_set1_ps(xs[r * nb + b]), macc[r]);
         }
     }
-    const int n0 = c * XG, live = N - n0 < XG ? N - n0 : XG;
-    const __mmask16 k = (__mmask16)((1u << live) - 1);
-    for (int r = 0; r < RR; r++) {
-        __m512 o = q41 ? _mm512_add_ps(acc[r], macc[r]) : acc[r];
-        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(k, bias + n0));
-        _mm512_mask_storeu_ps(y + (long)r * N + n0, k, o);
-    }
+    x16_store(RR, acc, q41 ? macc : NULL, c, N, y, bias);
 }
 
 static void x16w_group512(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
