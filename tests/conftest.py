@@ -166,3 +166,19 @@ def prompts() -> list[list[int]]:
     """Three ragged prompts (lengths 5, 9, 2)."""
     g = torch.Generator().manual_seed(1234)
     return [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in (5, 9, 2)]
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """The forwards that went through the fused C step (caramba.model.fast_decode.step), one entry each."""
+    from caramba.model import fast_decode
+
+    calls = []
+    real = fast_decode.step
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fast_decode, "step", counting)
+    return calls

@@ -24,15 +24,6 @@ def needs_kernels():
         pytest.skip(f"decode step kernel {fast_decode.status()}")
 
 
-@pytest.fixture
-def taken(monkeypatch):
-    """How many forwards went through the C step."""
-    calls = []
-    real = fast_decode.step
-    monkeypatch.setattr(fast_decode, "step", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
-
-
 def run_generator(model):
     gen = Generator(model, GenerateConfig(**GREEDY))
     return gen.generate(PROMPTS), gen.backend.path

@@ -23,6 +23,7 @@ from conftest import make_model
 from test_cli import invoke
 from test_eval_mode import LENGTH, loaded, long_tiny  # noqa: F401 (fixtures)
 from test_evict import MaskedLayer
+from test_press_modes import prompt
 
 PROMPT, NEW, INTERVAL, TARGET, WINDOW = 40, 30, 9, 24, 4
 
@@ -32,10 +33,6 @@ def model():
     m = make_model(seed=7, n_layers=3, n_heads=4, n_kv_heads=2)
     m.fast_decode = False
     return m
-
-
-def prompt(model, n=PROMPT, seed=0):
-    return torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 class Recording(MaskedLayer):

@@ -298,27 +298,24 @@ def ragged_run(layout: str, policy: str, threads: int, fast: bool, calls: list, 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("layout", list(RAGGED))
-def test_ragged_press_on_the_c_step_equals_the_torch_path(layout, policy, threads, monkeypatch):
-    check_ragged_c_step(layout, policy, threads, monkeypatch)
+def test_ragged_press_on_the_c_step_equals_the_torch_path(layout, policy, threads, taken):
+    check_ragged_c_step(layout, policy, threads, taken)
 
 
 @pytest.mark.parametrize("policy", ["fp32", "q8_0"])
-def test_a_reordered_ragged_cache_is_read_where_its_rows_went(policy, monkeypatch):
+def test_a_reordered_ragged_cache_is_read_where_its_rows_went(policy, taken):
     """Rows reordered and repeated after the press (each head's first valid slot moves with its row)."""
-    check_ragged_c_step("per_head", policy, 2, monkeypatch, rows=[1, 0, 1])
+    check_ragged_c_step("per_head", policy, 2, taken, rows=[1, 0, 1])
 
 
-def check_ragged_c_step(layout, policy, threads, monkeypatch, rows=None):
-    """Per-layer and per-head budgets on the fused C step (each layer its own slots and capacity,
+def check_ragged_c_step(layout, policy, threads, calls: list, rows=None):
+    """(calls: the `taken` fixture's C-step count.) Per-layer and per-head budgets on the fused C step (each layer its own slots and capacity,
     each head reading its own survivors): the torch path's logits within the fp32 forward bound
     (the two differ only in summation order: projections, q.k, softmax sums and p V, over at most
     n_layers * max(dim, hidden) roundings), plus one storage step where a new token's codes can
     round the other way; the same greedy tokens, and the same cache contents."""
     if fast_decode.library() is None:
         pytest.skip(f"decode step kernel {fast_decode.status()}")
-    calls = []
-    real = fast_decode.step
-    monkeypatch.setattr(fast_decode, "step", lambda *a, **k: calls.append(1) or real(*a, **k))
     want, want_tokens, ref_cache, torch_calls, config = ragged_run(layout, policy, threads, False, calls, rows)
     got, got_tokens, cache, c_calls, _ = ragged_run(layout, policy, threads, True, calls, rows)
     per_channel = "q4_1c" in policy        # a per-channel group is completed one token at a time

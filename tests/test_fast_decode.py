@@ -23,20 +23,6 @@ def needs_kernels():
         pytest.skip(f"decode step kernel {fast_decode.status()}")
 
 
-@pytest.fixture
-def taken(monkeypatch):
-    """How many forwards went through the C step."""
-    calls = []
-    real = fast_decode.step
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(fast_decode, "step", counting)
-    return calls
-
-
 def to_q4_1(model, act: str) -> None:
     """Every projection and the head as llama.cpp Q4_1 blocks (gguf's own quantizer)."""
     for parent in list(model.modules()):
