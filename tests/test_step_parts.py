@@ -13,7 +13,7 @@ import torch
 from caramba.model import fast_decode, isa
 from caramba.model.step_abi import Lin, layout
 from conftest import make_model
-from test_fast_decode import POLICIES, assert_same, assert_same_cache_kind, run_both, taken  # noqa: F401
+from test_fast_decode import POLICIES, assert_same, assert_same_cache_kind, run_both
 
 U = 2.0 ** -24   # fp32's unit roundoff
 
