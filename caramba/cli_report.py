@@ -14,12 +14,13 @@ from caramba.manifest import load_manifest
 from caramba.runs import json_text
 
 
-def _mode_of(row: dict):
-    """The registered mode of a report row (a neutral Mode when unknown: a record from elsewhere)."""
+def _on_frontier(row: dict) -> bool:
+    """Whether a report row's mode reports its runs as a quality-cost frontier (False for a mode
+    not registered here: a record from elsewhere)."""
     from caramba.runners import registry
 
-    mode = row.get("mode")
-    return (registry.modes().get(mode) if isinstance(mode, str) else None) or registry.Mode()
+    mode = registry.modes().get(row.get("mode")) if isinstance(row.get("mode"), str) else None
+    return mode is not None and mode.frontier
 
 
 def report_sweep(source: Path, fmt: str, pivot_key: str | None, metric: str | None, csv_file: Path | None,
@@ -39,7 +40,7 @@ def report_sweep(source: Path, fmt: str, pivot_key: str | None, metric: str | No
         else:
             records = [(name, path, None, None, None) for name, path in record_dirs(source)]
         rows = [sweep_row(*record) for record in records]
-        if any(_mode_of(r).frontier for r in rows) and not pivot_key:   # candidates on a quality-cost frontier
+        if any(_on_frontier(r) for r in rows) and not pivot_key:   # candidates on a quality-cost frontier
             done = [(row["run"], record[1]) for row, record in zip(rows, records) if row["status"] == "done"]
             return _report_frontier(source, rows, done, fmt, csv_file, plot, out, err)
         metrics = list(dict.fromkeys(k for r in rows for k in r["metrics"]))
