@@ -551,3 +551,83 @@ def test_cli_and_manifest_take_weights(tmp_path):
     assert ModelSpec(weights="q8_0").weights == "q8_0" and ModelSpec().weights == "fp32"
     with pytest.raises(ValidationError, match="weights"):
         ModelSpec(weights="q4")
+
+
+@pytest.mark.parametrize("fmt,act", [("q8_0", "q8"), ("q4_0", "q8"), ("q4_1", "f32"), ("q4_1", "i16")])
+@pytest.mark.parametrize("layout", ["rows", "x16"])
+@pytest.mark.parametrize("N", [1, 16, 37])
+def test_dequantized_in_c_is_the_torch_path_bit_for_bit(fmt, act, layout, N):
+    """QuantLinear.dequantized() (quant_gemv.c's one pass, at 1 and 2 threads, from either layout) gives
+    quant.dequantize_*'s values bit for bit."""
+    if quant.library() is None:
+        pytest.skip(f"no C kernels here ({quant.status()})")
+    gen = torch.Generator().manual_seed(N)
+    K = 128
+    if fmt == "q8_0":
+        qs = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
+    else:
+        qs = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
+    d = (torch.randn(N, K // 32, generator=gen) * 0.1).half()
+    m = (torch.randn(N, K // 32, generator=gen) * 0.1).half() if fmt == "q4_1" else None
+    lin = QuantLinear(fmt, qs, d, m, act=act, layout=layout)
+    reference = lin._dequantize(*lin.row_major())
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.equal(lin.dequantized(), reference)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_dequantized_of_a_module_cast_to_fp32_scales_takes_the_torch_path():
+    """.float() turns a layer's fp16 scales into fp32 buffers, which the C pass does not read."""
+    lin = QuantLinear("q8_0", torch.ones(16, 32, dtype=torch.int8), torch.full((16, 1), 0.5).half())
+    expected = lin.dequantized()
+    lin.float()
+    assert lin.d.dtype == torch.float32
+    assert torch.equal(lin.dequantized(), expected)
+
+
+@pytest.mark.parametrize("fmt,act", [("q8_0", "q8"), ("q4_1", "f32"), ("q4_1", "i16")])
+def test_dequantized_product_in_tiles_equals_the_whole_weights_product(fmt, act, monkeypatch):
+    """Prefill-sized rows with no GEMM for them multiply the weight a tile at a time (a scratch
+    buffer reused): F.linear with the whole dequantized weight, tile edges included (a head-sized
+    weight spans several tiles; bias sliced with them), within a K-term dot product's rounding
+    (torch's GEMM may block a narrower weight differently)."""
+    if quant.library() is None:
+        pytest.skip(f"no C kernels here ({quant.status()})")
+    monkeypatch.setattr(quant, "DEQUANT_TILE_BYTES", 7 * 64 * 4)   # 7 rows of K = 64 a tile
+    gen = torch.Generator().manual_seed(3)
+    N, K, M = 37, 64, 40
+    w = torch.randn(N, K, generator=gen)
+    bias = torch.randn(N, generator=gen)
+    if fmt == "q8_0":
+        lin = QuantLinear.from_float(w, bias, act=act, fmt=fmt)
+    else:
+        p = gguf_blocks(gguf.quants.quantize(w.numpy(), QT.Q4_1), "Q4_1", (N, K))
+        lin = QuantLinear("q4_1", p["qs"], p["d"], p["m"], bias=bias, act=act)
+    rows = torch.randn(M, K, generator=gen)
+    taken = quant.round_activations(rows, act) if act in quant.ACTIVATION_LEVELS else rows
+    expected = torch.nn.functional.linear(taken, lin.dequantized(), bias)
+    tiled = lin._dequantized_product(taken)
+    assert tiled is not None and tiled.shape == (M, N)
+    bound = tol.reduction(expected, K + 1)
+    torch.testing.assert_close(tiled, expected, **bound)
+    if quant_gemm_runs(lin):
+        return   # forward takes a GEMM of its own for these rows here
+    torch.testing.assert_close(lin(rows), expected, **bound)
+    with torch.enable_grad():   # a product autograd keeps never reads the reused scratch
+        x = rows.clone().requires_grad_(True)
+        lin(x).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
+def quant_gemm_runs(lin: QuantLinear) -> bool:
+    from caramba.model import quant_gemm
+    lib = quant_gemm.library()
+    if lib is None:
+        return False
+    if lin.act == "q8" and lin.fmt in quant_gemm.INT8_FORMATS:
+        return lib.gemm_isa_name() != b"scalar"
+    return bool(lib.gemm_f32_available())

@@ -37,6 +37,7 @@ fp32 summation order, never the arithmetic.
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +73,7 @@ _SIGNATURES = {
     "gemv_x16": ([_I] + [_P] * 5 + [_I] * 4, _I),
     "x16_block_sums": ([_I, _P, _P, _I, _P], None),
     "embed_rows_q8_0_x16": ([_P, ctypes.c_long, _P, _P, ctypes.c_long, _I, _P], ctypes.c_long),
+    "dequantize_rows": ([_I, _I, _P, _P, _P, _I, _I, _I, _P, _I], None),
 }
 # cpu_isa.c's exports, in every library built with it (caramba.model.isa reads them)
 ISA_SIGNATURES = {"isa_name": ([], ctypes.c_char_p), "isa_set": ([ctypes.c_char_p], _I),
@@ -111,6 +113,11 @@ FORMAT_IDS = {("q8_0", "q8", "rows"): Q8_0_Q8, ("q8_0", "f32", "rows"): Q8_0_F32
 # products read with the rows as vector lanes (quant_gemv.c). x16 is chosen where its kernel runs
 # (avx512vnni), for every format; elsewhere rows, whose kernels are tuned for avx2. Either layout holds the same bytes; state_dict() gives rows whatever the layout.
 LAYOUTS = ("rows", "x16")
+DEQUANT_FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}   # quant_gemv.c's dequantize_rows
+# fp32 bytes of a weight tile that dequantize-then-matmul dequantizes at a time (a whole projection
+# of SmolLM2's but the head); each thread keeps one such scratch buffer (_scratch)
+DEQUANT_TILE_BYTES = 4 << 20
+_scratch = threading.local()
 X16 = 16
 X16_LEVELS = ("avx512vnni",)
 
@@ -370,7 +377,48 @@ class QuantLinear(nn.Module):
         return self.dequantized().t()
 
     def dequantized(self) -> torch.Tensor:
-        return self._dequantize(*self.row_major())
+        """W [out, in] fp32 (the same values whichever path makes them, bit for bit)."""
+        out = self._dequantize_rows(0, self.out_features)
+        return self._dequantize(*self.row_major()) if out is None else out
+
+    def _dequantize_rows(self, n0: int, n1: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Rows n0..n1-1 of W in one C pass from either layout (into `out`, [n1 - n0, in] fp32, if
+        given), or None where the C kernels cannot read the buffers (not loaded, another device, a
+        module cast to fp32 scales)."""
+        held = (self.qs, self.d) if self.m is None else (self.qs, self.d, self.m)
+        if not (all(t.is_cpu and t.is_contiguous() for t in held) and all(t.dtype == torch.float16 for t in held[1:])):
+            return None
+        lib = library()
+        if lib is None:
+            return None
+        K = self.in_features
+        out = torch.empty(n1 - n0, K) if out is None else out
+        lib.dequantize_rows(DEQUANT_FORMATS[self.fmt], self.layout == "x16", self.qs.data_ptr(), self.d.data_ptr(),
+                            None if self.m is None else self.m.data_ptr(), n0, n1, K, out.data_ptr(),
+                            torch.get_num_threads() if (n1 - n0) * K >= 1 << 16 else 1)
+        return out
+
+    def _dequantized_product(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """rows [M, K] fp32 times W^T (+ bias) with W dequantized a tile at a time into a scratch
+        buffer this thread reuses (DEQUANT_TILE_BYTES: it stays in cache, and no fresh pages are
+        faulted in per call, which cost ~40% of dequantizing into new memory); None where the C
+        kernels cannot read the weight."""
+        N, K = self.out_features, self.in_features
+        tile = max(1, min(N, DEQUANT_TILE_BYTES // (4 * K)))
+        scratch = getattr(_scratch, "buf", None)
+        if scratch is None or scratch.numel() < tile * K:
+            scratch = _scratch.buf = torch.empty(max(tile * K, DEQUANT_TILE_BYTES // 4))
+        if tile == N:
+            w = self._dequantize_rows(0, N, scratch[: N * K].view(N, K))
+            return None if w is None else F.linear(rows, w, self.bias)
+        y = torch.empty(rows.shape[0], N)
+        for n0 in range(0, N, tile):
+            n1 = min(N, n0 + tile)
+            w = self._dequantize_rows(n0, n1, scratch[: (n1 - n0) * K].view(n1 - n0, K))
+            if w is None:
+                return None
+            y[:, n0:n1] = F.linear(rows, w, None if self.bias is None else self.bias[n0:n1])
+        return y
 
     def _dequantize(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
         if self.fmt == "q8_0":
@@ -421,7 +469,11 @@ class QuantLinear(nn.Module):
                 return y.to(x.dtype).view(*shape[:-1], self.out_features)
         if self.act in ACTIVATION_LEVELS:
             rows = round_activations(rows, self.act)
-        y = F.linear(rows, self.dequantized().to(x.device), self.bias)
+        # the scratch tiles are overwritten by the next call: not for a product autograd keeps
+        keep = rows.requires_grad and torch.is_grad_enabled()
+        y = self._dequantized_product(rows) if rows.is_cpu and not keep else None
+        if y is None:
+            y = F.linear(rows, self.dequantized().to(x.device), self.bias)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
     def _gemm(self, rows: torch.Tensor) -> torch.Tensor | None:
@@ -433,19 +485,18 @@ class QuantLinear(nn.Module):
         lib = quant_gemm.library()
         if lib is None:
             return None
+        int8 = self.act == "q8" and self.fmt in quant_gemm.INT8_FORMATS
+        if not (lib.gemm_isa_name() != b"scalar" if int8 else lib.gemm_f32_available()):
+            return None
         # the GEMM reads row-major codes: an x16 layer's are made for the call (one weight's bytes,
         # freed after; a prompt's rows outweigh the copy by far)
         qs, d, m = self.row_major()
-        if self.act == "q8" and self.fmt in quant_gemm.INT8_FORMATS:
-            if lib.gemm_isa_name() == b"scalar":
-                return None
+        if int8:
             q = quantize_rows_q8(rows)
             if q is None:
                 return None
             out = quant_gemm.gemm(self.fmt, *q, qs, d, self.out_features)
         else:
-            if not lib.gemm_f32_available():
-                return None
             if self.act != "f32":   # q4_1 with q8 or int16 codes: the values those kernels multiply
                 rows = round_activations(rows, self.act).contiguous()
             out = quant_gemm.gemm_f32(self.fmt, rows, qs, d, m, self.out_features)

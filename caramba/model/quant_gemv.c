@@ -1338,3 +1338,58 @@ void quantize_blocks_best(const float *w, long nblocks, int qmin, int qmax, cons
         for (int j = 0; j < QK; j++) codes[b * QK + j] = (int8_t)c[j];
     }
 }
+
+/* --- the weight's values, for dequantize-then-matmul ---------------------------------------------
+
+   Where no prefill GEMM takes a format (no AMX-BF16 for native's fp32 activations, no int8 level),
+   QuantLinear multiplies the dequantized weight with torch. Dequantizing in torch takes five passes
+   over the weight (unpack, widen, scale, shift, a layout copy for x16), about a fifth of a 512-token
+   native prefill; this is one pass from either layout. Every value is what quant.dequantize_*
+   computes: d q is exact in fp32 (an fp16 scale's 11 bits times a code of at most 8), so q4_1's
+   d q + m rounds once, fused or not.
+   fmt: 0 q8_0, 1 q4_0, 2 q4_1 (quant.py's DEQUANT_FORMATS); x16: the codes and scales interleaved
+   (quant_gemv.h) rather than row-major. */
+static void dequantize_row(int fmt, const uint8_t *qs, long qstride, const uint16_t *d,
+                           const uint16_t *m, long sstride, int K, float *out) {
+    /* qs: the row's byte i at qs[(i / 4) * qstride + i % 4]; its block b's scale at d[b * sstride] */
+    const int nb = K / QK, bytes = fmt == 0 ? QK : QK / 2;
+    for (int b = 0; b < nb; b++) {
+        uint8_t blk[QK];
+        for (int i = 0; i < bytes; i++) {
+            const int at = b * bytes + i;
+            blk[i] = qs[(long)(at / 4) * qstride + at % 4];
+        }
+        const float s = fp16_to_fp32(d[(long)b * sstride]);
+        float *o = out + (long)b * QK;
+        if (fmt == 0) {
+            for (int j = 0; j < QK; j++) o[j] = (float)(int8_t)blk[j] * s;
+        } else if (fmt == 1) {
+            for (int j = 0; j < QK / 2; j++) {
+                o[j] = (float)((blk[j] & 15) - 8) * s;
+                o[j + QK / 2] = (float)((blk[j] >> 4) - 8) * s;
+            }
+        } else {
+            const float mn = fp16_to_fp32(m[(long)b * sstride]);
+            for (int j = 0; j < QK / 2; j++) {
+                o[j] = (float)(blk[j] & 15) * s + mn;
+                o[j + QK / 2] = (float)(blk[j] >> 4) * s + mn;
+            }
+        }
+    }
+}
+
+void dequantize_rows(int fmt, int x16, const uint8_t *qs, const uint16_t *d, const uint16_t *m, int n0, int n1, int K,
+                     float *out, int nthreads) {
+    /* rows n0 .. n1-1 of the weight into out [n1 - n0, K] */
+    const long bytes = fmt == 0 ? K : K / 2, nb = K / QK;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int n = n0; n < n1; n++) {
+        const long g = n / XG, lane = n % XG;
+        float *o = out + (long)(n - n0) * K;
+        if (x16)
+            dequantize_row(fmt, qs + g * bytes * XG + 4 * lane, 4 * XG, d + g * nb * XG + lane,
+                           m ? m + g * nb * XG + lane : NULL, XG, K, o);
+        else
+            dequantize_row(fmt, qs + n * bytes, 4, d + n * nb, m ? m + n * nb : NULL, 1, K, o);
+    }
+}
