@@ -65,7 +65,7 @@ class CacheSettings:
 
     A new storage setting is one `option()` field here plus the code it changes: `spec()` (per-stream
     storage) or, for a per-layer rule, a CachePolicy field of the same name, which `spec()` carries
-    over and `to_dict` / `of_policy` store and restore with no further edit."""
+    over, `describe` names and `to_dict` / `of_policy` store and restore with no further edit."""
 
     kind: str = option("fp32", name="cache_kind", choices=(*KIND_CHOICES, "auto"),
                        help="auto: the stored plan, or a fresh autotune selection (docs/autotune.md)")
@@ -207,24 +207,24 @@ class CachePolicy:
         blocks = {c.qblock for c in cfgs if c.quantized}
         qblock = (f"qblock={blocks.pop()}" if blocks != {32} else "") if len(blocks) == 1 else \
             "qblock=" + ",".join(f"{n}:{c.qblock}" for n, c in zip(streams, cfgs) if c.quantized) if blocks else ""
-        extras = [qblock,
-                  f"residual_len={self.k.residual_len}" if quantized and self.k.residual_len else "",
-                  "rotate_keys" if self.rotate_keys else "",
-                  "rotate_values" if self.rotate_values else "",
-                  f"fp16_prefix_layers={self.fp16_prefix_layers}" if self.fp16_prefix_layers else ""]
+        extras = [qblock, f"residual_len={self.k.residual_len}" if quantized and self.k.residual_len else "",
+                  *(opt.attr if value is True else f"{opt.attr}={value}"
+                    for opt, value in self._settings() if value != opt.default())]
         return " ".join([name] + [e for e in extras if e])
+
+    def _settings(self) -> list[tuple[Any, Any]]:
+        """(option, value) of each CacheSettings option this policy keeps as it is, in its order."""
+        return [(opt, getattr(self, opt.attr)) for opt in options_of(CacheSettings) if opt.attr in _CARRIED]
 
     def to_dict(self) -> dict[str, Any]:
         """k and v always; k_sem and k_geo when the policy names one of them (a DBA policy); then the
         settings by option name (STORED_ALWAYS always, a later one where it is not its default)."""
         dba = {"k_sem": self.k_sem.kind.value, "k_geo": self.k_geo.kind.value} \
             if {"k_sem", "k_geo"} & set(self.named) else {}
-        carried = sorted((opt for opt in options_of(CacheSettings) if opt.attr in _CARRIED),
-                         key=lambda opt: opt.name not in STORED_ALWAYS)
+        settings = sorted(self._settings(), key=lambda setting: setting[0].name not in STORED_ALWAYS)
         return {"k": self.k.kind.value, "v": self.v.kind.value, **dba, "qblock": self.k.qblock,
                 "residual_len": self.k.residual_len,
-                **{opt.name: getattr(self, opt.attr) for opt in carried
-                   if opt.name in STORED_ALWAYS or getattr(self, opt.attr) != opt.default()}}
+                **{opt.name: value for opt, value in settings if opt.name in STORED_ALWAYS or value != opt.default()}}
 
 
 # The settings a CachePolicy keeps as they are (its fields named like CacheSettings'); the others
