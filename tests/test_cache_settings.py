@@ -39,8 +39,9 @@ def test_cache_config_takes_its_storage_options_from_cache_settings():
     """One definition: CacheConfig's storage options are CacheSettings' own fields (same objects,
     same order), and the manifest's generate: section and the flat keywords reach them."""
     assert issubclass(CacheConfig, CacheSettings)
-    assert [o.name for o in options_of(CacheSettings)] == list(STORAGE)
-    assert options_of(CacheConfig)[:len(STORAGE)] == options_of(CacheSettings)
+    settings = options_of(CacheSettings)
+    assert [o.name for o in settings[:len(STORAGE)]] == list(STORAGE)
+    assert options_of(CacheConfig)[:len(settings)] == settings
     assert set(STORAGE) <= set(GenerateSettings.model_fields)
     cfg = GenerateConfig(cache_kind="q4", cache_policy="k=q8_0", qblock=16, rotate_keys=True)
     assert cfg.cache == CacheConfig(kind="q4_0", policy="k=q8_0", qblock=16, rotate_keys=True)
@@ -119,11 +120,12 @@ def test_autotune_candidates_are_settings():
 
 def test_auto_refuses_every_storage_setting_by_name():
     """cache_kind='auto' chooses the storage itself: each other storage option, set, is named."""
-    for opt in options_of(CacheSettings)[1:]:
-        value = {"policy": "k=q8_0", "qblock": 16, "residual_len": 2, "rotate_keys": True,
-                 "rotate_values": True, "fp16_prefix_layers": 1}[opt.attr]
+    values = {"policy": "k=q8_0", "qblock": 16, "residual_len": 2, "rotate_keys": True, "rotate_values": True,
+              "fp16_prefix_layers": 1}
+    assert [o.attr for o in options_of(CacheSettings)[1:len(STORAGE)]] == list(values)
+    for opt in options_of(CacheSettings)[1:len(STORAGE)]:
         with pytest.raises(OptionError, match=rf"cache_kind='auto' chooses {opt.name} itself"):
-            CacheConfig(kind="auto", **{opt.attr: value})
+            CacheConfig(kind="auto", **{opt.attr: values[opt.attr]})
     assert CacheConfig(kind="auto").is_auto
     with pytest.raises(ValueError, match="resolved when the cache is built"):
         CacheConfig(kind="auto").spec()
