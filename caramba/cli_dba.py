@@ -72,14 +72,14 @@ def cache_bytes_per_token(cfg, kind: str, qblock: int | None = None) -> tuple[in
     the largest qblock <= 32 that divides every stream's width when none is given."""
     import torch
 
-    from caramba.cache import CachePolicy
+    from caramba.cache import CacheSettings
     from caramba.model.transformer import Transformer
 
     with torch.device("meta"):
         model = Transformer(cfg)
         for qb in [qblock] if qblock else [32, 16, 8, 4, 2]:
             try:
-                return model.new_cache(1, 1, CachePolicy.build(kind, qblock=qb)).bytes_per_token(), qb
+                return model.new_cache(1, 1, CacheSettings(kind, qblock=qb).spec()).bytes_per_token(), qb
             except ValueError:
                 continue
     raise ValueError(f"no qblock divides the cache streams of sem_dim={cfg.sem_dim}, geo_dim={cfg.geo_dim}")

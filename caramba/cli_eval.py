@@ -93,7 +93,7 @@ def press_flags(presses: list[str], perplexity: bool, tasks: str | None) -> list
 def check_flags(text: Path | None, protocol: str, ctx: int, shared: dict[str, Any], kinds: list[str],
                 policies: list[str], baseline: str) -> None:
     """The flags' own errors, each naming its flag, before a manifest is built."""
-    from caramba.cache import CachePolicy
+    from caramba.cache import CacheSettings
     from caramba.infer.config import CacheConfig
     from caramba.options import OptionError, options_of
 
@@ -104,17 +104,20 @@ def check_flags(text: Path | None, protocol: str, ctx: int, shared: dict[str, An
     if protocol == "chunks" and ctx % 2:
         raise UserError(f"--ctx {ctx}: must be even (windows are scored on their second half)")
     attrs = {o.name: o.attr for o in options_of(CacheConfig)}
+    settings = {attrs[name]: value for name, value in shared.items()}
     try:
-        CacheConfig(**{attrs[name]: value for name, value in shared.items()})
+        CacheConfig(**settings)
     except OptionError as e:
         raise UserError(f"--{e.name.replace('_', '-')} {e.value!r}: {e.why}") from None
-    policy_args = {attrs[name]: value for name, value in shared.items()}
+    if "auto" in [*kinds, baseline]:
+        raise UserError("--cache-kind/--baseline auto: eval scores named kinds; mode cache-autotune "
+                        "(caramba autotune) picks one")
     try:
         for kind in kinds:
-            CachePolicy.build(kind=kind, **policy_args)
+            CacheSettings(kind=kind, **settings)
         for policy in policies:
-            CachePolicy.build(policy=policy, **policy_args)
-        CachePolicy.build(baseline)
+            CacheSettings(policy=policy, **settings)
+        CacheSettings(kind=baseline)
     except ValueError as e:
         raise UserError(f"--cache-kind/--cache-policy/--baseline: {e}") from None
 

@@ -12,42 +12,42 @@ from dataclasses import dataclass
 
 import torch
 
-from caramba.cache import CachePolicy
+from caramba.cache import CachePolicy, CacheSettings
 from caramba.press import PressConfig, n_kept
 
 # The model dtype's own full-precision cache kind: the baseline every gate compares with.
 FULL_PRECISION = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
-# (kind, per-stream policy, build options) of the candidates after the baseline. Keys hurt more
-# than values when quantized, and a Hadamard rotation and a full-precision window of the newest
-# tokens repair most of 4-bit keys' damage (docs/kv-cache.md has the measurements).
+# The candidates after the baseline. Keys hurt more than values when quantized, and a Hadamard
+# rotation and a full-precision window of the newest tokens repair most of 4-bit keys' damage
+# (docs/kv-cache.md has the measurements).
 RESIDUAL_LEN = 128
 MIXED = [
-    ("fp16", None, {}),
-    ("q8_0", None, {}),
-    ("q4_0", "k=q8_0", {}),
-    ("q4_0", "k=q8_0", {"rotate_keys": True}),
-    ("q4_0", None, {"rotate_keys": True, "residual_len": RESIDUAL_LEN}),
-    ("q4_0", None, {"rotate_keys": True, "fp16_prefix_layers": 2}),
-    ("q4_0", None, {"rotate_keys": True}),
-    ("nf4", None, {"rotate_keys": True}),
-    ("q4_0", None, {}),
+    CacheSettings("fp16"),
+    CacheSettings("q8_0"),
+    CacheSettings("q4_0", "k=q8_0"),
+    CacheSettings("q4_0", "k=q8_0", rotate_keys=True),
+    CacheSettings("q4_0", rotate_keys=True, residual_len=RESIDUAL_LEN),
+    CacheSettings("q4_0", rotate_keys=True, fp16_prefix_layers=2),
+    CacheSettings("q4_0", rotate_keys=True),
+    CacheSettings("nf4", rotate_keys=True),
+    CacheSettings("q4_0"),
     # llama.cpp's q4_0 (an exact zero level) and KIVI's (Liu et al. 2024): keys per channel over
     # groups of qblock tokens, values per token, zero-point; KIVI-2 with its full-precision window
-    ("q4_0l", None, {}),
-    ("q4_0l", None, {"rotate_keys": True}),
-    ("q4_0l", None, {"rotate_keys": True, "rotate_values": True}),   # llama.cpp's q4_0 cache as it runs by default
-    ("q4_1", "k=q4_1c", {}),
-    ("q4_1", "k=q4_1c", {"qblock": 16}),                              # within +1% PPL on two texts (docs/kv-cache.md)
-    ("q2_1", "k=q2_1c", {"residual_len": RESIDUAL_LEN}),
+    CacheSettings("q4_0l"),
+    CacheSettings("q4_0l", rotate_keys=True),
+    CacheSettings("q4_0l", rotate_keys=True, rotate_values=True),   # llama.cpp's q4_0 cache as it runs by default
+    CacheSettings("q4_1", "k=q4_1c"),
+    CacheSettings("q4_1", "k=q4_1c", qblock=16),                     # within +1% PPL on two texts (docs/kv-cache.md)
+    CacheSettings("q2_1", "k=q2_1c", residual_len=RESIDUAL_LEN),
 ]
 
 
 # The kinds each press of `cache_auto_presses` is tried with, besides the baseline's: evict, then
 # keep the survivors quantized (a press composes with every kind; these are the usual winners).
 PRESSED_KINDS = [
-    ("q8_0", None, {}),
-    ("q4_0", "k=q8_0", {"rotate_keys": True}),
+    CacheSettings("q8_0"),
+    CacheSettings("q4_0", "k=q8_0", rotate_keys=True),
 ]
 
 
@@ -60,7 +60,7 @@ class Candidate:
 
 
 def baseline_policy(model) -> CachePolicy:
-    return canonical(CachePolicy.build(FULL_PRECISION[model.dtype]))
+    return canonical(CacheSettings(FULL_PRECISION[model.dtype]).spec())
 
 
 def default_candidates(model, presses: Sequence[PressConfig] = ()) -> list[Candidate]:
@@ -70,13 +70,13 @@ def default_candidates(model, presses: Sequence[PressConfig] = ()) -> list[Candi
     out, as is one that duplicates another."""
     base = baseline_policy(model)
     out = [Candidate(base.describe(), base, baseline=True)]
-    for kind, policy, options in MIXED:
-        p = canonical(CachePolicy.build(kind, policy, **options))
+    for settings in MIXED:
+        p = canonical(settings.spec())
         redundant = p.fp16_prefix_layers >= model.config.n_layers   # every layer fp16: the fp16 candidate
         if p == base or redundant or any(c.policy == p for c in out) or not usable(model, p):
             continue
         out.append(Candidate(p.describe(), p))
-    kinds = [base] + [canonical(CachePolicy.build(kind, policy, **options)) for kind, policy, options in PRESSED_KINDS]
+    kinds = [base] + [canonical(settings.spec()) for settings in PRESSED_KINDS]
     for press in presses:
         for p in dict.fromkeys(kinds):
             if usable(model, p):
@@ -122,17 +122,11 @@ def cache_nbytes(model, batch_size: int, max_seq_len: int, policy: CachePolicy) 
 
 
 def policy_from_dict(d: dict) -> CachePolicy:
-    """Inverse of CachePolicy.to_dict (how plans store a policy), naming streams only where they
-    differ from `v`'s kind, so a uniform policy fits standard and decoupled (DBA) models alike."""
-    return CachePolicy.build(d["v"], _named_streams(d) or None, d["qblock"], d["residual_len"], d["rotate_keys"],
-                             d["cache_fp16_prefix_layers"], d.get("rotate_values", False))
+    """Inverse of CachePolicy.to_dict (how plans store a policy): CacheSettings.from_dict's policy."""
+    return CacheSettings.from_dict(d).spec()
 
 
 def canonical(policy: CachePolicy) -> CachePolicy:
     """The policy as a plan stores and restores it (equal to policy_from_dict of its dict)."""
     return policy_from_dict(policy.to_dict())
 
-
-def _named_streams(d: dict) -> dict[str, str]:
-    keys = ("k_sem", "k_geo") if "k_sem" in d else ("k",)
-    return {name: d[name] for name in keys if d[name] != d["v"]}

@@ -1,18 +1,27 @@
-"""A cache policy: how every layer's K and V are stored.
+"""How every layer's K and V are stored: the settings users write, and the per-stream form they build.
 
-`CachePolicy.build(kind="q4_0", policy="k=q8_0", ...)` is what generation, eval and the CLI use:
-`policy` names the kind of individual streams and `kind` covers the streams it does not name.
-Standard attention caches the streams `k` and `v`; decoupled (DBA) attention caches `k_sem`,
-`k_geo` and `v` (caramba.cache.decoupled). A policy is built before the model is known, so
-which family it names is checked when a model builds its cache (`check_streams`).
+`CacheSettings` holds the storage options, each defined once with `option()` (caramba.options):
+`cache_kind`, `cache_policy`, `qblock`, `residual_len`, `rotate_keys`, `rotate_values`,
+`cache_fp16_prefix_layers`. Generation's `CacheConfig` (caramba.infer.config) is a CacheSettings
+plus the cache's size, budget, autotune and press, so the manifest, the CLI and the library read
+these options from here. `CacheSettings.spec()` is the one place the settings become a
+`CachePolicy`, the per-stream, per-layer form `model.new_cache` takes; `CacheSettings.of_policy`
+is its inverse (what `cache_kind: auto` resolves to, and how a plan's stored policy is read back).
+`CachePolicy.build(kind, policy, **settings)` is the short form of `CacheSettings(...).spec()`.
+
+`cache_policy` names the kind of individual streams and `cache_kind` covers the streams it does not
+name. Standard attention caches the streams `k` and `v`; decoupled (DBA) attention caches `k_sem`,
+`k_geo` and `v` (caramba.cache.decoupled). A policy is built before the model is known, so which
+family it names is checked when a model builds its cache (`check_streams`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
-from caramba.cache.kinds import KVCacheKind, KVCacheTensorConfig
+from caramba.cache.kinds import KVCacheKind, KVCacheTensorConfig, kind_names
+from caramba.options import OptionError, check_options, option, options_of
 
 STREAMS = ("k", "v")
 DECOUPLED_STREAMS = ("k_sem", "k_geo", "v")
@@ -43,14 +52,94 @@ def parse_policy(policy: str | dict[str, Any] | None) -> dict[str, str]:
     return {name: KVCacheKind.parse(kind).value for name, kind in policy.items()}
 
 
+KIND_CHOICES = kind_names()   # the kind table's names and aliases (caramba.cache.kinds)
+# The keys every stored policy has had (CachePolicy.to_dict: runs/cache_plans.json, result.json). A
+# setting added since is stored only when it differs from its default, so the plans and run hashes
+# written before it existed stay valid.
+STORED_ALWAYS = ("qblock", "residual_len", "rotate_keys", "cache_fp16_prefix_layers")
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """How every layer's K and V are stored, as users write it; `spec()` builds the CachePolicy.
+
+    A new storage setting is one `option()` field here plus the code it changes: `spec()` (per-stream
+    storage) or, for a per-layer rule, a CachePolicy field of the same name, which `spec()` carries
+    over, `describe` names and `to_dict` / `of_policy` store and restore with no further edit."""
+
+    kind: str = option("fp32", name="cache_kind", choices=(*KIND_CHOICES, "auto"),
+                       help="auto: the stored plan, or a fresh autotune selection (docs/autotune.md)")
+    policy: str | dict[str, str] | None = option(
+        None, name="cache_policy",
+        schema=dict[Literal[ALL_STREAMS], Literal[KIND_CHOICES]] | str | None,   # type: ignore[valid-type]
+        help="per-stream kinds, e.g. k=q8_0,v=q4_0 (k/v, or k_sem/k_geo/v on decoupled models)")
+    qblock: int = option(32, ge=2, multiple_of=2, help="elements per quantization block (clipped to head_dim)")
+    residual_len: int = option(0, ge=0, help="newest tokens also kept in full precision")
+    rotate_keys: bool = option(False, help="Hadamard-rotate keys before quantizing them")
+    rotate_values: bool = option(False, help="Hadamard-rotate values before quantizing them (the output is "
+                                             "rotated back); with rotate_keys, llama.cpp's default for quantized caches")
+    fp16_prefix_layers: int = option(0, ge=0, name="cache_fp16_prefix_layers", help="the first N layers keep an fp16 cache")
+
+    def __post_init__(self) -> None:
+        if str(self.kind).lower() != "auto":
+            object.__setattr__(self, "kind", KVCacheKind.parse(self.kind).value)   # aliases, enum members
+        check_options(self)
+        if not self.is_auto:
+            self.spec()   # a bad policy fails here, not at the first generate()
+            return
+        clash = [opt.name for opt in options_of(CacheSettings)
+                 if opt.attr != "kind" and getattr(self, opt.attr) != opt.default()]
+        if clash:
+            raise OptionError("cache_kind", "auto", f"chooses {', '.join(clash)} itself; drop them or name a cache_kind")
+
+    @property
+    def is_auto(self) -> bool:
+        """cache_kind='auto': the layer above the engine picks the policy (caramba.resolvers)."""
+        return self.kind == "auto"
+
+    def spec(self) -> CachePolicy:
+        """The CachePolicy these settings describe (what model.new_cache takes): `kind` for every
+        stream `policy` does not name; an unnamed k_geo is kept at >= q8_0 when `kind` is 4-bit
+        (positional geometry)."""
+        if self.is_auto:
+            raise ValueError("cache_kind='auto' is resolved when the cache is built (the Generator's cache resolver, "
+                             "caramba.resolvers)")
+        named = parse_policy(self.policy)
+        streams = {name: KVCacheTensorConfig(named.get(name, self.kind), self.qblock, self.residual_len)
+                   for name in ALL_STREAMS}
+        if "k_geo" not in named:
+            streams["k_geo"] = None   # CachePolicy applies the k_geo floor
+        return CachePolicy(**streams, named=tuple(n for n in ALL_STREAMS if n in named),
+                           **{name: getattr(self, name) for name in _CARRIED})
+
+    @classmethod
+    def of_policy(cls, policy: CachePolicy, **keep: Any) -> Any:
+        """The settings that build `policy` (what `cache_kind: auto` resolves to); `keep`: the other
+        fields of a subclass (CacheConfig's max_seq_len, ...)."""
+        return cls.from_dict(policy.to_dict(), **keep)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], **keep: Any) -> Any:
+        """Inverse of CachePolicy.to_dict (how plans store a policy), naming streams only where they
+        differ from `v`'s kind, so a uniform policy fits standard and decoupled (DBA) models alike."""
+        keys = ("k_sem", "k_geo") if "k_sem" in d else ("k",)
+        named = {name: d[name] for name in keys if d[name] != d["v"]}
+        stored = {opt.attr: d.get(opt.name, opt.default()) for opt in options_of(CacheSettings)
+                  if opt.attr not in ("kind", "policy")}
+        return cls(kind=d["v"], policy=named or None, **stored, **keep)
+
+
 @dataclass(frozen=True)
 class CachePolicy:
+    """The built form of CacheSettings: each stream's storage (kind, qblock, residual_len) and the
+    per-layer rules, as `model.new_cache` reads them (`for_layer`, `for_decoupled_layer`)."""
+
     k: KVCacheTensorConfig = field(default_factory=KVCacheTensorConfig)
     v: KVCacheTensorConfig = field(default_factory=KVCacheTensorConfig)
     rotate_keys: bool = False
     fp16_prefix_layers: int = 0   # the first N layers keep K and V in fp16
     # Decoupled (DBA) models: semantic and geometric key streams (None: as `k`, and k_geo
-    # never below q8_0 unless named; see `build`).
+    # never below q8_0 unless named; see CacheSettings.spec).
     k_sem: KVCacheTensorConfig | None = None
     k_geo: KVCacheTensorConfig | None = None
     named: tuple[str, ...] = ()   # the streams the policy named explicitly (checked per model)
@@ -68,17 +157,11 @@ class CachePolicy:
             object.__setattr__(self, "k_geo", floor if 0 < self.k.kind.bits < K_GEO_FLOOR.bits else self.k)
 
     @classmethod
-    def build(cls, kind: KVCacheKind | str = "fp32", policy: str | dict[str, Any] | None = None, qblock: int = 32,
-              residual_len: int = 0, rotate_keys: bool = False, fp16_prefix_layers: int = 0,
-              rotate_values: bool = False) -> "CachePolicy":
-        """`kind` for every stream the policy does not name; an unnamed k_geo is kept at >= q8_0
-        when `kind` is 4-bit (positional geometry), unless the policy names it."""
-        named = parse_policy(policy)
-        default = KVCacheKind.parse(kind).value
-        cfgs = {name: KVCacheTensorConfig(named.get(name, default), qblock, residual_len) for name in ALL_STREAMS}
-        return cls(cfgs["k"], cfgs["v"], rotate_keys, fp16_prefix_layers,
-                   k_sem=cfgs["k_sem"], k_geo=cfgs["k_geo"] if "k_geo" in named else None,
-                   named=tuple(n for n in ALL_STREAMS if n in named), rotate_values=rotate_values)
+    def build(cls, kind: KVCacheKind | str = "fp32", policy: str | dict[str, Any] | None = None,
+              **settings: Any) -> "CachePolicy":
+        """`CacheSettings(kind=kind, policy=policy, **settings).spec()`: settings by field name
+        (qblock, residual_len, rotate_keys, rotate_values, fp16_prefix_layers)."""
+        return CacheSettings(kind=kind, policy=policy, **settings).spec()
 
     @classmethod
     def of(cls, spec: "CachePolicy | KVCacheKind | str") -> "CachePolicy":
@@ -124,18 +207,26 @@ class CachePolicy:
         blocks = {c.qblock for c in cfgs if c.quantized}
         qblock = (f"qblock={blocks.pop()}" if blocks != {32} else "") if len(blocks) == 1 else \
             "qblock=" + ",".join(f"{n}:{c.qblock}" for n, c in zip(streams, cfgs) if c.quantized) if blocks else ""
-        extras = [qblock,
-                  f"residual_len={self.k.residual_len}" if quantized and self.k.residual_len else "",
-                  "rotate_keys" if self.rotate_keys else "",
-                  "rotate_values" if self.rotate_values else "",
-                  f"fp16_prefix_layers={self.fp16_prefix_layers}" if self.fp16_prefix_layers else ""]
+        extras = [qblock, f"residual_len={self.k.residual_len}" if quantized and self.k.residual_len else "",
+                  *(opt.attr if value is True else f"{opt.attr}={value}"
+                    for opt, value in self._settings() if value != opt.default())]
         return " ".join([name] + [e for e in extras if e])
 
+    def _settings(self) -> list[tuple[Any, Any]]:
+        """(option, value) of each CacheSettings option this policy keeps as it is, in its order."""
+        return [(opt, getattr(self, opt.attr)) for opt in options_of(CacheSettings) if opt.attr in _CARRIED]
+
     def to_dict(self) -> dict[str, Any]:
-        """k and v always; k_sem and k_geo when the policy names one of them (a DBA policy)."""
+        """k and v always; k_sem and k_geo when the policy names one of them (a DBA policy); then the
+        settings by option name (STORED_ALWAYS always, a later one where it is not its default)."""
         dba = {"k_sem": self.k_sem.kind.value, "k_geo": self.k_geo.kind.value} \
             if {"k_sem", "k_geo"} & set(self.named) else {}
+        settings = sorted(self._settings(), key=lambda setting: setting[0].name not in STORED_ALWAYS)
         return {"k": self.k.kind.value, "v": self.v.kind.value, **dba, "qblock": self.k.qblock,
-                "residual_len": self.k.residual_len, "rotate_keys": self.rotate_keys,
-                "cache_fp16_prefix_layers": self.fp16_prefix_layers,
-                **({"rotate_values": True} if self.rotate_values else {})}
+                "residual_len": self.k.residual_len,
+                **{opt.name: value for opt, value in settings if opt.name in STORED_ALWAYS or value != opt.default()}}
+
+
+# The settings a CachePolicy keeps as they are (its fields named like CacheSettings'); the others
+# (kind, policy, qblock, residual_len) become its per-stream configs.
+_CARRIED = tuple(f.name for f in fields(CacheSettings) if f.name in {g.name for g in fields(CachePolicy)})

@@ -4,7 +4,8 @@
       sampling     SamplingParams (caramba.infer.sampling)  how the next token is chosen
       max_new_tokens
       stop         StopConfig        what ends a row early (eos, stop sequences)
-      cache        CacheConfig       how the KV cache stores K and V, or "auto" (the autotune picks)
+      cache        CacheConfig       how the KV cache stores K and V (caramba.cache.CacheSettings), or
+                                     "auto" (the autotune picks), and its size
         auto       AutoCacheConfig   the autotune's gates, speed rounds and plan store
           gates    GateSettings
         press      PressConfig (caramba.press)               KV eviction after the prefill
@@ -33,15 +34,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
-from caramba.cache import CachePolicy, KVCacheKind, kind_names
-from caramba.cache.policy import ALL_STREAMS
+from caramba.cache.policy import CachePolicy, CacheSettings
 from caramba.options import OptionError, check_options, option, options_of
 from caramba.infer.drafts import DRAFT_KINDS
 from caramba.infer.plan import DecodePlan
 from caramba.press.config import PressConfig
 from caramba.infer.sampling import SamplingParams
 
-KIND_CHOICES = kind_names()          # the cache kind table's names and aliases (caramba.cache.kinds)
 SPEC_METHODS = ("reject_sampling", "greedy")
 MIB = 2**20
 
@@ -125,21 +124,10 @@ class AutoCacheConfig:
 
 
 @dataclass(frozen=True)
-class CacheConfig:
-    """How every layer's K and V are stored (caramba.cache.CachePolicy is the built form)."""
+class CacheConfig(CacheSettings):
+    """The cache's storage settings (caramba.cache.CacheSettings: cache_kind, cache_policy, qblock,
+    ...; `spec()` is the CachePolicy they build) plus its size, budget, autotune and press."""
 
-    kind: str = option("fp32", name="cache_kind", choices=(*KIND_CHOICES, "auto"),
-                       help="auto: the stored plan, or a fresh autotune selection (docs/autotune.md)")
-    policy: str | dict[str, str] | None = option(
-        None, name="cache_policy",
-        schema=dict[Literal[ALL_STREAMS], Literal[KIND_CHOICES]] | str | None,   # type: ignore[valid-type]
-        help="per-stream kinds, e.g. k=q8_0,v=q4_0 (k/v, or k_sem/k_geo/v on decoupled models)")
-    qblock: int = option(32, ge=2, multiple_of=2, help="elements per quantization block (clipped to head_dim)")
-    residual_len: int = option(0, ge=0, help="newest tokens also kept in full precision")
-    rotate_keys: bool = option(False, help="Hadamard-rotate keys before quantizing them")
-    rotate_values: bool = option(False, help="Hadamard-rotate values before quantizing them (the output is "
-                                             "rotated back); with rotate_keys, llama.cpp's default for quantized caches")
-    fp16_prefix_layers: int = option(0, ge=0, name="cache_fp16_prefix_layers", help="the first N layers keep an fp16 cache")
     max_seq_len: int = option(2048, ge=1, name="max_seq_len", help="cache slots per row: prompt + new tokens")
     budget_mb: float | None = option(None, gt=0, name="cache_budget_mb",
                                      help="MiB for the whole cache; auto picks within it, a named kind must fit it")
@@ -147,43 +135,10 @@ class CacheConfig:
     press: PressConfig = field(default_factory=PressConfig)   # eviction after the prefill (caramba.press)
 
     def __post_init__(self) -> None:
-        if str(self.kind).lower() != "auto":
-            object.__setattr__(self, "kind", KVCacheKind.parse(self.kind).value)   # aliases, enum members
-        check_options(self)
-        if not self.is_auto:
-            self.spec()   # a bad policy fails here, not at the first generate()
-            return
-        chosen = {"cache_policy": (self.policy, None), "qblock": (self.qblock, 32), "residual_len": (self.residual_len, 0),
-                  "rotate_keys": (self.rotate_keys, False), "rotate_values": (self.rotate_values, False),
-                  "cache_fp16_prefix_layers": (self.fp16_prefix_layers, 0)}
-        clash = [name for name, (value, default) in chosen.items() if value != default]
-        if clash:
-            raise OptionError("cache_kind", "auto", f"chooses {', '.join(clash)} itself; drop them or name a cache_kind")
-        if self.auto.presses and self.press.enabled:
+        super().__post_init__()
+        if self.is_auto and self.auto.presses and self.press.enabled:
             raise OptionError("cache_auto_presses", ",".join(self.auto.presses), f"lets the autotune choose the press; "
                               f"drop press={self.press.method} or cache_auto_presses")
-
-    @property
-    def is_auto(self) -> bool:
-        return self.kind == "auto"
-
-    def spec(self) -> CachePolicy:
-        """The CachePolicy these settings describe (what model.new_cache takes)."""
-        if self.is_auto:
-            raise ValueError("cache_kind='auto' is resolved when the cache is built (the Generator's cache resolver, "
-                             "caramba.resolvers)")
-        return CachePolicy.build(self.kind, self.policy, self.qblock, self.residual_len, self.rotate_keys,
-                                 self.fp16_prefix_layers, self.rotate_values)
-
-    @classmethod
-    def of_policy(cls, policy: CachePolicy, **keep: Any) -> CacheConfig:
-        """The settings that build `policy` (what `cache_kind: auto` resolves to); `keep`: other fields."""
-        d = policy.to_dict()
-        keys = ("k_sem", "k_geo") if "k_sem" in d else ("k",)
-        named = {name: d[name] for name in keys if d[name] != d["v"]}
-        return cls(kind=d["v"], policy=named or None, qblock=d["qblock"], residual_len=d["residual_len"],
-                   rotate_keys=d["rotate_keys"], rotate_values=d.get("rotate_values", False),
-                   fp16_prefix_layers=d["cache_fp16_prefix_layers"], **keep)
 
     def with_policy(self, policy: CachePolicy, press: str | None = None) -> CacheConfig:
         """These settings with `policy` in place of the kind (what `auto` resolves to); `press`: the

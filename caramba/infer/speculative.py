@@ -63,6 +63,22 @@ class SpeculativeStats:
     row_proposed: list[int] = field(default_factory=list)      # per row: draft tokens proposed
     row_accepted: list[int] = field(default_factory=list)      # per row: of those, accepted
 
+    @classmethod
+    def for_rows(cls, B: int) -> SpeculativeStats:
+        return cls(k_history=[[] for _ in range(B)], row_forwards=[0] * B, row_tokens=[0] * B,
+                   row_proposed=[0] * B, row_accepted=[0] * B)
+
+    def add_round(self, r: int, k: int, proposed: int, accepted: int, gained: int) -> None:
+        """Row r's part of one verify round: k asked of the draft, drafts proposed and accepted,
+        tokens the row gained."""
+        self.proposed += proposed
+        self.accepted += accepted
+        self.row_proposed[r] += proposed
+        self.row_accepted[r] += accepted
+        self.k_history[r].append(k)
+        self.row_forwards[r] += 1
+        self.row_tokens[r] += gained
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
@@ -158,15 +174,7 @@ class SpeculativeGenerator:
         rows = as_rows(input_ids, attention_mask)
         B, device = len(rows), self.target.device
         width = max(len(r) for r in rows)
-        if width + cfg.max_new_tokens - 1 > cfg.max_seq_len:
-            raise CacheOverflowError(f"{width} prompt + {cfg.max_new_tokens} new tokens exceed max_seq_len={cfg.max_seq_len}; "
-                                     "raise max_seq_len or shorten the prompt / max_new_tokens")
-        window = self.target.config.sliding_window
-        if B > 1 and window is not None and width + cfg.max_new_tokens - 1 > window:
-            # Rejected drafts leave masked holes in a row's slots, and a slot window counts them.
-            raise ValueError(f"speculative decoding of a batch is not exact on a model with a sliding window "
-                             f"(sliding_window={window}) once the window binds: run the prompts one at a time "
-                             "(batch_size: 1) or use plain decoding")
+        self._check_fits(B, width)
         if cfg.seed is not None:
             self.rng = torch.Generator(device=device).manual_seed(cfg.seed)
         sampling = cfg.sampling
@@ -174,8 +182,7 @@ class SpeculativeGenerator:
         target = self.rows = DecodeState.for_config(self.target, B, cfg, backend=choose(self.target, self.decode_threads))
         self.plan = target.resolve(cfg.decode, width)   # the prefill and long verifications run in chunks
         self.draft.start(B, cfg.max_seq_len, cfg.cache_spec())
-        stats = self.stats = SpeculativeStats(k_history=[[] for _ in range(B)], row_forwards=[0] * B, row_tokens=[0] * B,
-                                              row_proposed=[0] * B, row_accepted=[0] * B)
+        stats = self.stats = SpeculativeStats.for_rows(B)
         seen = None
         if cfg.repetition_penalty != 1.0:
             seen = torch.zeros(B, self.target.config.vocab_size, dtype=torch.bool, device=device)
@@ -241,18 +248,26 @@ class SpeculativeGenerator:
                 emit(r, drafts[r][:a] + ([extra[r]] if extra[r] is not None else []))
                 gained = len(sequences[r]) - before
                 n_before[r] += gained  # the pending token and the accepted drafts stay cached
-                stats.proposed += n_draft
-                stats.accepted += a
-                stats.row_proposed[r] += n_draft
-                stats.row_accepted[r] += a
-                stats.k_history[r].append(want[r])
-                stats.row_forwards[r] += 1
-                stats.row_tokens[r] += gained
+                stats.add_round(r, want[r], n_draft, a, gained)
                 self._adapt(r, n_draft, a, want[r], ks, windows, plain_left)
             target.rollback(n_before)
         t_end = time.perf_counter()
         stats.draft_forwards = self.draft.forwards
         return SpeculativeResult(sequences, list(self.stops.reasons), t_first - t0, t_end - t_first, stats.target_forwards, stats)
+
+    def _check_fits(self, B: int, width: int) -> None:
+        """Refuse a batch of prompts (the longest `width` tokens) the cache or the model's sliding
+        window cannot take exactly."""
+        cfg = self.config
+        if width + cfg.max_new_tokens - 1 > cfg.max_seq_len:
+            raise CacheOverflowError(f"{width} prompt + {cfg.max_new_tokens} new tokens exceed max_seq_len={cfg.max_seq_len}; "
+                                     "raise max_seq_len or shorten the prompt / max_new_tokens")
+        window = self.target.config.sliding_window
+        if B > 1 and window is not None and width + cfg.max_new_tokens - 1 > window:
+            # Rejected drafts leave masked holes in a row's slots, and a slot window counts them.
+            raise ValueError(f"speculative decoding of a batch is not exact on a model with a sliding window "
+                             f"(sliding_window={window}) once the window binds: run the prompts one at a time "
+                             "(batch_size: 1) or use plain decoding")
 
     # ---- one round --------------------------------------------------------------------------
 
