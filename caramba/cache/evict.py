@@ -28,8 +28,9 @@ import torch
 
 from caramba.cache.attend import attend_chunked
 from caramba.cache.layer import CHUNKED_MAX_T, KVCache, LayerKVCache
+from caramba.cache.packed import PackedSlots, alignment, make_packed_stream
 
-__all__ = ["PressedKVCache", "PressedLayerKVCache", "evict", "kept_counts"]
+__all__ = ["PackedLayerKVCache", "PressedKVCache", "PressedLayerKVCache", "evict", "kept_counts"]
 
 
 def kept_counts(kept: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -64,9 +65,14 @@ def evict(source: KVCache, kept: Sequence[torch.Tensor], template: KVCache | Non
     for i, (src, tpl, mask) in enumerate(zip(layers, template.layers, kept)):
         w = width if uniform else int(counts[i].max())
         keys, values, valid = _gather(src, mask, S, w, dtype)
-        layer = tpl.like(B, w + room)
+        first = w - counts[i]                                    # [B, KVH]: each head's first survivor
+        align = alignment(tpl.k_cfg, tpl.v_cfg)
+        if not uniform and bool((first >= align).any()):         # holes a packed store leaves out
+            layer = PackedLayerKVCache.build(tpl, B, w, room, first, width - w, align)
+        else:
+            layer = tpl.like(B, w + room)
         layer.extend(keys, values)
-        if not uniform:
+        if not uniform and type(layer) is LayerKVCache:
             layer = PressedLayerKVCache.adopt(layer, width - w, None if bool(valid.all()) else valid)
         built.append(layer)
     if not uniform:
@@ -147,6 +153,60 @@ class PressedLayerKVCache(LayerKVCache):
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, keys, values, attn_mask=layer_mask.repeat_interleave(H // KVH, dim=1), enable_gqa=True)
         return out if self.v_rotation is None else out @ self.v_rotation.to(out.dtype)
+
+
+class PackedLayerKVCache(PressedLayerKVCache):
+    """A ragged press's layer whose heads keep different counts, stored packed (caramba.cache.
+    packed): head (b, h) allocates only its slots from shift[b, h] on (its survivors, then the
+    room), not the widest head's width. In the model's slot numbers it is a PressedLayerKVCache
+    (offset, width; first [B, KVH]: each head's first survivor, the slots before it holes);
+    `attend` gathers each head's slots and runs plain attention over them, the reference the
+    fused C step (which reads the store in place) is tested against."""
+
+    first: torch.Tensor
+
+    @classmethod
+    def build(cls, template: LayerKVCache, B: int, width: int, room: int, first: torch.Tensor, offset: int,
+              align: int) -> PackedLayerKVCache:
+        """An empty packed layer of template's kinds and rotations: B rows, `width` + room slots of
+        its own, heads' first survivors first [B, KVH]; segments aligned to `align` slots."""
+        self = cls.__new__(cls)
+        for name in ("n_kv_heads", "k_cfg", "v_cfg", "k_dim", "v_dim", "device", "dtype", "rotation", "unrotation",
+                     "v_rotation"):
+            setattr(self, name, getattr(template, name))
+        self.batch_size, self.max_seq_len, self.length = B, width + room, 0
+        self.offset, self.width, self.valid = offset, width, None
+        self.first = first.to(torch.int64).contiguous()
+        self.slots = PackedSlots(first // align * align, width + room, align)
+        H = self.n_kv_heads
+        self.k_stream = make_packed_stream(self.slots, B, H, self.k_dim // H, self.k_cfg, self.device, self.dtype,
+                                           keys_major=True)
+        self.v_stream = make_packed_stream(self.slots, B, H, self.v_dim // H, self.v_cfg, self.device, self.dtype)
+        return self
+
+    @property
+    def org(self) -> torch.Tensor:
+        return self.slots.org
+
+    def reorder(self, index: torch.Tensor) -> None:
+        slots, gather = self.slots.reorder(index)
+        for s in self.streams:
+            s.take(slots, gather, index)
+        self.slots, self.first, self.batch_size = slots, self.first[index].contiguous(), int(index.numel())
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               causal: bool) -> torch.Tensor:
+        """Plain attention over each head's slots gathered (dequantized, rotations undone), the
+        model's mask mapped onto this layer's slots and each head's holes masked."""
+        B, H, T, _ = q.shape
+        if mask is None or causal:
+            raise ValueError("a pressed layer needs an explicit mask (PressedKVCache.attention_mask)")
+        end = self._append(k, v)
+        keys, values = self.contents(end, q.dtype)                          # [B, KVH, end, D], holes zero
+        held = torch.arange(end, device=q.device) >= self.first[..., None]  # [B, KVH, end]
+        layer_mask = mask[..., self.offset:].expand(B, self.n_kv_heads, T, end) & held[:, :, None, :]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, keys, values, attn_mask=layer_mask.repeat_interleave(H // self.n_kv_heads, dim=1), enable_gqa=True)
 
 
 class PressedKVCache(KVCache):
