@@ -38,13 +38,19 @@ def kept_counts(kept: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([k.sum(dim=-1) for k in kept])
 
 
+# Whether a ragged press packs the layers whose heads keep different counts (PackedLayerKVCache);
+# False keeps every layer at its widest head's width (benchmarks/press_speed.py's "+dense" compares).
+PACK = True
+
+
 @torch.inference_mode()
 def evict(source: KVCache, kept: Sequence[torch.Tensor], template: KVCache | None = None,
-          room: int = 0, dtype: torch.dtype = torch.float32) -> tuple[KVCache, torch.Tensor | None]:
+          room: int = 0, dtype: torch.dtype = torch.float32,
+          pack: bool | None = None) -> tuple[KVCache, torch.Tensor | None]:
     """(cache, slot_mask): the source's kept slots (kept[l] [B, KVH, S], S = source.length) in the
     template's kinds (default: the source's), with `room` free slots after them. slot_mask
     [B, W + room] marks a uniform cache's real slots (None: all of them, or a ragged cache,
-    whose layers hold their own masks)."""
+    whose layers hold their own masks). pack: whether ragged layers may be packed (None: PACK)."""
     layers = source.layers
     S, B = source.length, source.batch_size
     template = source if template is None else template
@@ -67,7 +73,8 @@ def evict(source: KVCache, kept: Sequence[torch.Tensor], template: KVCache | Non
         keys, values, valid = _gather(src, mask, S, w, dtype)
         first = w - counts[i]                                    # [B, KVH]: each head's first survivor
         align = alignment(tpl.k_cfg, tpl.v_cfg)
-        if not uniform and bool((first >= align).any()):         # holes a packed store leaves out
+        packs = PACK if pack is None else pack
+        if not uniform and packs and bool((first >= align).any()):   # holes a packed store leaves out
             layer = PackedLayerKVCache.build(tpl, B, w, room, first, width - w, align)
         else:
             layer = tpl.like(B, w + room)
