@@ -340,6 +340,27 @@ def test_per_channel_keys_pack_within_a_group_per_head():
     assert packed.nbytes < dense.nbytes
 
 
+@pytest.mark.parametrize("spec", [dict(default="q8_0", residual_len=4),
+                                  dict(default="q4_1", overrides="k=q4_1c", qblock=16, residual_len=4)])
+def test_a_reordered_packed_layer_holds_its_rows_where_they_went(spec):
+    """Beam rows gathered (reordered, repeated) from a packed layer: every store, group parameter
+    and ring follows its row, so each new row reads what the old one held."""
+    model = make_model(seed=3, n_layers=2, n_heads=4, n_kv_heads=2)
+    model.fast_decode = False
+    policy = CachePolicy.build(spec.pop("default"), spec.pop("overrides", None), **spec)
+    state, first = prefilled(model, B=2, S=40, room=24)
+    state.press(random_kept(2, 2, 2, 40, [[[37, 5], [20, 21]], [[40, 9], [1, 33]]], seed=8),
+                model.new_cache(2, 1, policy))
+    decode(state, first, 5)
+    before = [layer.contents(layer.length) for layer in state.cache.layers]
+    rows = torch.tensor([1, 0, 1])
+    state.reorder(rows)
+    for layer, (k, v) in zip(state.cache.layers, before):
+        assert type(layer) is PackedLayerKVCache
+        got_k, got_v = layer.contents(layer.length)
+        assert torch.equal(got_k, k[rows]) and torch.equal(got_v, v[rows])
+
+
 def test_a_pressed_context_cannot_be_rolled_back_into(model):
     state, first = prefilled(model)
     L, KVH = model.config.n_layers, model.config.n_kv_heads

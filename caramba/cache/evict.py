@@ -13,11 +13,23 @@ Two layouts:
 - uniform (every layer and KV head of a row keeps as many tokens; rows may differ): plain
   layers of W = the most any row keeps; a row keeping fewer has holes in front, which the
   decoding state's slot mask marks like left padding. The fused C step reads it as it is.
-- ragged (per-layer budgets such as PyramidKV, per-head ones such as AdaKV): layer l holds
-  W_l slots, each head's survivors right-aligned with a per-head validity mask in front, and
-  maps the model's slot numbers (W + t for the t-th new token) to its own (W_l + t). The fused
-  C step reads each head's run of survivors only (its first valid slot, fast_decode), so the
-  holes cost memory but no reading; PressedLayerKVCache.attend is the torch path's reference.
+- ragged (per-layer budgets such as PyramidKV, per-head ones such as AdaKV): layer l numbers
+  its slots W_l + t (the t-th new token), W_l its widest head's count, and maps the model's slot
+  numbers (W + t) to its own. Each head's survivors lie right-aligned, in [first, W_l). Chosen
+  per layer at evict time:
+  - packed (PackedLayerKVCache, caramba.cache.packed) where some row or head keeps fewer than
+    the widest (AdaKV, rows of different lengths): each (row, KV head) allocates only its slots
+    from `first` on, back to back in one store per stream, so the allocation is each head's kept
+    tokens plus the room. Kinds whose quantization groups run along tokens (KIVI's per-channel
+    keys, groups of G) start a head's slots at `first` rounded down to G, so its groups are the
+    dense layout's and complete at the same step for every head: fewer than G holes per head.
+    Its torch path gathers each head's slots into plain attention (the reference);
+  - dense (PressedLayerKVCache) where every head of the layer keeps W_l (PyramidKV on one row):
+    a plain layer of W_l + room slots, nothing to pack (and evict(pack=False) / PACK = False
+    keeps every ragged layer so: the layout before packing, for comparisons). Holes, if any,
+    sit in front behind a per-head validity mask.
+  The fused C step reads both in place, each head only its run of survivors (its first valid
+  slot and, packed, its origin in the store: fast_decode), so neither layout reads holes.
 """
 
 from __future__ import annotations

@@ -50,7 +50,10 @@
    slot 0 (offset), so the new token lands in the layer's own next slot while its RoPE position is
    the sequence's; and each cache row and head's first valid slot: a head's survivors lie right-
    aligned in one run, and the step neither reads nor scores the holes in front of them, so a
-   head that keeps fewer tokens costs less to read.
+   head that keeps fewer tokens costs less to read. A per-head press's packed layer
+   (caramba.cache.packed) keeps no holes at all: its Streams give each row and head's origin in
+   one store (org), and kv_stream.h's head_at addresses that head's codes there instead of at
+   rg * slots; the rings stay per head.
 
    Projections come in the layouts the model holds (no copies): fp32 [N, K] (nn.Linear), fp32
    [K, N] (InputMajorLinear) and the block formats of quant_gemv.c.

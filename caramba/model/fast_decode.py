@@ -25,7 +25,9 @@ The thread count starts from torch's, which a Generator sets from the cores free
 `CStep(model, ThreadChoice(fixed=n))` or CARAMBA_THREADS=n pins it).
 
 A ragged press's PressedKVCache (caramba.cache.evict: per-layer and per-head budgets) is read
-too: each layer its own width, each head only its run of survivors.
+too: each layer its own width, each head only its run of survivors, in place, from a dense layer
+or a packed one (caramba.cache.packed: each Stream gets the store's size and each row and head's
+origin in it).
 """
 
 from __future__ import annotations

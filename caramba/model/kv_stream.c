@@ -13,6 +13,12 @@
        token arrives (complete_group, before the step's attention reads it).
    Positions below r0 are read from codes, the rest from the ring; fast_decode computes r0 with
    the stream's own fp_start.
+   A packed store (a per-head press's layer, caramba.cache.packed) holds the same codes with every
+   row and head's slots back to back: [Dc, store] / [store, Dc] / [nb p, store] (per-channel
+   parameters [2 D, store / G]), head rg's slot i at store slot org[rg] + i. Every function here
+   addresses codes through head_at (kv_stream.h), which gives the regular layout's (rg, S, 0) or
+   the store's (0, store, org[rg]); rings are per head in either layout (KV_FP32's values, its
+   "ring", are the store itself: ring_row).
 
    Code u stands for (u + off) s (q8_0: signed c + 1/2; q4_0: u - 15/2; q4_0l: u - 8, s signed),
    NF4[u] s (nf4: a 16-level codebook) or u s + m (the zero-point kinds). The quantizers are caramba.cache.quant's arithmetic step by
