@@ -273,7 +273,10 @@ def test_a_per_head_press_allocates_only_the_kept_tokens_and_room(model, kind):
     L, KVH = model.config.n_layers, model.config.n_kv_heads
     state, first = prefilled(model, B=2, lengths=[24, 18])
     kept = random_kept(L, 2, KVH, 24, PER_HEAD, state.valid_slots(), seed=3)
-    state = check_against_reference(model, state, first, kept, None if kind == "fp32" else policy, atol=1e-4)
+    # quantized: a new token's code may round the other way when the two attentions sum in other
+    # orders (~1e-6 apart), moving later logits by up to a code step's effect (5e-3 seen with q8_0)
+    state = check_against_reference(model, state, first, kept, None if kind == "fp32" else policy,
+                                    atol=2e-5 if kind == "fp32" else 2e-2)
     cache = state.cache
     assert [type(layer) for layer in cache.layers] == [PackedLayerKVCache] * L
     D = model.config.head_dim

@@ -215,17 +215,21 @@ class PackedLayerKVCache(PressedLayerKVCache):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                causal: bool) -> torch.Tensor:
-        """Plain attention over each head's slots gathered (dequantized, rotations undone), the
-        model's mask mapped onto this layer's slots and each head's holes masked."""
+        """Plain attention over each head's slots gathered (dequantized; keys and values as stored,
+        rotated or not, as LayerKVCache.attend reads them), the model's mask mapped onto this
+        layer's slots and each head's holes masked."""
         B, H, T, _ = q.shape
         if mask is None or causal:
             raise ValueError("a pressed layer needs an explicit mask (PressedKVCache.attention_mask)")
         end = self._append(k, v)
-        keys, values = self.contents(end, q.dtype)                          # [B, KVH, end, D], holes zero
+        keys, values = self.k_stream.read(end, q.dtype), self.v_stream.read(end, q.dtype)   # [B, KVH, end, D]
+        if self.rotation is not None:
+            q = q @ self.rotation.to(q.dtype)
         held = torch.arange(end, device=q.device) >= self.first[..., None]  # [B, KVH, end]
         layer_mask = mask[..., self.offset:].expand(B, self.n_kv_heads, T, end) & held[:, :, None, :]
-        return torch.nn.functional.scaled_dot_product_attention(
+        out = torch.nn.functional.scaled_dot_product_attention(
             q, keys, values, attn_mask=layer_mask.repeat_interleave(H // self.n_kv_heads, dim=1), enable_gqa=True)
+        return out if self.v_rotation is None else out @ self.v_rotation.to(out.dtype)
 
 
 class PressedKVCache(KVCache):
