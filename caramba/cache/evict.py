@@ -215,21 +215,36 @@ class PackedLayerKVCache(PressedLayerKVCache):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                causal: bool) -> torch.Tensor:
-        """Plain attention over each head's slots gathered (dequantized; keys and values as stored,
+        """Attention over each head's slots copied out of the store (keys and values as stored,
         rotated or not, as LayerKVCache.attend reads them), the model's mask mapped onto this
-        layer's slots and each head's holes masked."""
+        layer's slots and each head's holes masked: quantized codes read in place in chunks for
+        decode-sized forwards (PressedLayerKVCache's read), else SDPA over the dequantized slots."""
         B, H, T, _ = q.shape
         if mask is None or causal:
             raise ValueError("a pressed layer needs an explicit mask (PressedKVCache.attention_mask)")
         end = self._append(k, v)
-        keys, values = self.k_stream.read(end, q.dtype), self.v_stream.read(end, q.dtype)   # [B, KVH, end, D]
         if self.rotation is not None:
             q = q @ self.rotation.to(q.dtype)
         held = torch.arange(end, device=q.device) >= self.first[..., None]  # [B, KVH, end]
         layer_mask = mask[..., self.offset:].expand(B, self.n_kv_heads, T, end) & held[:, :, None, :]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, keys, values, attn_mask=layer_mask.repeat_interleave(H // self.n_kv_heads, dim=1), enable_gqa=True)
+        if self.quantized and T <= CHUNKED_MAX_T:
+            # codes read where they lie (caramba.cache.attend), from each head's slots copied out
+            views = [s.dense_view(end) if s.quantized else _FloatView(s.read(end, s.data.dtype)) for s in self.streams]
+            out = attend_chunked(q, *views, end, layer_mask)
+        else:
+            keys, values = self.k_stream.read(end, q.dtype), self.v_stream.read(end, q.dtype)   # [B, KVH, end, D]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, keys, values, attn_mask=layer_mask.repeat_interleave(H // self.n_kv_heads, dim=1), enable_gqa=True)
         return out if self.v_rotation is None else out @ self.v_rotation.to(out.dtype)
+
+
+class _FloatView:
+    """A float stream's slots [B, KVH, end, D] as caramba.cache.attend reads a FloatStream."""
+
+    quantized = False
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data, self.n_heads = data, data.shape[1]
 
 
 class PressedKVCache(KVCache):

@@ -53,17 +53,23 @@ class PackedSlots:
         keep = slots >= self.shift[..., None]
         return (self.org[..., None] + slots).clamp_(0, max(self.total - 1, 0)), keep
 
-    def take_slots(self, src: torch.Tensor, dim: int, s0: int, s1: int, unit: int = 1) -> torch.Tensor:
+    def take_slots(self, src: torch.Tensor, dim: int, s0: int, s1: int, unit: int = 1,
+                   channels_first: bool = False) -> torch.Tensor:
         """Layer slots (unit > 1: groups of `unit` slots) [s0, s1) of every head from a store laid
-        along `dim` (0: [store, C], 1: [C, store]) -> [B, KVH, s1 - s0, C], the holes zero. One slice
-        copy per head: each head's slots are contiguous in the store (an index_select over all of
-        them measured 5-10x slower at 3 heads of 4k slots)."""
+        along `dim` (0: [store, C], 1: [C, store]) -> [B, KVH, s1 - s0, C] ([B, KVH, C, s1 - s0] with
+        channels_first, from a dim-1 store), the holes zero. One slice copy per head: each head's
+        slots are contiguous in the store (an index_select over all of them measured 5-10x slower at
+        3 heads of 4k slots)."""
         B, H = self.shift.shape
-        C = src.shape[1 - dim]
-        out = torch.zeros(B, H, s1 - s0, C, dtype=src.dtype, device=src.device)
+        C, n = src.shape[1 - dim], s1 - s0
+        out = torch.zeros((B, H, C, n) if channels_first else (B, H, n, C), dtype=src.dtype, device=src.device)
         for b, h, org, shift in self.heads:
             org, lo = org // unit, max(-(-shift // unit) - s0, 0)
-            if lo < s1 - s0:
+            if lo >= n:
+                continue
+            if channels_first:
+                out[b, h, :, lo:] = src[:, org + s0 + lo: org + s1]
+            else:
                 out[b, h, lo:] = src[org + s0 + lo: org + s1] if dim == 0 else src[:, org + s0 + lo: org + s1].T
         return out
 
@@ -174,6 +180,17 @@ class PackedQuantStream:
     def reset(self) -> None:
         self.fp_lo = 0
 
+    def dense_view(self, end: int) -> QuantStream:
+        """Layer slots [0, end) as a plain QuantStream of `end` slots (codes and parameters copied
+        out head by head, holes zero; the ring and its bookkeeping shared): what caramba.cache.attend
+        reads in place with the C kernels, a fraction of the bytes of dequantizing every slot."""
+        view = QuantStream.__new__(QuantStream)
+        view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("codes", "scales", "slots")})
+        view.codes = self.slots.take_slots(self.codes, 1 if self.keys_major else 0, 0, end,
+                                           channels_first=self.keys_major)
+        view.scales = self.slots.take_slots(self.scales, 1, 0, end, channels_first=True)
+        return view
+
     def take(self, slots: PackedSlots, gather: torch.Tensor, index: torch.Tensor) -> None:
         self.slots = slots
         self.codes = self.codes[:, gather] if self.keys_major else self.codes[gather]
@@ -227,6 +244,18 @@ class PackedChannelStream(PackedQuantStream):
             gidx, gkeep = self.slots.group_index(g0 // G, q_end // G, G)
             self.scales[:, gidx[gkeep]] = params[gkeep].T
         self.note_written(start, end)
+
+    def dense_view(self, end: int) -> ChannelQuantStream:
+        """Layer slots [0, end) as a plain ChannelQuantStream (see PackedQuantStream.dense_view):
+        whole groups up to the last one `end` completes, within the layer's groups."""
+        G = self.G
+        groups = min(end // G, self.n_groups)
+        view = ChannelQuantStream.__new__(ChannelQuantStream)
+        view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("codes", "scales", "slots")})
+        view.codes = self.slots.take_slots(self.codes, 1 if self.keys_major else 0, 0, end,
+                                           channels_first=self.keys_major)
+        view.scales = self.slots.take_slots(self.scales, 1, 0, groups, G, channels_first=True)
+        return view
 
     def dequant(self, s0: int, s1: int, dtype: torch.dtype) -> torch.Tensor:
         G = self.G
