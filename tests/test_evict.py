@@ -364,6 +364,32 @@ def test_a_reordered_packed_layer_holds_its_rows_where_they_went(spec):
         assert torch.equal(got_k, k[rows]) and torch.equal(got_v, v[rows])
 
 
+def test_packed_kivi_keys_roll_back_into_a_completed_group_as_the_dense_layout(monkeypatch, taken):
+    """Speculative rollback after a per-head press with KIVI keys: truncating into a group the new
+    tokens completed refills it from its codes (ChannelQuantStream's rule), per head in the store;
+    the packed and dense layouts then decode the same tokens, on the torch path and on the C step
+    (which leaves the refilling step to the torch path)."""
+    model = make_model(seed=3, n_layers=2, n_heads=4, n_kv_heads=2)
+    policy = CachePolicy.build("q4_1", "k=q4_1c", qblock=8, residual_len=2)
+    counts = [[[37, 5], [20, 21]], [[40, 9], [1, 33]]]
+    runs = {}
+    for pack, fast in [(True, False), (False, False)] + [(True, True)] * (fast_decode.library() is not None):
+        model.fast_decode = False
+        state, first = prefilled(model, B=2, S=40, room=40)
+        model.fast_decode = fast
+        state.backend = choose(model, ThreadChoice(fixed=1))
+        monkeypatch.setattr("caramba.cache.evict.PACK", pack)
+        state.press(random_kept(2, 2, 2, 40, counts, seed=8), model.new_cache(2, 1, policy))
+        _, tokens = decode(state, first, 30)                    # groups completed past the survivors
+        state.rollback(state.next_pos - 25)                     # back into one the ring no longer holds
+        assert all(layer.k_stream.refills(layer.length) for layer in state.cache.layers)
+        runs[pack, fast] = decode(state, tokens[:, 2], 12)[1], state.cache
+        assert (len(taken) > 30) == fast                        # the C step took most steps
+    assert type(runs[True, False][1].layers[0]) is PackedLayerKVCache
+    for tokens, _ in runs.values():
+        assert torch.equal(tokens, runs[False, False][0])
+
+
 def test_a_pressed_context_cannot_be_rolled_back_into(model):
     state, first = prefilled(model)
     L, KVH = model.config.n_layers, model.config.n_kv_heads
