@@ -3,6 +3,9 @@
     .venv/bin/python benchmarks/press_speed.py [--weights native] [--context 4096] [--cache-kind fp32]
         [--presses none,snapkv@0.5,...] [--new-tokens 32] [--rounds 3] [--json FILE]
 
+A press written PRESS+dense (e.g. ada_snapkv@0.5+dense) runs with per-head ragged layers kept at
+their widest head's width instead of packed (caramba.cache.evict.PACK), to compare the layouts.
+
 The context is a real task context (caramba.infer.tasks, niah_single_essay, chat-formatted) of
 `--context` model tokens. Each round runs every press once through the Generator, in rotated
 order so no press always goes first; per run: the time to the first token (prefill, scoring and
@@ -40,7 +43,16 @@ def timed_generation(model, ids: list[int], press: str, args):
 
 
 def run_press(model, ids: list[int], press: str, args) -> dict:
-    gen, ttft, steps = timed_generation(model, ids, press, args)
+    """One run; a press ending in "+dense" keeps per-head ragged layers at their widest head's width
+    (caramba.cache.evict.PACK = False) instead of packing them: the layout before packing, to compare."""
+    import caramba.cache.evict as evict
+
+    dense = press.endswith("+dense")
+    evict.PACK = not dense
+    try:
+        gen, ttft, steps = timed_generation(model, ids, press.removesuffix("+dense"), args)
+    finally:
+        evict.PACK = True
     return {"ttft_s": ttft, "step_s": statistics.median(steps), "cache_bytes": gen.cache.nbytes,
             "kept_share": gen.state.kept_share}
 

@@ -1,7 +1,8 @@
 """How a ragged press's cache is read at decode (issue 29): decode steps only, in one process.
 
     CARAMBA_THREADS=1 .venv/bin/python benchmarks/ragged_read.py [--weights native] [--context 4096]
-        [--presses pyramidkv@0.5,ada_snapkv@0.5,snapkv@0.5] [--cache-kind fp32] [--rounds 12] [--steps 5]
+        [--presses pyramidkv@0.5,ada_snapkv@0.5,ada_snapkv@0.5+dense,snapkv@0.5] [--cache-kind fp32]
+        [--rounds 12] [--steps 5]
 
 One task context (niah_single_essay, chat) is prefilled once unpressed and once per press
 (caramba.infer.pressing) into fp32 caches; with another `--cache-kind` every cache is then
@@ -10,10 +11,14 @@ survivors are stored quantized. Then, round by round in rotated order, each vari
 `--steps` greedy tokens from its own state:
 - `none`: the unpressed cache on the fused C step (the reference of every ratio);
 - `<press>`: the pressed cache on the C step, each head reading only its run of survivors
-  (fast_decode passes each row and head's first valid slot);
-- `<press> holes` (per-head presses): the same cache on the C step with every first valid slot
+  (fast_decode passes each row and head's first valid slot); per-head presses store each head's
+  survivors packed (caramba.cache.packed);
+- `<press>+dense`: the same press with every layer kept at its widest head's width, survivors
+  right-aligned behind holes (caramba.cache.evict.PACK = False: the layout before packing);
+- `<press>+dense holes` (per-head presses): that cache on the C step with every first valid slot
   forced to 0, so each head reads its layer's whole width as a per-head slot mask would (its
-  logits are wrong: only its time counts; the design choice this measures);
+  logits are wrong: only its time counts; the design choice this measures; a packed store has
+  no holes to read);
 - `<press> torch`: the same cache on the torch path (the C step off: how ragged caches decoded
   before the C step read them).
 Per round the median of a variant's steps; the table gives the median over rounds and the median
@@ -37,7 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--weights", default="native")
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--presses", default="pyramidkv@0.5,ada_snapkv@0.5,snapkv@0.5")
+    ap.add_argument("--presses", default="pyramidkv@0.5,ada_snapkv@0.5,ada_snapkv@0.5+dense,snapkv@0.5")
     ap.add_argument("--cache-kind", default="fp32")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=5)
@@ -46,6 +51,7 @@ def main() -> None:
     import caramba  # noqa: F401  (before torch: sets the OpenMP wait policy)
     import torch
 
+    import caramba.cache.evict as evict
     from caramba.infer import tasks
     from caramba.infer.pressing import prefill_pressed
     from caramba.infer.state import DecodeState
@@ -72,7 +78,11 @@ def main() -> None:
         full.press([torch.ones(1, kv, ids.shape[1], dtype=torch.bool)] * model.config.n_layers, template)
     for press in presses:
         state = DecodeState(model, model.new_cache(1, ids.shape[1] + room, "fp32"))
-        logits = prefill_pressed(state, ids, None, PressConfig.parse(press), template)
+        evict.PACK = not press.endswith("+dense")
+        try:
+            logits = prefill_pressed(state, ids, None, PressConfig.parse(press.removesuffix("+dense")), template)
+        finally:
+            evict.PACK = True
         states[press] = [state, logits.argmax(-1)]
         print(f"{press}: {type(state.cache).__name__}, kept {state.kept_share:.3f}", file=sys.stderr, flush=True)
     first_valid = fast_decode._first_valid
@@ -83,7 +93,7 @@ def main() -> None:
         return first if first is None or first is False else torch.zeros_like(first)
 
     variants = ([("none", "c", "none")] + [(p, "c", p) for p in presses]
-                + [(p, "holes", f"{p} holes") for p in presses if p.startswith("ada_")]
+                + [(p, "holes", f"{p} holes") for p in presses if p.startswith("ada_") and p.endswith("+dense")]
                 + [(p, "torch", f"{p} torch") for p in presses])
     times: dict[str, list[float]] = {name: [] for _, _, name in variants}
     try:
@@ -108,12 +118,13 @@ def main() -> None:
     print(f"CPU {env_before['cpu_model']}, {env_before['threads']['used']} thread(s), load average "
           f"{[round(x, 2) for x in env_before['load_average']]} -> {[round(x, 2) for x in env_after['load_average']]}, "
           f"weights {args.weights}, cache {args.cache_kind}, context {ids.shape[1]} tokens, {args.rounds} rounds x {args.steps} steps")
-    print("| variant | ms / step | tok/s | speedup vs none |")
-    print("|---|---|---|---|")
-    for _, _, name in variants:
+    print("| variant | ms / step | tok/s | speedup vs none | cache MiB |")
+    print("|---|---|---|---|---|")
+    for key, _, name in variants:
         step = statistics.median(times[name])
         ratio = statistics.median(n / t for n, t in zip(times["none"], times[name]))
-        print(f"| {name} | {1000 * step:.1f} | {1 / step:.1f} | {ratio:.2f}x |")
+        mib = states[key][0].cache.nbytes / 2**20
+        print(f"| {name} | {1000 * step:.1f} | {1 / step:.1f} | {ratio:.2f}x | {mib:.1f} |")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from caramba.cache import CachePolicy, KVCache, LayerKVCache
-from caramba.cache.evict import PressedKVCache
+from caramba.cache import KVCacheTensorConfig
+from caramba.cache.evict import PackedLayerKVCache, PressedKVCache, evict
 from caramba.infer.state import DecodeState
 import tolerance as tol
 from caramba.model import fast_decode
@@ -253,6 +254,142 @@ def test_bad_kept_masks_are_refused(model):
         state.press([torch.ones(2, KVH, 24, dtype=torch.bool)] * L)
 
 
+PER_HEAD = [[[14, 5], [3, 9]], [[3, 12], [1, 1]], [[9, 9], [7, 2]]]     # [layer][row][KV head] kept, AdaKV-like
+
+
+def per_head_bytes(counts, room: int, cfgs, head_dim: int) -> int:
+    """What a per-head press must allocate: every (layer, row, KV head)'s kept tokens plus the room,
+    at the kinds' bytes per token and head (KVCacheTensorConfig.bytes_per_token)."""
+    per_token = sum(c.bytes_per_token(1, head_dim) for c in cfgs)
+    return sum((k + room) * per_token for layer in counts for row in layer for k in row)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "q8_0", "q4_0"])
+def test_a_per_head_press_allocates_only_the_kept_tokens_and_room(model, kind):
+    """AdaKV's per-head budgets: the cache's allocated bytes after the press are each head's kept
+    tokens plus the room, not the widest head's width per layer; it decodes as the full cache
+    with the dropped slots hidden (plain attention over the dequantized survivors)."""
+    policy = CachePolicy.build(kind)
+    L, KVH = model.config.n_layers, model.config.n_kv_heads
+    state, first = prefilled(model, B=2, lengths=[24, 18])
+    kept = random_kept(L, 2, KVH, 24, PER_HEAD, state.valid_slots(), seed=3)
+    # quantized: a new token's code may round the other way when the two attentions sum in other
+    # orders (~1e-6 apart), moving later logits by up to a code step's effect (5e-3 seen with q8_0)
+    state = check_against_reference(model, state, first, kept, None if kind == "fp32" else policy,
+                                    atol=2e-5 if kind == "fp32" else 2e-2)
+    cache = state.cache
+    assert [type(layer) for layer in cache.layers] == [PackedLayerKVCache] * L
+    D = model.config.head_dim
+    cfgs = (policy.k, policy.v) if kind != "fp32" else (KVCacheTensorConfig("fp32"),) * 2
+    assert cache.nbytes == per_head_bytes(PER_HEAD, 12, cfgs, D)
+    dense = sum(2 * KVH * (max(max(r) for r in layer) + 12) for layer in PER_HEAD) * sum(
+        c.bytes_per_token(1, D) for c in cfgs)
+    assert cache.nbytes < dense                             # the widest head's width, per layer: the old layout
+
+
+def test_packed_survivors_keep_their_values_and_positions(model):
+    """Each head's stored survivors are the source's kept slots, bit for bit, in slot order (keys
+    after RoPE: their positions untouched); new tokens take positions from the context's end."""
+    state, first = prefilled(model, B=2, lengths=[24, 18])
+    L, KVH = model.config.n_layers, model.config.n_kv_heads
+    kept = random_kept(L, 2, KVH, 24, PER_HEAD, state.valid_slots(), seed=3)
+    source = [layer.contents(24) for layer in state.cache.layers]
+    state.press(kept)
+    for layer, (keys, values), mask in zip(state.cache.layers, source, kept):
+        got_k, got_v = layer.contents(layer.length)
+        for b in range(2):
+            for h in range(KVH):
+                n = int(mask[b, h].sum())
+                lo = layer.width - n
+                assert torch.equal(got_k[b, h, lo:layer.width], keys[b, h, mask[b, h]])
+                assert torch.equal(got_v[b, h, lo:layer.width], values[b, h, mask[b, h]])
+                assert not got_k[b, h, :lo].any()
+    assert state.next_pos.tolist() == [24, 18]                  # each row's own context length
+    decode(state, first, 3)
+    assert state.next_pos.tolist() == [27, 21]
+
+
+def test_per_channel_keys_pack_within_a_group_per_head():
+    """KIVI keys (groups of G tokens along the sequence): a head keeps fewer than G holes in front
+    so its groups are the dense layout's; the packed cache stores what the dense one stores in
+    those slots and decodes the same greedy tokens, in at most G slots more per head than kept + room."""
+    model = make_model(seed=3, n_layers=2, n_heads=4, n_kv_heads=2)
+    model.fast_decode = False
+    policy = CachePolicy.build("q4_1", "k=q4_1c", qblock=16, residual_len=4)
+    counts = [[[37, 5], [20, 21]], [[40, 9], [1, 33]]]
+    runs = {}
+    for pack in (True, False):
+        state, first = prefilled(model, B=2, S=40, room=24)
+        kept = random_kept(2, 2, 2, 40, counts, seed=8)
+        cache, mask = evict(state.cache, kept, model.new_cache(2, 1, policy), room=24, pack=pack)
+        state.cache, state.slot_mask = cache, mask
+        runs[pack] = (cache, *decode(state, first, 20))
+    packed, dense = runs[True][0], runs[False][0]
+    assert type(packed.layers[0]) is PackedLayerKVCache and type(dense.layers[0]) is not PackedLayerKVCache
+    assert torch.equal(runs[True][2], runs[False][2])
+    for a, b in zip(packed.layers, dense.layers):
+        for x, y in zip(a.contents(a.length), b.contents(b.length)):
+            held = (torch.arange(a.width) >= a.first[..., None])[..., None]    # the survivors: the same codes
+            assert torch.equal(x[:, :, :a.width] * held, y[:, :, :a.width] * held)
+            # the new tokens: the two torch paths' attention sums differ in order (plain SDPA, chunked codes),
+            # and a group completed over them may round a code the other way (a 4-bit step, ~1e-3 here)
+            torch.testing.assert_close(x[:, :, a.width:], y[:, :, a.width:], atol=1e-2, rtol=1e-2)
+    D, G = model.config.head_dim, 16
+    rings = sum(t.numel() * t.element_size() for layer in packed.layers for s in layer.streams
+                if s.ring is not None for t in [s.ring])
+    exact = per_head_bytes(counts, 24, (policy.k, policy.v), D)
+    assert exact <= packed.nbytes - rings <= exact + 2 * 2 * 2 * 2 * G * sum(
+        c.bytes_per_token(1, D) for c in (policy.k, policy.v))
+    assert packed.nbytes < dense.nbytes
+
+
+@pytest.mark.parametrize("spec", [dict(default="q8_0", residual_len=4),
+                                  dict(default="q4_1", overrides="k=q4_1c", qblock=16, residual_len=4)])
+def test_a_reordered_packed_layer_holds_its_rows_where_they_went(spec):
+    """Beam rows gathered (reordered, repeated) from a packed layer: every store, group parameter
+    and ring follows its row, so each new row reads what the old one held."""
+    model = make_model(seed=3, n_layers=2, n_heads=4, n_kv_heads=2)
+    model.fast_decode = False
+    policy = CachePolicy.build(spec.pop("default"), spec.pop("overrides", None), **spec)
+    state, first = prefilled(model, B=2, S=40, room=24)
+    state.press(random_kept(2, 2, 2, 40, [[[37, 5], [20, 21]], [[40, 9], [1, 33]]], seed=8),
+                model.new_cache(2, 1, policy))
+    decode(state, first, 5)
+    before = [layer.contents(layer.length) for layer in state.cache.layers]
+    rows = torch.tensor([1, 0, 1])
+    state.reorder(rows)
+    for layer, (k, v) in zip(state.cache.layers, before):
+        assert type(layer) is PackedLayerKVCache
+        got_k, got_v = layer.contents(layer.length)
+        assert torch.equal(got_k, k[rows]) and torch.equal(got_v, v[rows])
+
+
+def test_packed_kivi_keys_roll_back_into_a_completed_group_as_the_dense_layout(monkeypatch, taken):
+    """Speculative rollback after a per-head press with KIVI keys: truncating into a group the new
+    tokens completed refills it from its codes (ChannelQuantStream's rule), per head in the store;
+    the packed and dense layouts then decode the same tokens, on the torch path and on the C step
+    (which leaves the refilling step to the torch path)."""
+    model = make_model(seed=3, n_layers=2, n_heads=4, n_kv_heads=2)
+    policy = CachePolicy.build("q4_1", "k=q4_1c", qblock=8, residual_len=2)
+    counts = [[[37, 5], [20, 21]], [[40, 9], [1, 33]]]
+    runs = {}
+    for pack, fast in [(True, False), (False, False)] + [(True, True)] * (fast_decode.library() is not None):
+        model.fast_decode = False
+        state, first = prefilled(model, B=2, S=40, room=40)
+        model.fast_decode = fast
+        state.backend = choose(model, ThreadChoice(fixed=1))
+        monkeypatch.setattr("caramba.cache.evict.PACK", pack)
+        state.press(random_kept(2, 2, 2, 40, counts, seed=8), model.new_cache(2, 1, policy))
+        _, tokens = decode(state, first, 30)                    # groups completed past the survivors
+        state.rollback(state.next_pos - 25)                     # back into one the ring no longer holds
+        assert all(layer.k_stream.refills(layer.length) for layer in state.cache.layers)
+        runs[pack, fast] = decode(state, tokens[:, 2], 12)[1], state.cache
+        assert (len(taken) > 30) == fast                        # the C step took most steps
+    assert type(runs[True, False][1].layers[0]) is PackedLayerKVCache
+    for tokens, _ in runs.values():
+        assert torch.equal(tokens, runs[False, False][0])
+
+
 def test_a_pressed_context_cannot_be_rolled_back_into(model):
     state, first = prefilled(model)
     L, KVH = model.config.n_layers, model.config.n_kv_heads
@@ -283,6 +420,7 @@ def ragged_run(layout: str, policy: str, threads: int, fast: bool, calls: list, 
     kept = random_kept(3, 2, 2, 160, RAGGED[layout], state.valid_slots(), seed=6)
     state.press(kept, model.new_cache(2, 1, POLICIES[policy]))
     assert isinstance(state.cache, PressedKVCache)
+    assert all(type(layer) is PackedLayerKVCache for layer in state.cache.layers)   # rows or heads differ
     model.fast_decode = fast
     state.backend = choose(model, ThreadChoice(fixed=threads))    # the C step, or the torch path
     before = len(calls)

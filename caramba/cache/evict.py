@@ -13,11 +13,23 @@ Two layouts:
 - uniform (every layer and KV head of a row keeps as many tokens; rows may differ): plain
   layers of W = the most any row keeps; a row keeping fewer has holes in front, which the
   decoding state's slot mask marks like left padding. The fused C step reads it as it is.
-- ragged (per-layer budgets such as PyramidKV, per-head ones such as AdaKV): layer l holds
-  W_l slots, each head's survivors right-aligned with a per-head validity mask in front, and
-  maps the model's slot numbers (W + t for the t-th new token) to its own (W_l + t). The fused
-  C step reads each head's run of survivors only (its first valid slot, fast_decode), so the
-  holes cost memory but no reading; PressedLayerKVCache.attend is the torch path's reference.
+- ragged (per-layer budgets such as PyramidKV, per-head ones such as AdaKV): layer l numbers
+  its slots W_l + t (the t-th new token), W_l its widest head's count, and maps the model's slot
+  numbers (W + t) to its own. Each head's survivors lie right-aligned, in [first, W_l). Chosen
+  per layer at evict time:
+  - packed (PackedLayerKVCache, caramba.cache.packed) where some row or head keeps fewer than
+    the widest (AdaKV, rows of different lengths): each (row, KV head) allocates only its slots
+    from `first` on, back to back in one store per stream, so the allocation is each head's kept
+    tokens plus the room. Kinds whose quantization groups run along tokens (KIVI's per-channel
+    keys, groups of G) start a head's slots at `first` rounded down to G, so its groups are the
+    dense layout's and complete at the same step for every head: fewer than G holes per head.
+    Its torch path gathers each head's slots into plain attention (the reference);
+  - dense (PressedLayerKVCache) where every head of the layer keeps W_l (PyramidKV on one row):
+    a plain layer of W_l + room slots, nothing to pack (and evict(pack=False) / PACK = False
+    keeps every ragged layer so: the layout before packing, for comparisons). Holes, if any,
+    sit in front behind a per-head validity mask.
+  The fused C step reads both in place, each head only its run of survivors (its first valid
+  slot and, packed, its origin in the store: fast_decode), so neither layout reads holes.
 """
 
 from __future__ import annotations
@@ -28,8 +40,9 @@ import torch
 
 from caramba.cache.attend import attend_chunked
 from caramba.cache.layer import CHUNKED_MAX_T, KVCache, LayerKVCache
+from caramba.cache.packed import PackedSlots, alignment, make_packed_stream
 
-__all__ = ["PressedKVCache", "PressedLayerKVCache", "evict", "kept_counts"]
+__all__ = ["PackedLayerKVCache", "PressedKVCache", "PressedLayerKVCache", "evict", "kept_counts"]
 
 
 def kept_counts(kept: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -37,13 +50,19 @@ def kept_counts(kept: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([k.sum(dim=-1) for k in kept])
 
 
+# Whether a ragged press packs the layers whose heads keep different counts (PackedLayerKVCache);
+# False keeps every layer at its widest head's width (benchmarks/press_speed.py's "+dense" compares).
+PACK = True
+
+
 @torch.inference_mode()
 def evict(source: KVCache, kept: Sequence[torch.Tensor], template: KVCache | None = None,
-          room: int = 0, dtype: torch.dtype = torch.float32) -> tuple[KVCache, torch.Tensor | None]:
+          room: int = 0, dtype: torch.dtype = torch.float32,
+          pack: bool | None = None) -> tuple[KVCache, torch.Tensor | None]:
     """(cache, slot_mask): the source's kept slots (kept[l] [B, KVH, S], S = source.length) in the
     template's kinds (default: the source's), with `room` free slots after them. slot_mask
     [B, W + room] marks a uniform cache's real slots (None: all of them, or a ragged cache,
-    whose layers hold their own masks)."""
+    whose layers hold their own masks). pack: whether ragged layers may be packed (None: PACK)."""
     layers = source.layers
     S, B = source.length, source.batch_size
     template = source if template is None else template
@@ -64,9 +83,15 @@ def evict(source: KVCache, kept: Sequence[torch.Tensor], template: KVCache | Non
     for i, (src, tpl, mask) in enumerate(zip(layers, template.layers, kept)):
         w = width if uniform else int(counts[i].max())
         keys, values, valid = _gather(src, mask, S, w, dtype)
-        layer = tpl.like(B, w + room)
+        first = w - counts[i]                                    # [B, KVH]: each head's first survivor
+        align = alignment(tpl.k_cfg, tpl.v_cfg)
+        packs = PACK if pack is None else pack
+        if not uniform and packs and bool((first >= align).any()):   # holes a packed store leaves out
+            layer = PackedLayerKVCache.build(tpl, B, w, room, first, width - w, align)
+        else:
+            layer = tpl.like(B, w + room)
         layer.extend(keys, values)
-        if not uniform:
+        if not uniform and type(layer) is LayerKVCache:
             layer = PressedLayerKVCache.adopt(layer, width - w, None if bool(valid.all()) else valid)
         built.append(layer)
     if not uniform:
@@ -147,6 +172,79 @@ class PressedLayerKVCache(LayerKVCache):
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, keys, values, attn_mask=layer_mask.repeat_interleave(H // KVH, dim=1), enable_gqa=True)
         return out if self.v_rotation is None else out @ self.v_rotation.to(out.dtype)
+
+
+class PackedLayerKVCache(PressedLayerKVCache):
+    """A ragged press's layer whose heads keep different counts, stored packed (caramba.cache.
+    packed): head (b, h) allocates only its slots from shift[b, h] on (its survivors, then the
+    room), not the widest head's width. In the model's slot numbers it is a PressedLayerKVCache
+    (offset, width; first [B, KVH]: each head's first survivor, the slots before it holes);
+    `attend` gathers each head's slots and runs plain attention over them, the reference the
+    fused C step (which reads the store in place) is tested against."""
+
+    first: torch.Tensor
+
+    @classmethod
+    def build(cls, template: LayerKVCache, B: int, width: int, room: int, first: torch.Tensor, offset: int,
+              align: int) -> PackedLayerKVCache:
+        """An empty packed layer of template's kinds and rotations: B rows, `width` + room slots of
+        its own, heads' first survivors first [B, KVH]; segments aligned to `align` slots."""
+        self = cls.__new__(cls)
+        for name in ("n_kv_heads", "k_cfg", "v_cfg", "k_dim", "v_dim", "device", "dtype", "rotation", "unrotation",
+                     "v_rotation"):
+            setattr(self, name, getattr(template, name))
+        self.batch_size, self.max_seq_len, self.length = B, width + room, 0
+        self.offset, self.width, self.valid = offset, width, None
+        self.first = first.to(torch.int64).contiguous()
+        self.slots = PackedSlots(first // align * align, width + room, align)
+        H = self.n_kv_heads
+        self.k_stream = make_packed_stream(self.slots, B, H, self.k_dim // H, self.k_cfg, self.device, self.dtype,
+                                           keys_major=True)
+        self.v_stream = make_packed_stream(self.slots, B, H, self.v_dim // H, self.v_cfg, self.device, self.dtype)
+        return self
+
+    @property
+    def org(self) -> torch.Tensor:
+        return self.slots.org
+
+    def reorder(self, index: torch.Tensor) -> None:
+        slots, gather = self.slots.reorder(index)
+        for s in self.streams:
+            s.take(slots, gather, index)
+        self.slots, self.first, self.batch_size = slots, self.first[index].contiguous(), int(index.numel())
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               causal: bool) -> torch.Tensor:
+        """Attention over each head's slots copied out of the store (keys and values as stored,
+        rotated or not, as LayerKVCache.attend reads them), the model's mask mapped onto this
+        layer's slots and each head's holes masked: quantized codes read in place in chunks for
+        decode-sized forwards (PressedLayerKVCache's read), else SDPA over the dequantized slots."""
+        B, H, T, _ = q.shape
+        if mask is None or causal:
+            raise ValueError("a pressed layer needs an explicit mask (PressedKVCache.attention_mask)")
+        end = self._append(k, v)
+        if self.rotation is not None:
+            q = q @ self.rotation.to(q.dtype)
+        held = torch.arange(end, device=q.device) >= self.first[..., None]  # [B, KVH, end]
+        layer_mask = mask[..., self.offset:].expand(B, self.n_kv_heads, T, end) & held[:, :, None, :]
+        if self.quantized and T <= CHUNKED_MAX_T:
+            # codes read where they lie (caramba.cache.attend), from each head's slots copied out
+            views = [s.dense_view(end) if s.quantized else _FloatView(s.read(end, s.data.dtype)) for s in self.streams]
+            out = attend_chunked(q, *views, end, layer_mask)
+        else:
+            keys, values = self.k_stream.read(end, q.dtype), self.v_stream.read(end, q.dtype)   # [B, KVH, end, D]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, keys, values, attn_mask=layer_mask.repeat_interleave(H // self.n_kv_heads, dim=1), enable_gqa=True)
+        return out if self.v_rotation is None else out @ self.v_rotation.to(out.dtype)
+
+
+class _FloatView:
+    """A float stream's slots [B, KVH, end, D] as caramba.cache.attend reads a FloatStream."""
+
+    quantized = False
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data, self.n_heads = data, data.shape[1]
 
 
 class PressedKVCache(KVCache):

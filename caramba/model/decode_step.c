@@ -50,7 +50,10 @@
    slot 0 (offset), so the new token lands in the layer's own next slot while its RoPE position is
    the sequence's; and each cache row and head's first valid slot: a head's survivors lie right-
    aligned in one run, and the step neither reads nor scores the holes in front of them, so a
-   head that keeps fewer tokens costs less to read.
+   head that keeps fewer tokens costs less to read. A per-head press's packed layer
+   (caramba.cache.packed) keeps no holes at all: its Streams give each row and head's origin in
+   one store (org), and kv_stream.h's head_at addresses that head's codes there instead of at
+   rg * slots; the rings stay per head.
 
    Projections come in the layouts the model holds (no copies): fp32 [N, K] (nn.Linear), fp32
    [K, N] (InputMajorLinear) and the block formats of quant_gemv.c.
@@ -579,9 +582,10 @@ static int value_rows(Step *s, int r, int g, int c0, int cn, const float **rows,
         if (sl >= slot) rows[k] = new_row(s, s->vn, r, sl - slot, g);
         else if (coded[k]) {
             float *dst = s->vbuf + (long)k * D, *pk = s->ppb + (long)k * vnp;
-            decode_row((int)vs->kind, (const uint8_t *)vs->codes + (rg * s->S + sl) * vfw, D, dst);
-            const uint16_t *ps = vs->params + rg * vnp * s->S + sl;
-            for (int b = 0; b < vnp; b++) pk[b] = fp16_to_fp32(ps[(long)b * s->S]);
+            const HeadAt h = head_at(vs, rg, s->S);
+            decode_row((int)vs->kind, (const uint8_t *)vs->codes + (h.rg * h.S + h.at + sl) * vfw, D, dst);
+            const uint16_t *ps = vs->params + h.rg * vnp * h.S + h.at + sl;
+            for (int b = 0; b < vnp; b++) pk[b] = fp16_to_fp32(ps[(long)b * h.S]);
             rows[k] = dst;
         } else rows[k] = ring_row(vs, rg, sl, D);
     }
@@ -757,7 +761,8 @@ static void layer(Step *s, int l) {
    tokens land inside its capacity, and every first valid slot lies in [0, its first new slot]. */
 static int layer_slots_ok(const StepArgs *a, const Stream *st, const Stream *key) {
     const long slot = a->slot - st->offset, rows = a->M / a->T * a->n_kv;
-    if (st->slots != key->slots || st->offset != key->offset || st->first != key->first || st->offset < 0
+    if (st->slots != key->slots || st->offset != key->offset || st->first != key->first || st->org != key->org
+        || st->store != key->store || st->offset < 0
         || slot < 0 || slot + a->T > st->slots)
         return 0;
     for (long i = 0; st->first && i < rows; i++)
@@ -865,5 +870,6 @@ int step_abi_layout(int64_t *out) {
     out[i++] = offsetof(LayerPlan, qkv), out[i++] = offsetof(LayerPlan, o), out[i++] = offsetof(LayerPlan, w13);
     out[i++] = offsetof(LayerPlan, w2), out[i++] = offsetof(Stream, r0), out[i++] = offsetof(Stream, rot);
     out[i++] = offsetof(Stream, slots), out[i++] = offsetof(Stream, offset), out[i++] = offsetof(Stream, first);
+    out[i++] = offsetof(Stream, org), out[i++] = offsetof(Stream, store);
     return i;
 }

@@ -25,7 +25,9 @@ The thread count starts from torch's, which a Generator sets from the cores free
 `CStep(model, ThreadChoice(fixed=n))` or CARAMBA_THREADS=n pins it).
 
 A ragged press's PressedKVCache (caramba.cache.evict: per-layer and per-head budgets) is read
-too: each layer its own width, each head only its run of survivors.
+too: each layer its own width, each head only its run of survivors, in place, from a dense layer
+or a packed one (caramba.cache.packed: each Stream gets the store's size and each row and head's
+origin in it).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import torch
 from torch import nn
 
 from caramba import kernels, threads
-from caramba.cache.evict import PressedKVCache, PressedLayerKVCache
+from caramba.cache.evict import PackedLayerKVCache, PressedKVCache, PressedLayerKVCache
+from caramba.cache.packed import PackedChannelStream, PackedFloatStream, PackedQuantStream
 from caramba.cache.layer import KVCache, LayerKVCache
 from caramba.cache.ring import RingKVCache, RingLayerKVCache
 from caramba.cache.kinds import KVCacheKind
@@ -148,11 +151,11 @@ def _stream_kind(stream, keys: bool, head_dim: int) -> int | None:
     per-channel q4_1c / q2_1c keys; codes in the layout the stream's role gives them."""
     if stream.head_dim != head_dim:
         return None
-    if type(stream) is FloatStream:
+    if type(stream) in (FloatStream, PackedFloatStream):
         return KV_FP32 if _fp32(stream.data) else None
-    if type(stream) is QuantStream:
+    if type(stream) in (QuantStream, PackedQuantStream):
         kind = TOKEN_KINDS.get(stream.kind)
-    elif type(stream) is ChannelQuantStream and keys:
+    elif type(stream) in (ChannelQuantStream, PackedChannelStream) and keys:
         kind = CHANNEL_KINDS.get(stream.kind)
     else:
         return None
@@ -160,6 +163,9 @@ def _stream_kind(stream, keys: bool, head_dim: int) -> int | None:
             or not (stream.codes.is_contiguous() and stream.scales.is_contiguous() and _fp32(stream.ring)):
         return None
     return kind
+
+
+PRESSED = (PressedLayerKVCache, PackedLayerKVCache)   # a ragged press's layers: their own slots
 
 
 class _Layout:
@@ -191,13 +197,15 @@ def _cache_layout(cache) -> _Layout | None:
 
 def _offset(layer) -> int:
     """The model's slot of the layer's slot 0 (a ragged press's layers are narrower than the model's)."""
-    return layer.offset if type(layer) is PressedLayerKVCache else 0
+    return layer.offset if type(layer) in PRESSED else 0
 
 
 def _first_valid(layer) -> torch.Tensor | None:
     """int64 [B, KVH]: each row and head's first valid slot of a ragged press's layer (its
     survivors lie right-aligned in [first, width): caramba.cache.evict), or None when every slot
     is valid; False when the valid slots are not one run below width (the torch path)."""
+    if type(layer) is PackedLayerKVCache:
+        return layer.first
     valid = layer.valid if type(layer) is PressedLayerKVCache else None
     if valid is None:
         return None
@@ -207,7 +215,7 @@ def _first_valid(layer) -> torch.Tensor | None:
 
 
 def _scan_layout(cache) -> _Layout | None:
-    kinds = (PressedLayerKVCache,) if type(cache) is PressedKVCache else (LayerKVCache, RingLayerKVCache)
+    kinds = PRESSED if type(cache) is PressedKVCache else (LayerKVCache, RingLayerKVCache)
     if any(type(layer) not in kinds or _first_valid(layer) is False for layer in cache.layers):
         return None
     streams = []
@@ -245,11 +253,16 @@ def _build_table(layout: _Layout) -> None:
     for i, (s, kind, rotation) in enumerate(layout.streams):
         layer, first = layout.layers[i // 2], firsts[i // 2]
         rot = None if rotation is None else rotation.data_ptr()
-        own = (layer.max_seq_len, _offset(layer), None if first is None else first.data_ptr())
+        packed = type(layer) is PackedLayerKVCache
+        own = (layer.max_seq_len, _offset(layer), None if first is None else first.data_ptr(),
+               layer.org.data_ptr() if packed else None, layer.slots.total if packed else 0)
         if i % 2 == 0 and type(layer) is PressedLayerKVCache:    # a reorder replaces valid
             bound.append((layer, "valid", layer.valid))
-        if kind == KV_FP32:           # its values, read as a ring of every slot
-            table[i] = Stream(KV_FP32, s.data.data_ptr(), None, 1, s.data.data_ptr(), s.data.shape[2], 0, rot, *own)
+        if i % 2 == 0 and packed:                                # ... and a packed layer's slots
+            bound += [(layer, "first", layer.first), (layer, "slots", layer.slots)]
+        if kind == KV_FP32:           # its values, read as a ring of every slot (a packed store's: org + slot)
+            n = s.data.shape[0] if packed else s.data.shape[2]
+            table[i] = Stream(KV_FP32, s.data.data_ptr(), None, 1, s.data.data_ptr(), n, 0, rot, *own)
             bound.append((s, "data", s.data))
             continue
         ring = s.ring

@@ -13,6 +13,12 @@
        token arrives (complete_group, before the step's attention reads it).
    Positions below r0 are read from codes, the rest from the ring; fast_decode computes r0 with
    the stream's own fp_start.
+   A packed store (a per-head press's layer, caramba.cache.packed) holds the same codes with every
+   row and head's slots back to back: [Dc, store] / [store, Dc] / [nb p, store] (per-channel
+   parameters [2 D, store / G]), head rg's slot i at store slot org[rg] + i. Every function here
+   addresses codes through head_at (kv_stream.h), which gives the regular layout's (rg, S, 0) or
+   the store's (0, store, org[rg]); rings are per head in either layout (KV_FP32's values, its
+   "ring", are the store itself: ring_row).
 
    Code u stands for (u + off) s (q8_0: signed c + 1/2; q4_0: u - 15/2; q4_0l: u - 8, s signed),
    NF4[u] s (nf4: a 16-level codebook) or u s + m (the zero-point kinds). The quantizers are caramba.cache.quant's arithmetic step by
@@ -286,6 +292,8 @@ HIDDEN void key_scores_tokens(const Stream *st, long rg, long S, int D, const fl
     const int bits = kv_bits(st->kind), fw = D * bits / 8, qb = st->block, nb = D / qb, zp = kv_zero_point(st->kind);
     const int nf = st->kind == KV_NF4;
     const float off = kv_offset(st->kind);
+    const HeadAt h = head_at(st, rg, S);
+    rg = h.rg, S = h.S, p0 += (int)h.at;
     const uint8_t *codes = (const uint8_t *)st->codes + rg * fw * S;
     const uint16_t *par = st->params + rg * (zp ? 2 : 1) * nb * S;
     for (int j = 0; j < rep; j++) memset(sc + (long)j * ld, 0, sizeof(float) * n);
@@ -422,6 +430,8 @@ static void channel_scores_any(int bits, int W, int jn, const uint8_t *codes, lo
 
 HIDDEN void key_scores_channels(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
                                 float *sc, int ld, float *scratch) {
+    const HeadAt h = head_at(st, rg, S);
+    rg = h.rg, S = h.S, p0 += (int)h.at;
     const int bits = kv_bits(st->kind), fw = D * bits / 8, G = st->block, NG = (int)(S / G);
     const uint8_t *codes = (const uint8_t *)st->codes + rg * fw * S;
     const uint16_t *par = st->params + rg * 2 * D * NG;
@@ -513,8 +523,10 @@ HIDDEN void rotate(const float *x, const float *rot, int D, float *out) {
    parameters par (per-token kinds, quantized beforehand) and its ring copy (KV_FP32: the values). */
 HIDDEN void write_new(const Stream *st, int keys, long rg, long S, int D, int slot, const float *x, const uint8_t *u,
                       const uint16_t *par) {
-    if (st->ring) memcpy(st->ring + (rg * st->ring_n + slot % st->ring_n) * D, x, sizeof(float) * D);
+    if (st->ring) memcpy(ring_row(st, rg, slot, D), x, sizeof(float) * D);
     if (st->kind == KV_FP32 || kv_per_channel(st->kind)) return;
+    const HeadAt h = head_at(st, rg, S);
+    rg = h.rg, S = h.S, slot += (int)h.at;
     const int bits = kv_bits(st->kind), fw = D * bits / 8, np = (kv_zero_point(st->kind) ? 2 : 1) * (D / st->block);
     uint8_t *codes = st->codes;
     for (int i = 0; i < fw; i++) {
@@ -529,12 +541,15 @@ HIDDEN void write_new(const Stream *st, int keys, long rg, long S, int D, int sl
    the ring and x quantized channel by channel into the codes and the group's parameters
    (ChannelQuantStream.write). Scratch: xg [D, G] floats, ug [D, G] bytes. */
 HIDDEN void complete_group(const Stream *st, long rg, long S, int D, int slot, const float *x, float *xg, uint8_t *ug) {
-    const int G = st->block, g0 = slot + 1 - G, NG = (int)(S / G), bits = kv_bits(st->kind), fw = D * bits / 8;
+    int g0 = slot + 1 - (int)st->block, NG;
+    const int G = st->block, bits = kv_bits(st->kind), fw = D * bits / 8;
     for (int t = 0; t < G - 1; t++) {
         const float *src = ring_row(st, rg, g0 + t, D);
         for (int e = 0; e < D; e++) xg[(long)e * G + t] = src[e];
     }
     for (int e = 0; e < D; e++) xg[(long)e * G + G - 1] = x[e];
+    const HeadAt h = head_at(st, rg, S);     /* the ring above is the head's own; the codes may be packed */
+    rg = h.rg, S = h.S, NG = (int)(S / G), g0 += (int)h.at;
     uint16_t *par = st->params + rg * 2 * D * NG;
     for (int e = 0; e < D; e++)
         quantize_block(st->kind, xg + (long)e * G, G, ug + (long)e * G, par + (long)e * NG + g0 / G,

@@ -25,7 +25,21 @@ typedef struct {
     int64_t offset;         /* the model's slot of this stream's slot i is i + offset */
     const int64_t *first;   /* [cache rows, n_kv]: each row and head's first valid slot (its survivors
                                lie in [first, the survivors' end)); NULL: 0 */
+    /* A packed store (caramba.cache.packed: a per-head press, each row and head's slots back to back):
+       codes [Dc, store] (keys) or [store, Dc] (values; KV_FP32: [store, D]), parameters
+       [nb * p, store] (per-channel: [2 D, store / G]); a row and head's slot i at store slot org + i
+       (org: a multiple of G for per-channel kinds). The rings stay per head: [rows, n_kv, ring_n, D]. */
+    const int64_t *org;     /* [cache rows, n_kv]; NULL: the regular [rows, n_kv, slots] layout */
+    int64_t store;          /* the store's slots (org != NULL) */
 } Stream;
+
+/* Where head rg's codes lie: (the head index, its slot count and the store slot of its slot 0) to
+   address codes and parameters with, as the regular layout's [rows, n_kv, S] would be. */
+typedef struct { long rg, S, at; } HeadAt;
+static inline HeadAt head_at(const Stream *s, long rg, long S) {
+    if (s->org) return (HeadAt){0, (long)s->store, (long)s->org[rg]};
+    return (HeadAt){rg, S, 0};
+}
 
 static inline int kv_bits(int kind) { return KV_BITS[kind]; }
 static inline int kv_zero_point(int kind) { return KV_ZERO_POINT[kind]; }
@@ -33,7 +47,8 @@ static inline int kv_per_channel(int kind) { return KV_PER_CHANNEL[kind]; }
 static inline float kv_offset(int kind) { return KV_OFFSET[kind]; }
 
 /* Position p's fp32 copy in the ring, head rg. */
-static inline const float *ring_row(const Stream *s, long rg, int p, int D) {
+static inline float *ring_row(const Stream *s, long rg, int p, int D) {
+    if (s->org && s->kind == KV_FP32) return s->ring + (s->org[rg] + p) * D;   /* a packed store's values */
     return s->ring + (rg * s->ring_n + p % s->ring_n) * D;
 }
 

@@ -28,9 +28,11 @@ class Stream(ctypes.Structure):
     block (per-channel kinds: tokens per group), fp32 ring and its slots, r0 (positions below it
     are read from codes), rotation [D, D] (0: none); the layer's own slots: capacity, the model's
     slot of its slot 0 (offset), and each cache row and head's first valid slot (int64
-    [rows, n_kv], 0: none), which a ragged press gives (caramba.cache.evict)."""
+    [rows, n_kv], 0: none), which a ragged press gives (caramba.cache.evict); a packed store's
+    (caramba.cache.packed) store slot of each cache row and head's slot 0 (int64 [rows, n_kv], 0:
+    the regular [rows, n_kv, slots] layout) and its size in slots."""
     _fields_ = [("kind", _L), ("codes", _P), ("params", _P), ("block", _L), ("ring", _P), ("ring_n", _L),
-                ("r0", _L), ("rot", _P), ("slots", _L), ("offset", _L), ("first", _P)]
+                ("r0", _L), ("rot", _P), ("slots", _L), ("offset", _L), ("first", _P), ("org", _P), ("store", _L)]
 
 
 class StepArgs(ctypes.Structure):
@@ -44,8 +46,8 @@ class StepArgs(ctypes.Structure):
 def layout() -> list[int]:
     """What step_abi_layout in C reports, computed from these Structures: the sizes of Lin,
     LayerPlan, Stream and StepArgs, StepArgs' field offsets in order, then LayerPlan's qkv, o,
-    w13, w2 and Stream's r0, rot, slots, offset and first offsets."""
+    w13, w2 and Stream's r0, rot, slots, offset, first, org and store offsets."""
     return ([ctypes.sizeof(t) for t in (Lin, LayerPlan, Stream, StepArgs)]
             + [getattr(StepArgs, name).offset for name, _ in StepArgs._fields_]
             + [getattr(LayerPlan, f).offset for f in ("qkv", "o", "w13", "w2")]
-            + [getattr(Stream, f).offset for f in ("r0", "rot", "slots", "offset", "first")])
+            + [getattr(Stream, f).offset for f in ("r0", "rot", "slots", "offset", "first", "org", "store")])
