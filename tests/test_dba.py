@@ -243,8 +243,8 @@ def test_policy_streams_and_the_geometric_floor():
     assert p.describe() == "q4_0"
     assert CachePolicy.build("q8_0").describe(decoupled=True) == "q8_0"
     assert mixed.to_dict()["k_sem"] == "q4_0" and "k_sem" not in CachePolicy.build("q4_0", "k=q8_0").to_dict()
-    layer0 = CachePolicy.build("q4_0", fp16_prefix_layers=1).for_decoupled_layer(0)
-    assert [c.kind.value for c in layer0[:3]] == ["fp16"] * 3
+    layer0 = CachePolicy.build("q4_0", fp16_prefix_layers=1).stream_configs(0, decoupled=True)
+    assert [c.kind.value for c in layer0] == ["fp16"] * 3
 
 
 def test_policy_errors_name_the_streams_that_exist(model):

@@ -132,7 +132,8 @@ class CacheSettings:
 @dataclass(frozen=True)
 class CachePolicy:
     """The built form of CacheSettings: each stream's storage (kind, qblock, residual_len) and the
-    per-layer rules, as `model.new_cache` reads them (`for_layer`, `for_decoupled_layer`)."""
+    per-layer rules, as `model.new_cache` reads them (`for_layer`, `for_decoupled_layer`: each layer's
+    keyword arguments)."""
 
     k: KVCacheTensorConfig = field(default_factory=KVCacheTensorConfig)
     v: KVCacheTensorConfig = field(default_factory=KVCacheTensorConfig)
@@ -178,23 +179,26 @@ class CachePolicy:
             raise ValueError(f"cache_policy names {', '.join(foreign)}, which {what} model does not cache; "
                              f"its streams are {', '.join(streams)}")
 
-    def for_layer(self, i: int) -> tuple[KVCacheTensorConfig, KVCacheTensorConfig, bool]:
-        """(k config, v config, rotate keys) of layer i (`values_rotated(i)`: rotate values)."""
+    def for_layer(self, i: int) -> dict[str, Any]:
+        """Layer i's keyword arguments for LayerKVCache (its streams' storage and the per-layer
+        rules): model.new_cache passes them as they are, so a new per-layer setting is its option
+        (CacheSettings), its rule here and the code it changes in the layer."""
         if i < self.fp16_prefix_layers:
             fp16 = KVCacheTensorConfig("fp16")
-            return fp16, fp16, False
-        return self.k, self.v, self.rotate_keys
+            return {"k_cfg": fp16, "v_cfg": fp16, "rotate_keys": False, "rotate_values": False}
+        return {"k_cfg": self.k, "v_cfg": self.v, "rotate_keys": self.rotate_keys, "rotate_values": self.rotate_values}
 
-    def values_rotated(self, i: int) -> bool:
-        """Whether layer i stores its values Hadamard-rotated (not the fp16 prefix layers)."""
-        return self.rotate_values and i >= self.fp16_prefix_layers
-
-    def for_decoupled_layer(self, i: int) -> tuple[KVCacheTensorConfig, KVCacheTensorConfig, KVCacheTensorConfig, bool]:
-        """(k_sem, k_geo, v configs, rotate keys) of layer i of a decoupled model."""
+    def for_decoupled_layer(self, i: int) -> dict[str, Any]:
+        """Layer i's keyword arguments for DecoupledLayerKVCache (k_sem, k_geo and v streams)."""
         if i < self.fp16_prefix_layers:
             fp16 = KVCacheTensorConfig("fp16")
-            return fp16, fp16, fp16, False
-        return self.k_sem, self.k_geo, self.v, self.rotate_keys
+            return {"k_sem_cfg": fp16, "k_geo_cfg": fp16, "v_cfg": fp16, "rotate_keys": False}
+        return {"k_sem_cfg": self.k_sem, "k_geo_cfg": self.k_geo, "v_cfg": self.v, "rotate_keys": self.rotate_keys}
+
+    def stream_configs(self, i: int, decoupled: bool = False) -> list[KVCacheTensorConfig]:
+        """Layer i's stream storage in order (k, v; or k_sem, k_geo, v)."""
+        options = self.for_decoupled_layer(i) if decoupled else self.for_layer(i)
+        return [value for value in options.values() if isinstance(value, KVCacheTensorConfig)]
 
     def describe(self, decoupled: bool = False) -> str:
         """Short name: 'q8_0', 'k=q8_0,v=q4_0', plus the settings that differ from the defaults.

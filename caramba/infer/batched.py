@@ -62,8 +62,7 @@ def row_cost_bytes(model, config: GenerateConfig, prompt_len: int) -> dict[str, 
     decoupled = mc.attention == "decoupled"   # k_sem, k_geo, v streams of their own widths
     widths = (mc.sem_dim, mc.geo_dim, mc.head_dim) if decoupled else (mc.head_dim, mc.head_dim)
     for i in range(mc.n_layers):
-        cfgs = policy.for_decoupled_layer(i)[:3] if decoupled else policy.for_layer(i)[:2]
-        for cfg, width in zip(cfgs, widths):
+        for cfg, width in zip(policy.stream_configs(i, decoupled), widths):
             cache += config.max_seq_len * cfg.bytes_per_token(mc.n_kv_heads, width)
             if cfg.quantized and cfg.residual_len:   # the full-precision residual window
                 cache += cfg.residual_len * mc.n_kv_heads * width * model.dtype.itemsize

@@ -70,8 +70,7 @@ def decoupled_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int, policy:
     kvh = cfg.n_kv_heads
     layers = []
     for i in range(cfg.n_layers):
-        k_sem, k_geo, v, rotate = policy.for_decoupled_layer(i)
         layers.append(DecoupledLayerKVCache(batch_size, max_seq_len, kvh * cfg.sem_dim, kvh * cfg.geo_dim,
-                                            kvh * cfg.head_dim, k_sem, k_geo, v, device, kvh,
-                                            rotate_keys=rotate, dtype=dtype))
+                                            kvh * cfg.head_dim, device=device, n_kv_heads=kvh, dtype=dtype,
+                                            **policy.for_decoupled_layer(i)))
     return KVCache(layers)

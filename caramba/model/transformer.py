@@ -87,10 +87,8 @@ class Transformer(nn.Module):
         width = self.config.n_kv_heads * self.config.head_dim
         layers = []
         for i in range(self.config.n_layers):
-            k_cfg, v_cfg, rotate = policy.for_layer(i)
-            layers.append(LayerKVCache(batch_size, max_seq_len, width, width, k_cfg, v_cfg, self.device,
-                                       self.config.n_kv_heads, rotate_keys=rotate, dtype=self.dtype,
-                                       rotate_values=policy.values_rotated(i)))
+            layers.append(LayerKVCache(batch_size, max_seq_len, width, width, device=self.device,
+                                       n_kv_heads=self.config.n_kv_heads, dtype=self.dtype, **policy.for_layer(i)))
         return KVCache(layers)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
