@@ -12,8 +12,13 @@ the CPU's model name, threads, load average before and after, and the GEMM level
 --old adds each quantized format through the path before the int8 GEMM (the GEMM's level set
 to scalar, so QuantLinear dequantizes and calls torch), in the same alternation.
 
+--llamacpp adds llama.cpp's prompt processing of the same weights (`llama-bench -p T -n 0`, one
+repetition per turn, the same threads) after each caramba prefill of that format: F32 beside
+fp32, Q8_0 beside q8_0, Q4_0 beside q4_0, Q4_1 beside native (benchmarks/llamacpp.py builds it
+once; never in CI). Its column is llama.cpp's tok/s and caramba's ratio to it.
+
     .venv/bin/python benchmarks/quant_prefill.py [--tokens 512,2048] [--threads 1] [--repeats 3]
-        [--formats fp32,q8_0,q4_0,native] [--old] [--json out.json]
+        [--formats fp32,q8_0,q4_0,native] [--old] [--llamacpp [--sdist FILE]] [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +38,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import llamacpp  # noqa: E402
 from caramba.infer.evaluate import corpus_ids  # noqa: E402
 from caramba.model import isa, quant, quant_gemm  # noqa: E402
 from caramba.model.zoo import load_model  # noqa: E402
@@ -57,6 +65,16 @@ def prefill(model, prompt: torch.Tensor) -> tuple[float, float]:
     return prompt.shape[1] / wall, prompt.shape[1] / cpu
 
 
+def llama_prefill(tools, model: Path, tokens: int, threads: int) -> float:
+    """tok/s of one `llama-bench -p tokens -n 0` run (prompt processing only; one repetition)."""
+    command = [str(tools.exe("llama-bench")), "-m", str(model), "-p", str(tokens), "-n", "0", "-t", str(threads),
+               "-r", "1", "-o", "json"]
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"llama-bench failed (exit {run.returncode}): {run.stderr.strip()[-2000:]}")
+    return float(json.loads(run.stdout)[0]["avg_ts"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="512,2048", help="comma-separated prompt lengths")
@@ -64,6 +82,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--formats", default="fp32,q8_0,q4_0,native")
     ap.add_argument("--old", action="store_true", help="also time the quantized formats' torch path")
+    ap.add_argument("--llamacpp", action="store_true", help="also time llama-bench -p T on the same weights")
+    ap.add_argument("--sdist", default=None, help="llama_cpp_python-*.tar.gz (default: newest in /tmp/lcp)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -74,6 +94,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     models = {w: load_model("smollm2-135m", progress=False, weights=w) for w in formats}
+    tools = llamacpp.build(["llama-bench", "llama-quantize"], args.sdist) if args.llamacpp else None
+    ggufs = llamacpp.models(tools, sorted({llamacpp.LLAMA_FORMAT[w] for w in formats})) if tools else {}
     ids = corpus_ids(models["fp32"].tokenizer)
     variants = [(w, False) for w in formats] + [(w, True) for w in formats if args.old and w != "fp32"]
     name = {v: v[0] + (" (torch path)" if v[1] else "") for v in variants}
@@ -82,6 +104,7 @@ def main() -> None:
     for T in lengths:
         prompt = torch.tensor([(ids * (T // len(ids) + 1))[:T]])
         runs = {v: [] for v in variants}
+        llama = {w: [] for w in formats if tools}
         for r in range(args.repeats + 1):            # round 0: warm-up, not counted
             for v in variants:
                 w, old = v
@@ -92,23 +115,39 @@ def main() -> None:
                     got = prefill(models[w].model, prompt)
                 if r:
                     runs[v].append(got)
-        results[T] = runs
+                if tools and not old:
+                    tok_s = llama_prefill(tools, ggufs[llamacpp.LLAMA_FORMAT[w]], T, args.threads)
+                    if r:
+                        llama[w].append(tok_s)
+        results[T] = (runs, llama)
     load_after = os.getloadavg()
 
     print(f"\nprefill of SmolLM2-135M, {cpu_model()}, {args.threads} thread(s), torch {torch.__version__}; "
           f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}; int8 GEMM at "
           f"{quant_gemm.level()}, decode products at {isa.kernel_isa()}; medians of {args.repeats}")
-    print("| tokens | weights | tok/s (wall) | vs fp32 | tok/s (CPU time) | vs fp32 |")
-    print("|---|---|---|---|---|---|")
+    extra = " llama.cpp tok/s | caramba / llama.cpp |" if tools else ""
+    print("| tokens | weights | tok/s (wall) | vs fp32 | tok/s (CPU time) | vs fp32 |" + extra)
+    print("|---|---|---|---|---|---|" + ("---|---|" if tools else ""))
     table = []
-    for T, runs in results.items():
+    for T, (runs, llama) in results.items():
         base = [statistics.median(x[i] for x in runs[("fp32", False)]) for i in (0, 1)]
         for v, xs in runs.items():
             med = [statistics.median(x[i] for x in xs) for i in (0, 1)]
-            print(f"| {T} | {name[v]} | {med[0]:.0f} | {med[0] / base[0]:.2f}x | {med[1]:.0f} | {med[1] / base[1]:.2f}x |")
-            table.append({"tokens": T, "weights": v[0], "torch_path": v[1], "wall_tok_s": [x[0] for x in xs],
-                          "cpu_tok_s": [x[1] for x in xs], "median_wall": med[0], "median_cpu": med[1],
-                          "ratio_wall": med[0] / base[0], "ratio_cpu": med[1] / base[1]})
+            row = {"tokens": T, "weights": v[0], "torch_path": v[1], "wall_tok_s": [x[0] for x in xs],
+                   "cpu_tok_s": [x[1] for x in xs], "median_wall": med[0], "median_cpu": med[1],
+                   "ratio_wall": med[0] / base[0], "ratio_cpu": med[1] / base[1]}
+            cells = ""
+            if tools:
+                if v[1]:
+                    cells = " | |"
+                else:
+                    lm = statistics.median(llama[v[0]])
+                    row.update(llamacpp_tok_s=llama[v[0]], llamacpp_format=llamacpp.LLAMA_FORMAT[v[0]],
+                               ratio_llamacpp=med[0] / lm)
+                    cells = f" {lm:.0f} ({llamacpp.LLAMA_FORMAT[v[0]]}) | {med[0] / lm:.2f}x |"
+            print(f"| {T} | {name[v]} | {med[0]:.0f} | {med[0] / base[0]:.2f}x | {med[1]:.0f} | {med[1] / base[1]:.2f}x |"
+                  + cells)
+            table.append(row)
     if args.json:
         record = {"cpu": cpu_model(), "threads": args.threads, "repeats": args.repeats, "torch": torch.__version__,
                   "loadavg_before": load_before, "loadavg_after": load_after, "gemm_level": quant_gemm.level(),
