@@ -28,14 +28,15 @@ from conftest import make_model
 # each level's features as /proc/cpuinfo names them (on top of the levels below it)
 FEATURES = {"scalar": [], "avx2": ["avx2", "fma", "f16c"], "avxvnni": ["avx2", "fma", "f16c", "avx_vnni"],
             "avx512": ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"],
-            "avx512vnni": ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"]}
+            "avx512vnni": ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"],
+            "neon": ["asimd", "asimddp"]}   # ARM's (its /proc/cpuinfo "Features"; tests/test_cross_arm.py runs it)
 U = 2.0 ** -24   # fp32's unit roundoff
 
 
 def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):   # x86's, ARM's
                 return set(line.split(":", 1)[1].split())
     except OSError:
         pass
