@@ -887,46 +887,57 @@ INLINE void block_factors_neon(const int RR, const uint16_t *d, const float *y, 
         }
 }
 
+/* One block (blk: its index in the row w8) times RR rows' codes, added to acc[r] (lanes 0-3, 4-7)
+   with factor f[r]: avx2's q8_0_q8_block, q4_q8_block and i16_block. */
+INLINE void block_neon(const int RR, const int FMT, const int8_t *w8, long blk, const int8_t *xq, int K,
+                       const float *f, long fs, float32x4_t (*acc)[2]) {
+    const int zp = ZERO_POINT(FMT), split = FMT == Q8_0_F32 || FMT == Q4_1_F32, width = split ? 2 : 1;
+    const int q8 = FMT == Q8_0_Q8 || FMT == Q4_1_Q8 || FMT == Q4_0_Q8;
+    int8x16_t lo, hi;
+    weights_s8(zp ? NULL : w8 + blk * QK, zp ? (const uint8_t *)w8 + blk * QK / 2 : NULL, &lo, &hi);
+    int16x8_t w16[4];
+    if (!q8) weights_s16(lo, hi, w16);
+    for (int r = 0; r < RR; r++) {
+        int32x4_t s[2], t[2];
+        if (q8) dots_q8(lo, hi, xq + (long)r * K + blk * QK, s);
+        else dots_i16(w16, (const int16_t *)xq + ((long)r * K + blk * QK) * width, s);
+        if (split)   /* + the residual codes' sum / 2^15: one rounding, where the sums meet */
+            dots_i16(w16, (const int16_t *)xq + ((long)r * K + blk * QK) * width + QK, t);
+        const float32x4_t fv = vdupq_n_f32(f[r * fs]);
+        for (int h = 0; h < 2; h++) {
+            float32x4_t sf = vcvtq_f32_s32(s[h]);
+            if (split) sf = vfmaq_f32(sf, vcvtq_f32_s32(t[h]), vdupq_n_f32(1.0f / 32768.0f));
+            acc[r][h] = vfmaq_f32(acc[r][h], fv, sf);
+        }
+    }
+}
+
 /* avx2's block_rows for one tile of RR activation rows: weight rows [n0, n1). */
 INLINE void block_rows_neon(const int RR, const int FMT, const void *w, const uint16_t *d, const uint16_t *m, int n0,
                             int n1, int N, int K, const int8_t *xq, const float *xd, const float *xs, float *y,
                             const float *bias) {
-    const int nb = K / QK, zp = ZERO_POINT(FMT), split = FMT == Q8_0_F32 || FMT == Q4_1_F32;
-    const int q8 = FMT == Q8_0_Q8 || FMT == Q4_1_Q8 || FMT == Q4_0_Q8, width = split ? 2 : 1;
+    const int nb = K / QK, zp = ZERO_POINT(FMT);
     const long row_bytes = zp ? K / 2 : K;
     for (int n = n0; n < n1; n++) {
         const int8_t *w8 = (const int8_t *)w + n * row_bytes;
-        float32x4_t acc[2][QTR][2], macc[QTR][2];   /* [even/odd block][row][lanes 0-3, 4-7] */
+        /* even blocks' and odd blocks' accumulators, the minimums' sums: [row][lanes 0-3, 4-7] */
+        float32x4_t acc0[QTR][2], acc1[QTR][2], macc[QTR][2];
         for (int r = 0; r < RR; r++)
-            for (int h = 0; h < 2; h++) acc[0][r][h] = acc[1][r][h] = macc[r][h] = vdupq_n_f32(0.0f);
+            for (int h = 0; h < 2; h++) acc0[r][h] = acc1[r][h] = macc[r][h] = vdupq_n_f32(0.0f);
         for (int c = 0; c < nb; c += FACTOR_CHUNK) {
             const int cn = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
             float f[QTR][FACTOR_CHUNK];
             block_factors_neon(RR, d + (long)n * nb + c, xd + c, nb, m ? m + (long)n * nb + c : NULL,
                                zp ? xs + c : NULL, nb, cn, f, macc);
-            for (int b = 0; b < cn; b++) {
-                const long blk = c + b;
-                int8x16_t lo, hi;
-                weights_s8(zp ? NULL : w8 + blk * QK, zp ? (const uint8_t *)w8 + blk * QK / 2 : NULL, &lo, &hi);
-                int16x8_t w16[4];
-                if (!q8) weights_s16(lo, hi, w16);
-                for (int r = 0; r < RR; r++) {
-                    int32x4_t s[2], t[2];
-                    float32x4_t sf[2];
-                    if (q8) dots_q8(lo, hi, xq + (long)r * K + blk * QK, s);
-                    else dots_i16(w16, (const int16_t *)xq + ((long)r * K + blk * QK) * width, s);
-                    if (split)   /* + the residual codes' sum / 2^15: one rounding, where the sums meet */
-                        dots_i16(w16, (const int16_t *)xq + ((long)r * K + blk * QK) * width + QK, t);
-                    for (int h = 0; h < 2; h++) {
-                        sf[h] = vcvtq_f32_s32(s[h]);
-                        if (split) sf[h] = vfmaq_f32(sf[h], vcvtq_f32_s32(t[h]), vdupq_n_f32(1.0f / 32768.0f));
-                        acc[b & 1][r][h] = vfmaq_f32(acc[b & 1][r][h], vdupq_n_f32(f[r][b]), sf[h]);
-                    }
-                }
+            int b = 0;
+            for (; b + 1 < cn; b += 2) {
+                block_neon(RR, FMT, w8, c + b, xq, K, f[0] + b, FACTOR_CHUNK, acc0);
+                block_neon(RR, FMT, w8, c + b + 1, xq, K, f[0] + b + 1, FACTOR_CHUNK, acc1);
             }
+            if (b < cn) block_neon(RR, FMT, w8, c + b, xq, K, f[0] + b, FACTOR_CHUNK, acc0);
         }
         for (int r = 0; r < RR; r++) {
-            float32x4_t lo = vaddq_f32(acc[0][r][0], acc[1][r][0]), hi = vaddq_f32(acc[0][r][1], acc[1][r][1]);
+            float32x4_t lo = vaddq_f32(acc0[r][0], acc1[r][0]), hi = vaddq_f32(acc0[r][1], acc1[r][1]);
             if (zp) {
                 lo = vaddq_f32(lo, macc[r][0]);
                 hi = vaddq_f32(hi, macc[r][1]);
