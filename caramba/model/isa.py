@@ -70,7 +70,8 @@ def resolve(level: str) -> str:
     """The level a wish for `level` runs at here: itself, or the best level below it in its family
     available (cpu_isa.c's isa_pick)."""
     _check_level(level)
-    family = [name for name in LEVELS[: LEVELS.index(level) + 1] if (name in ARM_LEVELS) == (level in ARM_LEVELS)]
+    family = [name for name in LEVELS[: LEVELS.index(level) + 1]
+              if name == "scalar" or (name in ARM_LEVELS) == (level in ARM_LEVELS)]
     return next(name for name in reversed(family) if name == "scalar" or available(name))
 
 
