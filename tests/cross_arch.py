@@ -2,7 +2,9 @@
 
 Each library is compiled with the cross compiler from the same sources and flags caramba.kernels
 uses, except the target: -march=native names this (x86) machine, so the ARM build asks for
-ARMv8.2-A with the dot-product extension, a Neoverse-N1 / Graviton2-class CPU. The library is
+ARMv8.2-A with the dot-product extension, a Neoverse-N1 / Graviton2-class CPU (or, `target=
+PLAIN_TARGET`, ARMv8.0-A without it: a Cortex-A72 / Raspberry Pi 4-class one). The emulator runs
+its `max` CPU (every feature it knows, dotprod included) unless `cpu` names another. The library is
 driven by tests/cross_call.c, run under the emulator, which makes the calls a test sends it; a
 buffer argument travels there and back, so a call reads like a ctypes one:
 
@@ -27,6 +29,7 @@ CC = "aarch64-linux-gnu-gcc"
 EMULATOR = "qemu-aarch64"
 SYSROOT = "/usr/aarch64-linux-gnu"    # Debian's arm64 cross libraries (libc, libgomp)
 TARGET = ["-march=armv8.2-a+dotprod"]
+PLAIN_TARGET = ["-march=armv8-a"]
 # caramba.kernels' flags with the target swapped for the one above
 FLAGS = [f for f in kernels.FLAGS if not f.startswith("-march")] + TARGET
 DRIVER = Path(__file__).with_name("cross_call.c")
@@ -44,28 +47,31 @@ def missing() -> str | None:
     return "no " + " and no ".join(need) if need else None
 
 
-def compile_library(sources: list[Path], out: Path) -> subprocess.CompletedProcess:
-    """The aarch64 shared library of `sources`, compiled as caramba.kernels compiles it; the
-    compiler's output is returned for the warnings."""
-    return subprocess.run([CC, *FLAGS, "-Wall", *map(str, sources), *kernels.LIBS, "-o", str(out)], capture_output=True,
+def compile_library(sources: list[Path], out: Path, target: list[str] = TARGET) -> subprocess.CompletedProcess:
+    """The aarch64 shared library of `sources`, compiled as caramba.kernels compiles it for
+    `target`; the compiler's output is returned for the warnings."""
+    flags = [f for f in FLAGS if f not in TARGET] + target
+    return subprocess.run([CC, *flags, "-Wall", *map(str, sources), *kernels.LIBS, "-o", str(out)], capture_output=True,
                           text=True, timeout=600)
 
 
 class ArmLibrary:
     """One library under the emulator: `call(name, *args, ret="i")` with int and numpy-array arguments."""
 
-    def __init__(self, library: Path, driver: Path) -> None:
-        self.process = subprocess.Popen([EMULATOR, "-L", SYSROOT, str(driver), str(library)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    def __init__(self, library: Path, driver: Path, cpu: str | None = None, env: dict[str, str] | None = None) -> None:
+        self.process = subprocess.Popen([EMULATOR, *(["-cpu", cpu] if cpu else []), "-L", SYSROOT, str(driver),
+                                         str(library)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, env=env)
 
     @classmethod
-    def load(cls, library: Path) -> ArmLibrary:
-        """The library (built by compile_library) driven by cross_call.c, built beside it."""
+    def load(cls, library: Path, cpu: str | None = None, env: dict[str, str] | None = None) -> ArmLibrary:
+        """The library (built by compile_library) driven by cross_call.c, built beside it, on the
+        emulator's CPU `cpu` (None: its default, `max`) with the environment `env` (None: ours)."""
         driver = library.with_name("cross_call")
         if not driver.exists():
             subprocess.run([CC, "-O1", "-std=c11", "-D_GNU_SOURCE", str(DRIVER), "-ldl", "-o", str(driver)],
                            check=True, capture_output=True, text=True)
-        return cls(library, driver)
+        return cls(library, driver, cpu, env)
 
     def call(self, name: str, *args, ret: str = "i"):
         """The function's result (an int, a str for ret="s", None for "v"); array arguments are

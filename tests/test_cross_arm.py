@@ -1,12 +1,17 @@
 """caramba's C kernels on ARM: built with the aarch64 cross compiler and run under qemu-aarch64.
 
-Every kernel library builds for ARMv8.2-A (+dotprod) without a warning; the instruction set
-choice there is the portable level (no x86 level is ever picked, AMX is absent, nothing SIGILLs);
-and the portable references the x86 vector kernels are tested against give, on ARM, the exact
-int32 block sums, the x86 build's activation codes bit for bit, and products within fp32
-rounding of the exact product (test_isa's bound). There are no NEON kernels yet: on an ARM
-machine the products run these references. Skipped, naming the packages, where the cross
-compiler or the emulator is missing (CI installs neither).
+Every kernel library builds for ARMv8.2-A (+dotprod) without a warning. The instruction set choice
+there is ARM's `neon` level (cpu_isa.c: ASIMD, and in a +dotprod build ASIMDDP, from the kernel's
+hwcaps): no x86 level is ever picked, AMX is absent, CARAMBA_ISA caps it, and a +dotprod build on
+a CPU without the dot product (qemu's cortex-a72) runs the portable level rather than SIGILL. At
+neon the row-major quantized products (quant_gemv.c: q8_0, q4_0, q4_1 with q8, int16 or fp32
+activations) equal the x86 build's avx2 products bit for bit, with 1 and 2 threads, both with sdot
+(the +dotprod build) and without it (an ARMv8.0-A build on cortex-a72: widening multiplies); the
+activation codes equal x86's; the int32 block sums are exact. At the portable level the products
+are within fp32 rounding of the exact product (test_isa's bound). The x16 layout stays the
+avx512vnni level's: on ARM it runs its reference. Only correctness is tested here: the emulator's
+speed says nothing of an ARM CPU's. Skipped, naming the packages, where the cross compiler or the
+emulator is missing (CI installs neither).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import cross_arch
 import tolerance as tol
 from caramba.cache import KVCacheKind, KVCacheTensorConfig, LayerKVCache
 from caramba.cache import kernel as cache_kernel
-from caramba.model import fast_decode, fused, quant, quant_gemm
+from caramba.model import fast_decode, fused, isa, quant, quant_gemm
 from test_isa import FORMATS, SHAPES, U, exact_product, layer, random_blocks
 
 pytestmark = pytest.mark.skipif(cross_arch.missing() is not None, reason=str(cross_arch.missing()))
@@ -30,19 +35,26 @@ GEMV = {("q8_0", "q8"): "gemv_q8_0_q8", ("q8_0", "f32"): "gemv_q8_0_f32", ("q4_1
         ("q4_1", "q8"): "gemv_q4_1_q8", ("q4_0", "q8"): "gemv_q4_1_q8", ("q8_0", "i16"): "gemv_q8_0_i16", ("q4_1", "i16"): "gemv_q4_1_i16"}
 
 
+X86_LEVELS = [name for name in isa.LEVELS if name not in ("scalar", *isa.ARM_LEVELS)]
+
+
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """Every library compiled for aarch64 once: name -> (path, the compiler's result)."""
+    """Every library compiled for aarch64 once: name -> (path, the compiler's result); and
+    quant_gemv's library for ARMv8.0-A (no dot product) as "quant_gemv_plain"."""
     where = tmp_path_factory.mktemp("aarch64")
-    return {name: (where / f"{name}.so", cross_arch.compile_library(sources, where / f"{name}.so"))
-            for name, sources in LIBRARIES.items()}
+    built = {name: (where / f"{name}.so", cross_arch.compile_library(sources, where / f"{name}.so"))
+             for name, sources in LIBRARIES.items()}
+    plain = where / "quant_gemv_plain.so"
+    built["quant_gemv_plain"] = (plain, cross_arch.compile_library(quant.SOURCES, plain, cross_arch.PLAIN_TARGET))
+    return built
 
 
-def emulated(builds, name: str):
+def emulated(builds, name: str, cpu: str | None = None, env: dict[str, str] | None = None):
     path, built = builds[name]
     if built.returncode:
         pytest.fail(f"the aarch64 build of {name} failed:\n{built.stderr}")
-    return cross_arch.ArmLibrary.load(path)
+    return cross_arch.ArmLibrary.load(path, cpu, env)
 
 
 @pytest.fixture(scope="module")
@@ -53,57 +65,156 @@ def arm(builds):
     lib.close()
 
 
+@pytest.fixture(scope="module")
+def arm_plain(builds):
+    """The same built for ARMv8.0-A (no sdot: the widening-multiply dot products), run on a
+    Cortex-A72 (qemu's, which lacks the dot product)."""
+    lib = emulated(builds, "quant_gemv_plain", cpu="cortex-a72")
+    yield lib
+    lib.close()
+
+
+def set_level(lib, name: str) -> str:
+    """Run `lib`'s products at `name` (or its fallback); the level now in force."""
+    lib.call("isa_set", name.encode() + b"\0")
+    return lib.call("isa_name", ret="s")
+
+
+@pytest.fixture(params=["neon", "scalar"])
+def level(request, arm):
+    """The +dotprod build at neon, then at the portable level (put back to neon after)."""
+    assert set_level(arm, request.param) == request.param
+    yield request.param
+    set_level(arm, "neon")
+
+
 @pytest.mark.parametrize("name", LIBRARIES)
 def test_every_kernel_library_builds_for_aarch64_without_warnings(builds, name):
     built = builds[name][1]
     assert built.returncode == 0 and "warning" not in built.stderr, built.stderr
 
 
-def test_the_level_chosen_on_arm_is_the_portable_one(arm):
-    assert arm.call("isa_name", ret="s") == "scalar"
-    for name in ("avx2", "avxvnni", "avx512", "avx512vnni"):
+def test_the_level_chosen_on_arm_is_neon_and_never_an_x86_one(arm):
+    assert arm.call("isa_name", ret="s") == "neon"      # qemu's `max` CPU has ASIMD and the dot product
+    assert arm.call("isa_available", b"neon\0") == 1 and arm.call("isa_available", b"scalar\0") == 1
+    for name in X86_LEVELS:
         assert arm.call("isa_available", name.encode() + b"\0") == 0
+        assert set_level(arm, name) == "scalar"          # a wish for an x86 level falls to scalar, not neon
+    assert set_level(arm, "neon") == "neon"
+    assert np.int64(arm.call("isa_set", b"avx1024\0")).astype(np.int32) == -1     # an int: x0's low 32 bits
+    assert arm.call("isa_name", ret="s") == "neon"
     assert arm.call("isa_amx") == 0       # AMX's OS permission is asked on x86-64 Linux only
 
 
+def test_the_decode_steps_library_chooses_neon_too(builds):
+    """decode_step.c's library carries quant_gemv.c: its quantized projections run at neon."""
+    lib = emulated(builds, "decode_step")
+    try:
+        assert lib.call("isa_name", ret="s") == "neon"
+    finally:
+        lib.close()
+
+
+@pytest.mark.parametrize("asked,got", [("scalar", "scalar"), ("neon", "neon"), ("avx512vnni", "scalar"),
+                                       ("avx1024", "neon")])
+def test_caramba_isa_caps_the_level_on_arm(builds, asked, got):
+    """CARAMBA_ISA read when the library loads: scalar caps it, an x86 level runs scalar, a name
+    that is no level runs the best (and isa_env_error says so)."""
+    lib = emulated(builds, "quant_gemv", env={"CARAMBA_ISA": asked})
+    try:
+        assert lib.call("isa_name", ret="s") == got
+        assert lib.call("isa_env_error") == (asked == "avx1024")
+    finally:
+        lib.close()
+
+
+@pytest.mark.parametrize("build,cpu,got", [("quant_gemv", "cortex-a72", "scalar"), ("quant_gemv", "neoverse-n1", "neon"),
+                                           ("quant_gemv_plain", "cortex-a72", "neon")])
+def test_neon_needs_the_cpus_dot_product_only_where_the_build_uses_it(builds, build, cpu, got):
+    """A +dotprod build on a CPU without ASIMDDP (Cortex-A72) runs the portable level, never an
+    sdot that would SIGILL; an ARMv8.0-A build runs neon there (widening multiplies)."""
+    lib = emulated(builds, build, cpu=cpu)
+    try:
+        assert lib.call("isa_name", ret="s") == got
+        assert lib.call("isa_available", b"neon\0") == (got == "neon")
+    finally:
+        lib.close()
+
+
 @pytest.mark.parametrize("kind", [0, 1, 2, 3], ids=["q8_0xq8", "q4xq8", "q8_0xi16", "q4xi16"])
-def test_block_sums_on_arm_are_exact(arm, kind):
+def test_block_sums_on_arm_are_exact(arm, arm_plain, level, kind):
+    """Through neon's sdot / widening multiplies (both builds) and the references."""
     w, a, exact = random_blocks(kind, 18, seed=kind)
-    out = np.zeros(18, np.int32)
-    arm.call("block_sums", kind, w, a, 18, out, ret="v")
-    assert np.array_equal(out.astype(np.int64), exact)
+    for lib in (arm, arm_plain) if level == "neon" else (arm,):
+        out = np.zeros(18, np.int32)
+        lib.call("block_sums", kind, w, a, 18, out, ret="v")
+        assert np.array_equal(out.astype(np.int64), exact)
 
 
-@pytest.mark.parametrize("fn,wide", [("quantize_activations_q8", np.int8), ("quantize_activations_i16", np.int16)])
-def test_activation_codes_on_arm_are_the_x86_ones_bit_for_bit(arm, fn, wide):
+@pytest.mark.parametrize("fn,wide,width", [("quantize_activations_q8", np.int8, 1),
+                                           ("quantize_activations_i16", np.int16, 1), ("split_activations", np.int16, 2)])
+def test_activation_codes_on_arm_are_the_x86_ones_bit_for_bit(arm, level, fn, wide, width):
     x = torch.randn(3, 96 * 32, generator=torch.Generator().manual_seed(1)).numpy()
     x[0, :32] *= 1e-30
     x[1, 32:64] = 0.0
-    codes = [np.zeros((3, 96 * 32), wide) for _ in range(2)]
+    x[2, 64:96] *= 1e4
+    codes = [np.zeros((3, 96 * 32 * width), wide) for _ in range(2)]
     scales = [np.zeros((3, 96), np.float32) for _ in range(2)]
     getattr(quant.library(), fn)(x.ctypes.data, 3, 96 * 32, codes[0].ctypes.data, scales[0].ctypes.data)
     arm.call(fn, x, 3, 96 * 32, codes[1], scales[1], ret="v")
     assert np.array_equal(codes[0], codes[1]) and np.array_equal(scales[0].view(np.int32), scales[1].view(np.int32))
 
 
-@pytest.mark.parametrize("fmt,act", FORMATS)
-@pytest.mark.parametrize("M,N,K", SHAPES)
-def test_products_on_arm_equal_the_exact_product_within_fp32_rounding(arm, fmt, act, M, N, K):
-    """The portable products, as an ARM machine runs them, within test_isa's bound for the
-    scalar level: (nb + 12) u of the sum of |terms| (the block factors' rounding, nb block terms
-    per output, the minimums and the bias)."""
-    if quant.library() is None:
-        pytest.skip(f"weight kernels {quant.status()} (the exact product quantizes x with them)")
+def gemv_args(fmt: str, act: str, M: int, N: int, K: int) -> tuple:
+    """(the layer, x, the gemv_* export's buffer arguments) of test_isa's layer for a shape."""
     lin = layer(fmt, act, N, K, seed=M * N + K)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(K))
-    out = np.zeros((M, N), np.float32)
     qs, d, m = lin.row_major()      # the gemv_* exports take row-major blocks
     mins = [m.numpy()] if fmt == "q4_1" else [0] if fmt == "q4_0" else []   # q4_0: no minimums (NULL)
-    args = [x.numpy(), qs.numpy(), d.numpy(), *mins]
-    assert arm.call(GEMV[(fmt, act)], *args, out, M, N, K, 2) == 0
+    return lin, x, [x.numpy(), qs.numpy(), d.numpy(), *mins]
+
+
+@pytest.mark.parametrize("fmt,act", FORMATS)
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_products_on_arm_at_the_portable_level_equal_the_exact_product_within_fp32_rounding(arm, fmt, act, M, N, K):
+    """The portable products, as an ARM machine without neon runs them, within test_isa's bound
+    for the scalar level: (nb + 12) u of the sum of |terms| (the block factors' rounding, nb block
+    terms per output, the minimums and the bias)."""
+    if quant.library() is None:
+        pytest.skip(f"weight kernels {quant.status()} (the exact product quantizes x with them)")
+    lin, x, args = gemv_args(fmt, act, M, N, K)
+    out = np.zeros((M, N), np.float32)
+    assert set_level(arm, "scalar") == "scalar"
+    try:
+        assert arm.call(GEMV[(fmt, act)], *args, out, M, N, K, 2) == 0
+    finally:
+        set_level(arm, "neon")
     exact, mag = exact_product(lin, x)
     err = np.abs(out.astype(np.float64) + lin.bias.double().numpy() - exact)
     assert (err <= (K // 32 + 12) * U * mag).all(), float((err - (K // 32 + 12) * U * mag).max())
+
+
+@pytest.mark.parametrize("build", ["dotprod", "plain"])
+@pytest.mark.parametrize("fmt,act", FORMATS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_neon_products_are_avx2s_bit_for_bit(arm, arm_plain, build, fmt, act, threads):
+    """neon sums avx2's exact int32 lanes into avx2's accumulators in avx2's order (quant_gemv.c),
+    so every row-major format's product on ARM is the x86 avx2 product bit for bit, for test_isa's
+    shapes (1, 3, 18 and 49 blocks a row: the scalar, masked and whole minimum groups; odd N; tiles
+    of 1 to 4 activation rows), with sdot or widening multiplies."""
+    lib_x86 = quant.library()
+    if lib_x86 is None or not isa.available("avx2"):
+        pytest.skip(f"weight kernels {quant.status()}" if lib_x86 is None else "this CPU lacks avx2 (the x86 side)")
+    lib = arm if build == "dotprod" else arm_plain
+    assert lib.call("isa_name", ret="s") == "neon"
+    for M, N, K in SHAPES:
+        _, _, args = gemv_args(fmt, act, M, N, K)
+        got, want = np.zeros((M, N), np.float32), np.zeros((M, N), np.float32)
+        assert lib.call(GEMV[(fmt, act)], *args, got, M, N, K, threads) == 0
+        ptrs = [a.ctypes.data if isinstance(a, np.ndarray) else None for a in args]
+        with isa.use_isa("avx2"):
+            assert getattr(lib_x86, GEMV[(fmt, act)])(*ptrs, want.ctypes.data, M, N, K, threads) == 0
+        assert np.array_equal(got.view(np.int32), want.view(np.int32)), (M, N, K, np.abs(got - want).max())
 
 
 @pytest.fixture(scope="module")

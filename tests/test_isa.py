@@ -28,14 +28,15 @@ from conftest import make_model
 # each level's features as /proc/cpuinfo names them (on top of the levels below it)
 FEATURES = {"scalar": [], "avx2": ["avx2", "fma", "f16c"], "avxvnni": ["avx2", "fma", "f16c", "avx_vnni"],
             "avx512": ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"],
-            "avx512vnni": ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"]}
+            "avx512vnni": ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"],
+            "neon": ["asimd", "asimddp"]}   # ARM's (its /proc/cpuinfo "Features"; tests/test_cross_arm.py runs it)
 U = 2.0 ** -24   # fp32's unit roundoff
 
 
 def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):   # x86's, ARM's
                 return set(line.split(":", 1)[1].split())
     except OSError:
         pass
@@ -256,7 +257,9 @@ def test_the_choice_is_the_best_level_the_cpu_has_and_never_one_it_lacks():
     for name in isa.LEVELS:   # asking for a level never gives one above it, nor one the machine lacks
         with isa.use_isa(name) as got:
             assert isa.available(got) and isa.LEVELS.index(got) <= isa.LEVELS.index(name)
-            assert isa.kernel_isa() == got
+            assert isa.kernel_isa() == got == isa.resolve(name)   # cpu_isa.c's fallback, as isa.py says it
+            if got != "scalar":   # within the asked level's family: never an x86 level for neon, nor neon for one
+                assert (got in isa.ARM_LEVELS) == (name in isa.ARM_LEVELS)
     with pytest.raises(ValueError, match="not one of"):
         isa.available("avx9000")
 
@@ -269,7 +272,7 @@ def run_isa(env_value: str) -> subprocess.CompletedProcess:
                           cwd=Path(__file__).resolve().parents[1])
 
 
-@pytest.mark.parametrize("asked", ["scalar", "avx2", "avx512vnni"])
+@pytest.mark.parametrize("asked", ["scalar", "avx2", "avx512vnni", "neon"])
 def test_caramba_isa_forces_a_level_in_every_library(asked):
     library()
     run = run_isa(asked)
@@ -279,8 +282,9 @@ def test_caramba_isa_forces_a_level_in_every_library(asked):
     assert got[0] == got[1]                                   # the weight kernels and the decode step agree
     if want:
         assert got[0] == want
-    else:   # the best level below it
+    else:   # the best level below it in its family (another family's level: scalar)
         assert isa.LEVELS.index(got[0]) < isa.LEVELS.index(asked) and isa.available(got[0])
+        assert got[0] == isa.resolve(asked)
 
 
 def test_an_unknown_caramba_isa_warns_and_runs_the_best_level():

@@ -12,13 +12,18 @@
      avxvnni     the same with AVX-VNNI's vpdpbusd/vpdpwssd (256-bit, VEX: Alder Lake and later)
      avx512      512-bit: two 32-blocks of q8 per instruction (AVX-512 F/BW/VL)
      avx512vnni  512-bit vpdpbusd for the int8 products, 256-bit vpdpwssd for the int16 ones
+     neon        AArch64 only: 128-bit sdot (vdotq_s32) for the int8 products where the build has
+                 the dot-product extension (else widening multiplies), vmull_s16 for the int16 ones;
+                 on Linux it needs the CPU's ASIMD (and, in a +dotprod build, ASIMDDP) hwcaps
 
    Every level's int32 block sums are exact, and every vector level sums them into the same lanes
-   in the same order as avx2, so their outputs are bit-identical to avx2's (tests/test_isa.py);
-   the scalar reference sums in another order (within fp32 rounding of them).
+   in the same order as avx2 (neon: its two 128-bit halves as avx2's one 256-bit vector), so their
+   outputs are bit-identical to avx2's (tests/test_isa.py, tests/test_cross_arm.py); the scalar
+   reference sums in another order (within fp32 rounding of them).
 
    CARAMBA_ISA=<level> asks for a level (tests, A/B timings); a level the CPU or the build lacks
-   falls back to the best one below it, never above (isa_name() says what was chosen).
+   falls back to the best one below it in its family, never above (isa_name() says what was
+   chosen): on ARM an x86 level gives scalar, on x86 neon does.
    AMX (tile int8/bf16 matmul, prefill-sized) needs the OS's leave to use its 8 KiB tile state:
    isa_amx() asks for it with arch_prctl(ARCH_REQ_XCOMP_PERM) and reports a refusal as absent. */
 
@@ -30,8 +35,17 @@
 #include <sys/syscall.h>
 long syscall(long number, ...);   /* unistd.h declares it only outside strict -std=c11 */
 #endif
+#if defined(__linux__) && defined(__aarch64__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMD
+#define HWCAP_ASIMD (1UL << 1)
+#endif
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1UL << 20)
+#endif
+#endif
 
-static const char *const ISA_NAMES[ISA_LEVELS] = {"scalar", "avx2", "avxvnni", "avx512", "avx512vnni"};
+static const char *const ISA_NAMES[ISA_LEVELS] = {"scalar", "avx2", "avxvnni", "avx512", "avx512vnni", "neon"};
 
 /* Compiled in (the build's target has the instructions the level's kernels use). */
 static int isa_built(int level) {
@@ -50,6 +64,9 @@ static int isa_built(int level) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) \
     && defined(__AVX512VL__) && defined(__AVX512VNNI__)
     case ISA_AVX512VNNI: return 1;
+#endif
+#if HAVE_NEON
+    case ISA_NEON: return 1;
 #endif
     default: return 0;
     }
@@ -70,6 +87,13 @@ static int isa_cpu_has(int level) {
     case ISA_AVX512VNNI: return avx512 && __builtin_cpu_supports("avx512vnni");
     default: return 0;
     }
+#elif defined(__linux__) && defined(__aarch64__)
+    /* the kernel's hwcaps (a VM or a container may show fewer than the silicon has) */
+    const unsigned long hw = getauxval(AT_HWCAP);
+    if (level == ISA_NEON) return (hw & HWCAP_ASIMD) && (!HAVE_NEON_DOT || (hw & HWCAP_ASIMDDP));
+    return level == ISA_SCALAR;
+#elif defined(__aarch64__)
+    return level == ISA_SCALAR || level == ISA_NEON;   /* no hwcaps to ask: the build's target is trusted */
 #else
     return level == ISA_SCALAR;
 #endif
@@ -77,16 +101,21 @@ static int isa_cpu_has(int level) {
 
 static int isa_usable(int level) { return level >= 0 && level < ISA_LEVELS && isa_built(level) && isa_cpu_has(level); }
 
+/* ARM's family (else x86-64's; scalar is both's). */
+static int isa_arm(int level) { return level == ISA_NEON; }
+
 /* The level to run for a wish (a name, or NULL/"" for the best): the wished one where usable,
-   else the best usable below it. -1 for a name that is no level. */
+   else the best usable below it in its family (scalar at the bottom of both). -1 for a name that
+   is no level. */
 static int isa_pick(const char *wish) {
-    int top = ISA_LEVELS - 1;
+    int top = ISA_LEVELS - 1, any = 1;
     if (wish && *wish) {
         for (top = 0; top < ISA_LEVELS && strcmp(wish, ISA_NAMES[top]); top++) {}
         if (top == ISA_LEVELS) return -1;
+        any = 0;
     }
     for (int level = top; level > 0; level--)
-        if (isa_usable(level)) return level;
+        if ((any || isa_arm(level) == isa_arm(top)) && isa_usable(level)) return level;
     return ISA_SCALAR;
 }
 

@@ -29,11 +29,29 @@
 #else
 #define HAVE_AVX512VNNI 0
 #endif
+/* 128-bit ARM products (the neon level): AArch64's Advanced SIMD, with the int8 dot product (sdot,
+   vdotq_s32) where the build's target has it (ARMv8.2-A+dotprod and later: Neoverse N1, Graviton2,
+   Apple M1), else the same int32 lanes from widening multiplies and pairwise adds. */
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define HAVE_NEON 1
+#else
+#define HAVE_NEON 0
+#endif
+#if HAVE_NEON && defined(__ARM_FEATURE_DOTPROD)
+#define HAVE_NEON_DOT 1
+#else
+#define HAVE_NEON_DOT 0
+#endif
 
 #define INLINE static inline __attribute__((always_inline))
 #define HIDDEN __attribute__((visibility("hidden")))
 
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512 = 3, ISA_AVX512VNNI = 4, ISA_LEVELS = 5 };
+/* Two families above the shared scalar level: x86-64's (avx2 .. avx512vnni, each including the
+   ones below it) and ARM's (neon). A level of one family is never chosen on the other's machines
+   (cpu_isa.c), so a check like g_isa >= ISA_AVX2 sits inside #if HAVE_AVX2. */
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512 = 3, ISA_AVX512VNNI = 4, ISA_NEON = 5,
+       ISA_LEVELS = 6 };
 
 /* The library's level: set when it loads (CARAMBA_ISA, or the best usable) and by isa_set, never
    while a product runs. ISA_SCALAR runs every loop's portable reference (*_ref). */

@@ -3,13 +3,17 @@
 The C libraries that multiply block-quantized weights (quant_gemv.c's, and decode_step.c's which
 is built with it) each choose a level once, when they load: the best the CPU, the OS and the build
 all have, or the one CARAMBA_ISA asks for (a level the machine lacks falls back to the best one
-below it, never above). Levels, slowest first: scalar (the portable reference), avx2, avxvnni,
-avx512, avx512vnni. Every vector level's outputs are bit-identical to avx2's; scalar differs by
-fp32 summation order only. Quantized layers made at avx512vnni hold their codes row-interleaved
-(caramba.model.quant's layout 'x16'), which that level's kernel reads; at any lower level those
-layers run the x16 portable reference, bit-identical and slow (for tests; an A/B of kernels
-compares layouts: quant.relayout, benchmarks/decode_vs_llamacpp.py --rows). In the decode step's library, scalar also runs the fp32 products,
-value mixing and dot products through their portable references (decode_step.c's *_ref).
+below it in its family, never above). Levels, slowest first: scalar (the portable reference),
+then x86-64's avx2, avxvnni, avx512, avx512vnni, or ARM's neon (AArch64: sdot where the build
+has the dot-product extension). A level of one family is never chosen on the other's machines: a
+wish for it runs at scalar. Every vector level's outputs are bit-identical to avx2's (neon's
+row-major products too: tests/test_cross_arm.py); scalar differs by fp32 summation order only.
+Quantized layers made at avx512vnni hold their codes row-interleaved (caramba.model.quant's layout
+'x16'), which that level's kernel reads; at any other level those layers run the x16 portable
+reference, bit-identical and slow (for tests; an A/B of kernels compares layouts: quant.relayout,
+benchmarks/decode_vs_llamacpp.py --rows). In the decode step's library, scalar (and neon, which
+has no fp32 kernels of its own) runs the fp32 products, value mixing and dot products through
+their portable references (decode_step.c's *_ref).
 
     kernel_isa()           the level the products run with ('avx512vnni'), or why no C kernels run
     available('avx2')      whether this machine (CPU, OS, build) has a level
@@ -27,7 +31,8 @@ from typing import Iterator
 
 from caramba.model import fast_decode, quant
 
-LEVELS = ("scalar", "avx2", "avxvnni", "avx512", "avx512vnni")
+LEVELS = ("scalar", "avx2", "avxvnni", "avx512", "avx512vnni", "neon")   # cpu_isa.h's order
+ARM_LEVELS = ("neon",)   # ARM's family; the others above scalar are x86-64's
 ENV = "CARAMBA_ISA"
 _warned = False
 
@@ -62,9 +67,12 @@ def available(level: str) -> bool:
 
 
 def resolve(level: str) -> str:
-    """The level a wish for `level` runs at here: itself, or the best level below it available."""
+    """The level a wish for `level` runs at here: itself, or the best level below it in its family
+    available (cpu_isa.c's isa_pick)."""
     _check_level(level)
-    return next(name for name in reversed(LEVELS[: LEVELS.index(level) + 1]) if name == "scalar" or available(name))
+    family = [name for name in LEVELS[: LEVELS.index(level) + 1]
+              if name == "scalar" or (name in ARM_LEVELS) == (level in ARM_LEVELS)]
+    return next(name for name in reversed(family) if name == "scalar" or available(name))
 
 
 def amx() -> bool:

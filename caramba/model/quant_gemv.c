@@ -21,8 +21,8 @@
      gemv_q8_0_i16 / gemv_q4_1_i16: int16 codes (scale amax/32767) in int16 x int16 -> int32
        multiply-adds: about the q8 kernels' speed at 1/258 of their rounding error.
      gemv_q8_0_f32 / gemv_q4_1_f32: fp32 activations times the exact weight values: the product
-       differs from dequantize-then-matmul only at the level of fp32 rounding. With AVX2 each block
-       of x is split into two int16 code vectors on a power-of-two scale, x = s (h + l / 2^15) to
+       differs from dequantize-then-matmul only at the level of fp32 rounding. At the vector levels
+       (AVX2 and up, and ARM's neon, bit-identical to AVX2's) each block of x is split into two int16 code vectors on a power-of-two scale, x = s (h + l / 2^15) to
        within s / 2^16 (below fp32's own rounding of the block's largest element: s <= 2 amax /
        32767), and runs through the int16 multiply-adds twice; an int-to-float conversion per
        weight (the portable build's way) took ~1.5x as long with AVX2 (the instruction count, not
@@ -30,7 +30,12 @@
 
    x is [M, K] fp32 (M small: a decode step or a few rows), out is [M, N] fp32. Every weight row
    is read once for all M rows. Parallel over output rows with OpenMP (the process shares
-   torch's libgomp). */
+   torch's libgomp).
+
+   Levels (cpu_isa.c): the portable reference (scalar), the x86 vector kernels (avx2 .. avx512vnni)
+   and ARM's neon, which runs every row-major format with avx2's lanes and order (vdotq_s32, or
+   widening multiplies without the dot-product extension; "ARM" below); the row-interleaved (x16)
+   layout has a kernel at avx512vnni only, the reference elsewhere. */
 
 #include "quant_gemv.h"
 
@@ -123,7 +128,40 @@ static void quantize_block_avx2(const float *xb, int mode, int8_t *q8, int16_t *
 }
 #endif
 
-/* Both give the same codes and scales (tests/test_isa.py); the library's ISA level picks. */
+#if HAVE_NEON
+/* The same codes 4 at a time on ARM: vmaxq keeps a NaN (as the reference's test does: x86's max_ps
+   drops it), vcvtnq rounds to nearest even (as rintf), the saturating narrows are the packs. */
+static void quantize_block_neon(const float *xb, int mode, int8_t *q8, int16_t *q16, float *d) {
+    float32x4_t v[8], mx = vdupq_n_f32(0.0f);
+    for (int j = 0; j < 8; j++) {
+        v[j] = vld1q_f32(xb + 4 * j);
+        mx = vmaxq_f32(mx, vabsq_f32(v[j]));
+    }
+    float inv;
+    block_scale(vmaxvq_f32(mx), mode, d, &inv);
+    int32x4_t c[8], r[8];
+    for (int j = 0; j < 8; j++) {
+        const float32x4_t scaled = vmulq_f32(v[j], vdupq_n_f32(inv));
+        c[j] = vcvtnq_s32_f32(scaled);
+        if (mode == ACT_SPLIT)   /* the residual x / s - h is exact; l rounds it at 2^-15 */
+            r[j] = vcvtnq_s32_f32(vmulq_f32(vsubq_f32(scaled, vcvtq_f32_s32(c[j])), vdupq_n_f32(32768.0f)));
+    }
+    int16x8_t h[4];
+    for (int j = 0; j < 4; j++) h[j] = vcombine_s16(vqmovn_s32(c[2 * j]), vqmovn_s32(c[2 * j + 1]));
+    if (mode == ACT_Q8) {
+        vst1q_s8(q8, vcombine_s8(vqmovn_s16(h[0]), vqmovn_s16(h[1])));
+        vst1q_s8(q8 + 16, vcombine_s8(vqmovn_s16(h[2]), vqmovn_s16(h[3])));
+        return;
+    }
+    for (int j = 0; j < 4; j++) {
+        vst1q_s16(q16 + 8 * j, h[j]);
+        if (mode == ACT_SPLIT)
+            vst1q_s16(q16 + QK + 8 * j, vcombine_s16(vqmovn_s32(r[2 * j]), vqmovn_s32(r[2 * j + 1])));
+    }
+}
+#endif
+
+/* All give the same codes and scales (tests/test_isa.py); the library's ISA level picks. */
 static void quantize_rows(const float *x, int M, int K, int mode, void *q, float *d) {
     const int nb = K / QK, width = mode == ACT_SPLIT ? 2 : 1;   /* codes per element */
     for (int m = 0; m < M; m++)
@@ -134,6 +172,12 @@ static void quantize_rows(const float *x, int M, int K, int mode, void *q, float
 #if HAVE_AVX2
             if (g_isa >= ISA_AVX2) {
                 quantize_block_avx2(xb, mode, q8, q16, d + m * nb + b);
+                continue;
+            }
+#endif
+#if HAVE_NEON
+            if (g_isa == ISA_NEON) {
+                quantize_block_neon(xb, mode, q8, q16, d + m * nb + b);
                 continue;
             }
 #endif
@@ -196,9 +240,13 @@ long embed_rows_q8_0_x16(const int64_t *ids, long n, const int8_t *qs, const uin
    in (RR = 1 is the decode step's), so a row's product never depends on the batch around it. */
 
 #define QTR 4   /* activation rows per tile */
+#define FACTOR_CHUNK 32   /* blocks whose factors block_factors converts at a time */
+
+/* The formats whose weights carry a zero point (q4_1's minimums, q4_0's -8): their products add
+   m_w xs per block, xs from prepare_activations. */
+#define ZERO_POINT(FMT) ((FMT) == Q4_1_F32 || (FMT) == Q4_1_I16 || (FMT) == Q4_1_Q8 || (FMT) == Q4_0_Q8)
 
 #if HAVE_AVX2
-#define FACTOR_CHUNK 32   /* blocks whose factors block_factors converts at a time */
 
 /* For RR activation rows r (row r's y and z at y + r ys, z + r zs) and n <= FACTOR_CHUNK blocks:
    f[r][b] = d[b] y_r[b] (y NULL: f[0][b] = d[b] alone, shared by the rows); macc[r] += m[b] z_r[b]
@@ -241,7 +289,7 @@ INLINE void block_factors(const int RR, const uint16_t *d, const float *y, long 
         if (!y) f[0][b] = dw;
         for (int r = 0; r < RR; r++) {
             if (y) f[r][b] = dw * y[r * ys + b];
-            if (z) ms[r] += mw * z[r * zs + b];
+            if (z) ms[r] = fmaf(mw, z[r * zs + b], ms[r]);   /* fused, as -ffp-contract=fast made it: neon's too */
         }
     }
     if (z) for (int r = 0; r < RR; r++) macc[r] = _mm256_add_ps(macc[r], _mm256_setr_ps(ms[r], 0, 0, 0, 0, 0, 0, 0));
@@ -328,10 +376,6 @@ INLINE void i16_block(const int RR, const int ISA, const int split, const int8_t
         acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(f[r] + b), sf, acc[r]);
     }
 }
-
-/* The formats whose weights carry a zero point (q4_1's minimums, q4_0's -8): their products add
-   m_w xs per block, xs from prepare_activations. */
-#define ZERO_POINT(FMT) ((FMT) == Q4_1_F32 || (FMT) == Q4_1_I16 || (FMT) == Q4_1_Q8 || (FMT) == Q4_0_Q8)
 
 /* The n blocks from block c0 of one weight row (w: the row's codes) times RR activation rows
    (codes xq, rows K codes apart, twice that for ACT_SPLIT's), even blocks into acc0 and odd into
@@ -731,6 +775,215 @@ static void x16w_group512(int fmt, const void *w, const uint16_t *d, const uint1
 #endif   /* HAVE_AVX512VNNI */
 #endif   /* HAVE_AVX2 */
 
+#if HAVE_NEON
+/* --- ARM (the neon level): avx2's lanes, two 128-bit halves at a time --------------------------
+
+   avx2's block_rows, lane for lane: a block's 8 int32 lanes (lane i summing elements 4i..4i+3 of
+   the int8 products, or 2i, 2i+1, 16+2i, 17+2i of the int16 ones) are the same exact sums here,
+   held as two int32x4 (lanes 0-3, 4-7); each converts to float exactly and goes into its row's even
+   or odd accumulator by one fused multiply-add with the same factor; the factors, the minimums'
+   lanes (block_factors' groups of 8 blocks, its masked tail and its scalar remainder), the sum of
+   the two accumulators and hsum8's order are avx2's too. So a neon product is avx2's bit for bit
+   (tests/test_cross_arm.py compares them). */
+
+/* The 4 int32 lanes of 16 int8 x int8 products, lane i summing bytes 4i..4i+3 (vpdpbusd's and
+   maddubs/madd's lanes): sdot where the build has the dot-product extension, else widening
+   multiplies (int16, |w a| <= 128 x 128) and two pairwise widening adds. Exact either way. */
+INLINE int32x4_t dot_s8x16(int8x16_t w, int8x16_t a) {
+#if HAVE_NEON_DOT
+    return vdotq_s32(vdupq_n_s32(0), w, a);
+#else
+    return vpaddq_s32(vpaddlq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(a))), vpaddlq_s16(vmull_high_s8(w, a)));
+#endif
+}
+
+/* madd_epi16's 4 int32 lanes of 8 int16 products: lane i = w[2i] a[2i] + w[2i+1] a[2i+1]. */
+INLINE int32x4_t madd_s16x8(int16x8_t w, int16x8_t a) {
+    return vpaddq_s32(vmull_s16(vget_low_s16(w), vget_low_s16(a)), vmull_high_s16(w, a));
+}
+
+/* One q8_0 block's codes (w8) or q4 block's nibbles (w4) as two int8x16: elements 0..15, 16..31. */
+INLINE void weights_s8(const int8_t *w8, const uint8_t *w4, int8x16_t *lo, int8x16_t *hi) {
+    if (w4) {
+        const uint8x16_t bytes = vld1q_u8(w4);
+        *lo = vreinterpretq_s8_u8(vandq_u8(bytes, vdupq_n_u8(15)));
+        *hi = vreinterpretq_s8_u8(vshrq_n_u8(bytes, 4));
+    } else {
+        *lo = vld1q_s8(w8);
+        *hi = vld1q_s8(w8 + 16);
+    }
+}
+
+/* The block's 8 exact int32 lanes against q8 codes a (int8 weights lo, hi from weights_s8). */
+INLINE void dots_q8(int8x16_t lo, int8x16_t hi, const int8_t *a, int32x4_t *s) {
+    s[0] = dot_s8x16(lo, vld1q_s8(a));
+    s[1] = dot_s8x16(hi, vld1q_s8(a + 16));
+}
+
+/* The block's 8 exact int32 lanes against int16 codes a (the weights widened: w16[0..3] elements
+   0..7, 8..15, 16..23, 24..31): avx2's madd(lo, a0) + madd(hi, a1). */
+INLINE void dots_i16(const int16x8_t *w16, const int16_t *a, int32x4_t *s) {
+    s[0] = vaddq_s32(madd_s16x8(w16[0], vld1q_s16(a)), madd_s16x8(w16[2], vld1q_s16(a + 16)));
+    s[1] = vaddq_s32(madd_s16x8(w16[1], vld1q_s16(a + 8)), madd_s16x8(w16[3], vld1q_s16(a + 24)));
+}
+
+INLINE void weights_s16(int8x16_t lo, int8x16_t hi, int16x8_t *w16) {
+    w16[0] = vmovl_s8(vget_low_s8(lo));
+    w16[1] = vmovl_high_s8(lo);
+    w16[2] = vmovl_s8(vget_low_s8(hi));
+    w16[3] = vmovl_high_s8(hi);
+}
+
+/* 8 fp16 values from p as two float32x4 (exact). */
+INLINE void fp16x8(const uint16_t *p, float32x4_t *v) {
+    v[0] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+    v[1] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4)));
+}
+
+/* avx2's factors8: blocks b..b+7's factors f[r][b] = d y_r, and macc[r] += m z_r lane-wise where
+   keep (all ones, or the fresh lanes of a tail) lets z through. */
+INLINE void factors8_neon(const int RR, const uint16_t *d, const float *y, long ys, const uint16_t *m, const float *z,
+                          long zs, int b, const uint32x4_t *keep, float f[][FACTOR_CHUNK], float32x4_t (*macc)[2]) {
+    float32x4_t dv[2], mv[2];
+    fp16x8(d + b, dv);
+    if (z) {
+        if (m) fp16x8(m + b, mv);
+        else for (int h = 0; h < 2; h++) mv[h] = vmulq_f32(dv[h], vdupq_n_f32(-8.0f));
+        for (int r = 0; r < RR; r++)
+            for (int h = 0; h < 2; h++) {
+                const uint32x4_t zv = vandq_u32(keep[h], vreinterpretq_u32_f32(vld1q_f32(z + r * zs + b + 4 * h)));
+                macc[r][h] = vfmaq_f32(macc[r][h], mv[h], vreinterpretq_f32_u32(zv));
+            }
+    }
+    for (int r = 0; r < RR; r++)
+        for (int h = 0; h < 2; h++) vst1q_f32(f[r] + b + 4 * h, vmulq_f32(dv[h], vld1q_f32(y + r * ys + b + 4 * h)));
+}
+
+/* avx2's block_factors for n <= FACTOR_CHUNK blocks (y never NULL here): groups of 8, the last 8
+   again with only the fresh lanes' minimums, or (n < 8) one block at a time summed into lane 0. */
+INLINE void block_factors_neon(const int RR, const uint16_t *d, const float *y, long ys, const uint16_t *m,
+                               const float *z, long zs, int n, float f[][FACTOR_CHUNK], float32x4_t (*macc)[2]) {
+    static const uint32_t lanes[16] = {0, 0, 0, 0, 0, 0, 0, 0, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u};
+    const uint32x4_t all[2] = {vdupq_n_u32(~0u), vdupq_n_u32(~0u)};
+    int b = 0;
+    for (; b + 8 <= n; b += 8) factors8_neon(RR, d, y, ys, m, z, zs, b, all, f, macc);
+    if (b < n && n >= 8) {
+        const uint32x4_t fresh[2] = {vld1q_u32(lanes + (n - b)), vld1q_u32(lanes + (n - b) + 4)};
+        factors8_neon(RR, d, y, ys, m, z, zs, n - 8, fresh, f, macc);
+        b = n;
+    }
+    float ms[QTR] = {0.0f};
+    for (; b < n; b++) {   /* fmaf: avx2's fused multiply-add, stated (block_factors) */
+        const float dw = fp16_to_fp32(d[b]), mw = m ? fp16_to_fp32(m[b]) : -8.0f * dw;
+        for (int r = 0; r < RR; r++) {
+            f[r][b] = dw * y[r * ys + b];
+            if (z) ms[r] = fmaf(mw, z[r * zs + b], ms[r]);
+        }
+    }
+    if (z)
+        for (int r = 0; r < RR; r++) {
+            macc[r][0] = vaddq_f32(macc[r][0], vsetq_lane_f32(ms[r], vdupq_n_f32(0.0f), 0));
+            macc[r][1] = vaddq_f32(macc[r][1], vdupq_n_f32(0.0f));
+        }
+}
+
+/* One block (blk: its index in the row w8) times RR rows' codes, added to acc[r] (lanes 0-3, 4-7)
+   with factor f[r]: avx2's q8_0_q8_block, q4_q8_block and i16_block. */
+INLINE void block_neon(const int RR, const int FMT, const int8_t *w8, long blk, const int8_t *xq, int K,
+                       const float *f, long fs, float32x4_t (*acc)[2]) {
+    const int zp = ZERO_POINT(FMT), split = FMT == Q8_0_F32 || FMT == Q4_1_F32, width = split ? 2 : 1;
+    const int q8 = FMT == Q8_0_Q8 || FMT == Q4_1_Q8 || FMT == Q4_0_Q8;
+    int8x16_t lo, hi;
+    weights_s8(zp ? NULL : w8 + blk * QK, zp ? (const uint8_t *)w8 + blk * QK / 2 : NULL, &lo, &hi);
+    int16x8_t w16[4];
+    if (!q8) weights_s16(lo, hi, w16);
+    for (int r = 0; r < RR; r++) {
+        int32x4_t s[2], t[2];
+        if (q8) dots_q8(lo, hi, xq + (long)r * K + blk * QK, s);
+        else dots_i16(w16, (const int16_t *)xq + ((long)r * K + blk * QK) * width, s);
+        if (split)   /* + the residual codes' sum / 2^15: one rounding, where the sums meet */
+            dots_i16(w16, (const int16_t *)xq + ((long)r * K + blk * QK) * width + QK, t);
+        const float32x4_t fv = vdupq_n_f32(f[r * fs]);
+        for (int h = 0; h < 2; h++) {
+            float32x4_t sf = vcvtq_f32_s32(s[h]);
+            if (split) sf = vfmaq_f32(sf, vcvtq_f32_s32(t[h]), vdupq_n_f32(1.0f / 32768.0f));
+            acc[r][h] = vfmaq_f32(acc[r][h], fv, sf);
+        }
+    }
+}
+
+/* avx2's block_rows for one tile of RR activation rows: weight rows [n0, n1). */
+INLINE void block_rows_neon(const int RR, const int FMT, const void *w, const uint16_t *d, const uint16_t *m, int n0,
+                            int n1, int N, int K, const int8_t *xq, const float *xd, const float *xs, float *y,
+                            const float *bias) {
+    const int nb = K / QK, zp = ZERO_POINT(FMT);
+    const long row_bytes = zp ? K / 2 : K;
+    for (int n = n0; n < n1; n++) {
+        const int8_t *w8 = (const int8_t *)w + n * row_bytes;
+        /* even blocks' and odd blocks' accumulators, the minimums' sums: [row][lanes 0-3, 4-7] */
+        float32x4_t acc0[QTR][2], acc1[QTR][2], macc[QTR][2];
+        for (int r = 0; r < RR; r++)
+            for (int h = 0; h < 2; h++) acc0[r][h] = acc1[r][h] = macc[r][h] = vdupq_n_f32(0.0f);
+        for (int c = 0; c < nb; c += FACTOR_CHUNK) {
+            const int cn = nb - c < FACTOR_CHUNK ? nb - c : FACTOR_CHUNK;
+            float f[QTR][FACTOR_CHUNK];
+            block_factors_neon(RR, d + (long)n * nb + c, xd + c, nb, m ? m + (long)n * nb + c : NULL,
+                               zp ? xs + c : NULL, nb, cn, f, macc);
+            int b = 0;
+            for (; b + 1 < cn; b += 2) {
+                block_neon(RR, FMT, w8, c + b, xq, K, f[0] + b, FACTOR_CHUNK, acc0);
+                block_neon(RR, FMT, w8, c + b + 1, xq, K, f[0] + b + 1, FACTOR_CHUNK, acc1);
+            }
+            if (b < cn) block_neon(RR, FMT, w8, c + b, xq, K, f[0] + b, FACTOR_CHUNK, acc0);
+        }
+        for (int r = 0; r < RR; r++) {
+            float32x4_t lo = vaddq_f32(acc0[r][0], acc1[r][0]), hi = vaddq_f32(acc0[r][1], acc1[r][1]);
+            if (zp) {
+                lo = vaddq_f32(lo, macc[r][0]);
+                hi = vaddq_f32(hi, macc[r][1]);
+            }
+            const float32x4_t s4 = vaddq_f32(lo, hi);   /* hsum8: (l0 + l4 + l2 + l6) + (l1 + l5 + l3 + l7) */
+            const float sum = (vgetq_lane_f32(s4, 0) + vgetq_lane_f32(s4, 2))
+                              + (vgetq_lane_f32(s4, 1) + vgetq_lane_f32(s4, 3));
+            y[(long)r * N + n] = sum + (bias ? bias[n] : 0.0f);
+        }
+    }
+}
+
+/* quant_rows_vec for the neon level: every row-major format, QTR activation rows per tile. */
+static void quant_rows_neon(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
+                            const float *x, const int8_t *xq, const float *xd, const float *xs, int M, float *y,
+                            const float *bias) {
+    (void)x;
+    const int nb = K / QK, n0 = c * ROWS_CHUNK, n1 = N - n0 < ROWS_CHUNK ? N : n0 + ROWS_CHUNK;
+    const int q8 = fmt == Q8_0_Q8 || fmt == Q4_1_Q8 || fmt == Q4_0_Q8, split = fmt == Q8_0_F32 || fmt == Q4_1_F32;
+    for (int r0 = 0; r0 < M; r0 += QTR) {
+        const int rr = M - r0 < QTR ? M - r0 : QTR;
+        const int8_t *xr = xq + (long)r0 * K * (q8 ? 1 : split ? 4 : 2);   /* bytes of codes per row */
+        float *yr = y + (long)r0 * N;
+#define ROWS(RR, FMT) block_rows_neon(RR, FMT, w, d, m, n0, n1, N, K, xr, xd + r0 * nb, xs + r0 * nb, yr, bias)
+#define NEON_TILE(RR)                                                                                    \
+        switch (fmt) {                                                                                   \
+        case Q8_0_Q8: ROWS(RR, Q8_0_Q8); break;                                                          \
+        case Q8_0_F32: ROWS(RR, Q8_0_F32); break;                                                        \
+        case Q4_1_F32: ROWS(RR, Q4_1_F32); break;                                                        \
+        case Q8_0_I16: ROWS(RR, Q8_0_I16); break;                                                        \
+        case Q4_1_I16: ROWS(RR, Q4_1_I16); break;                                                        \
+        case Q4_1_Q8: ROWS(RR, Q4_1_Q8); break;                                                          \
+        default: ROWS(RR, Q4_0_Q8);                                                                      \
+        }
+        switch (rr) {
+        case 1: NEON_TILE(1) break;
+        case 2: NEON_TILE(2) break;
+        case 3: NEON_TILE(3) break;
+        default: NEON_TILE(4)
+        }
+#undef NEON_TILE
+#undef ROWS
+    }
+}
+#endif   /* HAVE_NEON */
+
 /* --- the portable reference: the same sums, one element at a time ----------------------------
 
    The int32 sum of one block's products (q8_0 codes w, q4 nibbles: element j low, j + 16 high),
@@ -938,7 +1191,7 @@ INLINE void tile_blocks_i16(const int RR, const int split, const int8_t *w8, con
 }
 
 /* The activations a block format's product takes, for M rows of x [M, K]: codes xq (q8, int16 or,
-   for fp32 products with AVX2, ACT_SPLIT's [M, 2K]), their scales xd and, for zero-point weights,
+   for fp32 products at a vector level, ACT_SPLIT's [M, 2K]), their scales xd and, for zero-point weights,
    xs [M, K/32]: d_x sum(a_i), or for q4_1 x fp32 the fp32 block sums of x. */
 HIDDEN void prepare_activations(int fmt, const float *x, int M, int K, int8_t *xq, float *xd, float *xs) {
     const int nb = K / QK;
@@ -969,7 +1222,7 @@ HIDDEN void prepare_activations(int fmt, const float *x, int M, int K, int8_t *x
                 xs[m * nb + b] = s;
             }
     if (f32) {
-        if (HAVE_AVX2 && g_isa >= ISA_AVX2) quantize_rows(x, M, K, ACT_SPLIT, xq, xd);
+        if ((HAVE_AVX2 || HAVE_NEON) && g_isa != ISA_SCALAR) quantize_rows(x, M, K, ACT_SPLIT, xq, xd);
         return;
     }
     quantize_rows(x, M, K, wide ? ACT_I16 : ACT_Q8, xq, xd);
@@ -1171,6 +1424,23 @@ void block_sums(int kind, const void *w, const void *a, int n, int32_t *out) {
             continue;
         }
 #endif
+#if HAVE_NEON
+        if (g_isa == ISA_NEON) {
+            int8x16_t lo, hi;
+            int16x8_t w16[4];
+            int32x4_t s[2];
+            weights_s8(kind & 1 ? NULL : wb8, kind & 1 ? wb4 : NULL, &lo, &hi);
+            if (kind < 2) dots_q8(lo, hi, ab8, s);
+            else {
+                weights_s16(lo, hi, w16);
+                dots_i16(w16, ab16, s);
+            }
+            vst1q_s32(lanes, s[0]);
+            vst1q_s32(lanes + 4, s[1]);
+            out[b] = hsum_i32(lanes, 8);
+            continue;
+        }
+#endif
         out[b] = kind == 0 ? dot_q8_0_q8_ref(wb8, ab8) : kind == 1 ? dot_q4_q8_ref(wb4, ab8)
                  : kind == 2 ? dot_q8_0_i16_ref(wb8, ab16) : dot_q4_i16_ref(wb4, ab16);
     }
@@ -1196,6 +1466,11 @@ static quant_rows_fn *const QUANT_ROWS[ISA_LEVELS] = {
 #endif
 #if HAVE_AVX512VNNI
     quant_rows_avx512vnni,
+#else
+    NULL,
+#endif
+#if HAVE_NEON
+    quant_rows_neon,
 #else
     NULL,
 #endif
