@@ -9,10 +9,12 @@ Both load the same GGUF independently. Calls alternate in one process (caramba, 
 HF forward, caramba, ...) after a warm-up of each, and medians are reported with the ratio
 HF / caramba (> 1: caramba is faster). Prompt ids are drawn at random from the vocabulary with a
 fixed seed (a prefill's time does not depend on which tokens), and both first tokens are checked
-to agree. Threads: CARAMBA_THREADS pins caramba's count, torch.set_num_threads HF's, to the same N.
+to agree. --onednn-ab adds caramba with its oneDNN GEMM off (caramba.model.gemm: torch's GEMM,
+as before 2026-11-27) to the alternation. Threads: CARAMBA_THREADS pins caramba's count,
+torch.set_num_threads HF's, to the same N.
 
     .venv/bin/python benchmarks/prefill_vs_hf.py [--tokens 2048,4096] [--threads 1,2] [--repeats 5]
-        [--profile out_prefix] [--json out.json]
+        [--onednn-ab] [--profile out_prefix] [--json out.json]
 
 --profile writes torch.profiler tables (ops by self CPU time, with input shapes) of one prefill
 of each library at each length and thread count, instead of timing.
@@ -32,6 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from caramba.infer import GenerateConfig, Generator  # noqa: E402
+from caramba.model import gemm  # noqa: E402
 from caramba.model.zoo import load_model, resolve_source  # noqa: E402
 
 
@@ -50,6 +53,17 @@ def caramba_first(model, ids: list[int]):
     def go() -> int:
         gen = Generator(model, GenerateConfig(max_new_tokens=1, temperature=0.0, max_seq_len=len(ids) + 1))
         return gen.run([ids]).sequences[0][0]
+    return go
+
+
+def without_onednn(fn):
+    """fn with caramba's projections on torch's own GEMM (caramba.model.gemm off): the before."""
+    def go() -> int:
+        saved, gemm._available = gemm._available, False
+        try:
+            return fn()
+        finally:
+            gemm._available = saved
     return go
 
 
@@ -91,7 +105,9 @@ def measure(runners: dict, repeats: int) -> dict:
     med = {name: statistics.median(s) for name, s in samples.items()}
     return {"median_s": med, "samples_s": samples, "first_tokens": firsts,
             "ratio_hf_generate_over_caramba": med["hf_generate"] / med["caramba"],
-            "ratio_hf_forward_over_caramba": med["hf_forward"] / med["caramba"]}
+            "ratio_hf_forward_over_caramba": med["hf_forward"] / med["caramba"],
+            **({"ratio_hf_generate_over_caramba_torch_gemm": med["hf_generate"] / med["caramba_torch_gemm"]}
+               if "caramba_torch_gemm" in med else {})}
 
 
 def profile(runners: dict, prefix: str, label: str) -> None:
@@ -115,6 +131,8 @@ def main() -> None:
     ap.add_argument("--threads", default=str(torch.get_num_threads()), help="thread counts, comma-separated")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", help="write profiler tables with this path prefix instead of timing")
+    ap.add_argument("--onednn-ab", action="store_true",
+                    help="also time caramba with oneDNN's GEMM off (caramba_torch_gemm: torch's F.linear/matmul)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -133,6 +151,8 @@ def main() -> None:
             ids = torch.randint(100, vocab, (n,), generator=gen).tolist()
             runners = {"caramba": caramba_first(loaded.model, ids), "hf_generate": hf_generate_first(hf, ids),
                        "hf_forward": hf_forward_first(hf, ids)}
+            if args.onednn_ab:
+                runners["caramba_torch_gemm"] = without_onednn(runners["caramba"])
             if args.profile:
                 profile(runners, args.profile, f"{n}tok_{threads}thr")
                 continue
@@ -144,7 +164,8 @@ def main() -> None:
             print(f"{n:5d} tokens, {threads} thread(s): caramba {med['caramba']:.3f} s  HF generate "
                   f"{med['hf_generate']:.3f} s  HF forward {med['hf_forward']:.3f} s  ratio HF/caramba "
                   f"{r['ratio_hf_generate_over_caramba']:.3f} (generate) {r['ratio_hf_forward_over_caramba']:.3f}"
-                  f" (forward); first tokens {r['first_tokens']}; load {load_before} -> {os.getloadavg()}",
+                  f" (forward)" + (f"; caramba without oneDNN {med['caramba_torch_gemm']:.3f} s" if args.onednn_ab else "")
+                  + f"; first tokens {r['first_tokens']}; load {load_before} -> {os.getloadavg()}",
                   flush=True)
     if args.json and results:
         env = {"torch": torch.__version__, "cpu": cpu_name(), "cores": os.cpu_count(), "repeats": args.repeats}
