@@ -7,11 +7,11 @@ library's own generation entry point with its KV cache:
 - HF forward: hf(ids, use_cache=True, logits_to_keep=1) and an argmax, the leanest HF path.
 Both load the same GGUF independently. Calls alternate in one process (caramba, HF generate,
 HF forward, caramba, ...) after a warm-up of each, and medians are reported with the ratio
-HF / caramba (> 1: caramba is faster). Prompt ids are drawn at random from the vocabulary with a
-fixed seed (a prefill's time does not depend on which tokens), and both first tokens are checked
-to agree. --onednn-ab adds caramba with its oneDNN GEMM off (caramba.model.gemm: torch's GEMM,
-as before 2026-11-27) to the alternation. Threads: CARAMBA_THREADS pins caramba's count,
-torch.set_num_threads HF's, to the same N.
+HF / caramba (> 1: caramba is faster). Prompt ids are drawn at random from the vocabulary with
+seed N, the same prompt at every thread count (a prefill's time does not depend on which tokens),
+and the first tokens are checked to agree. --onednn-ab adds caramba with its oneDNN GEMM off
+(caramba.model.gemm: torch's GEMM, as before 2026-11-27) to the alternation. Threads:
+CARAMBA_THREADS pins caramba's count, torch.set_num_threads HF's, to the same N.
 
     .venv/bin/python benchmarks/prefill_vs_hf.py [--tokens 2048,4096] [--threads 1,2] [--repeats 5]
         [--onednn-ab] [--profile out_prefix] [--json out.json]
@@ -141,14 +141,13 @@ def main() -> None:
     loaded = load_model("smollm2-135m", "float32", "cpu")
     path = resolve_source("smollm2-135m")
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(0)
     vocab = loaded.model.config.vocab_size
     results = []
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         os.environ["CARAMBA_THREADS"] = str(threads)
         for n in (int(t) for t in args.tokens.split(",")):
-            ids = torch.randint(100, vocab, (n,), generator=gen).tolist()
+            ids = torch.randint(100, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
             runners = {"caramba": caramba_first(loaded.model, ids), "hf_generate": hf_generate_first(hf, ids),
                        "hf_forward": hf_forward_first(hf, ids)}
             if args.onednn_ab:
@@ -164,7 +163,8 @@ def main() -> None:
             print(f"{n:5d} tokens, {threads} thread(s): caramba {med['caramba']:.3f} s  HF generate "
                   f"{med['hf_generate']:.3f} s  HF forward {med['hf_forward']:.3f} s  ratio HF/caramba "
                   f"{r['ratio_hf_generate_over_caramba']:.3f} (generate) {r['ratio_hf_forward_over_caramba']:.3f}"
-                  f" (forward)" + (f"; caramba without oneDNN {med['caramba_torch_gemm']:.3f} s" if args.onednn_ab else "")
+                  f" (forward)" + (f"; caramba without oneDNN {med['caramba_torch_gemm']:.3f} s"
+                                   if args.onednn_ab else "")
                   + f"; first tokens {r['first_tokens']}; load {load_before} -> {os.getloadavg()}",
                   flush=True)
     if args.json and results:
