@@ -50,6 +50,8 @@ def test_what_dense_leaves_to_torch():
     assert not gemm.applies(few, w.detach())                              # a decode step's rows
     assert not gemm.applies(many, w)                                      # autograd needs the product
     assert not gemm.applies(many.double(), w.detach().double())           # fp32 only
+    sliced = torch.randn(96, 80)[:, :40].t()                              # neither a matrix nor its transpose
+    assert not gemm.applies(many, sliced)
     y = gemm.dense(many, w)                                               # F.linear: differentiable
     y.sum().backward()
     assert w.grad is not None

@@ -36,9 +36,12 @@ def available() -> bool:
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x @ weight.T goes to oneDNN: fp32 on the CPU, enough rows, no autograd."""
+    """Whether x @ weight.T goes to oneDNN: fp32 on the CPU, enough rows, no autograd, and a weight
+    that is a whole matrix or its transpose (oneDNN took minutes over a column slice's transpose,
+    weight_t[:, :n].t(), where F.linear takes milliseconds)."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and x.numel() >= MIN_ROWS * x.shape[-1] > 0 and weight.device.type == "cpu"
+            and (weight.is_contiguous() or weight.t().is_contiguous())
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and available())
 
