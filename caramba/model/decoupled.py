@@ -25,6 +25,7 @@ from torch import nn
 
 from caramba.cache import CachePolicy, DecoupledLayerKVCache, KVCache
 from caramba.model.config import ModelConfig
+from caramba.model.gemm import linear
 from caramba.model.rope import apply_rope
 
 
@@ -50,7 +51,7 @@ class DecoupledAttention(nn.Module):
     def forward(self, x, cos, sin, cache, mask: torch.Tensor | None, causal: bool):
         B, T, _ = x.shape
         H, KVH = self.n_heads, self.n_kv_heads
-        qkv = self.wqkv(x)
+        qkv = linear(self.wqkv, x)
         qk = qkv[..., : self.qk_width].view(B, T, H + KVH, self.qk_dim).transpose(1, 2)    # [B, H+KVH, T, sem+geo]
         v = qkv[..., self.qk_width :].view(B, T, KVH, self.head_dim).transpose(1, 2)       # [B, KVH, T, D]
         index = self._geo_index(cos.device)
@@ -60,7 +61,7 @@ class DecoupledAttention(nn.Module):
             y = cache.attend(q, k, v, mask, causal)                  # appends k (as k_sem, k_geo) and v
         else:   # SDPA's default scale is 1/sqrt(q.shape[-1]) = 1/sqrt(sem + geo)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
-        return self.wo(y.transpose(1, 2).reshape(B, T, H * self.head_dim))
+        return linear(self.wo, y.transpose(1, 2).reshape(B, T, H * self.head_dim))
 
 
 def decoupled_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int, policy: CachePolicy,

@@ -11,6 +11,7 @@ from torch import nn
 
 from caramba.cache import LayerKVCache
 from caramba.model import fused
+from caramba.model.gemm import dense, linear
 from caramba.model.config import ModelConfig
 from caramba.model.rope import apply_rope
 
@@ -40,7 +41,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: LayerKVCache | None, mask: torch.Tensor | None, causal: bool):
         B, T, _ = x.shape
-        qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
+        qkv = linear(self.wqkv, x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
         if cos is None:  # learned absolute positions (GPT-2), already in x: nothing to rotate
             q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
         else:
@@ -53,7 +54,7 @@ class Attention(nn.Module):
             y = cache.attend(q, k, v, mask, causal)                        # appends k, v; reads [0, S)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
-        return self.wo(y.transpose(1, 2).reshape(B, T, self.q_width))
+        return linear(self.wo, y.transpose(1, 2).reshape(B, T, self.q_width))
 
 
 class InputMajorLinear(nn.Module):
@@ -69,7 +70,7 @@ class InputMajorLinear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight_t
+        return dense(x, self.weight_t.t())   # x @ weight_t; prefill-sized fp32: oneDNN (caramba.model.gemm)
 
 
 class MLP(nn.Module):
@@ -82,9 +83,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.w13(x)
         if fused.applies(gu):
-            return self.w2(fused.silu_mul(gu, self.hidden))
+            return linear(self.w2, fused.silu_mul(gu, self.hidden))
         gate, up = gu.split(self.hidden, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return linear(self.w2, F.silu(gate) * up)
 
 
 class BiasedInputMajorLinear(InputMajorLinear):
@@ -95,7 +96,7 @@ class BiasedInputMajorLinear(InputMajorLinear):
         self.bias = nn.Parameter(torch.empty(out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(self.bias, x.flatten(0, -2), self.weight_t).view(*x.shape[:-1], -1)
+        return dense(x, self.weight_t.t(), self.bias)
 
 
 class GeluMLP(nn.Module):
@@ -108,7 +109,7 @@ class GeluMLP(nn.Module):
         self.approximate = "tanh" if cfg.mlp == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
+        return linear(self.proj, F.gelu(self.fc(x), approximate=self.approximate))
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

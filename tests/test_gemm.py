@@ -1,0 +1,75 @@
+"""caramba.model.gemm: the torch path's projections through oneDNN agree with F.linear to rounding,
+and everything it cannot take (few rows, autograd, other dtypes, hooked modules) goes to torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tolerance as tol
+from caramba.model import gemm
+
+needs_onednn = pytest.mark.skipif(not gemm.available(), reason="torch built without mkldnn, or CARAMBA_ONEDNN=0")
+
+
+@pytest.fixture
+def off(monkeypatch):
+    monkeypatch.setattr(gemm, "_available", False)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [8, 33, 512])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_agrees_with_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(2, rows, 96, generator=g)
+    w_t = torch.randn(96, 160, generator=g)            # input-major, as InputMajorLinear stores it
+    b = torch.randn(160, generator=g) if bias else None
+    with torch.inference_mode():
+        assert gemm.applies(x, w_t.t())
+        got, want = gemm.dense(x, w_t.t(), b), F.linear(x, w_t.t(), b)
+    assert got.shape == want.shape == (2, rows, 160)
+    torch.testing.assert_close(got, want, **tol.rounding(torch.float32, want, 96))
+
+
+@needs_onednn
+def test_dense_takes_strided_rows():
+    x = torch.randn(64, 2 * 96)[:, :96]                 # a split's half: rows not contiguous
+    w = torch.randn(40, 96)
+    with torch.inference_mode():
+        want = F.linear(x, w)
+        torch.testing.assert_close(gemm.dense(x, w), want, **tol.rounding(torch.float32, want, 96))
+
+
+def test_what_dense_leaves_to_torch():
+    w = torch.randn(40, 96, requires_grad=True)
+    few = torch.randn(1, gemm.MIN_ROWS - 1, 96)
+    many = torch.randn(1, 64, 96)
+    assert not gemm.applies(few, w.detach())                              # a decode step's rows
+    assert not gemm.applies(many, w)                                      # autograd needs the product
+    assert not gemm.applies(many.double(), w.detach().double())           # fp32 only
+    sliced = torch.randn(96, 80)[:, :40].t()                              # neither a matrix nor its transpose
+    assert not gemm.applies(many, sliced)
+    y = gemm.dense(many, w)                                               # F.linear: differentiable
+    y.sum().backward()
+    assert w.grad is not None
+
+
+def test_switched_off_is_torch_exactly(off):
+    x, w = torch.randn(64, 96), torch.randn(40, 96)
+    with torch.inference_mode():
+        assert torch.equal(gemm.dense(x, w), F.linear(x, w))
+
+
+def test_linear_calls_hooked_and_other_modules():
+    lin = nn.Linear(96, 40)
+    seen = []
+    lin.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    with torch.inference_mode():
+        gemm.linear(lin, torch.randn(64, 96))
+        assert len(seen) == 1                                            # the hook still fires
+        seq = nn.Sequential(nn.Linear(96, 40))
+        x = torch.randn(64, 96)
+        assert torch.equal(gemm.linear(seq, x), seq(x))                  # not an nn.Linear: called as is
