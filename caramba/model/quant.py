@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from caramba import kernels
-from caramba.model import quant_gemm
+from caramba.model import gemm, quant_gemm
 
 WEIGHT_KINDS = ("fp32", "q8_0", "q4_0", "native", "native_i16")
 NATIVE_ACT = {"native": "f32", "native_i16": "i16"}   # the native kinds' activations
@@ -399,7 +399,8 @@ class QuantLinear(nn.Module):
         return out
 
     def _dequantized_product(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """rows [M, K] fp32 times W^T (+ bias) with W dequantized a tile at a time into a scratch
+        """rows [M, K] fp32 times W^T (+ bias) (caramba.model.gemm: oneDNN's GEMM where it applies)
+        with W dequantized a tile at a time into a scratch
         buffer this thread reuses (DEQUANT_TILE_BYTES: it stays in cache, and no fresh pages are
         faulted in per call, which cost ~40% of dequantizing into new memory); None where the C
         kernels cannot read the weight."""
@@ -410,14 +411,14 @@ class QuantLinear(nn.Module):
             scratch = _scratch.buf = torch.empty(max(tile * K, DEQUANT_TILE_BYTES // 4))
         if tile == N:
             w = self._dequantize_rows(0, N, scratch[: N * K].view(N, K))
-            return None if w is None else F.linear(rows, w, self.bias)
+            return None if w is None else gemm.dense(rows, w, self.bias)
         y = torch.empty(rows.shape[0], N)
         for n0 in range(0, N, tile):
             n1 = min(N, n0 + tile)
             w = self._dequantize_rows(n0, n1, scratch[: (n1 - n0) * K].view(n1 - n0, K))
             if w is None:
                 return None
-            y[:, n0:n1] = F.linear(rows, w, None if self.bias is None else self.bias[n0:n1])
+            y[:, n0:n1] = gemm.dense(rows, w, None if self.bias is None else self.bias[n0:n1])
         return y
 
     def _dequantize(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
