@@ -50,28 +50,6 @@ def levels() -> list[str]:
     return [level for level in ("scalar", "avx2") if isa.resolve(level) == level]
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 37, 576), (1, 64, 70), (1, 5, 7), (1, 9, 1536), (1, 3, 40)])
-def test_fp32_row_products_at_avx512_are_avx2_bit_for_bit_at_any_prefetch(lib, M, N, K):
-    """A decode step's fp32 row GEMV at avx512 (16 lanes a load) sums every product as avx2's does:
-    the same bits, K past 32-blocks and 8-lane tails included; the software prefetch distance
-    (step_row_prefetch, chosen by vendor) changes no bit either."""
-    if not isa.available("avx512"):
-        pytest.skip("this CPU (or build) lacks avx512")
-    g = torch.Generator().manual_seed(N * K)
-    w, x = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g)
-    with isa.use_isa("avx2"):
-        want = product(lib, fast_decode.F32_ROWS, w, x, None)
-    try:
-        for distance in (0, 512, 64):
-            assert lib.step_row_prefetch(distance) == distance
-            for level in ("avx2", "avx512"):
-                with isa.use_isa(level):
-                    assert torch.equal(product(lib, fast_decode.F32_ROWS, w, x, None), want), (level, distance)
-    finally:
-        default = lib.step_row_prefetch(-1)
-    assert default in (0, 512)
-
-
 @pytest.mark.parametrize("fmt", ["rows", "cols"])
 @pytest.mark.parametrize("M,N,K", SHAPES)
 def test_fp32_products_at_each_level_are_the_exact_product_within_rounding(lib, fmt, M, N, K):

@@ -126,36 +126,15 @@ static inline float dot_f32_ref(const float *w, const float *x, int K) {
 }
 
 #if HAVE_AVX2
-/* Floats ahead that the row GEMVs prefetch (the weight rows are consecutive, so this runs into the
-   next row), 0 for none: 512 (2 KiB) took the Intel Xeon's fp32 decode from 0.96x to 1.01x
-   llama.cpp; on the AMD EPYC (Zen 5) the hardware prefetcher keeps up and the software one costs
-   (step_row_prefetch: the A/B; the default is chosen when the library loads, by vendor). */
-static int g_row_pf = -1;
-
-static int row_prefetch(void) {
-    if (g_row_pf < 0) {
-        unsigned a, b, c, d;
-        __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
-        g_row_pf = b == 0x68747541u ? 0 : 512;   /* "Auth"enticAMD */
-    }
-    return g_row_pf;
-}
-
-/* Set the row prefetch distance (floats; < 0: the vendor's default); returns the one in force. */
-int step_row_prefetch(int floats) {
-    g_row_pf = floats < 0 ? -1 : floats;
-    return row_prefetch();
-}
-
+#ifndef ROW_PF
+#define ROW_PF 512   /* floats ahead (2 KiB): the weight rows are consecutive, so this runs into the next row */
+#endif
 static inline float dot_f32_avx2(const float *w, const float *x, int K) {
-    const int pf = row_prefetch();
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     int k = 0;
     for (; k + 32 <= K; k += 32) {
-        if (pf) {
-            _mm_prefetch((const char *)(w + k + pf), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + k + pf + 16), _MM_HINT_T0);
-        }
+        _mm_prefetch((const char *)(w + k + ROW_PF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + k + ROW_PF + 16), _MM_HINT_T0);
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
         a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
         a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
@@ -168,40 +147,7 @@ static inline float dot_f32_avx2(const float *w, const float *x, int K) {
 }
 #endif
 
-#if HAVE_AVX512
-static inline __m256 high8(__m512 v) {
-    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-}
-
-/* dot_f32_avx2 bit for bit, 16 lanes a load: lanes 0-7 of a01 are avx2's a0, 8-15 its a1 (a23:
-   a2, a3), so every lane sums the same products in the same order and the halves meet as avx2's
-   accumulators do. Half the loads and FMAs of avx2's for a row (fp32 decode ~3-8% faster on the
-   AMD EPYC Zen 5, where a row's 2.3 KiB stream from memory). */
-static inline float dot_f32_avx512(const float *w, const float *x, int K) {
-    const int pf = row_prefetch();
-    __m512 a01 = _mm512_setzero_ps(), a23 = _mm512_setzero_ps();
-    int k = 0;
-    for (; k + 32 <= K; k += 32) {
-        if (pf) {
-            _mm_prefetch((const char *)(w + k + pf), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + k + pf + 16), _MM_HINT_T0);
-        }
-        a01 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a01);
-        a23 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a23);
-    }
-    __m256 a0 = _mm512_castps512_ps256(a01);
-    for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
-    float acc = hsum8(_mm256_add_ps(_mm256_add_ps(a0, high8(a01)),
-                                    _mm256_add_ps(_mm512_castps512_ps256(a23), high8(a23))));
-    for (; k < K; k++) acc += w[k] * x[k];
-    return acc;
-}
-#endif
-
 static inline float dot_f32(const float *w, const float *x, int K) {
-#if HAVE_AVX512
-    if (g_isa >= ISA_AVX512) return dot_f32_avx512(w, x, K);
-#endif
 #if HAVE_AVX2
     if (g_isa >= ISA_AVX2) return dot_f32_avx2(w, x, K);
 #endif

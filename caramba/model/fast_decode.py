@@ -58,7 +58,6 @@ MAX_ROWS = 16        # beyond this the torch path's GEMMs win
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {"decode_step": ([_P], _I), "step_linear": ([_P, _P, _I, _P, _I], _I), "step_abi_layout": ([_P], _I),
                "quantize_kv": ([_I, _P, _I, _I, _I, _P, _P], None), "kv_nf4_tables": ([_P, _P], None),
-               "step_row_prefetch": ([_I], _I),
                **quant.ISA_SIGNATURES}
 library = kernels.Library(SOURCES, _SIGNATURES, "decode steps run through torch's ops")
 
