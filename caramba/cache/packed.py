@@ -121,6 +121,8 @@ class PackedQuantStream:
     note_written = QuantStream.note_written
     fp_start = QuantStream.fp_start
     residual = QuantStream.residual
+    read = QuantStream.read       # layer slots [0, end): codes below fp_start, the ring above; holes zero
+    reset = QuantStream.reset
 
     def __init__(self, slots: PackedSlots, H: int, D: int, cfg: KVCacheTensorConfig, device, dtype: torch.dtype,
                  keys_major: bool = False, batch: int = 1) -> None:
@@ -170,15 +172,6 @@ class PackedQuantStream:
     def dequant(self, s0: int, s1: int, dtype: torch.dtype) -> torch.Tensor:
         """Layer slots [s0, s1) from the codes: [B, KVH, s1 - s0, D], holes zero."""
         return dequantize(self._get(s0, s1), self._params_at(s0, s1), self.spec, self.block, dtype)
-
-    def read(self, end: int, dtype: torch.dtype) -> torch.Tensor:
-        """Layer slots [0, end) of every head (codes below fp_start, the ring above), holes zero."""
-        r0 = self.fp_start(end)
-        x = self.dequant(0, r0, dtype)
-        return torch.cat([x, self.residual(r0, end, dtype)], dim=2) if r0 < end else x
-
-    def reset(self) -> None:
-        self.fp_lo = 0
 
     def dense_view(self, end: int) -> QuantStream:
         """Layer slots [0, end) as a plain QuantStream of `end` slots (codes and parameters copied
