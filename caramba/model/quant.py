@@ -399,11 +399,10 @@ class QuantLinear(nn.Module):
         return out
 
     def _dequantized_product(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """rows [M, K] fp32 times W^T (+ bias) (caramba.model.gemm: oneDNN's GEMM where it applies)
-        with W dequantized a tile at a time into a scratch
-        buffer this thread reuses (DEQUANT_TILE_BYTES: it stays in cache, and no fresh pages are
-        faulted in per call, which cost ~40% of dequantizing into new memory); None where the C
-        kernels cannot read the weight."""
+        """rows [M, K] fp32 times W^T (+ bias) through caramba.model.gemm (oneDNN where it applies),
+        W dequantized a tile at a time into a scratch buffer this thread reuses (DEQUANT_TILE_BYTES:
+        it stays in cache, and no fresh pages are faulted in per call, which cost ~40% of
+        dequantizing into new memory); None where the C kernels cannot read the weight."""
         N, K = self.out_features, self.in_features
         tile = max(1, min(N, DEQUANT_TILE_BYTES // (4 * K)))
         scratch = getattr(_scratch, "buf", None)
