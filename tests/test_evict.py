@@ -91,10 +91,10 @@ def prefilled(model, B=1, S=24, room=12, lengths=None, policy=None, seed=0):
     return state, logits.argmax(-1)
 
 
-def check_against_reference(model, state, first, kept, policy=None, steps=8, atol=2e-5):
+def check_against_reference(model, state, first, kept, policy=None, steps=8, atol=2e-5, ragged_rows=False):
     ref = reference_state(model, state, kept, policy)
     template = None if policy is None else model.new_cache(state.batch_size, 1, policy)
-    state.press(kept, template)
+    state.press(kept, template, ragged_rows=ragged_rows)
     got, got_tokens = decode(state, first, steps)
     want, want_tokens = decode(ref, first, steps)
     for a, b in zip(got, want):
@@ -147,6 +147,22 @@ def test_rows_keep_different_counts_as_holes_in_front(model):
     assert type(state.cache) is KVCache
     assert state.slot_mask[:, :12].sum(1).tolist() == [12, 7]
     assert state.slot_mask[1, :5].logical_not().all()
+
+
+def test_rows_keeping_different_counts_can_allocate_only_their_survivors(model):
+    """ragged_rows (a prefill press no decoding-time compression follows): a uniform press on rows
+    of different lengths packs the rows, so the shorter row's heads allocate only their survivors
+    plus the room, no holes in front; the same logits and tokens as the masked full cache."""
+    state, first = prefilled(model, B=2, lengths=[24, 15])
+    L, KVH = model.config.n_layers, model.config.n_kv_heads
+    counts = [[[12] * KVH, [7] * KVH]] * L
+    kept = random_kept(L, 2, KVH, 24, counts, state.valid_slots())
+    state = check_against_reference(model, state, first, kept, ragged_rows=True)
+    assert isinstance(state.cache, PressedKVCache) and state.slot_mask is None
+    assert [type(layer) for layer in state.cache.layers] == [PackedLayerKVCache] * L
+    fp32 = KVCacheTensorConfig("fp32")
+    assert state.cache.nbytes == per_head_bytes(counts, 12, (fp32, fp32), model.config.head_dim)
+    assert state.cache.nbytes < 2 * L * 2 * KVH * (12 + 12) * fp32.bytes_per_token(1, model.config.head_dim)
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "per_head", "both"])
@@ -404,7 +420,8 @@ def test_a_pressed_context_cannot_be_rolled_back_into(model):
 # holes cover whole parts, end inside one, or leave none: [layer][row][KV head] kept slots of a
 # 160-slot context whose row 1 has 20 slots of padding.
 RAGGED = {"per_layer": [[[150, 150], [90, 90]], [[70, 70], [40, 40]], [[20, 20], [130, 130]]],
-          "per_head": [[[150, 10], [3, 120]], [[64, 65], [1, 100]], [[128, 70], [66, 2]]]}
+          "per_head": [[[150, 10], [3, 120]], [[64, 65], [1, 100]], [[128, 70], [66, 2]]],
+          "per_row": [[[100, 100], [60, 60]]] * 3}     # a uniform press, rows packed (ragged_rows)
 POLICIES = {"fp32": CachePolicy.build("fp32"), "q8_0": CachePolicy.build("q8_0"),
             "q4_0 residual_len=8": CachePolicy.build("q4_0", residual_len=8),
             "k=q4_1c,v=q4_1 qblock=16": CachePolicy.build("q4_1", "k=q4_1c", qblock=16)}    # KIVI
@@ -418,7 +435,7 @@ def ragged_run(layout: str, policy: str, threads: int, fast: bool, calls: list, 
     model.fast_decode = False
     state, _ = prefilled(model, B=2, S=160, room=24, lengths=[160, 140])
     kept = random_kept(3, 2, 2, 160, RAGGED[layout], state.valid_slots(), seed=6)
-    state.press(kept, model.new_cache(2, 1, POLICIES[policy]))
+    state.press(kept, model.new_cache(2, 1, POLICIES[policy]), ragged_rows=layout == "per_row")
     assert isinstance(state.cache, PressedKVCache)
     assert all(type(layer) is PackedLayerKVCache for layer in state.cache.layers)   # rows or heads differ
     model.fast_decode = fast

@@ -92,12 +92,13 @@ def test_speculative_decoding_with_a_press_is_lossless_against_pressed_greedy(mo
 
 
 @pytest.mark.parametrize("press", [dict(press="pyramidkv", press_ratio=0.5, press_window=8),
-                                   dict(SNAP, press_adaptive=True)])
+                                   dict(SNAP, press_adaptive=True), SNAP])
 @pytest.mark.parametrize("kind", ["fp32", "q4_0"])
 def test_ragged_presses_on_the_c_step_equal_the_torch_path(model, press, kind, taken):
-    """Per-layer (PyramidKV) and per-head (AdaKV) budgets give each layer its own width: on the C
-    step, greedy generation of a 2-row batch and speculative decoding (rollbacks after the press)
-    give the torch path's tokens, and the C step ran."""
+    """Per-layer (PyramidKV) and per-head (AdaKV) budgets give each layer its own width, and a
+    uniform press on rows of different lengths packs its rows (no holes in front of the shorter
+    one): on the C step, greedy generation of a 2-row batch and speculative decoding (rollbacks
+    after the press) give the torch path's tokens, and the C step ran."""
     if fast_decode.library() is None:
         pytest.skip(f"decode step kernel {fast_decode.status()}")
     calls = taken

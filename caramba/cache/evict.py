@@ -12,7 +12,9 @@ from the decoding state (DecodeState.next_pos), not from the slot they land in.
 Two layouts:
 - uniform (every layer and KV head of a row keeps as many tokens; rows may differ): plain
   layers of W = the most any row keeps; a row keeping fewer has holes in front, which the
-  decoding state's slot mask marks like left padding. The fused C step reads it as it is.
+  decoding state's slot mask marks like left padding. The fused C step reads it as it is. A
+  prefill press that no decoding-time compression follows (evict(ragged_rows=True)) sends rows
+  of different counts the ragged way instead, so the shorter rows allocate no holes.
 - ragged (per-layer budgets such as PyramidKV, per-head ones such as AdaKV): layer l numbers
   its slots W_l + t (the t-th new token), W_l its widest head's count, and maps the model's slot
   numbers (W + t) to its own. Each head's survivors lie right-aligned, in [first, W_l). Chosen
@@ -58,11 +60,14 @@ PACK = True
 @torch.inference_mode()
 def evict(source: KVCache, kept: Sequence[torch.Tensor], template: KVCache | None = None,
           room: int = 0, dtype: torch.dtype = torch.float32,
-          pack: bool | None = None) -> tuple[KVCache, torch.Tensor | None]:
+          pack: bool | None = None, ragged_rows: bool = False) -> tuple[KVCache, torch.Tensor | None]:
     """(cache, slot_mask): the source's kept slots (kept[l] [B, KVH, S], S = source.length) in the
     template's kinds (default: the source's), with `room` free slots after them. slot_mask
     [B, W + room] marks a uniform cache's real slots (None: all of them, or a ragged cache,
-    whose layers hold their own masks). pack: whether ragged layers may be packed (None: PACK)."""
+    whose layers hold their own masks). pack: whether ragged layers may be packed (None: PACK).
+    ragged_rows: rows keeping different counts go the ragged way, packed (no holes in front of
+    the shorter rows), where otherwise they stay uniform with holes; a ragged cache cannot be
+    pressed again, so a press followed by decoding-time compression leaves it False."""
     layers = source.layers
     S, B = source.length, source.batch_size
     template = source if template is None else template
@@ -77,7 +82,9 @@ def evict(source: KVCache, kept: Sequence[torch.Tensor], template: KVCache | Non
             raise ValueError(f"kept mask of layer {i % len(layers)} must be bool [{B}, {layer.n_kv_heads}, {S}]; "
                              f"got {mask.dtype} {tuple(mask.shape)}")
     counts = kept_counts(kept)                                   # [L, B, KVH]
-    uniform = bool((counts == counts[:1, :, :1]).all())
+    packs = PACK if pack is None else pack
+    rows_alike = counts[:1, :1, :1] if ragged_rows and packs else counts[:1, :, :1]
+    uniform = bool((counts == rows_alike).all())
     width = int(counts.max()) if counts.numel() else 0
     built = []
     for i, (src, tpl, mask) in enumerate(zip(layers, template.layers, kept)):
@@ -85,7 +92,6 @@ def evict(source: KVCache, kept: Sequence[torch.Tensor], template: KVCache | Non
         keys, values, valid = _gather(src, mask, S, w, dtype)
         first = w - counts[i]                                    # [B, KVH]: each head's first survivor
         align = alignment(tpl.k_cfg, tpl.v_cfg)
-        packs = PACK if pack is None else pack
         if not uniform and packs and bool((first >= align).any()):   # holes a packed store leaves out
             layer = PackedLayerKVCache.build(tpl, B, w, room, first, width - w, align)
         else:

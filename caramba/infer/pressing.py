@@ -37,7 +37,8 @@ def prefill_pressed(state: DecodeState, tokens: torch.Tensor, mask: torch.Tensor
     # the torch path: its forwards call the observers (the fused C step's do not)
     with observing(state.model, state.cache, press) as seen, state.using(TorchStep(state.model)):
         logits = state.prefill(tokens, mask)
-    state.press(kept_masks(state.cache, seen, press, state.valid_slots()), template)
+    # rows of different lengths keep different counts: packed, unless decoding compression presses again
+    state.press(kept_masks(state.cache, seen, press, state.valid_slots()), template, ragged_rows=not press.decoding)
     return logits
 
 

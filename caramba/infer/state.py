@@ -171,11 +171,12 @@ class DecodeState:
             self.slot_mask[:, length:] = False
 
     @torch.inference_mode()
-    def press(self, kept: list[torch.Tensor], template: KVCache | None = None) -> None:
+    def press(self, kept: list[torch.Tensor], template: KVCache | None = None, ragged_rows: bool = False) -> None:
         """Keep only the slots `kept` marks (per layer [B, KVH, cache.length], True = keep: a
         press's choice, caramba.press) in a new cache of the template's kinds (default: this
-        cache's), with this cache's remaining room after them (caramba.cache.evict). Rows keep
-        their positions: the next token of each row is still at next_pos."""
+        cache's), with this cache's remaining room after them (caramba.cache.evict; ragged_rows:
+        rows keeping different counts packed, for a cache that will not be pressed again). Rows
+        keep their positions: the next token of each row is still at next_pos."""
         if self.ring:
             raise ValueError("a press needs a plain cache, not a sliding-window ring (drop decode_local_window)")
         valid = self.valid_slots()
@@ -185,7 +186,7 @@ class DecodeState:
         room = self.cache.max_seq_len - self.cache.length
         real = valid.sum() * len(kept) * self.cache.layers[0].n_kv_heads
         self.kept_share = float(sum(int(m.sum()) for m in kept) / max(int(real), 1))
-        self.cache, self.slot_mask = evict(self.cache, kept, template, room)
+        self.cache, self.slot_mask = evict(self.cache, kept, template, room, ragged_rows=ragged_rows)
         # Tokens each row no longer holds a slot for: rollback counts tokens, the cache holds survivors.
         # Recounted, not added to: a second press (decoding-time compression) sees the first's holes gone.
         self.evicted = self.next_pos - self.valid_slots().sum(dim=1)

@@ -211,7 +211,8 @@ def _shared_context(model, base: DecodeState, c: Candidate, slots: int, q_chunk:
     state.next_pos = base.next_pos.clone()
     state.slot_mask = None if base.slot_mask is None else base.slot_mask.clone()
     if c.pressed:
-        state.press(kept_masks(base.cache, seen, c.press, base.valid_slots()), model.new_cache(B, 1, c.policy))
+        state.press(kept_masks(base.cache, seen, c.press, base.valid_slots()), model.new_cache(B, 1, c.policy),
+                    ragged_rows=not c.press.decoding)
     else:
         state.cache = model.new_cache(B, slots, c.policy)
         store_context(base.cache, state.cache, model.dtype)
