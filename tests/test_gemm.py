@@ -1,4 +1,4 @@
-"""caramba.model.gemm: the torch path's projections through oneDNN agree with F.linear to rounding,
+"""caramba.gemm: the torch path's projections through oneDNN agree with F.linear to rounding,
 and everything it cannot take (few rows, autograd, other dtypes, hooked modules) goes to torch."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tolerance as tol
-from caramba.model import gemm
+from caramba import gemm
 
 needs_onednn = pytest.mark.skipif(not gemm.available(), reason="torch built without mkldnn, or CARAMBA_ONEDNN=0")
 

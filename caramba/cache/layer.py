@@ -8,12 +8,12 @@ filled left to right; `length` is how many are valid. Rolling back (`truncate`) 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from caramba.cache.attend import attend_chunked
 from caramba.cache.kinds import KVCacheTensorConfig
 from caramba.cache.mask import attention_mask, narrowest
 from caramba.cache.quant import quantize
+from caramba.cache.sdpa import attention
 from caramba.cache.streams import make_stream
 
 # Queries per step up to which a quantized cache is read in chunks (decode, speculative
@@ -183,7 +183,7 @@ class LayerKVCache(StreamLayerCache):
         gives what T one-token forwards give (speculative verification relies on it)."""
         if not self.quantized and self.rotation is None and self.v_rotation is None:
             k, v = self.update(k, v)                                       # [B, KVH, S, D]
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+            return attention(q, k, v, mask, causal)
         end = self._append(k, v)
         if self.rotation is not None:
             q = q @ self.rotation.to(q.dtype)
@@ -191,7 +191,7 @@ class LayerKVCache(StreamLayerCache):
             out = attend_chunked(q, self.k_stream, self.v_stream, end, mask)
         else:
             keys, values = self.k_stream.read(end, q.dtype), self.v_stream.read(end, q.dtype)   # prefill: once
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
+            out = attention(q, keys, values, mask, causal)
         return out if self.v_rotation is None else out @ self.v_rotation.to(out.dtype)
 
     @property

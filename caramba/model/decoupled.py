@@ -25,7 +25,7 @@ from torch import nn
 
 from caramba.cache import CachePolicy, DecoupledLayerKVCache, KVCache
 from caramba.model.config import ModelConfig
-from caramba.model.gemm import linear
+from caramba.gemm import linear
 from caramba.model.rope import apply_rope
 
 

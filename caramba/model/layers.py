@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from caramba.cache import LayerKVCache
+from caramba.cache.sdpa import attention
 from caramba.model import fused
-from caramba.model.gemm import dense, linear
+from caramba.gemm import dense, linear
 from caramba.model.config import ModelConfig
 from caramba.model.rope import apply_rope
 
@@ -53,7 +54,7 @@ class Attention(nn.Module):
                 cache.observer(q, k, v, cos, sin, mask, causal)
             y = cache.attend(q, k, v, mask, causal)                        # appends k, v; reads [0, S)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+            y = attention(q, k, v, mask, causal)
         return linear(self.wo, y.transpose(1, 2).reshape(B, T, self.q_width))
 
 
@@ -70,7 +71,7 @@ class InputMajorLinear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(x, self.weight_t.t())   # x @ weight_t; prefill-sized fp32: oneDNN (caramba.model.gemm)
+        return dense(x, self.weight_t.t())   # x @ weight_t; prefill-sized fp32: oneDNN (caramba.gemm)
 
 
 class MLP(nn.Module):

@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from caramba import kernels
-from caramba.model import gemm, quant_gemm
+from caramba import gemm, kernels
+from caramba.model import quant_gemm
 
 WEIGHT_KINDS = ("fp32", "q8_0", "q4_0", "native", "native_i16")
 NATIVE_ACT = {"native": "f32", "native_i16": "i16"}   # the native kinds' activations
@@ -399,7 +399,7 @@ class QuantLinear(nn.Module):
         return out
 
     def _dequantized_product(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """rows [M, K] fp32 times W^T (+ bias) through caramba.model.gemm (oneDNN where it applies),
+        """rows [M, K] fp32 times W^T (+ bias) through caramba.gemm (oneDNN where it applies),
         W dequantized a tile at a time into a scratch buffer this thread reuses (DEQUANT_TILE_BYTES:
         it stays in cache, and no fresh pages are faulted in per call, which cost ~40% of
         dequantizing into new memory); None where the C kernels cannot read the weight."""

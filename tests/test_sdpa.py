@@ -1,0 +1,92 @@
+"""caramba.cache.sdpa: a fresh causal prefill's attention in query blocks through oneDNN's GEMM
+agrees with torch's SDPA to fp32 rounding, and everything else goes to SDPA itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from caramba import gemm
+from caramba.cache import sdpa
+import tolerance as tol
+
+U = 2.0 ** -24   # fp32's unit roundoff
+needs_onednn = pytest.mark.skipif(not gemm.available(), reason="torch built without mkldnn, or CARAMBA_ONEDNN=0")
+
+
+def exact(q, k, v):
+    """Causal grouped-query attention in float64: the reference both fp32 results are held to."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    s = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    T = q.shape[2]
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+@needs_onednn
+@pytest.mark.parametrize("B,H,KVH,T,D", [(1, 9, 3, 64, 64), (2, 4, 2, 129, 16), (1, 6, 6, 300, 32), (1, 8, 1, 257, 8)])
+def test_blocked_causal_attention_is_sdpa_within_rounding(B, H, KVH, T, D):
+    """Blocks that end inside the last one, one KV head for all, as many as the queries; the
+    queries and keys strided views of a fused q|k|v projection as the model makes them."""
+    g = torch.Generator().manual_seed(T * H + D)
+    qkv = torch.randn(B, T, H + 2 * KVH, D, generator=g).transpose(1, 2)      # [B, heads, T, D], strided
+    q, k, v = qkv[:, :H], qkv[:, H:H + KVH], qkv[:, H + KVH:]
+    assert sdpa.blocked_applies(q, k, v, None, True)
+    got = sdpa.attention(q, k, v, None, True)
+    want = exact(q, k, v)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    # a softmax-weighted mean of values: each output's error is a few roundings of the scores'
+    # sums (D terms, scaled by the values' size) and of the mean over T keys
+    bound = (D + T + 8) * U * v.abs().amax()
+    assert (got.double() - want).abs().max() <= bound
+    assert (ref.double() - want).abs().max() <= bound
+    assert got.shape == ref.shape and got.dtype == torch.float32
+
+
+@pytest.mark.parametrize("case", ["mask", "not causal", "short", "cached", "grad", "float64", "switched off"])
+def test_everything_else_goes_to_sdpa(case, monkeypatch):
+    q, k, v = torch.randn(1, 4, 80, 16), torch.randn(1, 2, 80, 16), torch.randn(1, 2, 80, 16)
+    mask, causal = None, True
+    if case == "mask":
+        mask = torch.ones(80, 80, dtype=torch.bool).tril()
+    elif case == "not causal":
+        causal = False
+    elif case == "short":
+        q, k, v = q[:, :, :sdpa.MIN_TOKENS - 1], k[:, :, :sdpa.MIN_TOKENS - 1], v[:, :, :sdpa.MIN_TOKENS - 1]
+    elif case == "cached":   # queries after tokens already in a cache: not a fresh prefill's square
+        q = q[:, :, 40:]
+    elif case == "grad":
+        q.requires_grad_(True)
+    elif case == "float64":
+        q, k, v = q.double(), k.double(), v.double()
+    else:
+        monkeypatch.setattr(gemm, "_available", False)
+    assert not sdpa.blocked_applies(q, k, v, mask, causal)
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    sdpa.attention(q, k, v, mask, causal)
+    assert calls == [1]
+
+
+@needs_onednn
+def test_a_prefill_takes_the_blocked_path_and_decodes_as_before(tiny, monkeypatch):
+    """The model's prompt (no cache, and into a fresh cache) goes through the blocks; its logits
+    stay within rounding of SDPA's."""
+    model = tiny(seed=4, max_position_embeddings=512)
+    ids = torch.randint(0, model.config.vocab_size, (2, 150), generator=torch.Generator().manual_seed(5))
+    taken = []
+    real = sdpa.blocked_applies
+    monkeypatch.setattr(sdpa, "blocked_applies", lambda *a: taken.append(real(*a)) or taken[-1])
+    with torch.inference_mode():
+        got = model(ids)
+        cache = model.new_cache(2, 160)
+        cached = model(ids, cache=cache)
+        monkeypatch.setattr(sdpa, "blocked_applies", lambda *a: False)
+        want = model(ids)
+    assert taken and all(taken)
+    bound = tol.forward(want, model.config)
+    torch.testing.assert_close(got, want, **bound)
+    torch.testing.assert_close(cached, want, **bound)
