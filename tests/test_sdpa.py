@@ -16,12 +16,13 @@ needs_onednn = pytest.mark.skipif(not gemm.available(), reason="torch built with
 
 
 def exact(q, k, v):
-    """Causal grouped-query attention in float64: the reference both fp32 results are held to."""
+    """Causal grouped-query attention in float64, the T queries the last of the S keys' slots:
+    the reference both fp32 results are held to."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
     s = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    T = q.shape[2]
-    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    T, S = q.shape[2], k.shape[2]
+    s = s.masked_fill(~torch.ones(T, S, dtype=torch.bool).tril(S - T), float("-inf"))
     return torch.softmax(s, -1) @ v
 
 
@@ -45,12 +46,34 @@ def test_blocked_causal_attention_is_sdpa_within_rounding(B, H, KVH, T, D):
     assert got.shape == ref.shape and got.dtype == torch.float32
 
 
-@pytest.mark.parametrize("case", ["mask", "not causal", "short", "cached", "grad", "float64", "switched off"])
+@needs_onednn
+@pytest.mark.parametrize("T,S", [(64, 200), (130, 130 + 512), (300, 301)])
+def test_a_chunk_after_the_cached_ones_takes_the_blocks_too(T, S):
+    """T queries at the end of S keys, the mask a chunked prefill builds (causal, offset by the
+    cached chunks): the blocks see each query's keys up to its own slot."""
+    g = torch.Generator().manual_seed(T + S)
+    q, k, v = torch.randn(2, 6, T, 32, generator=g), torch.randn(2, 2, S, 32, generator=g), torch.randn(2, 2, S, 32, generator=g)
+    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T).expand(2, 1, T, S)
+    assert sdpa.causal_offset(mask, False, T, S) == S - T
+    assert sdpa.blocked_applies(q, k, v, mask, False)
+    got = sdpa.attention(q, k, v, mask, False)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    bound = (32 + S + 8) * U * v.abs().amax()
+    want = exact(q, k, v)
+    assert (got.double() - want).abs().max() <= bound and (ref.double() - want).abs().max() <= bound
+
+
+@pytest.mark.parametrize("case", ["padded", "mask of SDPA's causal", "not causal", "short", "cached", "grad", "float64",
+                                  "switched off"])
 def test_everything_else_goes_to_sdpa(case, monkeypatch):
     q, k, v = torch.randn(1, 4, 80, 16), torch.randn(1, 2, 80, 16), torch.randn(1, 2, 80, 16)
     mask, causal = None, True
-    if case == "mask":
-        mask = torch.ones(80, 80, dtype=torch.bool).tril()
+    if case == "padded":       # a left-padded row: its first slots hidden from every query
+        mask = torch.ones(80, 80, dtype=torch.bool).tril().expand(1, 1, 80, 80).clone()
+        mask[..., :3] = False
+        causal = False
+    elif case == "mask of SDPA's causal":   # a mask and is_causal together: SDPA's business
+        mask = torch.ones(1, 1, 80, 80, dtype=torch.bool).tril()
     elif case == "not causal":
         causal = False
     elif case == "short":
@@ -73,8 +96,8 @@ def test_everything_else_goes_to_sdpa(case, monkeypatch):
 
 @needs_onednn
 def test_a_prefill_takes_the_blocked_path_and_decodes_as_before(tiny, monkeypatch):
-    """The model's prompt (no cache, and into a fresh cache) goes through the blocks; its logits
-    stay within rounding of SDPA's."""
+    """The model's prompt (no cache, into a fresh cache, and in chunks of 64 into a cache) goes
+    through the blocks; its logits stay within rounding of SDPA's."""
     model = tiny(seed=4, max_position_embeddings=512)
     ids = torch.randint(0, model.config.vocab_size, (2, 150), generator=torch.Generator().manual_seed(5))
     taken = []
@@ -84,9 +107,14 @@ def test_a_prefill_takes_the_blocked_path_and_decodes_as_before(tiny, monkeypatc
         got = model(ids)
         cache = model.new_cache(2, 160)
         cached = model(ids, cache=cache)
+        cache = model.new_cache(2, 160)
+        chunks = torch.cat([model(ids[:, i:i + 64], cache=cache) for i in range(0, 150, 64)], 1)
+        n = len(taken)
         monkeypatch.setattr(sdpa, "blocked_applies", lambda *a: False)
         want = model(ids)
-    assert taken and all(taken)
+    L = model.config.n_layers   # calls: 2 prompts whole and 3 chunks, each once per layer
+    assert n == 5 * L and all(taken[:4 * L]) and not any(taken[4 * L:])   # the last chunk: 22 queries, SDPA
     bound = tol.forward(want, model.config)
     torch.testing.assert_close(got, want, **bound)
     torch.testing.assert_close(cached, want, **bound)
+    torch.testing.assert_close(chunks, want, **bound)
