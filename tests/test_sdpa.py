@@ -54,7 +54,7 @@ def test_a_chunk_after_the_cached_ones_takes_the_blocks_too(T, S):
     g = torch.Generator().manual_seed(T + S)
     q, k, v = torch.randn(2, 6, T, 32, generator=g), torch.randn(2, 2, S, 32, generator=g), torch.randn(2, 2, S, 32, generator=g)
     mask = torch.ones(T, S, dtype=torch.bool).tril(S - T).expand(2, 1, T, S)
-    assert sdpa.causal_offset(mask, False, T, S) == S - T
+    assert sdpa.causal_offset(mask, False, T, S) == (S - T, False)
     assert sdpa.blocked_applies(q, k, v, mask, False)
     got = sdpa.attention(q, k, v, mask, False)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -63,14 +63,37 @@ def test_a_chunk_after_the_cached_ones_takes_the_blocks_too(T, S):
     assert (got.double() - want).abs().max() <= bound and (ref.double() - want).abs().max() <= bound
 
 
-@pytest.mark.parametrize("case", ["padded", "mask of SDPA's causal", "not causal", "short", "cached", "grad", "float64",
-                                  "switched off"])
+@needs_onednn
+@pytest.mark.parametrize("batch_of_mask", [2, 1])
+def test_left_padded_rows_and_windows_take_the_blocks_with_their_mask(batch_of_mask):
+    """The mask a padded batch's chunk gets (a padding query sees only itself) and a sliding
+    window's, both hiding only what causal attention would show: applied block by block."""
+    T, S, W = 100, 160, 40
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(2, 4, T, 16, generator=g), torch.randn(2, 2, S, 16, generator=g), torch.randn(2, 2, S, 16, generator=g)
+    q_slot, k_slot = torch.arange(S - T, S)[:, None], torch.arange(S)[None, :]
+    causal = (k_slot <= q_slot).expand(2, T, S)
+    valid = torch.ones(2, S, dtype=torch.bool)
+    valid[1, :70] = False                                        # row 1: 70 slots of left padding
+    mask = ((causal & valid[:, None, :]) | (k_slot == q_slot)) & (k_slot > q_slot - W)
+    mask = mask.unsqueeze(1)[:batch_of_mask]
+    assert sdpa.causal_offset(mask, False, T, S) == (S - T, True)
+    got = sdpa.attention(q, k, v, mask, False)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got, ref, atol=(16 + S + 8) * 2 * U * float(v.abs().amax()), rtol=0)
+
+
+@pytest.mark.parametrize("case", ["a later key", "a query seeing nothing", "mask of SDPA's causal", "not causal", "short",
+                                  "cached", "grad", "float64", "switched off"])
 def test_everything_else_goes_to_sdpa(case, monkeypatch):
     q, k, v = torch.randn(1, 4, 80, 16), torch.randn(1, 2, 80, 16), torch.randn(1, 2, 80, 16)
     mask, causal = None, True
-    if case == "padded":       # a left-padded row: its first slots hidden from every query
+    if case in ("a later key", "a query seeing nothing"):
         mask = torch.ones(80, 80, dtype=torch.bool).tril().expand(1, 1, 80, 80).clone()
-        mask[..., :3] = False
+        if case == "a later key":
+            mask[..., 5, 6] = True
+        else:
+            mask[..., 5, :] = False
         causal = False
     elif case == "mask of SDPA's causal":   # a mask and is_causal together: SDPA's business
         mask = torch.ones(1, 1, 80, 80, dtype=torch.bool).tril()

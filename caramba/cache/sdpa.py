@@ -5,16 +5,18 @@ torch's CPU SDPA (its flash-attention kernel) multiplies its tiles with the BLAS
 with (MKL's sgemm), which on the AMD EPYC Zen 5 ran a causal 512-token prefill's attention of
 SmolLM2-135M (9 query heads over 3 KV heads, 64 wide) at ~44 GFLOP/s on one core. A prompt's
 causal attention (T queries at the end of S keys: a prompt, or a chunk of one after the chunks
-the cache already holds; no padding, no window) is here computed per KV head and block of BLOCK
-queries: the scores of the group's query heads stacked, [rep x n, end], against the keys up to
-the block's last query, the upper triangle of the block's diagonal masked, the softmax, then the
-probabilities times those values, both products through caramba.gemm.dense (oneDNN where it
-applies). Per layer, one thread, alternated: 3.5 against 6.7 ms at 512 tokens,
+the cache already holds, left-padded rows and windows included: any mask that hides nothing
+causal attention would show) is here computed per KV head and block of BLOCK queries: the
+scores of the group's query heads stacked, [rep x n, end], against the keys up to the block's
+last query, masked (the upper triangle of the block's diagonal, or the mask's own rows), the
+softmax, then the probabilities times those values, both products through caramba.gemm.dense
+(oneDNN where it applies). Per layer, one thread, alternated: 3.5 against 6.7 ms at 512 tokens,
 39 against 64 ms at 2048 (docs/decode-speed.md §12). The same arithmetic in another order:
 outputs agree with SDPA's to rounding (tests/test_sdpa.py), not bit for bit.
 
-Everything else (padding, windows, ring buffers, fewer than MIN_TOKENS queries, other devices
-and dtypes, autograd, `CARAMBA_ONEDNN=0`) goes to F.scaled_dot_product_attention.
+Everything else (ring buffers' storage order, a query that sees nothing, fewer than MIN_TOKENS
+queries, other devices and dtypes, autograd, `CARAMBA_ONEDNN=0`) goes to
+F.scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -30,23 +32,30 @@ BLOCK = 128      # queries per block: 128 ran faster than 256 or 512 at 512 and 
 MIN_TOKENS = 64  # below, one SDPA call costs less than the blocks' GEMM calls
 
 
-_seen: tuple[weakref.ref, int] | None = None   # the last mask checked, and its causal offset
+_seen: tuple[weakref.ref, tuple[int, bool] | None] | None = None   # the last mask checked, and what it was
 
 
-def causal_offset(mask: torch.Tensor | None, causal: bool, T: int, S: int) -> int | None:
-    """P when T queries at slots [P, P + T) attend causally over S = P + T keys with nothing
-    else masked (a prompt, or a chunk of one after the chunks before it in the cache), else None.
-    A forward passes one mask to every layer: it is checked once."""
+def causal_offset(mask: torch.Tensor | None, causal: bool, T: int, S: int) -> tuple[int, bool] | None:
+    """(P, padded) when T queries at slots [P, P + T) attend over S = P + T keys at most
+    causally: a prompt, or a chunk of one after the chunks the cache holds; padded when the mask
+    hides more than the later slots (left padding: a padding query sees only itself), so the
+    blocks must apply it. None for anything else (a key after its query, a window's mask is
+    fine, a query that sees nothing is not). A forward passes one mask to every layer: it is
+    checked once."""
     global _seen
     if mask is None:
-        return 0 if causal and T == S else None
+        return (0, False) if causal and T == S else None
     if causal or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (T, S):
         return None
     if _seen is not None and _seen[0]() is mask:
         return _seen[1]
-    offset = S - T if bool((mask == torch.ones(T, S, dtype=torch.bool, device=mask.device).tril(S - T)).all()) else None
-    _seen = (weakref.ref(mask), offset)
-    return offset
+    below = torch.ones(T, S, dtype=torch.bool, device=mask.device).tril(S - T)
+    if bool((mask & ~below).any()) or not bool(mask.any(-1).all()):
+        found = None
+    else:
+        found = (S - T, not bool((mask == below).all()))
+    _seen = (weakref.ref(mask), found)
+    return found
 
 
 def blocked_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> bool:
@@ -66,7 +75,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
     B, H, T, D = q.shape
     KVH, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    P, rep = S - T, H // KVH
+    (P, padded), rep = causal_offset(mask, causal, T, S), H // KVH
     q = (q * D ** -0.5).contiguous()
     out = torch.empty(B, H, T, Dv, dtype=q.dtype)
     above = torch.ones(BLOCK, BLOCK, dtype=torch.bool).triu(1)   # a block's queries never see later keys
@@ -78,7 +87,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
                 s1 = min(T, s0 + BLOCK)
                 n, end = s1 - s0, P + s1                                    # the block sees keys [0, end)
                 scores = gemm.dense(heads[:, s0:s1].reshape(rep * n, D), keys[:end])   # [rep n, end]
-                scores.view(rep, n, end)[:, :, P + s0:].masked_fill_(above[:n, :n], float("-inf"))
+                if padded:   # the mask's own rows (they hide later slots too)
+                    scores.view(rep, n, end).masked_fill_(~mask[b % mask.shape[0], 0, s0:s1, :end], float("-inf"))
+                else:
+                    scores.view(rep, n, end)[:, :, P + s0:].masked_fill_(above[:n, :n], float("-inf"))
                 probs = torch.softmax(scores, dim=-1)
                 out[b, g * rep:(g + 1) * rep, s0:s1] = gemm.dense(probs, values[:end].t()).view(rep, n, Dv)
     return out
