@@ -10,7 +10,7 @@ HF forward, caramba, ...) after a warm-up of each, and medians are reported with
 HF / caramba (> 1: caramba is faster). Prompt ids are drawn at random from the vocabulary with
 seed N, the same prompt at every thread count (a prefill's time does not depend on which tokens),
 and the first tokens are checked to agree. --onednn-ab adds caramba with its oneDNN GEMM off
-(caramba.gemm: torch's GEMM, as before 2026-11-27) to the alternation. Threads:
+(caramba.gemm: torch's GEMM and SDPA, as before 2026-11-27) to the alternation. Threads:
 CARAMBA_THREADS pins caramba's count, torch.set_num_threads HF's, to the same N.
 
     .venv/bin/python benchmarks/prefill_vs_hf.py [--tokens 2048,4096] [--threads 1,2] [--repeats 5]
