@@ -15,6 +15,27 @@ U = 2.0 ** -24   # fp32's unit roundoff
 needs_onednn = pytest.mark.skipif(not gemm.available(), reason="torch built without mkldnn, or CARAMBA_ONEDNN=0")
 
 
+@pytest.fixture(autouse=True)
+def small_thresholds(request, monkeypatch):
+    """The arithmetic at small sizes: the thresholds (where the blocks win on speed) lowered,
+    except where a test checks them."""
+    if "thresholds" not in request.node.name:
+        monkeypatch.setattr(sdpa, "MIN_TOKENS", 64)
+        monkeypatch.setattr(sdpa, "MIN_CHUNK", 64)
+
+
+@needs_onednn
+def test_the_thresholds_send_short_prompts_and_short_chunks_to_sdpa():
+    """A prompt takes the blocks from MIN_TOKENS queries, a chunk after cached keys from MIN_CHUNK."""
+    def applies(T, S):
+        q, k = torch.randn(1, 4, T, 8), torch.randn(1, 2, S, 8)
+        mask = None if T == S else torch.ones(T, S, dtype=torch.bool).tril(S - T)[None, None]
+        return sdpa.blocked_applies(q, k, k, mask, T == S)
+    m, c = sdpa.MIN_TOKENS, sdpa.MIN_CHUNK
+    assert [applies(m - 1, m - 1), applies(m, m)] == [False, True]
+    assert [applies(c - 1, c + 100), applies(c, c + 100)] == [False, True]
+
+
 def exact(q, k, v):
     """Causal grouped-query attention in float64, the T queries the last of the S keys' slots:
     the reference both fp32 results are held to."""

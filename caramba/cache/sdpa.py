@@ -14,9 +14,9 @@ softmax, then the probabilities times those values, both products through caramb
 39 against 64 ms at 2048 (docs/decode-speed.md §12). The same arithmetic in another order:
 outputs agree with SDPA's to rounding (tests/test_sdpa.py), not bit for bit.
 
-Everything else (ring buffers' storage order, a query that sees nothing, fewer than MIN_TOKENS
-queries, other devices and dtypes, autograd, `CARAMBA_ONEDNN=0`) goes to
-F.scaled_dot_product_attention.
+Everything else (ring buffers' storage order, a query that sees nothing, fewer queries than
+MIN_TOKENS, or than MIN_CHUNK after cached keys, other devices and dtypes, autograd,
+`CARAMBA_ONEDNN=0`) goes to F.scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -28,8 +28,13 @@ import torch.nn.functional as F
 
 from caramba import gemm
 
-BLOCK = 128      # queries per block: 128 ran faster than 256 or 512 at 512 and 2048 tokens
-MIN_TOKENS = 64  # below, one SDPA call costs less than the blocks' GEMM calls
+BLOCK = 128       # queries per block: 128 ran faster than 256 or 512 at 512 and 2048 tokens
+# Where the blocks start to win (Zen 5, one layer, alternated): a prompt from 192 tokens (SDPA is
+# as fast at ~160 on one thread, ~224 on two); queries after cached ones from 512 (256 queries
+# after 1024-4096 cached keys took 15-30% longer than SDPA; 512 after 1024-16384 were 1.1-2.1x
+# faster).
+MIN_TOKENS = 192
+MIN_CHUNK = 512
 
 
 _seen: tuple[weakref.ref, tuple[int, bool] | None] | None = None   # the last mask checked, and what it was
@@ -60,11 +65,14 @@ def causal_offset(mask: torch.Tensor | None, causal: bool, T: int, S: int) -> tu
 
 def blocked_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> bool:
     """Whether attention(q, k, v, mask, causal) takes the blocked GEMM path."""
-    return (q.shape[2] >= MIN_TOKENS and q.device.type == "cpu"
+    if not (q.shape[2] >= MIN_TOKENS and q.device.type == "cpu"
             and q.dtype == k.dtype == v.dtype == torch.float32 and q.shape[1] % k.shape[1] == 0
             and q.shape[-1] == k.shape[-1] and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                                 or v.requires_grad))
-            and gemm.available() and causal_offset(mask, causal, q.shape[2], k.shape[2]) is not None)
+            and gemm.available()):
+        return False
+    found = causal_offset(mask, causal, q.shape[2], k.shape[2])
+    return found is not None and (found[0] == 0 or q.shape[2] >= MIN_CHUNK)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -96,4 +104,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out
 
 
-__all__ = ["BLOCK", "attention", "blocked_applies", "causal_offset"]
+__all__ = ["BLOCK", "MIN_CHUNK", "MIN_TOKENS", "attention", "blocked_applies", "causal_offset"]
