@@ -17,7 +17,7 @@ sides alike; the table gives medians, with the load average before and after.
 
     .venv/bin/python benchmarks/decode_vs_llamacpp.py [--threads 2] [--tokens 64] [--repeats 5]
         [--formats F32,Q8_0,Q4_0,Q4_1] [--sdist FILE] [--no-llamacpp] [--torch-path] [--isa LEVELS]
-        [--rows] [--cpu-time] [--json out.json]
+        [--rows] [--cpu-time] [--llamacpp-isa native|avx2] [--json out.json]
 
 --isa avx2,avx512vnni times caramba's quantized products at each of these instruction set levels
 (caramba.model.isa; each level the machine lacks falls back, and the table says to what), in the
@@ -26,6 +26,11 @@ same alternation: an A/B of the kernels on one machine. The first level fills th
 --rows adds caramba with its quantized weights in the row-major layout (caramba.model.quant's
 layout 'rows': the kernels before the row-interleaved x16 ones) in the same alternation: the A/B of
 the x16 kernels (--isa lowers the level, which on x16 weights runs their portable reference).
+
+--llamacpp-isa avx2 times a llama.cpp built without AVX-512 or VNNI (benchmarks/llamacpp.py's
+ISA_FLAGS, its own build directory). With CARAMBA_ISA=avx2 in the environment (caramba's weights
+laid out and multiplied at that level from the start), both sides run what an AVX2-only CPU would:
+a stand-in, on a CPU that has more, for one such as AMD Zen 3 when none is at hand.
 
 --torch-path adds caramba with its one-call decode step off (the torch backend,
 caramba.model.backend.TorchStep, instead of fast_decode.CStep), the torch-op path every step took
@@ -96,6 +101,9 @@ def main() -> None:
     ap.add_argument("--formats", default="F32,Q8_0,Q4_0,Q4_1")
     ap.add_argument("--sdist", default=None, help="llama_cpp_python-*.tar.gz (default: newest in /tmp/lcp)")
     ap.add_argument("--no-llamacpp", action="store_true", help="caramba only (no llama.cpp build or runs)")
+    ap.add_argument("--llamacpp-isa", default="native", choices=list(llamacpp.ISA_FLAGS),
+                    help="llama.cpp's build: native, or avx2 (no AVX-512 nor VNNI: with CARAMBA_ISA=avx2 in the "
+                    "environment, both sides run what an AVX2-only CPU would)")
     ap.add_argument("--torch-path", action="store_true",
                     help="also time caramba with its one-call decode step off (model.fast_decode = False)")
     ap.add_argument("--isa", default=None, help="comma-separated instruction set levels to time caramba at "
@@ -116,7 +124,8 @@ def main() -> None:
     if bad:
         ap.error(f"--isa: unknown {', '.join(bad)}; use {', '.join(isa.LEVELS)}")
 
-    tools = None if args.no_llamacpp else llamacpp.build(["llama-bench", "llama-quantize"], args.sdist)
+    tools = None if args.no_llamacpp else llamacpp.build(["llama-bench", "llama-quantize"], args.sdist,
+                                                                isa=args.llamacpp_isa)
     ggufs = {} if tools is None else llamacpp.models(tools, formats)
     kinds = [w for f in formats for w in llamacpp.CARAMBA_WEIGHTS[f]]
     models = {w: load_model("smollm2-135m", progress=False, weights=w) for w in kinds}
@@ -169,7 +178,7 @@ def main() -> None:
           f"{args.threads} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}; "
           f"kernels: decode step {fast_decode.status()}, weights {quant.status()}, decode ops {fused.status()}, "
           f"kv {cache_kernel.status()}, quantized products at {isa.kernel_isa()} (caramba.model.isa), "
-          f"weight layout {'/'.join(layouts) or '-'}")
+          f"weight layout {'/'.join(layouts) or '-'}; llama.cpp build {args.llamacpp_isa}")
     print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
           f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} (on {os.cpu_count()} CPUs)")
     chosen = {v: isa.resolve(v) for v in levels if v}   # what each level ran at (a fallback where it is missing)
@@ -215,7 +224,7 @@ def main() -> None:
             "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "torch": torch.__version__,
             "loadavg_before": load_before, "loadavg_after": load_after, "kernels": quant.status(),
             "decode_step": fast_decode.status(), "kernel_isa": isa.kernel_isa(), "isa_levels": chosen,
-            "weight_layouts": layouts,
+            "weight_layouts": layouts, "llamacpp_isa": args.llamacpp_isa,
             "llamacpp_commands": commands, "rows": table}, indent=2))
 
 

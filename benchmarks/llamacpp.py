@@ -33,8 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TARGETS = ("llama-perplexity", "llama-quantize", "llama-bench", "llama-batched-bench")
-CMAKE_FLAGS = ["-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF",
+CMAKE_FLAGS = ["-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+# The instruction sets of a build: 'native' (everything this CPU has), or 'avx2' (AVX2, FMA, F16C,
+# BMI2, no AVX-512 nor VNNI: what an AVX2-only CPU such as AMD Zen 3 runs, for comparisons with
+# caramba at its avx2 level on a CPU that has more). Each has its own build directory.
+ISA_FLAGS = {"native": ["-DGGML_NATIVE=ON"],
+             "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                      "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF"]}
 
 
 def cache_root() -> Path:
@@ -77,13 +83,16 @@ def unpack(sdist: str | Path) -> tuple[str, Path]:
     return version, source
 
 
-def build(targets=TARGETS, sdist: str | Path | None = None, jobs: int = 2, log=sys.stderr) -> Tools:
-    """Configure once, build the asked targets (skipping those already built); return the tools."""
+def build(targets=TARGETS, sdist: str | Path | None = None, jobs: int = 2, log=sys.stderr, isa: str = "native") -> Tools:
+    """Configure once, build the asked targets (skipping those already built); return the tools.
+    isa: ISA_FLAGS' key ('native': build/, else build-<isa>/)."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"llama.cpp build isa {isa!r}: use one of {', '.join(ISA_FLAGS)}")
     version, source = unpack(sdist or find_sdist())
     root = source.parents[3]
-    build_dir = root / "build"
+    build_dir = root / ("build" if isa == "native" else f"build-{isa}")
     if not (build_dir / "CMakeCache.txt").exists():
-        subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), *CMAKE_FLAGS], check=True,
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), *ISA_FLAGS[isa], *CMAKE_FLAGS], check=True,
                        stdout=log, stderr=log)
     tools = Tools(root, source, build_dir / "bin")
     missing = [t for t in targets if not (tools.bin / t).exists()]

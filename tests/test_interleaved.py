@@ -77,18 +77,27 @@ def test_layout_errors_name_the_field():
         QuantLinear("q8_0", torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 1), act="q8", layout="cols")
 
 
-def test_the_default_layout_follows_the_kernels_level():
-    """x16 where the avx512vnni kernel runs, rows below it (their kernels are avx2's); a forced
-    CARAMBA_ISA=avx2 process makes rows layers."""
-    library()
-    want = "x16" if isa.kernel_isa() == "avx512vnni" else "rows"
-    assert quant.default_layout("q4_0", "q8") == want
-    assert quant.default_layout("q4_1", "f32") == want
-    with isa.use_isa("avx2"):
-        assert quant.default_layout("q8_0", "q8") == "rows"
+# The levels with a vector kernel for an X16 format (quant_gemv.c's x16_vector): every format at
+# avx512vnni (512 bits), the q8-activation ones also at avx2, avxvnni and avx512 (256 bits).
+X16_VECTOR = {"avx512vnni": {act for _, act in FORMATS}, "avx2": {"q8"}, "avxvnni": {"q8"}, "avx512": {"q8"}}
+
+
+def vector_levels(act: str) -> list[str]:
+    return [name for name, acts in X16_VECTOR.items() if act in acts and isa.available(name)]
+
+
+def test_the_default_layout_follows_the_kernels_level(level):
+    """x16 where the level has a vector kernel for the format, rows elsewhere (a level without one
+    would run the slow reference); a process started with CARAMBA_ISA=scalar makes rows layers."""
+    lib = library()
+    for fmt, act in FORMATS:
+        want = "x16" if act in X16_VECTOR.get(level, ()) else "rows"
+        assert quant.default_layout(fmt, act) == want, (fmt, act)
+        assert lib.x16_vector(quant.FORMAT_IDS[(fmt, act, "x16")]) == (want == "x16")
+    assert lib.x16_vector(quant.Q4_0_Q8) == 0   # a row-major format is never x16's
     code = ("from caramba.model import quant; import torch; "
             "print(quant.QuantLinear.from_float(torch.randn(16, 64), fmt='q4_0').layout)")
-    env = {**os.environ, isa.ENV: "avx2", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, isa.ENV: "scalar", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert got.stdout.strip() == "rows"
 
@@ -149,36 +158,47 @@ def test_x16_products_equal_the_exact_product_within_fp32_rounding(level, fmt, a
 
 
 @pytest.mark.parametrize("fmt,act", FORMATS)
-def test_x16_vector_kernel_is_the_reference_bit_for_bit_at_any_thread_count(fmt, act):
-    """avx512vnni's kernel and the portable reference make the same FMAs lane by lane, so a
-    machine's level never changes a token; 1 and 2 threads split whole groups, so neither does
-    the thread count; a row's output is the same in a batch of 1 or 5."""
+def test_x16_vector_kernels_are_the_reference_bit_for_bit_at_any_thread_count(fmt, act):
+    """Each vector kernel (512 bits at avx512vnni; 256 bits at avx2, avxvnni and avx512 for q8
+    activations) and the portable reference make the same FMAs lane by lane, so a machine's level
+    never changes a token; 1 and 2 threads split whole groups, so neither does the thread count; a
+    row's output is the same in a batch of 1 or 5."""
     lib = library()
-    if not isa.available("avx512vnni"):
-        pytest.skip("CPU lacks avx512_vnni: the reference is all there is")
+    levels = vector_levels(act)
+    if not levels:
+        pytest.skip(f"CPU has none of {', '.join(n for n, a in X16_VECTOR.items() if act in a)}: the reference is all there is")
     for M, N, K in SHAPES + [(2, 200, 576)]:
         lin = x16(layer(fmt, act, N, K, seed=N + K))
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M + K))
-        outs = []
-        for level_, threads in (("avx512vnni", 1), ("avx512vnni", 2), ("scalar", 1)):
+        outs = {}
+        for level_, threads in [(name, t) for name in levels for t in (1, 2)] + [("scalar", 1)]:
             y = torch.empty(M, N)
             with isa.use_isa(level_):
                 assert lib.gemv_x16(quant.FORMAT_IDS[(fmt, act, "x16")], x.data_ptr(), lin.qs.data_ptr(),
                                     lin.d.data_ptr(), None if lin.m is None else lin.m.data_ptr(), y.data_ptr(),
                                     M, N, K, threads) == 0
-            outs.append(y + lin.bias)
-        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (M, N, K)
+            outs[level_, threads] = y + lin.bias
+        ref = outs["scalar", 1]
+        for key, y in outs.items():
+            assert torch.equal(y, ref), (key, M, N, K)
         with torch.inference_mode():
-            assert torch.equal(lin(x[:1]), outs[0][:1])
+            assert torch.equal(lin(x[:1]), ref[:1])
 
 
 @pytest.mark.parametrize("weights", ["q8_0", "q4_0"])
-def test_decode_steps_with_x16_weights_equal_the_rows_layout_within_rounding(weights):
+@pytest.mark.parametrize("kernel", ["avx512vnni", "avx2"])
+def test_decode_steps_with_x16_weights_equal_the_rows_layout_within_rounding(weights, kernel):
     """The C step over x16 layers (every projection shape of the tiny model: 128, 64, 256 and a
-    97-row head with a 1-row tail group) against the same model in rows: the same codes and
-    activation codes, only the fp32 block sums' order differs; 1 and 2 threads give the same bits."""
-    if fast_decode.library() is None or not isa.available("avx512vnni"):
-        pytest.skip("no decode step kernel" if fast_decode.library() is None else "CPU lacks avx512_vnni")
+    97-row head with a 1-row tail group) against the same model in rows, with the 512-bit and the
+    256-bit kernels: the same codes and activation codes, only the fp32 block sums' order differs;
+    1 and 2 threads give the same bits."""
+    if fast_decode.library() is None or not isa.available(kernel):
+        pytest.skip("no decode step kernel" if fast_decode.library() is None else f"CPU lacks {kernel}")
+    with isa.use_isa(kernel):
+        steps_in_both_layouts(weights)
+
+
+def steps_in_both_layouts(weights: str) -> None:
     model = make_model(seed=3)
     quant.quantize_model(model, weights, act="q8")
     quant.relayout(model, "x16")

@@ -8,8 +8,9 @@ then x86-64's avx2, avxvnni, avx512, avx512vnni, or ARM's neon (AArch64: sdot wh
 has the dot-product extension). A level of one family is never chosen on the other's machines: a
 wish for it runs at scalar. Every vector level's outputs are bit-identical to avx2's (neon's
 row-major products too: tests/test_cross_arm.py); scalar differs by fp32 summation order only.
-Quantized layers made at avx512vnni hold their codes row-interleaved (caramba.model.quant's layout
-'x16'), which that level's kernel reads; at any other level those layers run the x16 portable
+Quantized layers made at a level with a vector kernel for their format hold their codes
+row-interleaved (caramba.model.quant's layout 'x16': every format at avx512vnni, the q8
+activations' at avx2, avxvnni and avx512); at any other level x16 layers run the portable
 reference, bit-identical and slow (for tests; an A/B of kernels compares layouts: quant.relayout,
 benchmarks/decode_vs_llamacpp.py --rows). In the decode step's library, scalar (and neon, which
 has no fp32 kernels of its own) runs the fp32 products, value mixing and dot products through

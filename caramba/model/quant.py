@@ -72,6 +72,7 @@ _SIGNATURES = {
     "block_sums": ([_I, _P, _P, _I, _P], None),
     "gemv_x16": ([_I] + [_P] * 5 + [_I] * 4, _I),
     "x16_block_sums": ([_I, _P, _P, _I, _P], None),
+    "x16_vector": ([_I], _I),
     "embed_rows_q8_0_x16": ([_P, ctypes.c_long, _P, _P, ctypes.c_long, _I, _P], ctypes.c_long),
     "dequantize_rows": ([_I, _I, _P, _P, _P, _I, _I, _I, _P, _I], None),
 }
@@ -110,8 +111,10 @@ FORMAT_IDS = {("q8_0", "q8", "rows"): Q8_0_Q8, ("q8_0", "f32", "rows"): Q8_0_F32
 
 # Layouts of QuantLinear's codes: 'rows' (llama.cpp's, row after row) or 'x16' (groups of X16 rows
 # interleaved 4 code bytes at a time, their scales side by side: quant_gemv.h), which the decode
-# products read with the rows as vector lanes (quant_gemv.c). x16 is chosen where its kernel runs
-# (avx512vnni), for every format; elsewhere rows, whose kernels are tuned for avx2. Either layout holds the same bytes; state_dict() gives rows whatever the layout.
+# products read with the rows as vector lanes (quant_gemv.c). x16 is chosen where the level has a
+# vector kernel for the format (quant_gemv.c's x16_vector: every format at avx512vnni, the q8
+# activations' at avx2, avxvnni and avx512); elsewhere rows. Either layout holds the same bytes;
+# state_dict() gives rows whatever the layout.
 LAYOUTS = ("rows", "x16")
 DEQUANT_FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}   # quant_gemv.c's dequantize_rows
 # fp32 bytes of a weight tile that dequantize-then-matmul dequantizes at a time (a whole projection
@@ -119,15 +122,14 @@ DEQUANT_FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}   # quant_gemv.c's dequantiz
 DEQUANT_TILE_BYTES = 4 << 20
 _scratch = threading.local()
 X16 = 16
-X16_LEVELS = ("avx512vnni",)
 
 
 def default_layout(fmt: str, act: str) -> str:
-    """'x16' where the library runs its kernel (the level chosen now) and (fmt, act) has one, else 'rows'."""
+    """'x16' where (fmt, act) has that layout and the library's level (chosen now) runs a vector
+    kernel for it, else 'rows'."""
     lib = library()
-    if (fmt, act, "x16") in FORMAT_IDS and lib is not None and lib.isa_name().decode() in X16_LEVELS:
-        return "x16"
-    return "rows"
+    fid = FORMAT_IDS.get((fmt, act, "x16"))
+    return "x16" if fid is not None and lib is not None and lib.x16_vector(fid) else "rows"
 
 
 def interleave(t: torch.Tensor, unit: int) -> torch.Tensor:

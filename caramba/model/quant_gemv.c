@@ -558,6 +558,171 @@ INLINE void block_rows512(const int RR, const int FMT, const int VNNI, const voi
 }
 #endif   /* HAVE_AVX512 */
 
+#if defined(__F16C__)
+/* --- row-interleaved weights at 256 bits (the avx2, avxvnni and avx512 levels) ------------------
+
+   The X16 groups above, read as two halves of 8 rows (a unit's 64 bytes: rows 0-7, then 8-15),
+   the lanes again weight rows, for the q8-activation formats (q8_0, q4_0, q4_1 weights). avxvnni
+   has vpdpbusd at 256 bits and runs x16_block512's arithmetic. avx2 has no 4-byte dot product:
+   vpmaddubsw sums byte pairs into int16 and vpmaddwd with ones adds a lane's two pairs.
+     q4 nibbles: a pair is at most 2 x 15 x 128 = 3840, so a block's 16 pairs per int16 lane
+       (30720) stay exact and one vpmaddwd per block finishes them.
+     q8_0: |w| against a with w's sign, as the row-major avx2 kernel does (|w| <= 128, and
+       |a| <= 127: prepare_activations' q8 codes), a pair at most 32512: one vpmaddwd per unit.
+   Either way each lane holds the exact sum(w a), and the FMAs are x16_rows512's lane for lane:
+   the same bits as the reference (x16_rows_ref) and the 512-bit kernel. llama.cpp's AVX2 build
+   repacks Q4_0 the same way (block_q4_0x8, 8 rows a pass). */
+
+#ifndef XPF
+#define XPF 2048   /* bytes ahead of the block in hand: from L3 the q8_0 head streamed at 19 GB/s without, 28 with 1-2 KiB (4-8 KiB worse); from DRAM 11 -> 13.9 GB/s at 2 KiB */
+#endif
+
+INLINE __m256i bcast4_256(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* u8 x s8 products of 4-byte lanes added to acc: vpdpbusd at avxvnni; the avx2 callers use
+   maddubs directly (their int16 sums run longer than one unit). */
+INLINE __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    (void)u; (void)s;
+    return acc;   /* never reached: the avxvnni level is chosen only where the build has it */
+#endif
+}
+
+/* Block wb's 16 rows' int32 sums with activation block a (sum asum): s[0] rows 0-7, s[1] 8-15. */
+INLINE void x16_block256(const int ISA, const int FMT, const uint8_t *wb, const int8_t *a, int32_t asum, __m256i *s) {
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    if (ISA == ISA_AVXVNNI) {
+        __m256i t[2][2];   /* [half][chain] */
+        if (FMT == Q8_0_Q8_X16) {
+            const __m256i flip = _mm256_set1_epi8((char)0x80);
+            for (int h = 0; h < 2; h++) {
+                t[h][0] = _mm256_set1_epi32(-128 * asum);
+                t[h][1] = _mm256_setzero_si256();
+            }
+            for (int j = 0; j < 8; j++) {
+                const __m256i av = bcast4_256(a + 4 * j);
+                for (int h = 0; h < 2; h++)
+                    t[h][j & 1] = dpbusd256(t[h][j & 1], _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wb + 64 * j + 32 * h)), flip), av);
+            }
+        } else {
+            for (int h = 0; h < 2; h++) {
+                t[h][0] = FMT == Q4_0_Q8_X16 ? _mm256_set1_epi32(-8 * asum) : _mm256_setzero_si256();
+                t[h][1] = _mm256_setzero_si256();
+            }
+            for (int j = 0; j < 4; j++) {
+                const __m256i alo = bcast4_256(a + 4 * j), ahi = bcast4_256(a + 16 + 4 * j);
+                for (int h = 0; h < 2; h++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * j + 32 * h));
+                    t[h][0] = dpbusd256(t[h][0], _mm256_and_si256(v, low), alo);
+                    t[h][1] = dpbusd256(t[h][1], _mm256_and_si256(_mm256_srli_epi16(v, 4), low), ahi);
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) s[h] = _mm256_add_epi32(t[h][0], t[h][1]);
+    } else if (FMT == Q8_0_Q8_X16) {
+        __m256i t[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()}, {_mm256_setzero_si256(), _mm256_setzero_si256()}};
+        for (int j = 0; j < 8; j++) {
+            const __m256i av = bcast4_256(a + 4 * j);
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * j + 32 * h));
+                t[h][j & 1] = _mm256_add_epi32(t[h][j & 1], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(av, v)), ones));
+            }
+        }
+        for (int h = 0; h < 2; h++) s[h] = _mm256_add_epi32(t[h][0], t[h][1]);
+    } else {
+        __m256i t[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()}, {_mm256_setzero_si256(), _mm256_setzero_si256()}};
+        for (int j = 0; j < 4; j++) {
+            const __m256i alo = bcast4_256(a + 4 * j), ahi = bcast4_256(a + 16 + 4 * j);
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * j + 32 * h));
+                t[h][0] = _mm256_add_epi16(t[h][0], _mm256_maddubs_epi16(_mm256_and_si256(v, low), alo));
+                t[h][1] = _mm256_add_epi16(t[h][1], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), ahi));
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            s[h] = _mm256_madd_epi16(_mm256_add_epi16(t[h][0], t[h][1]), ones);
+            if (FMT == Q4_0_Q8_X16) s[h] = _mm256_sub_epi32(s[h], _mm256_set1_epi32(8 * asum));
+        }
+    }
+}
+
+/* x16_rows512 at 256 bits: per block, lane i of acc += float(sum_i) (d_w,i d_x) (q4_1: macc +=
+   m_w,i (d_x sum(a))), in block order; then acc (+ macc) (+ bias) for the group's live rows. */
+INLINE void x16_rows256(const int RR, const int ISA, const int FMT, const uint8_t *w, const uint16_t *d,
+                        const uint16_t *m, int c, int N, int K, const int8_t *xq, const float *xd,
+                        const int32_t *asum, float *y, const float *bias) {
+    const int nb = K / QK, bb = FMT == Q8_0_Q8_X16 ? QK * XG : QK * XG / 2;
+    const uint8_t *wg = w + (long)c * nb * bb;
+    const uint16_t *dg = d + (long)c * nb * XG, *mg = m ? m + (long)c * nb * XG : NULL;
+    __m256 acc[QTR][2], macc[QTR][2];
+    for (int r = 0; r < RR; r++)
+        for (int h = 0; h < 2; h++) acc[r][h] = macc[r][h] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m256 dw[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + b * XG))),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + b * XG + 8)))};
+#if XPF
+        for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)wg + (long)b * bb + XPF + l, _MM_HINT_T0);
+#endif
+        for (int r = 0; r < RR; r++) {
+            const int32_t as = asum[r * nb + b];
+            __m256i s[2];
+            x16_block256(ISA, FMT, wg + (long)b * bb, xq + (long)r * K + b * QK, as, s);
+            const __m256 xdv = _mm256_set1_ps(xd[r * nb + b]);
+            for (int h = 0; h < 2; h++) {
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h]), _mm256_mul_ps(dw[h], xdv), acc[r][h]);
+                if (FMT == Q4_1_Q8_X16)
+                    macc[r][h] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mg + b * XG + 8 * h))),
+                                                 _mm256_set1_ps(xd[r * nb + b] * (float)as), macc[r][h]);
+            }
+        }
+    }
+    const int n0 = c * XG, live = N - n0 < XG ? N - n0 : XG;
+    for (int r = 0; r < RR; r++) {
+        float o[XG];
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(o + 8 * h, FMT == Q4_1_Q8_X16 ? _mm256_add_ps(acc[r][h], macc[r][h]) : acc[r][h]);
+        float *yr = y + (long)r * N + n0;
+        for (int i = 0; i < live; i++) yr[i] = bias ? o[i] + bias[n0 + i] : o[i];
+    }
+}
+
+static void x16_group256(int isa, int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
+                         const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
+    const int nb = K / QK;
+    for (int r0 = 0; r0 < M; r0 += QTR) {
+        const int rr = M - r0 < QTR ? M - r0 : QTR;
+        const int8_t *xr = xq + (long)r0 * K;
+        const float *xdr = xd + r0 * nb;
+        const int32_t *as = (const int32_t *)xs + r0 * nb;
+        float *yr = y + (long)r0 * N;
+#define X16_ISA(RR, ISA)                                                                                         \
+        if (fmt == Q8_0_Q8_X16) x16_rows256(RR, ISA, Q8_0_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias);      \
+        else if (fmt == Q4_0_Q8_X16) x16_rows256(RR, ISA, Q4_0_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias); \
+        else x16_rows256(RR, ISA, Q4_1_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias);
+#if defined(__AVXVNNI__)
+#define X16(RR) if (isa == ISA_AVXVNNI) { X16_ISA(RR, ISA_AVXVNNI) } else { X16_ISA(RR, ISA_AVX2) }
+#else
+#define X16(RR) X16_ISA(RR, ISA_AVX2)
+#endif
+        switch (rr) {
+        case 1: X16(1) break;
+        case 2: X16(2) break;
+        case 3: X16(3) break;
+        default: X16(4)
+        }
+#undef X16
+#undef X16_ISA
+    }
+}
+#endif   /* __F16C__ */
+
 #if HAVE_AVX512VNNI
 /* --- row-interleaved weights (the X16 formats): lanes are weight rows --------------------------
 
@@ -574,9 +739,6 @@ INLINE void block_rows512(const int RR, const int FMT, const int VNNI, const voi
    block, shared by every row; q4_0's -8 starts it at -8 sum(a) likewise. So each lane's int32 is
    exactly sum(w a) (with q4_0's w = q - 8), the reference's dot_*_ref sum. */
 
-#ifndef XPF
-#define XPF 2048   /* bytes ahead of the block in hand: from L3 the q8_0 head streamed at 19 GB/s without, 28 with 1-2 KiB (4-8 KiB worse); from DRAM 11 -> 13.9 GB/s at 2 KiB */
-#endif
 static inline __m512i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -1098,9 +1260,24 @@ static void codes_to_planes(int8_t *q, long nblocks, int split, int32_t *hsums) 
     }
 }
 
+/* Whether the library's level (g_isa) runs a vector kernel for X16 format fmt, rather than the
+   reference: every X16 format at avx512vnni; the q8-activation ones at avx2, avxvnni and avx512
+   (256 bits). caramba.model.quant makes layers x16 only where this says so. */
+int x16_vector(int fmt) {
+    if (!is_x16(fmt)) return 0;
+#if HAVE_AVX512VNNI
+    if (g_isa == ISA_AVX512VNNI) return 1;
+#endif
+#if HAVE_AVX2 && defined(__F16C__)
+    if (!is_x16_wide(fmt) && g_isa >= ISA_AVX2 && g_isa <= ISA_AVX512) return 1;
+#endif
+    return 0;
+}
+
 /* For tests: the int32 sums of nb blocks of one X16 group (w: its codes, [nb, B/4, 16, 4]) times
    one activation row's q8 codes a [nb * 32] -> out [nb, 16], through the library's level (the
-   vector kernel's at avx512vnni, else the reference). */
+   512-bit kernel's at avx512vnni, the 256-bit one's at avx2, avxvnni and avx512, else the
+   reference). */
 void x16_block_sums(int fmt, const void *w, const int8_t *a, int nb, int32_t *out) {
     const int bb = fmt == Q8_0_Q8_X16 ? QK * XG : QK * XG / 2;
     for (int b = 0; b < nb; b++) {
@@ -1114,6 +1291,18 @@ void x16_block_sums(int fmt, const void *w, const int8_t *a, int nb, int32_t *ou
                               : fmt == Q4_0_Q8_X16 ? x16_block512(Q4_0_Q8_X16, wb, ab, asum)
                               : x16_block512(Q4_1_Q8_X16, wb, ab, asum);
             _mm512_storeu_si512(out + b * XG, s);
+            continue;
+        }
+#endif
+#if HAVE_AVX2 && defined(__F16C__)
+        if (g_isa >= ISA_AVX2 && g_isa <= ISA_AVX512) {
+            __m256i s[2];
+#define SUMS(ISA) if (fmt == Q8_0_Q8_X16) x16_block256(ISA, Q8_0_Q8_X16, wb, ab, asum, s);      \
+                  else if (fmt == Q4_0_Q8_X16) x16_block256(ISA, Q4_0_Q8_X16, wb, ab, asum, s); \
+                  else x16_block256(ISA, Q4_1_Q8_X16, wb, ab, asum, s);
+            if (g_isa == ISA_AVXVNNI) { SUMS(ISA_AVXVNNI) } else { SUMS(ISA_AVX2) }
+#undef SUMS
+            for (int h = 0; h < 2; h++) _mm256_storeu_si256((__m256i *)(out + b * XG + 8 * h), s[h]);
             continue;
         }
 #endif
@@ -1485,6 +1674,12 @@ HIDDEN void quant_rows(int fmt, const void *w, const uint16_t *d, const uint16_t
 #if HAVE_AVX512VNNI
         if (g_isa == ISA_AVX512VNNI) {
             (wide ? x16w_group512 : x16_group512)(fmt, w, d, m, c, N, K, xq, xd, xs, M, y, bias);
+            return;
+        }
+#endif
+#if HAVE_AVX2 && defined(__F16C__)
+        if (!wide && g_isa >= ISA_AVX2 && g_isa <= ISA_AVX512) {
+            x16_group256(g_isa == ISA_AVXVNNI ? ISA_AVXVNNI : ISA_AVX2, fmt, w, d, m, c, N, K, xq, xd, xs, M, y, bias);
             return;
         }
 #endif
