@@ -8,8 +8,10 @@ neon the row-major quantized products (quant_gemv.c: q8_0, q4_0, q4_1 with q8, i
 activations) equal the x86 build's avx2 products bit for bit, with 1 and 2 threads, both with sdot
 (the +dotprod build) and without it (an ARMv8.0-A build on cortex-a72: widening multiplies); the
 activation codes equal x86's; the int32 block sums are exact. At the portable level the products
-are within fp32 rounding of the exact product (test_isa's bound). The x16 layout stays the
-avx512vnni level's: on ARM it runs its reference. Only correctness is tested here: the emulator's
+are within fp32 rounding of the exact product (test_isa's bound). The x16 layout's q8-activation
+formats have a neon kernel in a +dotprod build (sdot by lane), bit-identical to the x86
+reference; without the dot product, and for the int16 activations, x16 layers run the reference
+(and are made 'rows'). Only correctness is tested here: the emulator's
 speed says nothing of an ARM CPU's. Skipped, naming the packages, where the cross compiler or the
 emulator is missing (CI installs neither).
 """
@@ -214,6 +216,69 @@ def test_neon_products_are_avx2s_bit_for_bit(arm, arm_plain, build, fmt, act, th
         ptrs = [a.ctypes.data if isinstance(a, np.ndarray) else None for a in args]
         with isa.use_isa("avx2"):
             assert getattr(lib_x86, GEMV[(fmt, act)])(*ptrs, want.ctypes.data, M, N, K, threads) == 0
+        assert np.array_equal(got.view(np.int32), want.view(np.int32)), (M, N, K, np.abs(got - want).max())
+
+
+X16_Q8 = [("q8_0", "q8"), ("q4_0", "q8"), ("q4_1", "q8")]
+
+
+def test_x16_layers_on_arm_only_where_sdot_runs_them(arm, arm_plain):
+    """neon has an x16 kernel for the q8-activation formats in a +dotprod build (sdot's indexed
+    form), none without the dot product, and none for the int16 ones: quant.default_layout makes
+    x16 layers exactly where x16_vector says so."""
+    for (fmt, act, layout), fid in quant.FORMAT_IDS.items():
+        if layout == "x16":
+            assert arm.call("x16_vector", fid) == (act == "q8"), (fmt, act)
+            assert arm_plain.call("x16_vector", fid) == 0, (fmt, act)
+    assert set_level(arm, "scalar") == "scalar"
+    try:
+        assert arm.call("x16_vector", quant.Q4_0_Q8_X16) == 0
+    finally:
+        set_level(arm, "neon")
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_x16_block_sums_on_arm_are_exact(arm, fmt):
+    """sdot by lane over a group's units, q4_0's -8 sum(a) folded in: the exact int32 sums."""
+    rng = np.random.default_rng(3)
+    nb = 5
+    a = rng.integers(-127, 128, (nb, 32)).astype(np.int8)
+    a[0, :4] = [127, -127, -127, 127]
+    if fmt == "q8_0":
+        w = rng.integers(-128, 128, (16, nb * 32)).astype(np.int8)
+        w[0, :4] = [-128, 127, -128, 0]
+        values = w.astype(np.int64).reshape(16, nb, 32)
+    else:
+        nib = rng.integers(0, 16, (16, nb, 32))
+        w = (nib[..., :16] | (nib[..., 16:] << 4)).astype(np.uint8).reshape(16, nb * 16)
+        values = nib.astype(np.int64) - (8 if fmt == "q4_0" else 0)
+    packed = np.ascontiguousarray(quant.interleave(torch.from_numpy(w), 4).numpy())
+    out = np.zeros((nb, 16), np.int32)
+    ids = {"q8_0": quant.Q8_0_Q8_X16, "q4_0": quant.Q4_0_Q8_X16, "q4_1": quant.Q4_1_Q8_X16}
+    arm.call("x16_block_sums", ids[fmt], packed, a, nb, out, ret="v")
+    assert np.array_equal(out.astype(np.int64), np.einsum("rbi,bi->br", values, a.astype(np.int64)))
+
+
+@pytest.mark.parametrize("fmt,act", X16_Q8)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_x16_neon_products_are_the_reference_bit_for_bit(arm, fmt, act, threads):
+    """neon's x16 kernel makes the reference's FMAs lane for lane: its products equal the x86
+    build's portable x16 reference (and so every x86 kernel's) bit for bit, for test_isa's shapes
+    plus a 200-row, 576-wide one (a masked tail group), with 1 and 2 threads."""
+    lib_x86 = quant.library()
+    if lib_x86 is None:
+        pytest.skip(f"weight kernels {quant.status()}")
+    assert arm.call("isa_name", ret="s") == "neon"
+    fid = quant.FORMAT_IDS[(fmt, act, "x16")]
+    for M, N, K in SHAPES + [(2, 200, 576)]:
+        lin = layer(fmt, act, N, K, seed=M * N + K).relayout("x16")
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(K)).numpy()
+        mins = lin.m.numpy() if lin.m is not None else 0
+        got, want = np.zeros((M, N), np.float32), np.zeros((M, N), np.float32)
+        assert arm.call("gemv_x16", fid, x, lin.qs.numpy(), lin.d.numpy(), mins, got, M, N, K, threads) == 0
+        with isa.use_isa("scalar"):
+            assert lib_x86.gemv_x16(fid, x.ctypes.data, lin.qs.data_ptr(), lin.d.data_ptr(),
+                                    None if lin.m is None else lin.m.data_ptr(), want.ctypes.data, M, N, K, 1) == 0
         assert np.array_equal(got.view(np.int32), want.view(np.int32)), (M, N, K, np.abs(got - want).max())
 
 

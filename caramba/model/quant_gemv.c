@@ -1112,6 +1112,109 @@ INLINE void block_rows_neon(const int RR, const int FMT, const void *w, const ui
     }
 }
 
+#if HAVE_NEON_DOT
+/* --- row-interleaved weights on ARM (neon, in a build with the dot product) ---------------------
+
+   sdot's indexed form (vdotq_laneq_s32) multiplies one 16-byte vector of a group's unit (4 rows'
+   4 bytes) by one 4-byte word of the activation block, each int32 lane summing its row: a group's
+   16 rows are 4 such vectors, lanes again rows, as in the x86 x16 kernels (llama.cpp's ARM
+   repack, q4_0 4x4 / 4x8, is the same idea). Signed by signed: q8_0's codes go in as they are,
+   q4 nibbles (0..15) too, q4_0's -8 as -8 sum(a). The lanes are the exact sums, and the FMAs are
+   x16_rows512's lane for lane: the same bits as the reference on any CPU. Without the dot
+   product (ARMv8.0-A builds) x16 layers keep the reference, so there they are made 'rows'. */
+
+/* acc[q] += the 4 rows of quad q of unit wb (64 bytes) times word LANE of a */
+#define SDOT_UNIT(ACC, WB, A, LANE)                                                                   \
+    for (int q = 0; q < 4; q++) ACC[q] = vdotq_laneq_s32(ACC[q], vld1q_s8((const int8_t *)(WB) + 16 * q), A, LANE);
+/* the same with unit wb's low nibbles against word LANE of lo, its high ones against hi's */
+#define SDOT_NIBBLES(ACL, ACH, WB, LO, HI, LANE)                                                      \
+    for (int q = 0; q < 4; q++) {                                                                     \
+        const uint8x16_t v = vld1q_u8((WB) + 16 * q);                                                 \
+        ACL[q] = vdotq_laneq_s32(ACL[q], vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15))), LO, LANE); \
+        ACH[q] = vdotq_laneq_s32(ACH[q], vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), HI, LANE);            \
+    }
+
+/* Block wb's 16 rows' int32 sums with activation block a (sum asum): s[q] rows 4q..4q+3. */
+INLINE void x16_block_neon(const int FMT, const uint8_t *wb, const int8_t *a, int32_t asum, int32x4_t *s) {
+    const int8x16_t a0 = vld1q_s8(a), a1 = vld1q_s8(a + 16);   /* elements 0..15, 16..31 */
+    int32x4_t t[4], u[4];
+    for (int q = 0; q < 4; q++) t[q] = u[q] = vdupq_n_s32(0);
+    if (FMT == Q8_0_Q8_X16) {   /* unit j: elements 4j..4j+3 */
+        SDOT_UNIT(t, wb, a0, 0) SDOT_UNIT(u, wb + 64, a0, 1) SDOT_UNIT(t, wb + 128, a0, 2) SDOT_UNIT(u, wb + 192, a0, 3)
+        SDOT_UNIT(t, wb + 256, a1, 0) SDOT_UNIT(u, wb + 320, a1, 1) SDOT_UNIT(t, wb + 384, a1, 2) SDOT_UNIT(u, wb + 448, a1, 3)
+    } else {                    /* unit j: low nibbles elements 4j.., high ones 16 + 4j.. */
+        SDOT_NIBBLES(t, u, wb, a0, a1, 0) SDOT_NIBBLES(t, u, wb + 64, a0, a1, 1)
+        SDOT_NIBBLES(t, u, wb + 128, a0, a1, 2) SDOT_NIBBLES(t, u, wb + 192, a0, a1, 3)
+    }
+    const int32x4_t off = vdupq_n_s32(FMT == Q4_0_Q8_X16 ? -8 * asum : 0);
+    for (int q = 0; q < 4; q++) s[q] = vaddq_s32(vaddq_s32(t[q], u[q]), off);
+}
+#undef SDOT_UNIT
+#undef SDOT_NIBBLES
+
+/* x16_rows512 with four 4-lane quads: the same FMAs per lane, in block order. */
+INLINE void x16_rows_neon(const int RR, const int FMT, const uint8_t *w, const uint16_t *d, const uint16_t *m, int c,
+                          int N, int K, const int8_t *xq, const float *xd, const int32_t *asum, float *y,
+                          const float *bias) {
+    const int nb = K / QK, bb = FMT == Q8_0_Q8_X16 ? QK * XG : QK * XG / 2;
+    const uint8_t *wg = w + (long)c * nb * bb;
+    const uint16_t *dg = d + (long)c * nb * XG, *mg = m ? m + (long)c * nb * XG : NULL;
+    float32x4_t acc[QTR][4], macc[QTR][4];
+    for (int r = 0; r < RR; r++)
+        for (int q = 0; q < 4; q++) acc[r][q] = macc[r][q] = vdupq_n_f32(0.0f);
+    for (int b = 0; b < nb; b++) {
+        float32x4_t dw[4], mw[4];
+        fp16x8(dg + b * XG, dw);
+        fp16x8(dg + b * XG + 8, dw + 2);
+        if (FMT == Q4_1_Q8_X16) {
+            fp16x8(mg + b * XG, mw);
+            fp16x8(mg + b * XG + 8, mw + 2);
+        }
+        for (int r = 0; r < RR; r++) {
+            const int32_t as = asum[r * nb + b];
+            int32x4_t s[4];
+            x16_block_neon(FMT, wg + (long)b * bb, xq + (long)r * K + b * QK, as, s);
+            const float32x4_t xdv = vdupq_n_f32(xd[r * nb + b]), mf = vdupq_n_f32(xd[r * nb + b] * (float)as);
+            for (int q = 0; q < 4; q++) {
+                acc[r][q] = vfmaq_f32(acc[r][q], vcvtq_f32_s32(s[q]), vmulq_f32(dw[q], xdv));
+                if (FMT == Q4_1_Q8_X16) macc[r][q] = vfmaq_f32(macc[r][q], mw[q], mf);
+            }
+        }
+    }
+    const int n0 = c * XG, live = N - n0 < XG ? N - n0 : XG;
+    for (int r = 0; r < RR; r++) {
+        float o[XG];
+        for (int q = 0; q < 4; q++)
+            vst1q_f32(o + 4 * q, FMT == Q4_1_Q8_X16 ? vaddq_f32(acc[r][q], macc[r][q]) : acc[r][q]);
+        float *yr = y + (long)r * N + n0;
+        for (int i = 0; i < live; i++) yr[i] = bias ? o[i] + bias[n0 + i] : o[i];
+    }
+}
+
+static void x16_group_neon(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
+                           const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
+    const int nb = K / QK;
+    for (int r0 = 0; r0 < M; r0 += QTR) {
+        const int rr = M - r0 < QTR ? M - r0 : QTR;
+        const int8_t *xr = xq + (long)r0 * K;
+        const float *xdr = xd + r0 * nb;
+        const int32_t *as = (const int32_t *)xs + r0 * nb;
+        float *yr = y + (long)r0 * N;
+#define X16(RR)                                                                                            \
+        if (fmt == Q8_0_Q8_X16) x16_rows_neon(RR, Q8_0_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias);    \
+        else if (fmt == Q4_0_Q8_X16) x16_rows_neon(RR, Q4_0_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias); \
+        else x16_rows_neon(RR, Q4_1_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias);
+        switch (rr) {
+        case 1: X16(1) break;
+        case 2: X16(2) break;
+        case 3: X16(3) break;
+        default: X16(4)
+        }
+#undef X16
+    }
+}
+#endif   /* HAVE_NEON_DOT */
+
 /* quant_rows_vec for the neon level: every row-major format, QTR activation rows per tile. */
 static void quant_rows_neon(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
                             const float *x, const int8_t *xq, const float *xd, const float *xs, int M, float *y,
@@ -1262,7 +1365,8 @@ static void codes_to_planes(int8_t *q, long nblocks, int split, int32_t *hsums) 
 
 /* Whether the library's level (g_isa) runs a vector kernel for X16 format fmt, rather than the
    reference: every X16 format at avx512vnni; the q8-activation ones at avx2, avxvnni and avx512
-   (256 bits). caramba.model.quant makes layers x16 only where this says so. */
+   (256 bits) and at neon where the build has the dot product. caramba.model.quant makes layers
+   x16 only where this says so. */
 int x16_vector(int fmt) {
     if (!is_x16(fmt)) return 0;
 #if HAVE_AVX512VNNI
@@ -1271,13 +1375,16 @@ int x16_vector(int fmt) {
 #if HAVE_AVX2 && defined(__F16C__)
     if (!is_x16_wide(fmt) && g_isa >= ISA_AVX2 && g_isa <= ISA_AVX512) return 1;
 #endif
+#if HAVE_NEON_DOT
+    if (!is_x16_wide(fmt) && g_isa == ISA_NEON) return 1;
+#endif
     return 0;
 }
 
 /* For tests: the int32 sums of nb blocks of one X16 group (w: its codes, [nb, B/4, 16, 4]) times
    one activation row's q8 codes a [nb * 32] -> out [nb, 16], through the library's level (the
-   512-bit kernel's at avx512vnni, the 256-bit one's at avx2, avxvnni and avx512, else the
-   reference). */
+   512-bit kernel's at avx512vnni, the 256-bit one's at avx2, avxvnni and avx512, neon's in a
+   build with the dot product, else the reference). */
 void x16_block_sums(int fmt, const void *w, const int8_t *a, int nb, int32_t *out) {
     const int bb = fmt == Q8_0_Q8_X16 ? QK * XG : QK * XG / 2;
     for (int b = 0; b < nb; b++) {
@@ -1303,6 +1410,16 @@ void x16_block_sums(int fmt, const void *w, const int8_t *a, int nb, int32_t *ou
             if (g_isa == ISA_AVXVNNI) { SUMS(ISA_AVXVNNI) } else { SUMS(ISA_AVX2) }
 #undef SUMS
             for (int h = 0; h < 2; h++) _mm256_storeu_si256((__m256i *)(out + b * XG + 8 * h), s[h]);
+            continue;
+        }
+#endif
+#if HAVE_NEON_DOT
+        if (g_isa == ISA_NEON) {
+            int32x4_t s[4];
+            if (fmt == Q8_0_Q8_X16) x16_block_neon(Q8_0_Q8_X16, wb, ab, asum, s);
+            else if (fmt == Q4_0_Q8_X16) x16_block_neon(Q4_0_Q8_X16, wb, ab, asum, s);
+            else x16_block_neon(Q4_1_Q8_X16, wb, ab, asum, s);
+            for (int q = 0; q < 4; q++) vst1q_s32(out + b * XG + 4 * q, s[q]);
             continue;
         }
 #endif
@@ -1674,6 +1791,12 @@ HIDDEN void quant_rows(int fmt, const void *w, const uint16_t *d, const uint16_t
 #if HAVE_AVX512VNNI
         if (g_isa == ISA_AVX512VNNI) {
             (wide ? x16w_group512 : x16_group512)(fmt, w, d, m, c, N, K, xq, xd, xs, M, y, bias);
+            return;
+        }
+#endif
+#if HAVE_NEON_DOT
+        if (!wide && g_isa == ISA_NEON) {
+            x16_group_neon(fmt, w, d, m, c, N, K, xq, xd, xs, M, y, bias);
             return;
         }
 #endif
