@@ -55,8 +55,8 @@ def levels() -> list[str]:
 def test_fp32_products_at_each_level_are_the_exact_product_within_rounding(lib, fmt, M, N, K):
     """Reference and vector loops (row pairs and their tiles, input-major bands and their tails)
     each within K u sum|w x| of the float64 product, which bounds any summation order; and so
-    within twice that of each other; avx512's one-row input-major loop gives avx2's bits. N over
-    COLS_CHUNK / threads crosses bands."""
+    within twice that of each other; avx512's one-row input-major loop gives avx2's bits, and each
+    level's one-row input-major loop the bits of that row in a batch. N over COLS_CHUNK / threads crosses bands."""
     g = torch.Generator().manual_seed(M * N + K)
     w = torch.randn(N, K, generator=g)
     x = torch.randn(M, K, generator=g)
@@ -75,6 +75,8 @@ def test_fp32_products_at_each_level_are_the_exact_product_within_rounding(lib, 
                     got[level] = y
                 else:
                     assert torch.equal(y, got[level]), "a product's bits do not depend on the thread count"
+            if fmt == "cols" and M > 1 and level != "scalar":   # the one-row loops: that row's bits in a batch
+                assert torch.equal(product(lib, f, weights, x[:1], bias, 1), got[level][:1]), level
     if "avx2" in got:
         assert ((got["scalar"].double() - got["avx2"].double()).abs() <= 2 * bound).all()
     if "avx512" in got:   # the same loops (rows) or the same per-column arithmetic, 16 lanes (cols)
