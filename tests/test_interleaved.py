@@ -78,12 +78,14 @@ def test_layout_errors_name_the_field():
 
 
 # The levels with a vector kernel for an X16 format (quant_gemv.c's x16_vector): every format at
-# avx512vnni (512 bits), the q8-activation ones also at avx2, avxvnni and avx512 (256 bits).
-X16_VECTOR = {"avx512vnni": {act for _, act in FORMATS}, "avx2": {"q8"}, "avxvnni": {"q8"}, "avx512": {"q8"}}
+# avx512vnni (512 bits); at avx2, avxvnni and avx512 (256 bits) the q8-activation ones and q4_1's
+# int16 ones (q8_0's int16 ones would overflow avx2's byte-pair sums).
+X16_VECTOR = {"avx512vnni": set(FORMATS), **{name: {f for f in FORMATS if f[1] == "q8" or f[0] == "q4_1"}
+                                             for name in ("avx2", "avxvnni", "avx512")}}
 
 
-def vector_levels(act: str) -> list[str]:
-    return [name for name, acts in X16_VECTOR.items() if act in acts and isa.available(name)]
+def vector_levels(fmt: str, act: str) -> list[str]:
+    return [name for name, kinds in X16_VECTOR.items() if (fmt, act) in kinds and isa.available(name)]
 
 
 def test_the_default_layout_follows_the_kernels_level(level):
@@ -91,7 +93,7 @@ def test_the_default_layout_follows_the_kernels_level(level):
     would run the slow reference); a process started with CARAMBA_ISA=scalar makes rows layers."""
     lib = library()
     for fmt, act in FORMATS:
-        want = "x16" if act in X16_VECTOR.get(level, ()) else "rows"
+        want = "x16" if (fmt, act) in X16_VECTOR.get(level, ()) else "rows"
         assert quant.default_layout(fmt, act) == want, (fmt, act)
         assert lib.x16_vector(quant.FORMAT_IDS[(fmt, act, "x16")]) == (want == "x16")
     assert lib.x16_vector(quant.Q4_0_Q8) == 0   # a row-major format is never x16's
@@ -159,14 +161,15 @@ def test_x16_products_equal_the_exact_product_within_fp32_rounding(level, fmt, a
 
 @pytest.mark.parametrize("fmt,act", FORMATS)
 def test_x16_vector_kernels_are_the_reference_bit_for_bit_at_any_thread_count(fmt, act):
-    """Each vector kernel (512 bits at avx512vnni; 256 bits at avx2, avxvnni and avx512 for q8
-    activations) and the portable reference make the same FMAs lane by lane, so a machine's level
+    """Each vector kernel (512 bits at avx512vnni; 256 bits at avx2, avxvnni and avx512) and the
+    portable reference make the same FMAs lane by lane, so a machine's level
     never changes a token; 1 and 2 threads split whole groups, so neither does the thread count; a
     row's output is the same in a batch of 1 or 5."""
     lib = library()
-    levels = vector_levels(act)
+    levels = vector_levels(fmt, act)
     if not levels:
-        pytest.skip(f"CPU has none of {', '.join(n for n, a in X16_VECTOR.items() if act in a)}: the reference is all there is")
+        pytest.skip(f"CPU has none of {', '.join(n for n, k in X16_VECTOR.items() if (fmt, act) in k)}: "
+                    "the reference is all there is")
     for M, N, K in SHAPES + [(2, 200, 576)]:
         lin = x16(layer(fmt, act, N, K, seed=N + K))
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M + K))
@@ -185,9 +188,9 @@ def test_x16_vector_kernels_are_the_reference_bit_for_bit_at_any_thread_count(fm
             assert torch.equal(lin(x[:1]), ref[:1])
 
 
-@pytest.mark.parametrize("weights", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("weights,act", [("q8_0", "q8"), ("q4_0", "q8"), ("q4_1", "f32"), ("q4_1", "i16")])
 @pytest.mark.parametrize("kernel", ["avx512vnni", "avx2"])
-def test_decode_steps_with_x16_weights_equal_the_rows_layout_within_rounding(weights, kernel):
+def test_decode_steps_with_x16_weights_equal_the_rows_layout_within_rounding(weights, act, kernel):
     """The C step over x16 layers (every projection shape of the tiny model: 128, 64, 256 and a
     97-row head with a 1-row tail group) against the same model in rows, with the 512-bit and the
     256-bit kernels: the same codes and activation codes, only the fp32 block sums' order differs;
@@ -195,12 +198,19 @@ def test_decode_steps_with_x16_weights_equal_the_rows_layout_within_rounding(wei
     if fast_decode.library() is None or not isa.available(kernel):
         pytest.skip("no decode step kernel" if fast_decode.library() is None else f"CPU lacks {kernel}")
     with isa.use_isa(kernel):
-        steps_in_both_layouts(weights)
+        steps_in_both_layouts(weights, act)
 
 
-def steps_in_both_layouts(weights: str) -> None:
+def steps_in_both_layouts(weights: str, act: str) -> None:
     model = make_model(seed=3)
-    quant.quantize_model(model, weights, act="q8")
+    quant.quantize_model(model, "q4_0" if weights == "q4_1" else weights, act="q8" if weights == "q4_1" else act)
+    if weights == "q4_1":   # native's blocks: q4_0's as q4_1 (w = d q + m, m = -8 d)
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, QuantLinear):
+                    qs, d, m = child.row_major()
+                    fmt, m = ("q4_1", -8 * d.float()) if child.fmt == "q4_0" else (child.fmt, m)
+                    setattr(parent, name, QuantLinear(fmt, qs, d, m, bias=child.bias, act=act))
     quant.relayout(model, "x16")
     assert all(m.layout == "x16" for m in model.modules() if isinstance(m, QuantLinear))
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(4))

@@ -721,6 +721,120 @@ static void x16_group256(int isa, int fmt, const void *w, const uint16_t *d, con
 #undef X16_ISA
     }
 }
+/* q4_1 weights with int16 activation codes (native_i16's ACT_I16, native's two ACT_SPLIT codes), as
+   byte planes (prepare_activations: per block lo(h), hi(h) [, lo(l), hi(l)], 32 bytes each):
+   sum(w c) = 256 sum(w hi) + sum(w lo), as x16w_block512 makes it. avxvnni: vpdpbusd as there.
+   avx2: vpmaddubsw with lo (unsigned, <= 255) against the nibbles as signed bytes, a pair at most
+   2 x 255 x 15 = 7650, so 4 units' pairs (30600) per int16 chain, one chain for the low nibbles
+   and one for the high; and the nibbles as unsigned against hi (signed), a pair at most 3840, all
+   8 of a block's in one chain (30720). Exact in int32 as before; q8_0's weights (signed, up to
+   128) would overflow these pairs, so its int16 formats keep the rows layout below avx512vnni. */
+INLINE void x16w_block256(const int ISA, const int FMT, const uint8_t *wb, const int8_t *a, __m256 *out) {
+    const int P = X16_PLANES(FMT);
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256i ln[2][4], hn[2][4];   /* [half][unit]: low and high nibbles */
+    for (int j = 0; j < 4; j++)
+        for (int h = 0; h < 2; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * j + 32 * h));
+            ln[h][j] = _mm256_and_si256(v, low);
+            hn[h][j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+    for (int pair = 0; pair < P / 2; pair++) {
+        const int8_t *pl = a + pair * 64;
+        __m256i tl[2][2], th[2];   /* [half][low/high nibbles] with the lo plane; [half] with hi */
+        for (int h = 0; h < 2; h++) tl[h][0] = tl[h][1] = th[h] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i loa = bcast4_256(pl + 4 * j), lob = bcast4_256(pl + 16 + 4 * j);
+            const __m256i hia = bcast4_256(pl + 32 + 4 * j), hib = bcast4_256(pl + 48 + 4 * j);
+            for (int h = 0; h < 2; h++) {
+                if (ISA == ISA_AVXVNNI) {
+                    tl[h][0] = dpbusd256(tl[h][0], loa, ln[h][j]);
+                    tl[h][1] = dpbusd256(tl[h][1], lob, hn[h][j]);
+                    th[h] = dpbusd256(dpbusd256(th[h], ln[h][j], hia), hn[h][j], hib);
+                } else {
+                    tl[h][0] = _mm256_add_epi16(tl[h][0], _mm256_maddubs_epi16(loa, ln[h][j]));
+                    tl[h][1] = _mm256_add_epi16(tl[h][1], _mm256_maddubs_epi16(lob, hn[h][j]));
+                    th[h] = _mm256_add_epi16(th[h], _mm256_add_epi16(_mm256_maddubs_epi16(ln[h][j], hia),
+                                                                     _mm256_maddubs_epi16(hn[h][j], hib)));
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256i sl = tl[h][0], sl1 = tl[h][1], sh = th[h];
+            if (ISA != ISA_AVXVNNI) {
+                sl = _mm256_madd_epi16(sl, ones);
+                sl1 = _mm256_madd_epi16(sl1, ones);
+                sh = _mm256_madd_epi16(sh, ones);
+            }
+            const __m256 s = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(sh, 8), _mm256_add_epi32(sl, sl1)));
+            out[h] = pair ? _mm256_fmadd_ps(s, _mm256_set1_ps(1.0f / 32768.0f), out[h]) : s;
+        }
+    }
+}
+
+/* x16w_rows512 at 256 bits for q4_1's int16 formats (xs: the minimum factors as floats). */
+INLINE void x16w_rows256(const int RR, const int ISA, const int FMT, const uint8_t *w, const uint16_t *d,
+                         const uint16_t *m, int c, int N, int K, const int8_t *xq, const float *xd, const float *xs,
+                         float *y, const float *bias) {
+    const int nb = K / QK, bb = QK * XG / 2, P = X16_PLANES(FMT);
+    const uint8_t *wg = w + (long)c * nb * bb;
+    const uint16_t *dg = d + (long)c * nb * XG, *mg = m + (long)c * nb * XG;
+    __m256 acc[QTR][2], macc[QTR][2];
+    for (int r = 0; r < RR; r++)
+        for (int h = 0; h < 2; h++) acc[r][h] = macc[r][h] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m256 dw[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + b * XG))),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + b * XG + 8)))};
+        const __m256 mw[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mg + b * XG))),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mg + b * XG + 8)))};
+#if XPF
+        for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)wg + (long)b * bb + XPF + l, _MM_HINT_T0);
+#endif
+        for (int r = 0; r < RR; r++) {
+            __m256 sf[2];
+            x16w_block256(ISA, FMT, wg + (long)b * bb, xq + ((long)r * K + b * QK) * P, sf);
+            const __m256 xdv = _mm256_set1_ps(xd[r * nb + b]), xsv = _mm256_set1_ps(xs[r * nb + b]);
+            for (int h = 0; h < 2; h++) {
+                acc[r][h] = _mm256_fmadd_ps(sf[h], _mm256_mul_ps(dw[h], xdv), acc[r][h]);
+                macc[r][h] = _mm256_fmadd_ps(mw[h], xsv, macc[r][h]);
+            }
+        }
+    }
+    const int n0 = c * XG, live = N - n0 < XG ? N - n0 : XG;
+    for (int r = 0; r < RR; r++) {
+        float o[XG];
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(o + 8 * h, _mm256_add_ps(acc[r][h], macc[r][h]));
+        float *yr = y + (long)r * N + n0;
+        for (int i = 0; i < live; i++) yr[i] = bias ? o[i] + bias[n0 + i] : o[i];
+    }
+}
+
+static void x16w_group256(int isa, int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
+                          const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
+    const int nb = K / QK, P = X16_PLANES(fmt);
+    for (int r0 = 0; r0 < M; r0 += QTR) {
+        const int rr = M - r0 < QTR ? M - r0 : QTR;
+        const int8_t *xr = xq + (long)r0 * K * P;
+        const float *xdr = xd + r0 * nb, *xsr = xs + r0 * nb;
+        float *yr = y + (long)r0 * N;
+#define X16W_ISA(RR, ISA)                                                                                    \
+        if (fmt == Q4_1_I16_X16) x16w_rows256(RR, ISA, Q4_1_I16_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias); \
+        else x16w_rows256(RR, ISA, Q4_1_F32_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias);
+#if defined(__AVXVNNI__)
+#define X16W(RR) if (isa == ISA_AVXVNNI) { X16W_ISA(RR, ISA_AVXVNNI) } else { X16W_ISA(RR, ISA_AVX2) }
+#else
+#define X16W(RR) X16W_ISA(RR, ISA_AVX2)
+#endif
+        switch (rr) {
+        case 1: X16W(1) break;
+        case 2: X16W(2) break;
+        case 3: X16W(3) break;
+        default: X16W(4)
+        }
+#undef X16W
+#undef X16W_ISA
+    }
+}
 #endif   /* __F16C__ */
 
 #if HAVE_AVX512VNNI
@@ -1364,8 +1478,9 @@ static void codes_to_planes(int8_t *q, long nblocks, int split, int32_t *hsums) 
 }
 
 /* Whether the library's level (g_isa) runs a vector kernel for X16 format fmt, rather than the
-   reference: every X16 format at avx512vnni; the q8-activation ones at avx2, avxvnni and avx512
-   (256 bits) and at neon where the build has the dot product. caramba.model.quant makes layers
+   reference: every X16 format at avx512vnni; at avx2, avxvnni and avx512 (256 bits) the
+   q8-activation ones and q4_1's int16 ones; at neon, where the build has the dot product, the
+   q8-activation ones. caramba.model.quant makes layers
    x16 only where this says so. */
 int x16_vector(int fmt) {
     if (!is_x16(fmt)) return 0;
@@ -1373,7 +1488,7 @@ int x16_vector(int fmt) {
     if (g_isa == ISA_AVX512VNNI) return 1;
 #endif
 #if HAVE_AVX2 && defined(__F16C__)
-    if (!is_x16_wide(fmt) && g_isa >= ISA_AVX2 && g_isa <= ISA_AVX512) return 1;
+    if (g_isa >= ISA_AVX2 && g_isa <= ISA_AVX512 && !X16_Q8W(fmt)) return 1;
 #endif
 #if HAVE_NEON_DOT
     if (!is_x16_wide(fmt) && g_isa == ISA_NEON) return 1;
@@ -1801,8 +1916,9 @@ HIDDEN void quant_rows(int fmt, const void *w, const uint16_t *d, const uint16_t
         }
 #endif
 #if HAVE_AVX2 && defined(__F16C__)
-        if (!wide && g_isa >= ISA_AVX2 && g_isa <= ISA_AVX512) {
-            x16_group256(g_isa == ISA_AVXVNNI ? ISA_AVXVNNI : ISA_AVX2, fmt, w, d, m, c, N, K, xq, xd, xs, M, y, bias);
+        if (x16_vector(fmt)) {   /* the 256-bit levels */
+            const int level = g_isa == ISA_AVXVNNI ? ISA_AVXVNNI : ISA_AVX2;
+            (wide ? x16w_group256 : x16_group256)(level, fmt, w, d, m, c, N, K, xq, xd, xs, M, y, bias);
             return;
         }
 #endif
