@@ -18,7 +18,8 @@ fp32, Q8_0 beside q8_0, Q4_0 beside q4_0, Q4_1 beside native (benchmarks/llamacp
 once; never in CI). Its column is llama.cpp's tok/s and caramba's ratio to it.
 
     .venv/bin/python benchmarks/quant_prefill.py [--tokens 512,2048] [--threads 1] [--repeats 3]
-        [--formats fp32,q8_0,q4_0,native] [--old] [--llamacpp [--sdist FILE]] [--json out.json]
+        [--formats fp32,q8_0,q4_0,native] [--old] [--llamacpp [--sdist FILE] [--llamacpp-isa avx2]]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ def main() -> None:
     ap.add_argument("--old", action="store_true", help="also time the quantized formats' torch path")
     ap.add_argument("--llamacpp", action="store_true", help="also time llama-bench -p T on the same weights")
     ap.add_argument("--sdist", default=None, help="llama_cpp_python-*.tar.gz (default: newest in /tmp/lcp)")
+    ap.add_argument("--llamacpp-isa", default="native", choices=list(llamacpp.ISA_FLAGS),
+                    help="llama.cpp's build (benchmarks/llamacpp.py): native, or avx2 (with CARAMBA_ISA=avx2: "
+                    "both sides as an AVX2-only CPU runs them)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -94,7 +98,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     models = {w: load_model("smollm2-135m", progress=False, weights=w) for w in formats}
-    tools = llamacpp.build(["llama-bench", "llama-quantize"], args.sdist) if args.llamacpp else None
+    tools = (llamacpp.build(["llama-bench", "llama-quantize"], args.sdist, isa=args.llamacpp_isa)
+             if args.llamacpp else None)
     ggufs = llamacpp.models(tools, sorted({llamacpp.LLAMA_FORMAT[w] for w in formats})) if tools else {}
     ids = corpus_ids(models["fp32"].tokenizer)
     variants = [(w, False) for w in formats] + [(w, True) for w in formats if args.old and w != "fp32"]
@@ -124,7 +129,8 @@ def main() -> None:
 
     print(f"\nprefill of SmolLM2-135M, {cpu_model()}, {args.threads} thread(s), torch {torch.__version__}; "
           f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}; int8 GEMM at "
-          f"{quant_gemm.level()}, decode products at {isa.kernel_isa()}; medians of {args.repeats}")
+          f"{quant_gemm.level()}, decode products at {isa.kernel_isa()}; medians of {args.repeats}"
+          + (f"; llama.cpp build {args.llamacpp_isa}" if tools else ""))
     extra = " llama.cpp tok/s | caramba / llama.cpp |" if tools else ""
     print("| tokens | weights | tok/s (wall) | vs fp32 | tok/s (CPU time) | vs fp32 |" + extra)
     print("|---|---|---|---|---|---|" + ("---|---|" if tools else ""))
@@ -151,6 +157,7 @@ def main() -> None:
     if args.json:
         record = {"cpu": cpu_model(), "threads": args.threads, "repeats": args.repeats, "torch": torch.__version__,
                   "loadavg_before": load_before, "loadavg_after": load_after, "gemm_level": quant_gemm.level(),
+                  "llamacpp_isa": args.llamacpp_isa if args.llamacpp else None,
                   "kernel_isa": isa.kernel_isa(), "rows": table, "command": sys.argv}
         fd, tmp = tempfile.mkstemp(dir=args.json.parent or ".", suffix=".tmp")
         with os.fdopen(fd, "w") as f:

@@ -11,17 +11,30 @@ rounding (tests/tolerance.py), not bit for bit.
 `dense(x, weight, bias)` takes it for fp32 CPU inputs of at least MIN_ROWS rows that need no
 autograd (decode steps of one row keep torch's GEMV; the fused C step does not come here at all);
 otherwise F.linear. `CARAMBA_ONEDNN=0` turns it off (torch's GEMM everywhere: the A/B switch).
+
+An input-major weight (InputMajorLinear's [in, out], passed as its transposed view) is what
+oneDNN's AVX-512 kernels read at about the speed of a row-major one (7.9 against 7.4 ms for
+[512, 576] x [576, 3072], one thread, Zen 5), but its AVX2 kernels at 0.59x (25.2 against 14.9
+ms, ONEDNN_MAX_CPU_ISA=AVX2 on the same CPU). Where oneDNN runs below AVX-512 (an x86 CPU without
+it, or capped), a product of at least TRANSPOSE_MIN_ROWS rows takes a row-major copy of the weight
+for the call: 0.8 ms for those 7 MB, so 16.1 ms in all.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 
 import torch
 import torch.nn.functional as F
 
+from caramba import kernels
+
 ENV = "CARAMBA_ONEDNN"
 MIN_ROWS = 8   # measured down to 8 rows (a speculative verify's width); below, torch's GEMV/GEMM
+# rows from which a transposed weight is copied row-major first, where oneDNN runs at AVX2: the copy
+# (0.8 ms for 7 MB) against 0.02 ms a row lost to the transposed read breaks even near 40 rows
+TRANSPOSE_MIN_ROWS = 64
 
 _available: bool | None = None
 
@@ -33,6 +46,24 @@ def available() -> bool:
         _available = (os.environ.get(ENV, "1") != "0" and torch.backends.mkldnn.is_available()
                       and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
     return _available
+
+
+_copy_transposed: bool | None = None
+
+
+def copy_transposed() -> bool:
+    """Whether oneDNN's fp32 GEMM runs below AVX-512 here (an x86-64 CPU without AVX-512 F/BW/VL,
+    or ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA naming a lower level), where a transposed weight is
+    worth a row-major copy. Unmeasured elsewhere (ARM): never there."""
+    global _copy_transposed
+    if _copy_transposed is None:
+        flags = kernels.cpu_flags().split()
+        x86 = platform.machine().lower() in ("x86_64", "amd64")
+        cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+        avx512 = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl")) and (
+            cap == "ALL" or "AVX512" in cap or "AMX" in cap or "AVX10" in cap)
+        _copy_transposed = x86 and not avx512
+    return _copy_transposed
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -54,6 +85,8 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     rows = x.reshape(-1, x.shape[-1])
     if not rows.is_contiguous():
         rows = rows.contiguous()
+    if not weight.is_contiguous() and rows.shape[0] >= TRANSPOSE_MIN_ROWS and copy_transposed():
+        weight = weight.contiguous()
     out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [None], "")
     return out.view(*x.shape[:-1], weight.shape[0])
 

@@ -22,7 +22,11 @@ def off(monkeypatch):
 @needs_onednn
 @pytest.mark.parametrize("rows", [8, 33, 512])
 @pytest.mark.parametrize("bias", [False, True])
-def test_dense_agrees_with_f_linear(rows, bias):
+@pytest.mark.parametrize("copy", [False, True], ids=["transposed", "row-major copy"])
+def test_dense_agrees_with_f_linear(rows, bias, copy, monkeypatch):
+    """Either way an input-major weight goes in (as its transposed view, or copied row-major first
+    where oneDNN runs at AVX2: gemm.copy_transposed), within fp32 rounding of F.linear."""
+    monkeypatch.setattr(gemm, "_copy_transposed", copy)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(2, rows, 96, generator=g)
     w_t = torch.randn(96, 160, generator=g)            # input-major, as InputMajorLinear stores it
@@ -41,6 +45,27 @@ def test_dense_takes_strided_rows():
     with torch.inference_mode():
         want = F.linear(x, w)
         torch.testing.assert_close(gemm.dense(x, w), want, **tol.rounding(torch.float32, want, 96))
+
+
+@pytest.mark.parametrize("flags,cap,want", [
+    ("fpu avx2 fma avx512f avx512bw avx512vl", None, False),        # oneDNN's AVX-512 reads the view as fast
+    ("fpu avx2 fma avx512f avx512bw avx512vl", "AVX2", True),       # capped below it
+    ("fpu avx2 fma avx512f avx512bw avx512vl", "AVX512_CORE_VNNI", False),
+    ("fpu avx2 fma", None, True),                                   # an AVX2-only CPU (Zen 3)
+    ("fpu avx2 fma avx512f", None, True),                           # AVX-512 F alone is not oneDNN's avx512_core
+])
+def test_a_transposed_weight_is_copied_where_onednn_runs_below_avx512(monkeypatch, flags, cap, want):
+    monkeypatch.setattr(gemm, "_copy_transposed", None)
+    monkeypatch.setattr(gemm.kernels, "cpu_flags", lambda: f"flags : {flags}")
+    monkeypatch.setattr(gemm.platform, "machine", lambda: "x86_64")
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    if cap:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert gemm.copy_transposed() is want
+    monkeypatch.setattr(gemm, "_copy_transposed", None)
+    monkeypatch.setattr(gemm.platform, "machine", lambda: "aarch64")   # unmeasured on ARM: never
+    assert gemm.copy_transposed() is False
 
 
 def test_what_dense_leaves_to_torch():
