@@ -19,8 +19,10 @@ q8_0 and q4_0 keep llama.cpp's block formats but not its rounding rule: each blo
 best of a search (quantize_blocks), which on a checkpoint that was quantized before (SmolLM2's
 Q4_1) removes most of the requantization error (docs/decode-speed.md).
 
-Where the avx512vnni kernels run, QuantLinear holds its codes row-interleaved (layout 'x16': 16
-rows per group, quant_gemv.h), the layout those decode kernels read with the rows as vector lanes;
+Where the level's decode kernels have an x16 kernel for the format (quant_gemv.c's x16_vector:
+avx512vnni, and for most formats avx2, avxvnni, avx512 and neon with sdot), QuantLinear holds its
+codes row-interleaved (layout 'x16': 16 rows per group, quant_gemv.h), the layout those kernels
+read with the rows as vector lanes;
 every other reader (dequantize, embedding rows, the prefill GEMM, state_dict) gets row-major codes
 back through row_major(). There is one copy of the weights either way.
 
@@ -112,8 +114,9 @@ FORMAT_IDS = {("q8_0", "q8", "rows"): Q8_0_Q8, ("q8_0", "f32", "rows"): Q8_0_F32
 # Layouts of QuantLinear's codes: 'rows' (llama.cpp's, row after row) or 'x16' (groups of X16 rows
 # interleaved 4 code bytes at a time, their scales side by side: quant_gemv.h), which the decode
 # products read with the rows as vector lanes (quant_gemv.c). x16 is chosen where the level has a
-# vector kernel for the format (quant_gemv.c's x16_vector: every format at avx512vnni, the q8
-# activations' at avx2, avxvnni and avx512); elsewhere rows. Either layout holds the same bytes;
+# vector kernel for the format (quant_gemv.c's x16_vector: every format at avx512vnni; the q8
+# activations' and q4_1's int16 ones at avx2, avxvnni and avx512; the q8 activations' at neon with
+# sdot); elsewhere rows. Either layout holds the same bytes;
 # state_dict() gives rows whatever the layout.
 LAYOUTS = ("rows", "x16")
 DEQUANT_FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}   # quant_gemv.c's dequantize_rows

@@ -12,7 +12,8 @@
            holds element j in its low nibble and element j + 16 in its high one (ggml's layout).
 
    The same blocks row-interleaved, 16 rows to a group (quant_gemv.h's X16 formats), are what the
-   avx512vnni level's decode products read: "row-interleaved weights" below.
+   decode products read where the level has an x16 kernel for the format (x16_vector):
+   "row-interleaved weights" below.
 
    Three activation modes:
      gemv_q8_0_q8 / gemv_q4_1_q8: the activations are quantized to q8_0 on the fly (per 32-block,
@@ -35,7 +36,9 @@
    Levels (cpu_isa.c): the portable reference (scalar), the x86 vector kernels (avx2 .. avx512vnni)
    and ARM's neon, which runs every row-major format with avx2's lanes and order (vdotq_s32, or
    widening multiplies without the dot-product extension; "ARM" below); the row-interleaved (x16)
-   layout has a kernel at avx512vnni only, the reference elsewhere. */
+   layout has kernels at avx512vnni (512 bits, every format), at avx2, avxvnni and avx512 (256
+   bits: all but q8_0 with int16 codes) and at neon with sdot (q8 activations), the reference
+   elsewhere. */
 
 #include "quant_gemv.h"
 
