@@ -586,20 +586,21 @@ INLINE __m256i bcast4_256(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* u8 x s8 products of 4-byte lanes added to acc: vpdpbusd at avxvnni; the avx2 callers use
-   maddubs directly (their int16 sums run longer than one unit). */
-INLINE __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#define HAVE_AVXVNNI_256 1
+/* u8 x s8 products of 4-byte lanes added to acc (the avxvnni level; the avx2 code uses maddubs
+   directly: its int16 sums run longer than one unit). A build without AVX-VNNI compiles the
+   avx2 arithmetic alone, whatever ISA a caller names. */
+INLINE __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
-    (void)u; (void)s;
-    return acc;   /* never reached: the avxvnni level is chosen only where the build has it */
+#define HAVE_AVXVNNI_256 0
 #endif
-}
 
 /* Block wb's 16 rows' int32 sums with activation block a (sum asum): s[0] rows 0-7, s[1] 8-15. */
 INLINE void x16_block256(const int ISA, const int FMT, const uint8_t *wb, const int8_t *a, int32_t asum, __m256i *s) {
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    (void)ISA;   /* read only where the build has AVX-VNNI */
+#if defined(__AVXVNNI__)
     if (ISA == ISA_AVXVNNI) {
         __m256i t[2][2];   /* [half][chain] */
         if (FMT == Q8_0_Q8_X16) {
@@ -628,7 +629,9 @@ INLINE void x16_block256(const int ISA, const int FMT, const uint8_t *wb, const 
             }
         }
         for (int h = 0; h < 2; h++) s[h] = _mm256_add_epi32(t[h][0], t[h][1]);
-    } else if (FMT == Q8_0_Q8_X16) {
+    } else
+#endif
+    if (FMT == Q8_0_Q8_X16) {
         __m256i t[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()}, {_mm256_setzero_si256(), _mm256_setzero_si256()}};
         for (int j = 0; j < 8; j++) {
             const __m256i av = bcast4_256(a + 4 * j);
@@ -699,6 +702,7 @@ INLINE void x16_rows256(const int RR, const int ISA, const int FMT, const uint8_
 static void x16_group256(int isa, int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
                          const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
     const int nb = K / QK;
+    (void)isa;
     for (int r0 = 0; r0 < M; r0 += QTR) {
         const int rr = M - r0 < QTR ? M - r0 : QTR;
         const int8_t *xr = xq + (long)r0 * K;
@@ -750,11 +754,14 @@ INLINE void x16w_block256(const int ISA, const int FMT, const uint8_t *wb, const
             const __m256i loa = bcast4_256(pl + 4 * j), lob = bcast4_256(pl + 16 + 4 * j);
             const __m256i hia = bcast4_256(pl + 32 + 4 * j), hib = bcast4_256(pl + 48 + 4 * j);
             for (int h = 0; h < 2; h++) {
+#if defined(__AVXVNNI__)
                 if (ISA == ISA_AVXVNNI) {
                     tl[h][0] = dpbusd256(tl[h][0], loa, ln[h][j]);
                     tl[h][1] = dpbusd256(tl[h][1], lob, hn[h][j]);
                     th[h] = dpbusd256(dpbusd256(th[h], ln[h][j], hia), hn[h][j], hib);
-                } else {
+                } else
+#endif
+                {
                     tl[h][0] = _mm256_add_epi16(tl[h][0], _mm256_maddubs_epi16(loa, ln[h][j]));
                     tl[h][1] = _mm256_add_epi16(tl[h][1], _mm256_maddubs_epi16(lob, hn[h][j]));
                     th[h] = _mm256_add_epi16(th[h], _mm256_add_epi16(_mm256_maddubs_epi16(ln[h][j], hia),
@@ -764,7 +771,7 @@ INLINE void x16w_block256(const int ISA, const int FMT, const uint8_t *wb, const
         }
         for (int h = 0; h < 2; h++) {
             __m256i sl = tl[h][0], sl1 = tl[h][1], sh = th[h];
-            if (ISA != ISA_AVXVNNI) {
+            if (!(ISA == ISA_AVXVNNI && HAVE_AVXVNNI_256)) {   /* avx2's int16 chains to int32 */
                 sl = _mm256_madd_epi16(sl, ones);
                 sl1 = _mm256_madd_epi16(sl1, ones);
                 sh = _mm256_madd_epi16(sh, ones);
@@ -815,6 +822,7 @@ INLINE void x16w_rows256(const int RR, const int ISA, const int FMT, const uint8
 static void x16w_group256(int isa, int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
                           const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
     const int nb = K / QK, P = X16_PLANES(fmt);
+    (void)isa;
     for (int r0 = 0; r0 < M; r0 += QTR) {
         const int rr = M - r0 < QTR ? M - r0 : QTR;
         const int8_t *xr = xq + (long)r0 * K * P;
