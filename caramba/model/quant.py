@@ -28,7 +28,7 @@ back through row_major(). There is one copy of the weights either way.
 
 QuantLinear calls the C kernels for batch-1 decode and other small row counts (<= KERNEL_ROWS) on
 the CPU; prefill and larger batches multiply the codes in caramba.model.quant_gemm (an int8 GEMM
-on AMX/VNNI for q8 activations, AMX-BF16 for fp32 ones) where the CPU has one; other devices,
+on AMX/VNNI for q8 activations, on AVX2 for q4_0's; AMX-BF16 for fp32 ones) where the CPU has one; other devices,
 other CPUs and a missing kernel library take the eager path (dequantize, then matmul). All
 multiply the same values: where the kernels round activations
 (q8 for q8_0 and q4_0, int16 for native_i16) the eager path rounds them by the same rule
@@ -491,7 +491,7 @@ class QuantLinear(nn.Module):
         if lib is None:
             return None
         int8 = self.act == "q8" and self.fmt in quant_gemm.INT8_FORMATS
-        if not (lib.gemm_isa_name() != b"scalar" if int8 else lib.gemm_f32_available()):
+        if not (lib.gemm_q8_runs(quant_gemm.FORMATS[self.fmt]) if int8 else lib.gemm_f32_available()):
             return None
         # the GEMM reads row-major codes: an x16 layer's are made for the call (one weight's bytes,
         # freed after; a prompt's rows outweigh the copy by far)

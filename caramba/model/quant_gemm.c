@@ -7,6 +7,9 @@
 
      amx         AMX tiles (TDPBSSD: 16x16 int32 += 16x32 int8 . 32x16 int8 in one instruction)
      avx512vnni  512-bit vpdpbusd dot products, register-blocked 4 weight rows x 32 activation rows
+     avx2        q4_0 only: vpmaddubsw on the nibbles, a block's pairs summed in int16, 2 weight
+                 rows x 32 activation rows (q8_0 would need a vpmaddwd per vpmaddubsw, no faster
+                 than fp32's FMAs: it keeps the dequantize-then-matmul path there)
      scalar      the portable reference (gemm_q8_ref), one element at a time: what the others are
                  tested against; the caller (caramba.model.quant_gemm) keeps torch's
                  dequantize-then-matmul rather than run it.
@@ -36,8 +39,13 @@
 
 #include "cpu_isa.h"   /* fp16_to_fp32, isa_amx (cpu_isa.c, compiled into this library too) */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+#define HAVE_AVX2G 1   /* the avx2 level (q4_0 only) and the packing every vector level shares */
+#else
+#define HAVE_AVX2G 0
+#endif
+#if HAVE_AVX2G && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_VNNI 1
 #else
 #define HAVE_VNNI 0
@@ -79,12 +87,15 @@ void gemm_q8_ref(int fmt, const int8_t *xq, const float *xd, int M, int K, const
 
 /* --- run-time level ----------------------------------------------------------------------------- */
 
-enum { LVL_SCALAR = 0, LVL_VNNI = 1, LVL_AMX = 2, LVL_COUNT = 3 };
-static const char *const LVL_NAMES[LVL_COUNT] = {"scalar", "avx512vnni", "amx"};
+enum { LVL_SCALAR = 0, LVL_AVX2 = 1, LVL_VNNI = 2, LVL_AMX = 3, LVL_COUNT = 4 };
+static const char *const LVL_NAMES[LVL_COUNT] = {"scalar", "avx2", "avx512vnni", "amx"};
 
 static int level_usable(int level) {
     switch (level) {
     case LVL_SCALAR: return 1;
+#if HAVE_AVX2G
+    case LVL_AVX2: return isa_available("avx2");
+#endif
 #if HAVE_VNNI
     case LVL_VNNI:
         __builtin_cpu_init();
@@ -102,17 +113,16 @@ static int level_usable(int level) {
     }
 }
 
-/* A wish (a level name, or one of cpu_isa.c's lower names: those have no int8 GEMM, so scalar)
-   -> the level to run: the wished one where usable, else the best below it. -1: no level name. */
+/* A wish (a level name, or one of cpu_isa.c's levels between avx2 and avx512vnni: those run
+   avx2's GEMM) -> the level to run: the wished one where usable, else the best below it. -1: no
+   level name. */
 static int level_pick(const char *wish) {
-    static const char *const lower[] = {"scalar", "avx2", "avxvnni", "avx512"};
     int top = LVL_COUNT - 1;
     if (wish && *wish) {
         for (top = 0; top < LVL_COUNT && strcmp(wish, LVL_NAMES[top]); top++) {}
         if (top == LVL_COUNT) {
-            for (int i = 0; i < 4; i++)
-                if (!strcmp(wish, lower[i])) return LVL_SCALAR;
-            return -1;
+            if (strcmp(wish, "avxvnni") && strcmp(wish, "avx512")) return -1;
+            top = LVL_AVX2;
         }
     }
     while (top > 0 && !level_usable(top)) top--;
@@ -142,9 +152,14 @@ int gemm_isa_set(const char *name) {
     return level;
 }
 
+/* Whether the level in force multiplies format fmt's codes (else the caller keeps torch's path). */
+int gemm_q8_runs(int fmt) {
+    return g_level >= LVL_VNNI || (g_level == LVL_AVX2 && fmt == FMT_Q4_0);
+}
+
 /* --- packing shared by the vector levels -------------------------------------------------------- */
 
-#if HAVE_VNNI
+#if HAVE_AVX2G
 /* Activations for a level's inner loop: xp [nb][8][Mp][4] int8, each 4-element group of a row
    next to the same group of the following rows (an AMX B tile, or a zmm of 16 rows), rows past M
    zero; xdp [nb][Mp] their scales (0 past M); csx [nb][Mp] c times each block's code sum (the
@@ -213,6 +228,54 @@ static void store_transposed(const float *acc, long n0, int N, int m0, int M, fl
     for (int j = 0; j < MTILE && m0 + j < M; j++) memcpy(out + (long)(m0 + j) * N + n0, t + j * PANEL, cols * sizeof(float));
 }
 
+/* One q4_0 panel at the avx2 level: 2 weight rows x 32 activation rows. w: the nibbles as
+   unsigned codes (pack_weights); per block, each (weight row, 8 activation rows) lane pair sums
+   q x <= 2 x 15 x 127 in int16, 8 words of them (30480) exactly, then one vpmaddwd to int32 and
+   csx's 8 sum(x) off: the exact sum((q - 8) x). Then the VNNI panel's FMAs: the same bits. */
+static void panel_avx2(const int8_t *w, const float *wdp, const int8_t *xp, const float *xdp, const int32_t *csx,
+                       int Mp, int K, long n0, int N, int M, float *out) {
+    const int nb = K / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    float acc[PANEL * MTILE] __attribute__((aligned(64)));
+    for (int m0 = 0; m0 < Mp; m0 += MTILE) {
+        for (int i0 = 0; i0 < PANEL && n0 + i0 < N; i0 += 2) {
+            __m256 f[2][4];
+            for (int i = 0; i < 2; i++)
+                for (int v = 0; v < 4; v++) f[i][v] = _mm256_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                __m256i t[2][4];
+                for (int i = 0; i < 2; i++)
+                    for (int v = 0; v < 4; v++) t[i][v] = _mm256_setzero_si256();
+                const int8_t *xb = xp + ((long)b * 8 * Mp + m0) * 4;
+                for (int r = 0; r < 8; r++) {
+                    __m256i x[4];
+                    for (int v = 0; v < 4; v++) x[v] = _mm256_load_si256((const __m256i *)(xb + (long)r * Mp * 4 + 32 * v));
+                    for (int i = 0; i < 2; i++) {
+                        int32_t g;
+                        memcpy(&g, w + (long)(i0 + i) * K + b * QK + 4 * r, 4);
+                        const __m256i wb = _mm256_set1_epi32(g);
+                        for (int v = 0; v < 4; v++) t[i][v] = _mm256_add_epi16(t[i][v], _mm256_maddubs_epi16(wb, x[v]));
+                    }
+                }
+                for (int v = 0; v < 4; v++) {
+                    const __m256i c = _mm256_load_si256((const __m256i *)(csx + (long)b * Mp + m0 + 8 * v));
+                    const __m256 d = _mm256_load_ps(xdp + (long)b * Mp + m0 + 8 * v);
+                    for (int i = 0; i < 2; i++) {
+                        const __m256 s = _mm256_set1_ps(wdp[(i0 + i) * nb + b]);
+                        const __m256i isum = _mm256_sub_epi32(_mm256_madd_epi16(t[i][v], ones), c);
+                        f[i][v] = _mm256_fmadd_ps(_mm256_mul_ps(s, d), _mm256_cvtepi32_ps(isum), f[i][v]);
+                    }
+                }
+            }
+            for (int i = 0; i < 2; i++)
+                for (int v = 0; v < 4; v++) _mm256_store_ps(acc + (i0 + i) * MTILE + 8 * v, f[i][v]);
+        }
+        store_transposed(acc, n0, N, m0, M, out);
+    }
+}
+#endif
+
+#if HAVE_VNNI
 /* One panel at the VNNI level: 4 weight rows x 32 activation rows in registers. */
 static void panel_vnni(const int8_t *w, const float *wdp, const int8_t *xp, const float *xdp, const int32_t *csx,
                        int Mp, int K, long n0, int N, int M, float *out) {
@@ -578,8 +641,8 @@ int gemm_f32(int fmt, const float *x, int M, int K, const void *qs, const uint16
    Returns 0, or 1 where a buffer could not be allocated (out then incomplete). */
 int gemm_q8(int fmt, const int8_t *xq, const float *xd, int M, int K, const void *qs, const uint16_t *wd, int N,
             float *out, int nthreads) {
-#if HAVE_VNNI
-    if (g_level > LVL_SCALAR) {
+#if HAVE_AVX2G
+    if (gemm_q8_runs(fmt)) {
         const int amx = g_level == LVL_AMX, nb = K / QK, Mp = (M + MTILE - 1) / MTILE * MTILE;
         int8_t *xp = aligned_alloc(64, (size_t)Mp * K);
         float *xdp = aligned_alloc(64, (size_t)Mp * nb * sizeof(float));
@@ -606,7 +669,13 @@ int gemm_q8(int fmt, const int8_t *xq, const float *xd, int M, int K, const void
                         continue;
                     }
 #endif
-                    panel_vnni(w, wdp, xp, xdp, csx, Mp, K, p * PANEL, N, M, out);
+#if HAVE_VNNI
+                    if (g_level == LVL_VNNI) {
+                        panel_vnni(w, wdp, xp, xdp, csx, Mp, K, p * PANEL, N, M, out);
+                        continue;
+                    }
+#endif
+                    panel_avx2(w, wdp, xp, xdp, csx, Mp, K, p * PANEL, N, M, out);
                 }
 #if HAVE_AMX
                 if (amx) _tile_release();

@@ -4,18 +4,20 @@ QuantLinear (caramba.model.quant) multiplies more than KERNEL_ROWS activation ro
 activations are q8-rounded (act='q8': weights q8_0 and q4_0): the rows are quantized to q8 blocks
 by the decode kernels' own rule (quant_gemv.c's quantize_activations_q8: the codes a decode step
 multiplies), and their int8 codes meet the weight's codes in AMX tiles or AVX-512 VNNI dot
-products. The values multiplied are the ones torch's dequantize-then-matmul path multiplies
+products, or for q4_0 in AVX2's vpmaddubsw (q8_0 there keeps torch's path: its pairs would need a
+vpmaddwd each, no faster than fp32's FMAs). The values multiplied are the ones torch's dequantize-then-matmul path multiplies
 (round_activations times the dequantized weight); only the fp32 summation order differs.
 
-    level()            the level the GEMM runs at here: 'amx', 'avx512vnni', or 'scalar' (then
-                       linear() declines and QuantLinear keeps torch's path, faster than the
-                       portable reference), or why no library loaded
+    level()            the level the GEMM runs at here: 'amx', 'avx512vnni', 'avx2', or 'scalar'
+                       (then QuantLinear keeps torch's path, faster than the portable
+                       reference), or why no library loaded
+    runs('q4_0')       whether that level multiplies the format (avx2: q4_0 only)
     available('amx')   whether this CPU, its OS (AMX's tile state) and the build have a level
     use_level('avx512vnni')   a lower level for a while (tests, A/B timings)
     linear(layer, rows)       rows [M, K] fp32 times the layer's weight^T (+ bias), or None
 
 CARAMBA_ISA caps the level as it does the decode kernels' (caramba.model.isa): avx512vnni leaves
-AMX out; a level below it (avx512, avx2, scalar) leaves this GEMM out.
+AMX out; avx512, avxvnni and avx2 run the avx2 level; scalar leaves this GEMM out.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 from caramba import kernels
 
-LEVELS = ("scalar", "avx512vnni", "amx")
+LEVELS = ("scalar", "avx2", "avx512vnni", "amx")
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 INT8_FORMATS = ("q8_0", "q4_0")   # gemm_q8's weights (q4_1's minimums need the block sums of x: gemm_f32)
 # with cpu_isa.c: the CPU checks (AMX and the OS's permission) and fp16 conversion the decode kernels use
@@ -44,6 +46,7 @@ _SIGNATURES = {
     "gemm_isa_name": ([], ctypes.c_char_p),
     "gemm_isa_set": ([ctypes.c_char_p], _I),
     "gemm_isa_available": ([ctypes.c_char_p], _I),
+    "gemm_q8_runs": ([_I], _I),
 }
 library = kernels.Library(SOURCES, _SIGNATURES, "quantized prefill (int8 GEMM)")
 
@@ -51,6 +54,13 @@ library = kernels.Library(SOURCES, _SIGNATURES, "quantized prefill (int8 GEMM)")
 def level() -> str:
     lib = library()
     return lib.gemm_isa_name().decode() if lib is not None else f"eager ({library.status()})"
+
+
+def runs(fmt: str) -> bool:
+    """Whether the level in force multiplies `fmt`'s codes with q8 activations (avx2: q4_0 only;
+    avx512vnni and amx: q8_0 and q4_0); else QuantLinear keeps torch's path."""
+    lib = library()
+    return bool(lib and fmt in FORMATS and lib.gemm_q8_runs(FORMATS[fmt]))
 
 
 def available(name: str) -> bool:
