@@ -306,12 +306,16 @@ static void cols_band_avx2(const float *w, long ldw, const float *x, int M, int 
         }
     }
 }
-/* cols_row_avx512's loop at 256 bits, for the avx2 and avxvnni levels: one token row, the band's
-   whole rows summed straight into y, two vectors (a 64-byte line) of each weight row per pass, no
-   software prefetch; cols_band_avx2's arithmetic lane for lane. At the avx2 level on the Zen 5
-   EPYC a whole fp32 decode step ran 1.08x (1 thread) and 1.10x (2) faster than with the
-   prefetching band loop (three alternated runs each). */
-static void cols_row_avx2(const float *w, long ldw, const float *x, int K, float *y, int cw) {
+/* One token row (M = 1, the decode step's) over a band of input-major columns, summed straight
+   into y: cols_band_avx2's arithmetic lane for lane (so the same bits), whole rows per thread and
+   no software prefetch: whole rows stream well enough for the hardware prefetcher.
+     W512 (the avx512 levels): 16 columns per vector, each load a whole line; on the Zen 5 EPYC
+       the head and the gate|up projection went from ~29 to ~38 GB/s (one thread, /tmp
+       microbenchmark).
+     else (avx2, avxvnni): two 8-column vectors (a line) of each weight row per pass; a whole
+       fp32 decode step at the avx2 level ran 1.08x (1 thread) and 1.10x (2) faster than with
+       the prefetching band loop (Zen 5, three alternated runs each). */
+INLINE void cols_row(const int W512, const float *w, long ldw, const float *x, int K, float *y, int cw) {
     for (int k0 = 0; k0 < K; k0 += 4) {
         const int kn = K - k0 < 4 ? K - k0 : 4;
         const float *restrict w0 = w + (long)k0 * ldw, *restrict w1 = w0 + (kn > 1 ? ldw : 0),
@@ -319,7 +323,18 @@ static void cols_row_avx2(const float *w, long ldw, const float *x, int K, float
         const float a0 = x[k0], a1 = kn > 1 ? x[k0 + 1] : 0.0f, a2 = kn > 2 ? x[k0 + 2] : 0.0f, a3 = kn > 3 ? x[k0 + 3] : 0.0f;
         const __m256 va0 = _mm256_set1_ps(a0), va1 = _mm256_set1_ps(a1), va2 = _mm256_set1_ps(a2), va3 = _mm256_set1_ps(a3);
         int c = 0;
-        for (; c + 16 <= cw; c += 16) {
+#if HAVE_AVX512
+        if (W512) {
+            const __m512 wa0 = _mm512_set1_ps(a0), wa1 = _mm512_set1_ps(a1), wa2 = _mm512_set1_ps(a2), wa3 = _mm512_set1_ps(a3);
+            for (; c + 16 <= cw; c += 16) {
+                const __m512 q = _mm512_fmadd_ps(wa3, _mm512_loadu_ps(w3 + c),
+                                 _mm512_fmadd_ps(wa2, _mm512_loadu_ps(w2 + c),
+                                 _mm512_fmadd_ps(wa1, _mm512_loadu_ps(w1 + c), _mm512_mul_ps(wa0, _mm512_loadu_ps(w0 + c)))));
+                _mm512_storeu_ps(y + c, _mm512_add_ps(_mm512_loadu_ps(y + c), q));
+            }
+        }
+#endif
+        for (; !W512 && c + 16 <= cw; c += 16) {
             __m256 u0 = _mm256_loadu_ps(w0 + c), u1 = _mm256_loadu_ps(w1 + c), u2 = _mm256_loadu_ps(w2 + c),
                    u3 = _mm256_loadu_ps(w3 + c);
             const __m256 q0 = QUAD_REG(va);
@@ -337,36 +352,6 @@ static void cols_row_avx2(const float *w, long ldw, const float *x, int K, float
         for (; c < cw; c++) y[c] += QUAD_F(a, c);
     }
 }
-#if HAVE_AVX512
-/* One token row (M = 1, the decode step's) over a band of input-major columns, summed straight
-   into y: cols_band_avx2's arithmetic lane for lane (so the same bits), 16 columns per vector
-   and no software prefetch. Whole rows per thread stream well enough for the hardware
-   prefetcher; with 512-bit loads each one takes a whole line, and on the Zen 5 EPYC the head and
-   the gate|up projection went from ~29 to ~38 GB/s (one thread, /tmp microbenchmark). */
-static void cols_row_avx512(const float *w, long ldw, const float *x, int K, float *y, int cw) {
-    for (int k0 = 0; k0 < K; k0 += 4) {
-        const int kn = K - k0 < 4 ? K - k0 : 4;
-        const float *restrict w0 = w + (long)k0 * ldw, *restrict w1 = w0 + (kn > 1 ? ldw : 0),
-                    *restrict w2 = w0 + (kn > 2 ? 2 * ldw : 0), *restrict w3 = w0 + (kn > 3 ? 3 * ldw : 0);
-        const float a0 = x[k0], a1 = kn > 1 ? x[k0 + 1] : 0.0f, a2 = kn > 2 ? x[k0 + 2] : 0.0f, a3 = kn > 3 ? x[k0 + 3] : 0.0f;
-        const __m512 wa0 = _mm512_set1_ps(a0), wa1 = _mm512_set1_ps(a1), wa2 = _mm512_set1_ps(a2), wa3 = _mm512_set1_ps(a3);
-        int c = 0;
-        for (; c + 16 <= cw; c += 16) {
-            const __m512 q = _mm512_fmadd_ps(wa3, _mm512_loadu_ps(w3 + c),
-                             _mm512_fmadd_ps(wa2, _mm512_loadu_ps(w2 + c),
-                             _mm512_fmadd_ps(wa1, _mm512_loadu_ps(w1 + c), _mm512_mul_ps(wa0, _mm512_loadu_ps(w0 + c)))));
-            _mm512_storeu_ps(y + c, _mm512_add_ps(_mm512_loadu_ps(y + c), q));
-        }
-        const __m256 va0 = _mm256_set1_ps(a0), va1 = _mm256_set1_ps(a1), va2 = _mm256_set1_ps(a2), va3 = _mm256_set1_ps(a3);
-        for (; c + 8 <= cw; c += 8) {
-            const __m256 u0 = _mm256_loadu_ps(w0 + c), u1 = _mm256_loadu_ps(w1 + c), u2 = _mm256_loadu_ps(w2 + c),
-                         u3 = _mm256_loadu_ps(w3 + c);
-            _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), QUAD_REG(va)));
-        }
-        for (; c < cw; c++) y[c] += QUAD_F(a, c);
-    }
-}
-#endif
 #undef QUAD_REG
 #undef QUAD_F
 #endif
@@ -388,11 +373,8 @@ static void cols_f32_batch(const float *w, const float *x, int M, int N, int K, 
         for (int b = 0; b < bands; b++) {
             const int c0 = b * cw, w_ = N - c0 < cw ? N - c0 : cw;
             memset(y + c0, 0, sizeof(float) * (size_t)w_);
-#if HAVE_AVX512
-            if (g_isa >= ISA_AVX512) cols_row_avx512(w + c0, N, x, K, y + c0, w_);
-            else
-#endif
-                cols_row_avx2(w + c0, N, x, K, y + c0, w_);
+            if (g_isa >= ISA_AVX512) cols_row(1, w + c0, N, x, K, y + c0, w_);
+            else cols_row(0, w + c0, N, x, K, y + c0, w_);
             for (int c = 0; c < w_; c++) y[c0 + c] += bias ? bias[c0 + c] : 0.0f;
         }
         return;
