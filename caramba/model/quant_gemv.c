@@ -243,6 +243,16 @@ long embed_rows_q8_0_x16(const int64_t *ids, long n, const int8_t *qs, const uin
    in (RR = 1 is the decode step's), so a row's product never depends on the batch around it. */
 
 #define QTR 4   /* activation rows per tile */
+/* The M activation rows in tiles of at most QTR: TILE(RR) for each, RR a constant (the rows
+   kernels unroll over it), r0 the tile's first row. */
+#define FOR_ROW_TILES(M, TILE)                         \
+    for (int r0 = 0; r0 < (M); r0 += QTR)              \
+        switch ((M) - r0 < QTR ? (M) - r0 : QTR) {     \
+        case 1: TILE(1) break;                         \
+        case 2: TILE(2) break;                         \
+        case 3: TILE(3) break;                         \
+        default: TILE(4)                               \
+        }
 #define FACTOR_CHUNK 32   /* blocks whose factors block_factors converts at a time */
 
 /* The formats whose weights carry a zero point (q4_1's minimums, q4_0's -8): their products add
@@ -703,30 +713,19 @@ static void x16_group256(int isa, int fmt, const void *w, const uint16_t *d, con
                          const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
     const int nb = K / QK;
     (void)isa;
-    for (int r0 = 0; r0 < M; r0 += QTR) {
-        const int rr = M - r0 < QTR ? M - r0 : QTR;
-        const int8_t *xr = xq + (long)r0 * K;
-        const float *xdr = xd + r0 * nb;
-        const int32_t *as = (const int32_t *)xs + r0 * nb;
-        float *yr = y + (long)r0 * N;
-#define X16_ISA(RR, ISA)                                                                                         \
-        if (fmt == Q8_0_Q8_X16) x16_rows256(RR, ISA, Q8_0_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias);      \
-        else if (fmt == Q4_0_Q8_X16) x16_rows256(RR, ISA, Q4_0_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias); \
-        else x16_rows256(RR, ISA, Q4_1_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias);
+#define ROWS(RR, ISA, FMT) x16_rows256(RR, ISA, FMT, w, d, m, c, N, K, xq + (long)r0 * K, xd + r0 * nb, \
+                                       (const int32_t *)xs + r0 * nb, y + (long)r0 * N, bias)
+#define FMTS(RR, ISA) if (fmt == Q8_0_Q8_X16) ROWS(RR, ISA, Q8_0_Q8_X16); \
+                      else if (fmt == Q4_0_Q8_X16) ROWS(RR, ISA, Q4_0_Q8_X16); else ROWS(RR, ISA, Q4_1_Q8_X16);
 #if defined(__AVXVNNI__)
-#define X16(RR) if (isa == ISA_AVXVNNI) { X16_ISA(RR, ISA_AVXVNNI) } else { X16_ISA(RR, ISA_AVX2) }
+#define TILE(RR) if (isa == ISA_AVXVNNI) { FMTS(RR, ISA_AVXVNNI) } else { FMTS(RR, ISA_AVX2) }
 #else
-#define X16(RR) X16_ISA(RR, ISA_AVX2)
+#define TILE(RR) FMTS(RR, ISA_AVX2)
 #endif
-        switch (rr) {
-        case 1: X16(1) break;
-        case 2: X16(2) break;
-        case 3: X16(3) break;
-        default: X16(4)
-        }
-#undef X16
-#undef X16_ISA
-    }
+    FOR_ROW_TILES(M, TILE)
+#undef TILE
+#undef FMTS
+#undef ROWS
 }
 /* q4_1 weights with int16 activation codes (native_i16's ACT_I16, native's two ACT_SPLIT codes), as
    byte planes (prepare_activations: per block lo(h), hi(h) [, lo(l), hi(l)], 32 bytes each):
@@ -823,28 +822,18 @@ static void x16w_group256(int isa, int fmt, const void *w, const uint16_t *d, co
                           const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
     const int nb = K / QK, P = X16_PLANES(fmt);
     (void)isa;
-    for (int r0 = 0; r0 < M; r0 += QTR) {
-        const int rr = M - r0 < QTR ? M - r0 : QTR;
-        const int8_t *xr = xq + (long)r0 * K * P;
-        const float *xdr = xd + r0 * nb, *xsr = xs + r0 * nb;
-        float *yr = y + (long)r0 * N;
-#define X16W_ISA(RR, ISA)                                                                                    \
-        if (fmt == Q4_1_I16_X16) x16w_rows256(RR, ISA, Q4_1_I16_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias); \
-        else x16w_rows256(RR, ISA, Q4_1_F32_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias);
+#define ROWS(RR, ISA, FMT) x16w_rows256(RR, ISA, FMT, w, d, m, c, N, K, xq + (long)r0 * K * P, xd + r0 * nb, \
+                                        xs + r0 * nb, y + (long)r0 * N, bias)
+#define FMTS(RR, ISA) if (fmt == Q4_1_I16_X16) ROWS(RR, ISA, Q4_1_I16_X16); else ROWS(RR, ISA, Q4_1_F32_X16);
 #if defined(__AVXVNNI__)
-#define X16W(RR) if (isa == ISA_AVXVNNI) { X16W_ISA(RR, ISA_AVXVNNI) } else { X16W_ISA(RR, ISA_AVX2) }
+#define TILE(RR) if (isa == ISA_AVXVNNI) { FMTS(RR, ISA_AVXVNNI) } else { FMTS(RR, ISA_AVX2) }
 #else
-#define X16W(RR) X16W_ISA(RR, ISA_AVX2)
+#define TILE(RR) FMTS(RR, ISA_AVX2)
 #endif
-        switch (rr) {
-        case 1: X16W(1) break;
-        case 2: X16W(2) break;
-        case 3: X16W(3) break;
-        default: X16W(4)
-        }
-#undef X16W
-#undef X16W_ISA
-    }
+    FOR_ROW_TILES(M, TILE)
+#undef TILE
+#undef FMTS
+#undef ROWS
 }
 #endif   /* __F16C__ */
 
@@ -940,24 +929,13 @@ INLINE void x16_rows512(const int RR, const int FMT, const uint8_t *w, const uin
 static void x16_group512(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
                          const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
     const int nb = K / QK;
-    for (int r0 = 0; r0 < M; r0 += QTR) {
-        const int rr = M - r0 < QTR ? M - r0 : QTR;
-        const int8_t *xr = xq + (long)r0 * K;
-        const float *xdr = xd + r0 * nb;
-        const int32_t *as = (const int32_t *)xs + r0 * nb;
-        float *yr = y + (long)r0 * N;
-#define X16(RR)                                                                                          \
-        if (fmt == Q8_0_Q8_X16) x16_rows512(RR, Q8_0_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias);    \
-        else if (fmt == Q4_0_Q8_X16) x16_rows512(RR, Q4_0_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias); \
-        else x16_rows512(RR, Q4_1_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias);
-        switch (rr) {
-        case 1: X16(1) break;
-        case 2: X16(2) break;
-        case 3: X16(3) break;
-        default: X16(4)
-        }
-#undef X16
-    }
+#define ROWS(RR, FMT) x16_rows512(RR, FMT, w, d, m, c, N, K, xq + (long)r0 * K, xd + r0 * nb, \
+                                  (const int32_t *)xs + r0 * nb, y + (long)r0 * N, bias)
+#define TILE(RR) if (fmt == Q8_0_Q8_X16) ROWS(RR, Q8_0_Q8_X16); \
+                 else if (fmt == Q4_0_Q8_X16) ROWS(RR, Q4_0_Q8_X16); else ROWS(RR, Q4_1_Q8_X16);
+    FOR_ROW_TILES(M, TILE)
+#undef TILE
+#undef ROWS
 }
 
 /* The int16-activation X16 formats (native_i16's ACT_I16 codes, native's two ACT_SPLIT codes h and
@@ -1038,26 +1016,18 @@ INLINE void x16w_rows512(const int RR, const int FMT, const uint8_t *w, const ui
 static void x16w_group512(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
                           const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
     const int nb = K / QK, P = X16_PLANES(fmt);
-    for (int r0 = 0; r0 < M; r0 += QTR) {
-        const int rr = M - r0 < QTR ? M - r0 : QTR;
-        const int8_t *xr = xq + (long)r0 * K * P;
-        const float *xdr = xd + r0 * nb, *xsr = xs + r0 * nb;
-        float *yr = y + (long)r0 * N;
-#define X16W(RR)                                                                                           \
-        switch (fmt) {                                                                                     \
-        case Q8_0_I16_X16: x16w_rows512(RR, Q8_0_I16_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias); break; \
-        case Q4_1_I16_X16: x16w_rows512(RR, Q4_1_I16_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias); break; \
-        case Q8_0_F32_X16: x16w_rows512(RR, Q8_0_F32_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias); break; \
-        default: x16w_rows512(RR, Q4_1_F32_X16, w, d, m, c, N, K, xr, xdr, xsr, yr, bias);                 \
+#define ROWS(RR, FMT) x16w_rows512(RR, FMT, w, d, m, c, N, K, xq + (long)r0 * K * P, xd + r0 * nb, xs + r0 * nb, \
+                                   y + (long)r0 * N, bias)
+#define TILE(RR)                                                 \
+        switch (fmt) {                                           \
+        case Q8_0_I16_X16: ROWS(RR, Q8_0_I16_X16); break;        \
+        case Q4_1_I16_X16: ROWS(RR, Q4_1_I16_X16); break;        \
+        case Q8_0_F32_X16: ROWS(RR, Q8_0_F32_X16); break;        \
+        default: ROWS(RR, Q4_1_F32_X16);                         \
         }
-        switch (rr) {
-        case 1: X16W(1) break;
-        case 2: X16W(2) break;
-        case 3: X16W(3) break;
-        default: X16W(4)
-        }
-#undef X16W
-    }
+    FOR_ROW_TILES(M, TILE)
+#undef TILE
+#undef ROWS
 }
 #endif   /* HAVE_AVX512VNNI */
 #endif   /* HAVE_AVX2 */
@@ -1319,24 +1289,13 @@ INLINE void x16_rows_neon(const int RR, const int FMT, const uint8_t *w, const u
 static void x16_group_neon(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
                            const int8_t *xq, const float *xd, const float *xs, int M, float *y, const float *bias) {
     const int nb = K / QK;
-    for (int r0 = 0; r0 < M; r0 += QTR) {
-        const int rr = M - r0 < QTR ? M - r0 : QTR;
-        const int8_t *xr = xq + (long)r0 * K;
-        const float *xdr = xd + r0 * nb;
-        const int32_t *as = (const int32_t *)xs + r0 * nb;
-        float *yr = y + (long)r0 * N;
-#define X16(RR)                                                                                            \
-        if (fmt == Q8_0_Q8_X16) x16_rows_neon(RR, Q8_0_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias);    \
-        else if (fmt == Q4_0_Q8_X16) x16_rows_neon(RR, Q4_0_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias); \
-        else x16_rows_neon(RR, Q4_1_Q8_X16, w, d, m, c, N, K, xr, xdr, as, yr, bias);
-        switch (rr) {
-        case 1: X16(1) break;
-        case 2: X16(2) break;
-        case 3: X16(3) break;
-        default: X16(4)
-        }
-#undef X16
-    }
+#define ROWS(RR, FMT) x16_rows_neon(RR, FMT, w, d, m, c, N, K, xq + (long)r0 * K, xd + r0 * nb, \
+                                    (const int32_t *)xs + r0 * nb, y + (long)r0 * N, bias)
+#define TILE(RR) if (fmt == Q8_0_Q8_X16) ROWS(RR, Q8_0_Q8_X16); \
+                 else if (fmt == Q4_0_Q8_X16) ROWS(RR, Q4_0_Q8_X16); else ROWS(RR, Q4_1_Q8_X16);
+    FOR_ROW_TILES(M, TILE)
+#undef TILE
+#undef ROWS
 }
 #endif   /* HAVE_NEON_DOT */
 
