@@ -27,6 +27,7 @@ import tolerance as tol
 from caramba.cache import KVCacheKind, KVCacheTensorConfig, LayerKVCache
 from caramba.cache import kernel as cache_kernel
 from caramba.model import fast_decode, fused, isa, quant, quant_gemm
+from test_interleaved import x16_block_case
 from test_isa import FORMATS, SHAPES, U, exact_product, layer, random_blocks
 
 pytestmark = pytest.mark.skipif(cross_arch.missing() is not None, reason=str(cross_arch.missing()))
@@ -240,23 +241,11 @@ def test_x16_layers_on_arm_only_where_sdot_runs_them(arm, arm_plain):
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
 def test_x16_block_sums_on_arm_are_exact(arm, fmt):
     """sdot by lane over a group's units, q4_0's -8 sum(a) folded in: the exact int32 sums."""
-    rng = np.random.default_rng(3)
     nb = 5
-    a = rng.integers(-127, 128, (nb, 32)).astype(np.int8)
-    a[0, :4] = [127, -127, -127, 127]
-    if fmt == "q8_0":
-        w = rng.integers(-128, 128, (16, nb * 32)).astype(np.int8)
-        w[0, :4] = [-128, 127, -128, 0]
-        values = w.astype(np.int64).reshape(16, nb, 32)
-    else:
-        nib = rng.integers(0, 16, (16, nb, 32))
-        w = (nib[..., :16] | (nib[..., 16:] << 4)).astype(np.uint8).reshape(16, nb * 16)
-        values = nib.astype(np.int64) - (8 if fmt == "q4_0" else 0)
-    packed = np.ascontiguousarray(quant.interleave(torch.from_numpy(w), 4).numpy())
+    fid, packed, a, exact = x16_block_case(fmt, nb, seed=3)
     out = np.zeros((nb, 16), np.int32)
-    ids = {"q8_0": quant.Q8_0_Q8_X16, "q4_0": quant.Q4_0_Q8_X16, "q4_1": quant.Q4_1_Q8_X16}
-    arm.call("x16_block_sums", ids[fmt], packed, a, nb, out, ret="v")
-    assert np.array_equal(out.astype(np.int64), np.einsum("rbi,bi->br", values, a.astype(np.int64)))
+    arm.call("x16_block_sums", fid, packed, a, nb, out, ret="v")
+    assert np.array_equal(out.astype(np.int64), exact)
 
 
 @pytest.mark.parametrize("fmt,act", X16_Q8)

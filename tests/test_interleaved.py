@@ -113,7 +113,16 @@ def test_x16_block_sums_are_the_exact_sums(level, fmt, nb):
     q4_0's nibbles with -8 sum(a) folded in) at every level, extremes included, equal the exact
     sums bit for bit."""
     lib = library()
-    rng = np.random.default_rng(nb)
+    fid, packed, a, exact = x16_block_case(fmt, nb, seed=nb)
+    out = np.zeros((nb, 16), np.int32)
+    lib.x16_block_sums(fid, ptr(packed), ptr(a), nb, ptr(out))
+    assert np.array_equal(out.astype(np.int64), exact)
+
+
+def x16_block_case(fmt: str, nb: int, seed: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """One X16 group of nb random blocks (codes' extremes included) and one activation row of q8
+    codes: (format id, the packed codes, the codes a [nb, 32], the exact int32 sums [nb, 16])."""
+    rng = np.random.default_rng(seed)
     a = rng.integers(-127, 128, (nb, 32)).astype(np.int8)
     a[0, :4] = [127, -127, -127, 127]
     if fmt == "q8_0":
@@ -125,12 +134,9 @@ def test_x16_block_sums_are_the_exact_sums(level, fmt, nb):
         nib[0, 0, :3] = [15, 0, 15]
         w = (nib[..., :16] | (nib[..., 16:] << 4)).astype(np.uint8).reshape(16, nb * 16)
         values = nib.astype(np.int64) - (8 if fmt == "q4_0" else 0)
-    packed = quant.interleave(torch.from_numpy(w), 4).numpy()
-    out = np.zeros((nb, 16), np.int32)
-    ids = {"q8_0": quant.Q8_0_Q8_X16, "q4_0": quant.Q4_0_Q8_X16, "q4_1": quant.Q4_1_Q8_X16}
-    lib.x16_block_sums(ids[fmt], ptr(np.ascontiguousarray(packed)), ptr(a), nb, ptr(out))
-    exact = np.einsum("rbi,bi->br", values, a.astype(np.int64))
-    assert np.array_equal(out.astype(np.int64), exact)
+    packed = np.ascontiguousarray(quant.interleave(torch.from_numpy(w), 4).numpy())
+    fid = {"q8_0": quant.Q8_0_Q8_X16, "q4_0": quant.Q4_0_Q8_X16, "q4_1": quant.Q4_1_Q8_X16}[fmt]
+    return fid, packed, a, np.einsum("rbi,bi->br", values, a.astype(np.int64))
 
 
 # --- the products ------------------------------------------------------------------------------------
