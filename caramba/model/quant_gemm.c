@@ -7,9 +7,10 @@
 
      amx         AMX tiles (TDPBSSD: 16x16 int32 += 16x32 int8 . 32x16 int8 in one instruction)
      avx512vnni  512-bit vpdpbusd dot products, register-blocked 4 weight rows x 32 activation rows
-     avx2        q4_0 only: vpmaddubsw on the nibbles, a block's pairs summed in int16, 2 weight
-                 rows x 32 activation rows (q8_0 would need a vpmaddwd per vpmaddubsw, no faster
-                 than fp32's FMAs: it keeps the dequantize-then-matmul path there)
+     avx2        2 weight rows x 32 activation rows. q4_0: vpmaddubsw on the nibbles, a block's
+                 pairs summed in int16. q8_0: both operands widened to int16, one vpmaddwd per
+                 pair of codes (vpmaddubsw's pairs of q8 codes would each need a vpmaddwd after
+                 it: no faster than fp32's FMAs)
      scalar      the portable reference (gemm_q8_ref), one element at a time: what the others are
                  tested against; the caller (caramba.model.quant_gemm) keeps torch's
                  dequantize-then-matmul rather than run it.
@@ -41,7 +42,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
-#define HAVE_AVX2G 1   /* the avx2 level (q4_0 only) and the packing every vector level shares */
+#define HAVE_AVX2G 1   /* the avx2 level and the packing every vector level shares */
 #else
 #define HAVE_AVX2G 0
 #endif
@@ -59,6 +60,9 @@
 #define QK 32
 #define PANEL 32          /* weight rows per work item (two AMX tiles of 16) */
 #define MTILE 32          /* activation rows per inner step (two tiles of 16 / two zmm of 16 lanes) */
+/* where block b of the activation tile holding row m starts in the packed scales (times the units
+   per block in the packed codes); nb in scope */
+#define TILE_BLOCK(m, b) (((long)(m) / MTILE * nb + (b)) * MTILE)
 
 enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1 };
 
@@ -154,34 +158,44 @@ int gemm_isa_set(const char *name) {
 
 /* Whether the level in force multiplies format fmt's codes (else the caller keeps torch's path). */
 int gemm_q8_runs(int fmt) {
-    return g_level >= LVL_VNNI || (g_level == LVL_AVX2 && fmt == FMT_Q4_0);
+    return g_level >= LVL_AVX2 && (fmt == FMT_Q8_0 || fmt == FMT_Q4_0);
 }
 
 /* --- packing shared by the vector levels -------------------------------------------------------- */
 
 #if HAVE_AVX2G
-/* Activations for a level's inner loop: xp [nb][8][Mp][4] int8, each 4-element group of a row
-   next to the same group of the following rows (an AMX B tile, or a zmm of 16 rows), rows past M
-   zero; xdp [nb][Mp] their scales (0 past M); csx [nb][Mp] c times each block's code sum (the
-   offset vpdpbusd's unsigned operand adds, removed again; AMX needs none). */
-static void pack_activations(const int8_t *xq, const float *xd, int M, int Mp, int K, int c, int8_t *xp,
+/* Activations for a level's inner loop, a tile of MTILE rows at a time: xp [Mp/MTILE][nb][8][MTILE][4]
+   int8, each 4-element group of a row next to the same group of the tile's other rows (AMX B
+   tiles, or zmms of 16 rows), rows past M zero; xdp [Mp/MTILE][nb][MTILE] their scales (0 past
+   M); csx (the same shape) c times each block's code sum (the offset vpdpbusd's unsigned operand
+   adds, removed again; AMX needs none). wide (avx2's q8_0): the codes sign-extended to int16, xp
+   [Mp/MTILE][nb][16][MTILE][2], pairs where the others have groups. Tile-major, so that a tile's
+   bytes are one run: strided by Mp, the rows of 2048 tokens lay 8 KiB apart and thrashed L1's
+   sets (2048 tokens took 6x the time of 512, at any level). */
+static void pack_activations(const int8_t *xq, const float *xd, int M, int Mp, int K, int c, int wide, int8_t *xp,
                              float *xdp, int32_t *csx) {
-    const int nb = K / QK;
+    const int nb = K / QK, units = wide ? QK / 2 : QK / 4;
     #pragma omp parallel for schedule(static)
     for (int b = 0; b < nb; b++) {
-        int32_t *dst = (int32_t *)xp + (long)b * 8 * Mp;
         for (int m = 0; m < Mp; m++) {
+            const long at = TILE_BLOCK(m, b);   /* this tile's block b */
+            int32_t *dst = (int32_t *)xp + at * units + m % MTILE;
             const int8_t *row = xq + (long)m * K + b * QK;
             int32_t sum = 0;
-            for (int r = 0; r < 8; r++) {
-                int32_t group = 0;
-                if (m < M) memcpy(&group, row + 4 * r, 4);
-                dst[(long)r * Mp + m] = group;
+            for (int r = 0; r < units; r++) {
+                int32_t unit = 0;
+                if (m < M && wide) {
+                    const int16_t pair[2] = {row[2 * r], row[2 * r + 1]};
+                    memcpy(&unit, pair, 4);
+                } else if (m < M) {
+                    memcpy(&unit, row + 4 * r, 4);
+                }
+                dst[r * MTILE] = unit;
             }
             if (m < M)
                 for (int k = 0; k < QK; k++) sum += row[k];
-            xdp[(long)b * Mp + m] = m < M ? xd[(long)m * nb + b] : 0.0f;
-            csx[(long)b * Mp + m] = c * sum;
+            xdp[at + m % MTILE] = m < M ? xd[(long)m * nb + b] : 0.0f;
+            csx[at + m % MTILE] = c * sum;
         }
     }
 }
@@ -217,6 +231,21 @@ static const int8_t *pack_weights(int fmt, const void *qs, const uint16_t *wd, l
     return panel;
 }
 
+/* avx2's q8_0 panel: weight rows n0 .. n0+PANEL-1 as int16 codes [PANEL][K] (rows past N zero),
+   scales as pack_weights. */
+static const int16_t *pack_weights_wide(const int8_t *qs, const uint16_t *wd, long n0, int N, int K,
+                                        int16_t *panel, float *wdp) {
+    const int nb = K / QK, rows = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+    for (int i = 0; i < PANEL; i++)
+        for (int b = 0; b < nb; b++) wdp[i * nb + b] = i < rows ? fp16_to_fp32(wd[(n0 + i) * nb + b]) : 0.0f;
+    memset(panel, 0, (size_t)PANEL * K * sizeof(int16_t));
+    for (int i = 0; i < rows; i++)
+        for (int k = 0; k < K; k += 16)
+            _mm256_storeu_si256((__m256i *)(panel + (long)i * K + k),
+                                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + (n0 + i) * K + k))));
+    return panel;
+}
+
 /* acc [PANEL][MTILE] fp32 (row = weight row) -> out [M, N]: transposed in L1 first, so that out
    is written a row at a time (strided single stores 4 KiB apart thrash one L1 set: N = 3072
    took 1.8x as long). */
@@ -246,10 +275,10 @@ static void panel_avx2(const int8_t *w, const float *wdp, const int8_t *xp, cons
                 __m256i t[2][4];
                 for (int i = 0; i < 2; i++)
                     for (int v = 0; v < 4; v++) t[i][v] = _mm256_setzero_si256();
-                const int8_t *xb = xp + ((long)b * 8 * Mp + m0) * 4;
+                const int8_t *xb = xp + TILE_BLOCK(m0, b) * 8 * 4;
                 for (int r = 0; r < 8; r++) {
                     __m256i x[4];
-                    for (int v = 0; v < 4; v++) x[v] = _mm256_load_si256((const __m256i *)(xb + (long)r * Mp * 4 + 32 * v));
+                    for (int v = 0; v < 4; v++) x[v] = _mm256_load_si256((const __m256i *)(xb + r * MTILE * 4 + 32 * v));
                     for (int i = 0; i < 2; i++) {
                         int32_t g;
                         memcpy(&g, w + (long)(i0 + i) * K + b * QK + 4 * r, 4);
@@ -258,12 +287,56 @@ static void panel_avx2(const int8_t *w, const float *wdp, const int8_t *xp, cons
                     }
                 }
                 for (int v = 0; v < 4; v++) {
-                    const __m256i c = _mm256_load_si256((const __m256i *)(csx + (long)b * Mp + m0 + 8 * v));
-                    const __m256 d = _mm256_load_ps(xdp + (long)b * Mp + m0 + 8 * v);
+                    const __m256i c = _mm256_load_si256((const __m256i *)(csx + TILE_BLOCK(m0, b) + 8 * v));
+                    const __m256 d = _mm256_load_ps(xdp + TILE_BLOCK(m0, b) + 8 * v);
                     for (int i = 0; i < 2; i++) {
                         const __m256 s = _mm256_set1_ps(wdp[(i0 + i) * nb + b]);
                         const __m256i isum = _mm256_sub_epi32(_mm256_madd_epi16(t[i][v], ones), c);
                         f[i][v] = _mm256_fmadd_ps(_mm256_mul_ps(s, d), _mm256_cvtepi32_ps(isum), f[i][v]);
+                    }
+                }
+            }
+            for (int i = 0; i < 2; i++)
+                for (int v = 0; v < 4; v++) _mm256_store_ps(acc + (i0 + i) * MTILE + 8 * v, f[i][v]);
+        }
+        store_transposed(acc, n0, N, m0, M, out);
+    }
+}
+
+/* One q8_0 panel at the avx2 level: 2 weight rows x 32 activation rows, both operands int16
+   (pack_weights_wide, pack_activations' wide units). One vpmaddwd multiplies a lane's pair of
+   codes and adds the two (|sum| <= 2 x 127 x 127: exact), a vpaddd sums the block in int32: 16
+   MACs per multiply, where vpmaddubsw's pairs of q8 codes (up to 32512) each need a vpmaddwd
+   after it, 8 per instruction as fp32's FMA. Then the VNNI panel's FMAs: the same bits. */
+static void panel_avx2_wide(const int16_t *w, const float *wdp, const int32_t *xp, const float *xdp, int Mp, int K,
+                            long n0, int N, int M, float *out) {
+    const int nb = K / QK;
+    float acc[PANEL * MTILE] __attribute__((aligned(64)));
+    for (int m0 = 0; m0 < Mp; m0 += MTILE) {
+        for (int i0 = 0; i0 < PANEL && n0 + i0 < N; i0 += 2) {
+            __m256 f[2][4];
+            for (int i = 0; i < 2; i++)
+                for (int v = 0; v < 4; v++) f[i][v] = _mm256_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                __m256i t[2][4];
+                for (int i = 0; i < 2; i++)
+                    for (int v = 0; v < 4; v++) t[i][v] = _mm256_setzero_si256();
+                const int32_t *xb = xp + TILE_BLOCK(m0, b) * (QK / 2);
+                for (int r = 0; r < QK / 2; r++) {
+                    __m256i x[4];
+                    for (int v = 0; v < 4; v++) x[v] = _mm256_load_si256((const __m256i *)(xb + r * MTILE + 8 * v));
+                    for (int i = 0; i < 2; i++) {
+                        int32_t g;
+                        memcpy(&g, w + (long)(i0 + i) * K + b * QK + 2 * r, 4);
+                        const __m256i wb = _mm256_set1_epi32(g);
+                        for (int v = 0; v < 4; v++) t[i][v] = _mm256_add_epi32(t[i][v], _mm256_madd_epi16(wb, x[v]));
+                    }
+                }
+                for (int v = 0; v < 4; v++) {
+                    const __m256 d = _mm256_load_ps(xdp + TILE_BLOCK(m0, b) + 8 * v);
+                    for (int i = 0; i < 2; i++) {
+                        const __m256 s = _mm256_set1_ps(wdp[(i0 + i) * nb + b]);
+                        f[i][v] = _mm256_fmadd_ps(_mm256_mul_ps(s, d), _mm256_cvtepi32_ps(t[i][v]), f[i][v]);
                     }
                 }
             }
@@ -288,9 +361,9 @@ static void panel_vnni(const int8_t *w, const float *wdp, const int8_t *xp, cons
             for (int b = 0; b < nb; b++) {
                 __m512i a[4][2];
                 for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = _mm512_setzero_si512();
-                const int8_t *xb = xp + ((long)b * 8 * Mp + m0) * 4;
+                const int8_t *xb = xp + TILE_BLOCK(m0, b) * 8 * 4;
                 for (int r = 0; r < 8; r++) {
-                    const __m512i x0 = _mm512_load_si512(xb + (long)r * Mp * 4), x1 = _mm512_load_si512(xb + (long)r * Mp * 4 + 64);
+                    const __m512i x0 = _mm512_load_si512(xb + r * MTILE * 4), x1 = _mm512_load_si512(xb + r * MTILE * 4 + 64);
                     for (int i = 0; i < 4; i++) {
                         int32_t g;
                         memcpy(&g, w + (long)(i0 + i) * K + b * QK + 4 * r, 4);
@@ -299,8 +372,8 @@ static void panel_vnni(const int8_t *w, const float *wdp, const int8_t *xp, cons
                         a[i][1] = _mm512_dpbusd_epi32(a[i][1], wb, x1);
                     }
                 }
-                const __m512i c0 = _mm512_load_si512(csx + (long)b * Mp + m0), c1 = _mm512_load_si512(csx + (long)b * Mp + m0 + 16);
-                const __m512 d0 = _mm512_load_ps(xdp + (long)b * Mp + m0), d1 = _mm512_load_ps(xdp + (long)b * Mp + m0 + 16);
+                const __m512i c0 = _mm512_load_si512(csx + TILE_BLOCK(m0, b)), c1 = _mm512_load_si512(csx + TILE_BLOCK(m0, b) + 16);
+                const __m512 d0 = _mm512_load_ps(xdp + TILE_BLOCK(m0, b)), d1 = _mm512_load_ps(xdp + TILE_BLOCK(m0, b) + 16);
                 for (int i = 0; i < 4; i++) {
                     const __m512 s = _mm512_set1_ps(wdp[(i0 + i) * nb + b]);
                     f[i][0] = _mm512_fmadd_ps(_mm512_mul_ps(s, d0), _mm512_cvtepi32_ps(_mm512_sub_epi32(a[i][0], c0)), f[i][0]);
@@ -337,9 +410,9 @@ static void amx_configure(void) {
 }
 
 /* Block b's scales applied to its int32 tile results c (four 16x16 tiles) into acc. */
-static inline void amx_epilogue(const int32_t (*c)[256], const float *wdp, const float *xdp, int nb, int b, int Mp,
-                                int m0, float *acc) {
-    const __m512 d0 = _mm512_load_ps(xdp + (long)b * Mp + m0), d1 = _mm512_load_ps(xdp + (long)b * Mp + m0 + 16);
+static inline void amx_epilogue(const int32_t (*c)[256], const float *wdp, const float *xdp, int nb, int b, int m0,
+                                float *acc) {
+    const __m512 d0 = _mm512_load_ps(xdp + TILE_BLOCK(m0, b)), d1 = _mm512_load_ps(xdp + TILE_BLOCK(m0, b) + 16);
     for (int i = 0; i < PANEL; i++) {
         const __m512 s = _mm512_set1_ps(wdp[i * nb + b]);
         const int32_t *c0 = c[(i / 16) * 2] + (i % 16) * 16, *c1 = c[(i / 16) * 2 + 1] + (i % 16) * 16;
@@ -360,12 +433,12 @@ static void panel_amx(const int8_t *w, const float *wdp, const int8_t *xp, const
     for (int m0 = 0; m0 < Mp; m0 += MTILE) {
         memset(acc, 0, sizeof acc);
         for (int b = 0; b < nb; b++) {
-            const int8_t *xb = xp + ((long)b * 8 * Mp + m0) * 4;
+            const int8_t *xb = xp + TILE_BLOCK(m0, b) * 8 * 4;
             int32_t (*cb)[256] = c[b & 1];
             _tile_loadd(4, w + b * QK, K);
             _tile_loadd(5, w + 16L * K + b * QK, K);
-            _tile_loadd(6, xb, Mp * 4);
-            _tile_loadd(7, xb + 64, Mp * 4);
+            _tile_loadd(6, xb, MTILE * 4);
+            _tile_loadd(7, xb + 64, MTILE * 4);
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             _tile_dpbssd(0, 4, 6);
             _tile_dpbssd(1, 4, 7);
@@ -373,9 +446,9 @@ static void panel_amx(const int8_t *w, const float *wdp, const int8_t *xp, const
             _tile_dpbssd(3, 5, 7);
             _tile_stored(0, cb[0], 64); _tile_stored(1, cb[1], 64);
             _tile_stored(2, cb[2], 64); _tile_stored(3, cb[3], 64);
-            if (b) amx_epilogue((const int32_t (*)[256])c[(b - 1) & 1], wdp, xdp, nb, b - 1, Mp, m0, acc);
+            if (b) amx_epilogue((const int32_t (*)[256])c[(b - 1) & 1], wdp, xdp, nb, b - 1, m0, acc);
         }
-        amx_epilogue((const int32_t (*)[256])c[(nb - 1) & 1], wdp, xdp, nb, nb - 1, Mp, m0, acc);
+        amx_epilogue((const int32_t (*)[256])c[(nb - 1) & 1], wdp, xdp, nb, nb - 1, m0, acc);
         store_transposed(acc, n0, N, m0, M, out);
     }
 }
@@ -633,6 +706,7 @@ int gemm_f32(int fmt, const float *x, int M, int K, const void *qs, const uint16
         return failed;
     }
 #endif
+    (void)nthreads;   /* the reference runs on the calling thread */
     gemm_f32_ref(fmt, x, M, K, qs, wd, wm, N, out);
     return 0;
 }
@@ -643,17 +717,17 @@ int gemm_q8(int fmt, const int8_t *xq, const float *xd, int M, int K, const void
             float *out, int nthreads) {
 #if HAVE_AVX2G
     if (gemm_q8_runs(fmt)) {
-        const int amx = g_level == LVL_AMX, nb = K / QK, Mp = (M + MTILE - 1) / MTILE * MTILE;
-        int8_t *xp = aligned_alloc(64, (size_t)Mp * K);
+        const int amx = g_level == LVL_AMX, wide = g_level == LVL_AVX2 && fmt == FMT_Q8_0, nb = K / QK, Mp = (M + MTILE - 1) / MTILE * MTILE;
+        int8_t *xp = aligned_alloc(64, (size_t)Mp * K * (wide ? 2 : 1));
         float *xdp = aligned_alloc(64, (size_t)Mp * nb * sizeof(float));
         int32_t *csx = aligned_alloc(64, (size_t)Mp * nb * sizeof(int32_t));
         int failed = !xp || !xdp || !csx;
         if (!failed) {
-            pack_activations(xq, xd, M, Mp, K, fmt == FMT_Q8_0 ? 128 : 8, xp, xdp, csx);
+            pack_activations(xq, xd, M, Mp, K, fmt == FMT_Q8_0 ? 128 : 8, wide, xp, xdp, csx);
             const long panels = (N + PANEL - 1) / PANEL;
             #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) reduction(|:failed)
             {
-                int8_t *panel = aligned_alloc(64, (size_t)PANEL * K);
+                int8_t *panel = aligned_alloc(64, (size_t)PANEL * K * (wide ? 2 : 1));
                 float *wdp = aligned_alloc(64, (size_t)PANEL * nb * sizeof(float));
                 if (!panel || !wdp) failed = 1;
 #if HAVE_AMX
@@ -662,6 +736,11 @@ int gemm_q8(int fmt, const int8_t *xq, const float *xd, int M, int K, const void
                 #pragma omp for schedule(dynamic)
                 for (long p = 0; p < panels; p++) {
                     if (failed) continue;
+                    if (wide) {
+                        const int16_t *w16 = pack_weights_wide((const int8_t *)qs, wd, p * PANEL, N, K, (int16_t *)panel, wdp);
+                        panel_avx2_wide(w16, wdp, (const int32_t *)xp, xdp, Mp, K, p * PANEL, N, M, out);
+                        continue;
+                    }
                     const int8_t *w = pack_weights(fmt, qs, wd, p * PANEL, N, K, !amx, panel, wdp);
 #if HAVE_AMX
                     if (amx) {

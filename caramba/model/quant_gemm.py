@@ -4,14 +4,14 @@ QuantLinear (caramba.model.quant) multiplies more than KERNEL_ROWS activation ro
 activations are q8-rounded (act='q8': weights q8_0 and q4_0): the rows are quantized to q8 blocks
 by the decode kernels' own rule (quant_gemv.c's quantize_activations_q8: the codes a decode step
 multiplies), and their int8 codes meet the weight's codes in AMX tiles or AVX-512 VNNI dot
-products, or for q4_0 in AVX2's vpmaddubsw (q8_0 there keeps torch's path: its pairs would need a
-vpmaddwd each, no faster than fp32's FMAs). The values multiplied are the ones torch's dequantize-then-matmul path multiplies
+products, or in AVX2's vpmaddubsw (q4_0's nibbles) and vpmaddwd (q8_0's codes widened to int16).
+The values multiplied are the ones torch's dequantize-then-matmul path multiplies
 (round_activations times the dequantized weight); only the fp32 summation order differs.
 
     level()            the level the GEMM runs at here: 'amx', 'avx512vnni', 'avx2', or 'scalar'
                        (then QuantLinear keeps torch's path, faster than the portable
                        reference), or why no library loaded
-    runs('q4_0')       whether that level multiplies the format (avx2: q4_0 only)
+    runs('q4_0')       whether that level multiplies the format (q8_0 and q4_0 at every vector level)
     available('amx')   whether this CPU, its OS (AMX's tile state) and the build have a level
     use_level('avx512vnni')   a lower level for a while (tests, A/B timings)
     linear(layer, rows)       rows [M, K] fp32 times the layer's weight^T (+ bias), or None
@@ -57,8 +57,8 @@ def level() -> str:
 
 
 def runs(fmt: str) -> bool:
-    """Whether the level in force multiplies `fmt`'s codes with q8 activations (avx2: q4_0 only;
-    avx512vnni and amx: q8_0 and q4_0); else QuantLinear keeps torch's path."""
+    """Whether the level in force multiplies `fmt`'s codes with q8 activations (q8_0 and q4_0
+    at avx2 and above; none at scalar); else QuantLinear keeps torch's path."""
     lib = library()
     return bool(lib and fmt in FORMATS and lib.gemm_q8_runs(FORMATS[fmt]))
 
