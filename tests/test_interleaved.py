@@ -54,6 +54,7 @@ def test_every_reader_sees_the_same_weights_in_either_layout(fmt, act, N):
     inter = layer(fmt, act, N, 96, seed=N).relayout("x16")
     assert inter.layout == "x16" and inter.qs.shape == (-(-N // 16), (96 if fmt == "q8_0" else 48) // 4, 16, 4)
     assert torch.equal(rows.dequantized(), inter.dequantized())
+    assert torch.equal(rows.dequantized(), rows._dequantize(*rows.row_major()))   # the C pass is torch's values
     for a, b in zip(rows.row_major(), inter.row_major()):
         assert (a is None and b is None) or torch.equal(a, b)
     ids = torch.tensor([[0, N - 1], [N // 2, 3 % N]])

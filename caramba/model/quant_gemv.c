@@ -2028,9 +2028,57 @@ void quantize_blocks_best(const float *w, long nblocks, int qmin, int qmax, cons
    d q + m rounds once, fused or not.
    fmt: 0 q8_0, 1 q4_0, 2 q4_1 (quant.py's DEQUANT_FORMATS); x16: the codes and scales interleaved
    (quant_gemv.h) rather than row-major. */
+#if HAVE_AVX2 && defined(__F16C__)
+/* 16 code bytes of a row: four 4-byte units qstride apart (one load where they are adjacent) */
+static inline __m128i code_bytes16(const uint8_t *p, long qstride) {
+    if (qstride == 4) return _mm_loadu_si128((const __m128i *)p);
+    int32_t u[4];
+    for (int j = 0; j < 4; j++) memcpy(&u[j], p + j * qstride, 4);
+    return _mm_setr_epi32(u[0], u[1], u[2], u[3]);
+}
+
+/* 16 codes (int8 lanes) -> 16 values o[0..15]: code * s (+ mn where add) */
+static inline void store_values16(__m128i codes, __m256 s, __m256 mn, int add, float *o) {
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(codes, codes)));
+    _mm256_storeu_ps(o, add ? _mm256_fmadd_ps(lo, s, mn) : _mm256_mul_ps(lo, s));
+    _mm256_storeu_ps(o + 8, add ? _mm256_fmadd_ps(hi, s, mn) : _mm256_mul_ps(hi, s));
+}
+
+/* The scalar loop's values, 16 at a time: a native prefill's dequantization took ~9% of its
+   product's time at 512 tokens one element at a time. */
+static void dequantize_row_avx2(int fmt, const uint8_t *qs, long qstride, const uint16_t *d,
+                                const uint16_t *m, long sstride, int K, float *out) {
+    const int nb = K / QK, units = fmt == 0 ? QK / 4 : QK / 8;
+    const __m128i nib = _mm_set1_epi8(15), eight = _mm_set1_epi8(fmt == 1 ? 8 : 0);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *p = qs + (long)b * units * qstride;   /* the block's first unit */
+        const __m256 s = _mm256_set1_ps(fp16_to_fp32(d[(long)b * sstride]));
+        const __m256 mn = _mm256_set1_ps(fmt == 2 ? fp16_to_fp32(m[(long)b * sstride]) : 0.0f);
+        float *o = out + (long)b * QK;
+        if (fmt == 0) {
+            store_values16(code_bytes16(p, qstride), s, mn, 0, o);
+            store_values16(code_bytes16(p + 4 * qstride, qstride), s, mn, 0, o + 16);
+            continue;
+        }
+        const __m128i bytes = code_bytes16(p, qstride);
+        const __m128i low = _mm_sub_epi8(_mm_and_si128(bytes, nib), eight);
+        const __m128i high = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), nib), eight);
+        store_values16(low, s, mn, fmt == 2, o);
+        store_values16(high, s, mn, fmt == 2, o + QK / 2);
+    }
+}
+#endif
+
 static void dequantize_row(int fmt, const uint8_t *qs, long qstride, const uint16_t *d,
                            const uint16_t *m, long sstride, int K, float *out) {
     /* qs: the row's byte i at qs[(i / 4) * qstride + i % 4]; its block b's scale at d[b * sstride] */
+#if HAVE_AVX2 && defined(__F16C__)
+    if (g_isa != ISA_SCALAR) {
+        dequantize_row_avx2(fmt, qs, qstride, d, m, sstride, K, out);
+        return;
+    }
+#endif
     const int nb = K / QK, bytes = fmt == 0 ? QK : QK / 2;
     for (int b = 0; b < nb; b++) {
         uint8_t blk[QK];
