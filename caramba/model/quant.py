@@ -120,9 +120,11 @@ FORMAT_IDS = {("q8_0", "q8", "rows"): Q8_0_Q8, ("q8_0", "f32", "rows"): Q8_0_F32
 # state_dict() gives rows whatever the layout.
 LAYOUTS = ("rows", "x16")
 DEQUANT_FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}   # quant_gemv.c's dequantize_rows
-# fp32 bytes of a weight tile that dequantize-then-matmul dequantizes at a time (a whole projection
-# of SmolLM2's but the head); each thread keeps one such scratch buffer (_scratch)
-DEQUANT_TILE_BYTES = 4 << 20
+# fp32 bytes of a weight tile that dequantize-then-matmul dequantizes at a time: every projection
+# of SmolLM2's but the head, its fused gate|up (7 MB) too, in one (a split one's column slices are
+# copied into the output: at 4 MiB that copy was 3% of a 2048-token native prefill); each thread
+# keeps one such scratch buffer (_scratch)
+DEQUANT_TILE_BYTES = 8 << 20
 _scratch = threading.local()
 X16 = 16
 
