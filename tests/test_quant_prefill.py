@@ -33,8 +33,8 @@ SHAPES = [(1, 32, 1), (17, 96, 33), (33, 160, 31), (65, 224, 64), (40, 576, 7), 
 
 
 
-FEATURES = {"avx2": ["avx2", "fma", "f16c"], "avx512vnni": ["avx512f", "avx512bw", "avx512_vnni"],
-            "amx": ["amx_tile", "amx_int8"]}
+FEATURES = {"avx2": ["avx2", "fma", "f16c"], "avxvnni": ["avx2", "fma", "f16c", "avx_vnni"],
+            "avx512vnni": ["avx512f", "avx512bw", "avx512_vnni"], "amx": ["amx_tile", "amx_int8"]}
 
 
 def needs_library():
@@ -51,7 +51,7 @@ def skip_reason(level: str) -> str:
     return f"the kernel build lacks {level} (the compiler's -march=native target)"
 
 
-@pytest.fixture(params=["avx2", "avx512vnni", "amx"])
+@pytest.fixture(params=["avx2", "avxvnni", "avx512vnni", "amx"])
 def level(request):
     needs_library()
     if not quant_gemm.available(request.param):
@@ -199,7 +199,8 @@ def test_the_level_is_never_one_the_machine_lacks():
         quant_gemm.available("avx1024")
 
 
-@pytest.mark.parametrize("asked,expected", [("avx512vnni", "avx512vnni"), ("avx512", "avx2"), ("avx2", "avx2"),
+@pytest.mark.parametrize("asked,expected", [("avx512vnni", "avx512vnni"), ("avxvnni", "avxvnni"), ("avx512", "avx2"),
+                                             ("avx2", "avx2"),
                                              ("scalar", "scalar")])
 def test_caramba_isa_caps_the_level(asked, expected):
     needs_library()

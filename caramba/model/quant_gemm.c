@@ -7,6 +7,7 @@
 
      amx         AMX tiles (TDPBSSD: 16x16 int32 += 16x32 int8 . 32x16 int8 in one instruction)
      avx512vnni  512-bit vpdpbusd dot products, register-blocked 4 weight rows x 32 activation rows
+     avxvnni     256-bit vpdpbusd (AVX-VNNI, VEX: Alder Lake and later), avx2's blocking
      avx2        2 weight rows x 32 activation rows. q4_0: vpmaddubsw on the nibbles, a block's
                  pairs summed in int16. q8_0: both operands widened to int16, one vpmaddwd per
                  pair of codes (vpmaddubsw's pairs of q8 codes would each need a vpmaddwd after
@@ -45,6 +46,11 @@
 #define HAVE_AVX2G 1   /* the avx2 level and the packing every vector level shares */
 #else
 #define HAVE_AVX2G 0
+#endif
+#if HAVE_AVX2G && defined(__AVXVNNI__)
+#define HAVE_AVXVNNIG 1   /* the avxvnni level */
+#else
+#define HAVE_AVXVNNIG 0
 #endif
 #if HAVE_AVX2G && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_VNNI 1
@@ -91,14 +97,17 @@ void gemm_q8_ref(int fmt, const int8_t *xq, const float *xd, int M, int K, const
 
 /* --- run-time level ----------------------------------------------------------------------------- */
 
-enum { LVL_SCALAR = 0, LVL_AVX2 = 1, LVL_VNNI = 2, LVL_AMX = 3, LVL_COUNT = 4 };
-static const char *const LVL_NAMES[LVL_COUNT] = {"scalar", "avx2", "avx512vnni", "amx"};
+enum { LVL_SCALAR = 0, LVL_AVX2 = 1, LVL_AVXVNNI = 2, LVL_VNNI = 3, LVL_AMX = 4, LVL_COUNT = 5 };
+static const char *const LVL_NAMES[LVL_COUNT] = {"scalar", "avx2", "avxvnni", "avx512vnni", "amx"};
 
 static int level_usable(int level) {
     switch (level) {
     case LVL_SCALAR: return 1;
 #if HAVE_AVX2G
     case LVL_AVX2: return isa_available("avx2");
+#endif
+#if HAVE_AVXVNNIG
+    case LVL_AVXVNNI: return isa_available("avxvnni");
 #endif
 #if HAVE_VNNI
     case LVL_VNNI:
@@ -117,15 +126,15 @@ static int level_usable(int level) {
     }
 }
 
-/* A wish (a level name, or one of cpu_isa.c's levels between avx2 and avx512vnni: those run
-   avx2's GEMM) -> the level to run: the wished one where usable, else the best below it. -1: no
-   level name. */
+/* A wish (a level name, or cpu_isa.c's avx512, which runs avx2's GEMM: AVX-512 F/BW without
+   VNNI) -> the level to run: the wished one where usable, else the best below it. -1: no level
+   name. */
 static int level_pick(const char *wish) {
     int top = LVL_COUNT - 1;
     if (wish && *wish) {
         for (top = 0; top < LVL_COUNT && strcmp(wish, LVL_NAMES[top]); top++) {}
         if (top == LVL_COUNT) {
-            if (strcmp(wish, "avxvnni") && strcmp(wish, "avx512")) return -1;
+            if (strcmp(wish, "avx512")) return -1;
             top = LVL_AVX2;
         }
     }
@@ -257,12 +266,16 @@ static void store_transposed(const float *acc, long n0, int N, int m0, int M, fl
     for (int j = 0; j < MTILE && m0 + j < M; j++) memcpy(out + (long)(m0 + j) * N + n0, t + j * PANEL, cols * sizeof(float));
 }
 
-/* One q4_0 panel at the avx2 level: 2 weight rows x 32 activation rows. w: the nibbles as
-   unsigned codes (pack_weights); per block, each (weight row, 8 activation rows) lane pair sums
-   q x <= 2 x 15 x 127 in int16, 8 words of them (30480) exactly, then one vpmaddwd to int32 and
-   csx's 8 sum(x) off: the exact sum((q - 8) x). Then the VNNI panel's FMAs: the same bits. */
-static void panel_avx2(const int8_t *w, const float *wdp, const int8_t *xp, const float *xdp, const int32_t *csx,
-                       int Mp, int K, long n0, int N, int M, float *out) {
+/* One panel at the avx2 or avxvnni level (vnni: a constant, so each is its own loop): 2 weight rows
+   x 32 activation rows. w: the codes as unsigned bytes (pack_weights: q8_0 + 128, q4_0's
+   nibbles); csx: the offset that adds, c sum(x) per block.
+   - avxvnni: vpdpbusd sums a lane's four products into int32, as the VNNI panel at 256 bits.
+   - avx2 (q4_0 only): vpmaddubsw's pairs q x <= 2 x 15 x 127 sum in int16, 8 words of them
+     (30480) exactly, then one vpmaddwd to int32.
+   Then the VNNI panel's FMAs: the same bits. */
+static inline __attribute__((always_inline)) void panel_256(int vnni, const int8_t *w, const float *wdp,
+                                                            const int8_t *xp, const float *xdp, const int32_t *csx,
+                                                            int Mp, int K, long n0, int N, int M, float *out) {
     const int nb = K / QK;
     const __m256i ones = _mm256_set1_epi16(1);
     float acc[PANEL * MTILE] __attribute__((aligned(64)));
@@ -283,7 +296,15 @@ static void panel_avx2(const int8_t *w, const float *wdp, const int8_t *xp, cons
                         int32_t g;
                         memcpy(&g, w + (long)(i0 + i) * K + b * QK + 4 * r, 4);
                         const __m256i wb = _mm256_set1_epi32(g);
-                        for (int v = 0; v < 4; v++) t[i][v] = _mm256_add_epi16(t[i][v], _mm256_maddubs_epi16(wb, x[v]));
+                        for (int v = 0; v < 4; v++) {
+#if HAVE_AVXVNNIG
+                            if (vnni) {
+                                t[i][v] = _mm256_dpbusd_avx_epi32(t[i][v], wb, x[v]);
+                                continue;
+                            }
+#endif
+                            t[i][v] = _mm256_add_epi16(t[i][v], _mm256_maddubs_epi16(wb, x[v]));
+                        }
                     }
                 }
                 for (int v = 0; v < 4; v++) {
@@ -291,7 +312,7 @@ static void panel_avx2(const int8_t *w, const float *wdp, const int8_t *xp, cons
                     const __m256 d = _mm256_load_ps(xdp + TILE_BLOCK(m0, b) + 8 * v);
                     for (int i = 0; i < 2; i++) {
                         const __m256 s = _mm256_set1_ps(wdp[(i0 + i) * nb + b]);
-                        const __m256i isum = _mm256_sub_epi32(_mm256_madd_epi16(t[i][v], ones), c);
+                        const __m256i isum = _mm256_sub_epi32(vnni ? t[i][v] : _mm256_madd_epi16(t[i][v], ones), c);
                         f[i][v] = _mm256_fmadd_ps(_mm256_mul_ps(s, d), _mm256_cvtepi32_ps(isum), f[i][v]);
                     }
                 }
@@ -302,6 +323,18 @@ static void panel_avx2(const int8_t *w, const float *wdp, const int8_t *xp, cons
         store_transposed(acc, n0, N, m0, M, out);
     }
 }
+
+static void panel_avx2(const int8_t *w, const float *wdp, const int8_t *xp, const float *xdp, const int32_t *csx,
+                       int Mp, int K, long n0, int N, int M, float *out) {
+    panel_256(0, w, wdp, xp, xdp, csx, Mp, K, n0, N, M, out);
+}
+
+#if HAVE_AVXVNNIG
+static void panel_avxvnni(const int8_t *w, const float *wdp, const int8_t *xp, const float *xdp, const int32_t *csx,
+                          int Mp, int K, long n0, int N, int M, float *out) {
+    panel_256(1, w, wdp, xp, xdp, csx, Mp, K, n0, N, M, out);
+}
+#endif
 
 /* One q8_0 panel at the avx2 level: 2 weight rows x 32 activation rows, both operands int16
    (pack_weights_wide, pack_activations' wide units). One vpmaddwd multiplies a lane's pair of
@@ -751,6 +784,12 @@ int gemm_q8(int fmt, const int8_t *xq, const float *xd, int M, int K, const void
 #if HAVE_VNNI
                     if (g_level == LVL_VNNI) {
                         panel_vnni(w, wdp, xp, xdp, csx, Mp, K, p * PANEL, N, M, out);
+                        continue;
+                    }
+#endif
+#if HAVE_AVXVNNIG
+                    if (g_level == LVL_AVXVNNI) {
+                        panel_avxvnni(w, wdp, xp, xdp, csx, Mp, K, p * PANEL, N, M, out);
                         continue;
                     }
 #endif

@@ -3,12 +3,12 @@
 QuantLinear (caramba.model.quant) multiplies more than KERNEL_ROWS activation rows here when its
 activations are q8-rounded (act='q8': weights q8_0 and q4_0): the rows are quantized to q8 blocks
 by the decode kernels' own rule (quant_gemv.c's quantize_activations_q8: the codes a decode step
-multiplies), and their int8 codes meet the weight's codes in AMX tiles or AVX-512 VNNI dot
-products, or in AVX2's vpmaddubsw (q4_0's nibbles) and vpmaddwd (q8_0's codes widened to int16).
+multiplies), and their int8 codes meet the weight's codes in AMX tiles, AVX-512 VNNI or AVX-VNNI
+dot products, or in AVX2's vpmaddubsw (q4_0's nibbles) and vpmaddwd (q8_0's codes widened to int16).
 The values multiplied are the ones torch's dequantize-then-matmul path multiplies
 (round_activations times the dequantized weight); only the fp32 summation order differs.
 
-    level()            the level the GEMM runs at here: 'amx', 'avx512vnni', 'avx2', or 'scalar'
+    level()            the level the GEMM runs at here: 'amx', 'avx512vnni', 'avxvnni', 'avx2', or 'scalar'
                        (then QuantLinear keeps torch's path, faster than the portable
                        reference), or why no library loaded
     runs('q4_0')       whether that level multiplies the format (q8_0 and q4_0 at every vector level)
@@ -17,7 +17,8 @@ The values multiplied are the ones torch's dequantize-then-matmul path multiplie
     linear(layer, rows)       rows [M, K] fp32 times the layer's weight^T (+ bias), or None
 
 CARAMBA_ISA caps the level as it does the decode kernels' (caramba.model.isa): avx512vnni leaves
-AMX out; avx512, avxvnni and avx2 run the avx2 level; scalar leaves this GEMM out.
+AMX out; avxvnni runs that level; avx512 (no VNNI) and avx2 run the avx2 level; scalar leaves this
+GEMM out.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 from caramba import kernels
 
-LEVELS = ("scalar", "avx2", "avx512vnni", "amx")
+LEVELS = ("scalar", "avx2", "avxvnni", "avx512vnni", "amx")
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 INT8_FORMATS = ("q8_0", "q4_0")   # gemm_q8's weights (q4_1's minimums need the block sums of x: gemm_f32)
 # with cpu_isa.c: the CPU checks (AMX and the OS's permission) and fp16 conversion the decode kernels use
