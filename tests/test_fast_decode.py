@@ -623,6 +623,20 @@ def test_choose_gives_the_torch_path_where_the_step_cannot_run(case, monkeypatch
         assert isinstance(backend.choose(model), CStep)
 
 
+def test_quantized_scales_cast_to_fp32_get_the_torch_path():
+    """model.float() turns a QuantLinear's fp16 scales into fp32 ones, which the step would read as
+    fp16 bits: it refuses the projection instead, and choose() gives the torch path."""
+    from caramba.model.backend import choose
+
+    model = make_model(seed=8)
+    quant.quantize_model(model, "q8_0", act="q8")
+    assert isinstance(choose(model), CStep)
+    model.float()
+    with pytest.raises(fast_decode.Unsupported, match="projection"):
+        CStep(model)
+    assert isinstance(choose(model), TorchStep)
+
+
 class Subclassed(torch.nn.Linear):
     """A projection the step has no plan slot for (it matches exact types only)."""
 

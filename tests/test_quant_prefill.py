@@ -108,6 +108,35 @@ def test_int8_levels_are_the_reference_bit_for_bit(level, fmt, M, K, N):
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("M,K,N", SHAPES)
+def test_int8_levels_read_x16_weights_in_place(level, fmt, M, K, N):
+    """An x16 layer's codes and scales, read where they lie (no row-major copy), give the bits of
+    the row-major reference; so does the reference reading them x16."""
+    lin = layer(fmt, "q8", N, K, seed=M + N)
+    xq, xd = quant.quantize_rows_q8(activations(M, K, seed=K))
+    ref = quant_gemm.gemm(fmt, xq, xd, *lin.row_major()[:2], N, reference=True)
+    lin.relayout("x16")
+    assert torch.equal(quant_gemm.gemm(fmt, xq, xd, lin.qs, lin.d, N, reference=True, x16=True), ref)
+    for threads in (1, 2):
+        assert torch.equal(quant_gemm.gemm(fmt, xq, xd, lin.qs, lin.d, N, threads=threads, x16=True), ref)
+
+
+@pytest.mark.parametrize("M", [1, 33])
+def test_a_layer_cast_to_fp32_scales_keeps_torch_path(M):
+    """After module.float() the scales are fp32, which the C kernels cannot read (they read fp16
+    bits: a decode row came out 6e5 off): the torch path then multiplies the same values, within
+    fp32 rounding of the C products' results."""
+    needs_library()
+    lin = layer("q8_0", "q8", 40, 96, seed=3)
+    x = activations(M, 96, seed=4)
+    before = lin(x)
+    lin.float()
+    assert lin.d.dtype == torch.float32
+    limit = bound(quant.round_activations(x, "q8"), lin.dequantized(), 96 + 2 * 3 + 2)
+    assert ((lin(x) - before).abs() <= limit).all()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("M,K,N", SHAPES)
 def test_int8_reference_is_dequantize_then_matmul_within_fp32_rounding(fmt, M, K, N):
     """The same values multiplied (q8-rounded activations, dequantized weights): the two differ
     by summation order only, K products and K/32 block terms, each with a scale product."""

@@ -388,12 +388,17 @@ class QuantLinear(nn.Module):
         out = self._dequantize_rows(0, self.out_features)
         return self._dequantize(*self.row_major()) if out is None else out
 
+    def c_readable(self) -> bool:
+        """Whether the C kernels can read the held buffers as they are: on the CPU, contiguous, fp16
+        scales (not after a module cast to fp32 ones)."""
+        held = (self.qs, self.d) if self.m is None else (self.qs, self.d, self.m)
+        return all(t.is_cpu and t.is_contiguous() for t in held) and all(t.dtype == torch.float16 for t in held[1:])
+
     def _dequantize_rows(self, n0: int, n1: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Rows n0..n1-1 of W in one C pass from either layout (into `out`, [n1 - n0, in] fp32, if
         given), or None where the C kernels cannot read the buffers (not loaded, another device, a
         module cast to fp32 scales)."""
-        held = (self.qs, self.d) if self.m is None else (self.qs, self.d, self.m)
-        if not (all(t.is_cpu and t.is_contiguous() for t in held) and all(t.dtype == torch.float16 for t in held[1:])):
+        if not self.c_readable():
             return None
         lib = library()
         if lib is None:
@@ -462,7 +467,7 @@ class QuantLinear(nn.Module):
         # The decode-step path first, with as few torch ops as possible: at batch 1 each op's
         # dispatch costs about as much as the GEMV of a narrow projection.
         if (x.is_cpu and x.dtype == torch.float32 and x.is_contiguous() and x.shape[-1] == self.in_features
-                and not (x.requires_grad and torch.is_grad_enabled())):
+                and self.d.dtype == torch.float16 and not (x.requires_grad and torch.is_grad_enabled())):
             M = x.numel() // self.in_features
             lib = library() if M <= KERNEL_ROWS else None
             if lib is not None:
@@ -487,7 +492,7 @@ class QuantLinear(nn.Module):
         """rows [M, K] fp32 (contiguous, CPU) times this layer's weight^T (+ bias) in caramba.model.quant_gemm,
         or None where no GEMM here applies (no library, no int8 level for q8 activations, no AMX-BF16
         for fp32 or int16 ones): forward then dequantizes and calls torch."""
-        if not self.qs.is_cpu:
+        if not self.c_readable():
             return None
         lib = quant_gemm.library()
         if lib is None:
@@ -495,15 +500,15 @@ class QuantLinear(nn.Module):
         int8 = self.act == "q8" and self.fmt in quant_gemm.INT8_FORMATS
         if not (lib.gemm_q8_runs(quant_gemm.FORMATS[self.fmt]) if int8 else lib.gemm_f32_available()):
             return None
-        # the GEMM reads row-major codes: an x16 layer's are made for the call (one weight's bytes,
-        # freed after; a prompt's rows outweigh the copy by far)
-        qs, d, m = self.row_major()
-        if int8:
+        if int8:   # the int8 GEMM reads either layout in place
             q = quantize_rows_q8(rows)
             if q is None:
                 return None
-            out = quant_gemm.gemm(self.fmt, *q, qs, d, self.out_features)
+            out = quant_gemm.gemm(self.fmt, *q, self.qs, self.d, self.out_features, x16=self.layout == "x16")
         else:
+            # AMX-BF16 reads row-major codes: an x16 layer's are made for the call (one weight's
+            # bytes, freed after; a prompt's rows outweigh the copy by far)
+            qs, d, m = self.row_major()
             if self.act != "f32":   # q4_1 with q8 or int16 codes: the values those kernels multiply
                 rows = round_activations(rows, self.act).contiguous()
             out = quant_gemm.gemm_f32(self.fmt, rows, qs, d, m, self.out_features)

@@ -39,8 +39,8 @@ INT8_FORMATS = ("q8_0", "q4_0")   # gemm_q8's weights (q4_1's minimums need the 
 SOURCES = [Path(__file__).with_name(name) for name in ("quant_gemm.c", "cpu_isa.c")]
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
-    "gemm_q8": ([_I, _P, _P, _I, _I, _P, _P, _I, _P, _I], _I),
-    "gemm_q8_ref": ([_I, _P, _P, _I, _I, _P, _P, _I, _P], None),
+    "gemm_q8": ([_I, _P, _P, _I, _I, _P, _P, _I, _I, _P, _I], _I),
+    "gemm_q8_ref": ([_I, _P, _P, _I, _I, _P, _P, _I, _I, _P], None),
     "gemm_f32": ([_I, _P, _I, _I, _P, _P, _P, _I, _P, _I], _I),
     "gemm_f32_ref": ([_I, _P, _I, _I, _P, _P, _P, _I, _P], None),
     "gemm_f32_available": ([], _I),
@@ -93,15 +93,17 @@ def use_level(name: str) -> Iterator[str]:
 
 
 def gemm(fmt: str, xq: torch.Tensor, xd: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, N: int,
-         reference: bool = False, threads: int | None = None) -> torch.Tensor:
+         reference: bool = False, threads: int | None = None, x16: bool = False) -> torch.Tensor:
     """out [M, N] fp32 = (xq, xd) q8 rows times the (qs, d) q8_0 or q4_0 weight^T, at the library's level or
-    with the portable reference (`reference`). The library must be loaded."""
+    with the portable reference (`reference`); `x16`: qs and d held row-interleaved (a QuantLinear's
+    'x16' layout), read in place. The library must be loaded."""
     if fmt not in INT8_FORMATS:
         raise ValueError(f"the int8 GEMM takes {' or '.join(INT8_FORMATS)} weights, not {fmt}")
     lib = library()
     M, K = xq.shape
     out = torch.empty(M, N)
-    args = (FORMATS[fmt], xq.data_ptr(), xd.data_ptr(), M, K, qs.data_ptr(), d.data_ptr(), N, out.data_ptr())
+    args = (FORMATS[fmt], xq.data_ptr(), xd.data_ptr(), M, K, qs.data_ptr(), d.data_ptr(), int(x16), N,
+            out.data_ptr())
     if reference:
         lib.gemm_q8_ref(*args)
     elif lib.gemm_q8(*args, torch.get_num_threads() if threads is None else threads):
