@@ -201,13 +201,19 @@ int gemm_q8_runs(int fmt) {
 /* --- packing shared by the vector levels -------------------------------------------------------- */
 
 #if HAVE_AVX2G
-/* row n's code bytes, row-major, into dst [bytes] */
+/* row n's code bytes, row-major, into dst [bytes]: x16's units 64 bytes apart, 8 per gather
+   (one 4-byte copy at a time made reading x16 in place cost 11% of a 512-row q8_0 product) */
 static void weight_row(const struct weight *w, long n, uint8_t *dst) {
     if (!w->x16) {
         memcpy(dst, weight_unit(w, n, 0), w->bytes);
         return;
     }
-    for (long u = 0; u < w->bytes / 4; u++) memcpy(dst + 4 * u, weight_unit(w, n, u), 4);
+    const __m256i apart = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);   /* in 4-byte steps */
+    const long units = w->bytes / 4;
+    long u = 0;
+    for (; u + 8 <= units; u += 8)
+        _mm256_storeu_si256((__m256i *)(dst + 4 * u), _mm256_i32gather_epi32((const int *)weight_unit(w, n, u), apart, 4));
+    for (; u < units; u++) memcpy(dst + 4 * u, weight_unit(w, n, u), 4);
 }
 
 /* Activations for a level's inner loop, a tile of MTILE rows at a time: xp [Mp/MTILE][nb][8][MTILE][4]
