@@ -311,17 +311,26 @@ static void store_transposed(const float *acc, long n0, int N, int m0, int M, fl
     for (int j = 0; j < MTILE && m0 + j < M; j++) memcpy(out + (long)(m0 + j) * N + n0, t + j * PANEL, cols * sizeof(float));
 }
 
-/* One panel at the avx2 or avxvnni level (vnni: a constant, so each is its own loop): 2 weight rows
-   x 32 activation rows. w: the codes as unsigned bytes (pack_weights: q8_0 + 128, q4_0's
-   nibbles); csx: the offset that adds, c sum(x) per block.
-   - avxvnni: vpdpbusd sums a lane's four products into int32, as the VNNI panel at 256 bits.
-   - avx2 (q4_0 only): vpmaddubsw's pairs q x <= 2 x 15 x 127 sum in int16, 8 words of them
-     (30480) exactly, then one vpmaddwd to int32.
+/* One panel at the avx2 or avxvnni level: 2 weight rows x 32 activation rows. dot (a constant at
+   each call, so each is its own loop) says how a lane's codes are multiplied:
+   - DOT_VNNI (avxvnni): vpdpbusd sums a lane's four products into int32, as the VNNI panel at 256
+     bits. w: the codes as unsigned bytes (pack_weights: q8_0 + 128, q4_0's nibbles); csx: the
+     offset that adds, c sum(x) per block.
+   - DOT_BYTES (avx2, q4_0): the same operands; vpmaddubsw's pairs q x <= 2 x 15 x 127 sum in
+     int16, 8 words of them (30480) exactly, then one vpmaddwd to int32.
+   - DOT_WIDE (avx2, q8_0): both operands int16 (pack_weights_wide, pack_activations' wide
+     units), signed, no offset. One vpmaddwd multiplies a lane's pair of codes and adds the two
+     (|sum| <= 2 x 127 x 127: exact), a vpaddd sums the block in int32: 16 MACs per multiply,
+     where vpmaddubsw's pairs of q8 codes (up to 32512) would each need a vpmaddwd after it, 8
+     per instruction as fp32's FMA.
    Then the VNNI panel's FMAs: the same bits. */
-static inline __attribute__((always_inline)) void panel_256(int vnni, const int8_t *w, const float *wdp,
+enum { DOT_BYTES, DOT_VNNI, DOT_WIDE };
+
+static inline __attribute__((always_inline)) void panel_256(int dot, const void *weights, const float *wdp,
                                                             const int8_t *xp, const float *xdp, const int32_t *csx,
                                                             int Mp, int K, long n0, int N, int M, float *out) {
-    const int nb = K / QK;
+    const int nb = K / QK, units = dot == DOT_WIDE ? QK / 2 : QK / 4, size = dot == DOT_WIDE ? 2 : 1;   /* 4-byte units per block; bytes per code */
+    const uint8_t *w = weights;
     const __m256i ones = _mm256_set1_epi16(1);
     float acc[PANEL * MTILE] __attribute__((aligned(64)));
     for (int m0 = 0; m0 < Mp; m0 += MTILE) {
@@ -333,31 +342,35 @@ static inline __attribute__((always_inline)) void panel_256(int vnni, const int8
                 __m256i t[2][4];
                 for (int i = 0; i < 2; i++)
                     for (int v = 0; v < 4; v++) t[i][v] = _mm256_setzero_si256();
-                const int8_t *xb = xp + TILE_BLOCK(m0, b) * 8 * 4;
-                for (int r = 0; r < 8; r++) {
+                const int8_t *xb = xp + TILE_BLOCK(m0, b) * units * 4;
+                for (int r = 0; r < units; r++) {
                     __m256i x[4];
                     for (int v = 0; v < 4; v++) x[v] = _mm256_load_si256((const __m256i *)(xb + r * MTILE * 4 + 32 * v));
                     for (int i = 0; i < 2; i++) {
                         int32_t g;
-                        memcpy(&g, w + (long)(i0 + i) * K + b * QK + 4 * r, 4);
+                        memcpy(&g, w + ((long)(i0 + i) * K + b * QK) * size + 4 * r, 4);
                         const __m256i wb = _mm256_set1_epi32(g);
                         for (int v = 0; v < 4; v++) {
 #if HAVE_AVXVNNIG
-                            if (vnni) {
+                            if (dot == DOT_VNNI) {
                                 t[i][v] = _mm256_dpbusd_avx_epi32(t[i][v], wb, x[v]);
                                 continue;
                             }
 #endif
-                            t[i][v] = _mm256_add_epi16(t[i][v], _mm256_maddubs_epi16(wb, x[v]));
+                            t[i][v] = dot == DOT_WIDE ? _mm256_add_epi32(t[i][v], _mm256_madd_epi16(wb, x[v]))
+                                                      : _mm256_add_epi16(t[i][v], _mm256_maddubs_epi16(wb, x[v]));
                         }
                     }
                 }
                 for (int v = 0; v < 4; v++) {
-                    const __m256i c = _mm256_load_si256((const __m256i *)(csx + TILE_BLOCK(m0, b) + 8 * v));
                     const __m256 d = _mm256_load_ps(xdp + TILE_BLOCK(m0, b) + 8 * v);
                     for (int i = 0; i < 2; i++) {
                         const __m256 s = _mm256_set1_ps(wdp[(i0 + i) * nb + b]);
-                        const __m256i isum = _mm256_sub_epi32(vnni ? t[i][v] : _mm256_madd_epi16(t[i][v], ones), c);
+                        __m256i isum = t[i][v];
+                        if (dot != DOT_WIDE) {
+                            const __m256i c = _mm256_load_si256((const __m256i *)(csx + TILE_BLOCK(m0, b) + 8 * v));
+                            isum = _mm256_sub_epi32(dot == DOT_VNNI ? isum : _mm256_madd_epi16(isum, ones), c);
+                        }
                         f[i][v] = _mm256_fmadd_ps(_mm256_mul_ps(s, d), _mm256_cvtepi32_ps(isum), f[i][v]);
                     }
                 }
@@ -371,59 +384,20 @@ static inline __attribute__((always_inline)) void panel_256(int vnni, const int8
 
 static void panel_avx2(const int8_t *w, const float *wdp, const int8_t *xp, const float *xdp, const int32_t *csx,
                        int Mp, int K, long n0, int N, int M, float *out) {
-    panel_256(0, w, wdp, xp, xdp, csx, Mp, K, n0, N, M, out);
+    panel_256(DOT_BYTES, w, wdp, xp, xdp, csx, Mp, K, n0, N, M, out);
+}
+
+static void panel_avx2_wide(const int16_t *w, const float *wdp, const int8_t *xp, const float *xdp, int Mp, int K,
+                            long n0, int N, int M, float *out) {
+    panel_256(DOT_WIDE, w, wdp, xp, xdp, NULL, Mp, K, n0, N, M, out);
 }
 
 #if HAVE_AVXVNNIG
 static void panel_avxvnni(const int8_t *w, const float *wdp, const int8_t *xp, const float *xdp, const int32_t *csx,
                           int Mp, int K, long n0, int N, int M, float *out) {
-    panel_256(1, w, wdp, xp, xdp, csx, Mp, K, n0, N, M, out);
+    panel_256(DOT_VNNI, w, wdp, xp, xdp, csx, Mp, K, n0, N, M, out);
 }
 #endif
-
-/* One q8_0 panel at the avx2 level: 2 weight rows x 32 activation rows, both operands int16
-   (pack_weights_wide, pack_activations' wide units). One vpmaddwd multiplies a lane's pair of
-   codes and adds the two (|sum| <= 2 x 127 x 127: exact), a vpaddd sums the block in int32: 16
-   MACs per multiply, where vpmaddubsw's pairs of q8 codes (up to 32512) each need a vpmaddwd
-   after it, 8 per instruction as fp32's FMA. Then the VNNI panel's FMAs: the same bits. */
-static void panel_avx2_wide(const int16_t *w, const float *wdp, const int32_t *xp, const float *xdp, int Mp, int K,
-                            long n0, int N, int M, float *out) {
-    const int nb = K / QK;
-    float acc[PANEL * MTILE] __attribute__((aligned(64)));
-    for (int m0 = 0; m0 < Mp; m0 += MTILE) {
-        for (int i0 = 0; i0 < PANEL && n0 + i0 < N; i0 += 2) {
-            __m256 f[2][4];
-            for (int i = 0; i < 2; i++)
-                for (int v = 0; v < 4; v++) f[i][v] = _mm256_setzero_ps();
-            for (int b = 0; b < nb; b++) {
-                __m256i t[2][4];
-                for (int i = 0; i < 2; i++)
-                    for (int v = 0; v < 4; v++) t[i][v] = _mm256_setzero_si256();
-                const int32_t *xb = xp + TILE_BLOCK(m0, b) * (QK / 2);
-                for (int r = 0; r < QK / 2; r++) {
-                    __m256i x[4];
-                    for (int v = 0; v < 4; v++) x[v] = _mm256_load_si256((const __m256i *)(xb + r * MTILE + 8 * v));
-                    for (int i = 0; i < 2; i++) {
-                        int32_t g;
-                        memcpy(&g, w + (long)(i0 + i) * K + b * QK + 2 * r, 4);
-                        const __m256i wb = _mm256_set1_epi32(g);
-                        for (int v = 0; v < 4; v++) t[i][v] = _mm256_add_epi32(t[i][v], _mm256_madd_epi16(wb, x[v]));
-                    }
-                }
-                for (int v = 0; v < 4; v++) {
-                    const __m256 d = _mm256_load_ps(xdp + TILE_BLOCK(m0, b) + 8 * v);
-                    for (int i = 0; i < 2; i++) {
-                        const __m256 s = _mm256_set1_ps(wdp[(i0 + i) * nb + b]);
-                        f[i][v] = _mm256_fmadd_ps(_mm256_mul_ps(s, d), _mm256_cvtepi32_ps(t[i][v]), f[i][v]);
-                    }
-                }
-            }
-            for (int i = 0; i < 2; i++)
-                for (int v = 0; v < 4; v++) _mm256_store_ps(acc + (i0 + i) * MTILE + 8 * v, f[i][v]);
-        }
-        store_transposed(acc, n0, N, m0, M, out);
-    }
-}
 #endif
 
 #if HAVE_VNNI
@@ -821,7 +795,7 @@ int gemm_q8(int fmt, const int8_t *xq, const float *xd, int M, int K, const void
                     if (failed) continue;
                     if (wide) {
                         const int16_t *w16 = pack_weights_wide(&wt, p * PANEL, N, K, (int16_t *)panel, row, wdp);
-                        panel_avx2_wide(w16, wdp, (const int32_t *)xp, xdp, Mp, K, p * PANEL, N, M, out);
+                        panel_avx2_wide(w16, wdp, xp, xdp, Mp, K, p * PANEL, N, M, out);
                         continue;
                     }
                     const int8_t *w = pack_weights(fmt, &wt, p * PANEL, N, K, !amx, panel, row, wdp);
