@@ -111,17 +111,19 @@ def load(source: Path | list[Path], signatures: dict[str, tuple[list, object]], 
 
 
 class Library:
-    """One C library's kernels (one source file, or several compiled together) for its callers: `library()` builds and loads them on first use and
+    """One C library's kernels (one source file, or several compiled together; `flags`: the compile
+    command's, a test build's -D added) for its callers: `library()` builds and loads them on first use and
     then returns the same handle (or None, after one warning); `status()` says which ('c' or why
     not); `cache_clear()` forgets, so the next call loads again (tests, a changed environment)."""
 
-    def __init__(self, source: Path | list[Path], signatures: dict[str, tuple[list, object]], purpose: str) -> None:
-        self.source, self.signatures, self.purpose = source, signatures, purpose
+    def __init__(self, source: Path | list[Path], signatures: dict[str, tuple[list, object]], purpose: str,
+                 flags: list[str] = FLAGS) -> None:
+        self.source, self.signatures, self.purpose, self.flags = source, signatures, purpose, flags
         self.cache_clear()
 
     def __call__(self) -> ctypes.CDLL | None:
         if not self._loaded:
-            self._lib, self._status = load(self.source, self.signatures, self.purpose, stacklevel=4)
+            self._lib, self._status = load(self.source, self.signatures, self.purpose, self.flags, stacklevel=4)
             self._loaded = True
         return self._lib
 

@@ -7,7 +7,9 @@ sums, then the same fp32 operations in the same order); the reference and the AM
 agree with torch's dequantize-then-matmul within the worst-case rounding bound of an fp32 sum of
 their length (both multiply the same values: q8-rounded activations or fp32 ones, exactly
 dequantized weights); greedy output is the old path's on a tiny model and on SmolLM2. A level the
-machine lacks is skipped with the missing feature named.
+machine lacks is skipped with the missing feature named. The amx level also runs as
+"amx-emulated": its own code around a software model of the tile instructions (amx_emulate.h),
+wherever the CPU has the AVX-512 VNNI that code is written in.
 """
 
 from __future__ import annotations
@@ -51,13 +53,29 @@ def skip_reason(level: str) -> str:
     return f"the kernel build lacks {level} (the compiler's -march=native target)"
 
 
-@pytest.fixture(params=["avx2", "avxvnni", "avx512vnni", "amx"])
-def level(request):
+def emulate_amx(monkeypatch) -> None:
+    """Swap in the test build whose amx level runs the tile instructions in software
+    (amx_emulate.h): the amx level's own packing, strides, tile shapes and epilogues, on any CPU
+    with the AVX-512 VNNI those epilogues and the packing are written in."""
+    missing = [f for f in FEATURES["avx512vnni"] if f not in cpu_flags()]
+    if missing:
+        pytest.skip(f"CPU lacks {', '.join(missing)} (the AMX model runs the amx level's AVX-512 code around it)")
+    if quant_gemm.amx_emulation() is None:
+        pytest.skip(f"the AMX model's build: {quant_gemm.amx_emulation.status()}")
+    monkeypatch.setattr(quant_gemm, "library", quant_gemm.amx_emulation)
+
+
+@pytest.fixture(params=["avx2", "avxvnni", "avx512vnni", "amx", "amx-emulated"])
+def level(request, monkeypatch):
     needs_library()
-    if not quant_gemm.available(request.param):
-        pytest.skip(skip_reason(request.param))
-    with quant_gemm.use_level(request.param) as got:
-        assert got == request.param
+    name = request.param
+    if name == "amx-emulated":
+        emulate_amx(monkeypatch)
+        name = "amx"
+    if not quant_gemm.available(name):
+        pytest.skip(skip_reason(name))
+    with quant_gemm.use_level(name) as got:
+        assert got == name
         yield got
 
 
@@ -173,8 +191,12 @@ def test_quantlinear_prefill_takes_the_gemm(fmt, T):
 
 # --- AMX-BF16 (fp32 activations) ------------------------------------------------------------------
 
-def needs_f32():
+@pytest.fixture(params=["amx", "amx-emulated"])
+def f32_amx(request, monkeypatch):
+    """AMX-BF16 for fp32 activations: the CPU's, or the software model of its tiles."""
     needs_library()
+    if request.param == "amx-emulated":
+        emulate_amx(monkeypatch)
     if not quant_gemm.f32_available():
         missing = [f for f in ("amx_tile", "amx_bf16") if f not in cpu_flags()]
         pytest.skip(f"CPU lacks {', '.join(missing)}" if missing else
@@ -183,10 +205,9 @@ def needs_f32():
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_0"])
 @pytest.mark.parametrize("M,K,N", SHAPES + [(300, 576, 70)])
-def test_f32_amx_is_dequantize_then_matmul_within_fp32_rounding(fmt, M, K, N):
+def test_f32_amx_is_dequantize_then_matmul_within_fp32_rounding(f32_amx, fmt, M, K, N):
     """Exact pieces times exact codes: only the fp32 accumulations round, 3K piece products and
     2K/32 block terms (scale, minimum), against torch's K products of the same values."""
-    needs_f32()
     lin = layer(fmt, "f32", N, K, seed=M + K)
     x = activations(M, K, seed=N)
     w = lin.dequantized()
@@ -200,10 +221,9 @@ def test_f32_amx_is_dequantize_then_matmul_within_fp32_rounding(fmt, M, K, N):
         assert ((got - quant_gemm.gemm_f32(fmt, x, *lin.row_major(), N, reference=True)).abs() <= limit).all()
 
 
-def test_f32_pieces_are_exact():
+def test_f32_pieces_are_exact(f32_amx):
     """Activations with 24 significant bits and tiny values: the reference and AMX agree with
     float64 within the accumulation bound (a lost piece would be off by 2^-16 relative)."""
-    needs_f32()
     lin = layer("q4_1", "f32", 16, 64, seed=5)
     x = (activations(20, 64, seed=9) * (1 + 2.0 ** -20)) * torch.logspace(-6, 3, 64)
     exact = (x.double() @ lin.dequantized().double().t()).float()
@@ -249,9 +269,17 @@ def greedy(model, prompt: list[int], n: int = 8) -> list[int]:
     return Generator(model, cfg).run([prompt]).sequences[0]
 
 
+@pytest.mark.parametrize("amx", ["as built", "amx-emulated"])
 @pytest.mark.parametrize("weights", ["q8_0", "q4_0", "native", "native_i16"])
-def test_tiny_model_greedy_output_is_the_old_paths(models, weights):  # noqa: F811
+def test_tiny_model_greedy_output_is_the_old_paths(models, weights, amx, monkeypatch):  # noqa: F811
+    """Through QuantLinear at the level chosen here, and at the amx level's software model (its
+    int8 tiles for q8_0 and q4_0, its bf16 ones for native's fp32 activations)."""
     needs_library()
+    if amx == "amx-emulated":
+        emulate_amx(monkeypatch)
+        if quant_gemm.level() != "amx":
+            pytest.skip(f"CARAMBA_ISA caps the level at {quant_gemm.level()}")
+        assert quant_gemm.f32_available()
     prompt = [(7 * i + 3) % 90 for i in range(40)]    # a 40-token prefill: past KERNEL_ROWS
     new = greedy(models[weights], prompt)
     with quant_gemm.use_level("scalar"):

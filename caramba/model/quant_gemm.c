@@ -57,10 +57,16 @@
 #else
 #define HAVE_VNNI 0
 #endif
-#if HAVE_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__x86_64__)
+#if HAVE_VNNI && defined(__x86_64__) && defined(CARAMBA_AMX_EMULATE)
 #define HAVE_AMX 1
+#define AMX_EMULATED 1   /* a test build: the tile instructions in software (amx_emulate.h) */
+#include "amx_emulate.h"
+#elif HAVE_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__x86_64__)
+#define HAVE_AMX 1
+#define AMX_EMULATED 0
 #else
 #define HAVE_AMX 0
+#define AMX_EMULATED 0
 #endif
 
 #define QK 32
@@ -146,7 +152,7 @@ static int level_usable(int level) {
 #if HAVE_AMX
     case LVL_AMX: {
         static int granted = -1;   /* ask the OS once */
-        if (granted < 0) granted = level_usable(LVL_VNNI) && isa_amx();
+        if (granted < 0) granted = level_usable(LVL_VNNI) && (AMX_EMULATED || isa_amx());
         return granted;
     }
 #endif
@@ -566,11 +572,12 @@ void gemm_f32_ref(int fmt, const float *x, int M, int K, const void *qs, const u
         }
 }
 
-#if HAVE_AMX && defined(__AMX_BF16__)
+#if HAVE_AMX && (defined(__AMX_BF16__) || AMX_EMULATED)
 #define HAVE_AMX_BF16 1
 #define BF_MTILE 16        /* activation rows per tile */
 
 static int amx_bf16_cpu(void) {
+    if (AMX_EMULATED) return 1;
     unsigned a, b, c, d;
     __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
     return (d >> 22) & 1;

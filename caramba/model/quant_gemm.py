@@ -14,6 +14,7 @@ The values multiplied are the ones torch's dequantize-then-matmul path multiplie
     runs('q4_0')       whether that level multiplies the format (q8_0 and q4_0 at every vector level)
     available('amx')   whether this CPU, its OS (AMX's tile state) and the build have a level
     use_level('avx512vnni')   a lower level for a while (tests, A/B timings)
+    amx_emulation      a test build of the library with AMX's tiles modelled in software
     linear(layer, rows)       rows [M, K] fp32 times the layer's weight^T (+ bias), or None
 
 CARAMBA_ISA caps the level as it does the decode kernels' (caramba.model.isa): avx512vnni leaves
@@ -50,6 +51,10 @@ _SIGNATURES = {
     "gemm_q8_runs": ([_I], _I),
 }
 library = kernels.Library(SOURCES, _SIGNATURES, "quantized prefill (int8 GEMM)")
+# a test build whose amx level runs AMX's tile instructions in a software model (amx_emulate.h):
+# its packing, strides and epilogues, checked on an AVX-512 VNNI CPU without AMX (never for speed)
+amx_emulation = kernels.Library(SOURCES, _SIGNATURES, "quantized prefill, AMX modelled in software",
+                                [*kernels.FLAGS, "-DCARAMBA_AMX_EMULATE"])
 
 
 def level() -> str:
