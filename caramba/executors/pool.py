@@ -26,13 +26,13 @@ def core_shares(jobs: int) -> list[list[int]]:
 
 
 def _worker(cores: list[int], tasks, results) -> None:
-    from caramba.executors.signals import SIGNALS, raise_interrupted
+    from caramba.executors.signals import SIGNALS, stop_once
 
     for signum in SIGNALS:   # a hang-up of the terminal, or the driver's terminate(), stops the run as Ctrl-C does
-        signal.signal(signum, raise_interrupted)
+        signal.signal(signum, stop_once)
     # The driver's cancel() sends SIGINT: heard even when the sweep was started with SIGINT ignored
     # (a shell without job control runs background jobs so, and children inherit it).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, stop_once)
     try:
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cores)

@@ -29,6 +29,19 @@ def raise_interrupted(signum: int, frame) -> None:
     raise Interrupted(signum)
 
 
+def stop_once(signum: int, frame) -> None:
+    """A pool worker's handler for every stop signal: the first ends the run (KeyboardInterrupt for
+    SIGINT, else Interrupted); the rest are ignored from then on. Ctrl-C reaches the whole process
+    group and the driver's cancel() sends one more SIGINT: arriving while the run's record was
+    still logging `interrupted` and moving the attempt into place, that second one cut the
+    cleanup short (a record left without its log)."""
+    for each in (signal.SIGINT, *SIGNALS):
+        signal.signal(each, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Interrupted(signum)
+
+
 @contextmanager
 def interrupt_on_signals() -> Iterator[None]:
     """While inside, SIGTERM and SIGHUP raise Interrupted in the main thread (no-op elsewhere:
