@@ -5,8 +5,9 @@
 
    After the pseudocode of Intel's SDM, vol. 2 (LDTILECFG, TILELOADD, TILESTORED, TILEZERO,
    TDPBSSD, TDPBF16PS, TILERELEASE), palette 1: 8 tiles of up to 16 rows of 64 bytes, per thread.
-   Where the hardware faults (#UD: no configuration on this thread, shapes that do not chain, a
-   tile past the palette) the model aborts, so a test sees the crash the CPU would give.
+   Where the hardware faults (#UD or #GP: no configuration on this thread, shapes that do not
+   chain, a tile past the palette, reserved bytes set) the model aborts, so a test sees the crash
+   the CPU would give.
      TILELOADD   rows x colsb bytes, row r from base + r * stride; the rest of the tile zeroed
      TDPBSSD     C[m][n] += sum over k, i < 4 of int8 A[m][4k+i] * int8 B[k][4n+i] (int32, wrapping)
      TDPBF16PS   C[m][n] += A[m][2k] B[k][2n], then += A[m][2k+1] B[k][2n+1] (fp32, each product
@@ -30,7 +31,7 @@ struct amx_emu_state {
 static __thread struct amx_emu_state amx_emu;
 
 static void amx_emu_fault(const char *what, int t) {
-    fprintf(stderr, "amx_emulate: %s (tile %d): the hardware would raise #UD\n", what, t);
+    fprintf(stderr, "amx_emulate: %s (tile %d): the hardware would fault\n", what, t);
     abort();
 }
 
@@ -46,6 +47,8 @@ static void amx_emu_loadconfig(const void *config) {
     memset(&amx_emu, 0, sizeof amx_emu);
     if (c[0] == 0) return;   /* palette 0: the tiles released */
     if (c[0] != 1) amx_emu_fault("a palette other than 1", -1);
+    for (int i = 1; i < 16; i++)
+        if (c[i]) amx_emu_fault("a nonzero start_row or reserved byte", -1);
     for (int t = 0; t < 16; t++) {
         uint16_t colsb;
         memcpy(&colsb, c + 16 + 2 * t, 2);
