@@ -44,6 +44,7 @@
 
 #include <stdlib.h>
 #include <math.h>
+#include <omp.h>
 
 /* The activation codes of the integer products (mode), per 32-block of x [M, K]:
      ACT_Q8:    int8 codes [M, K], scale amax / 127, rounded to nearest (llama.cpp's q8_0 rule);
@@ -164,10 +165,11 @@ static void quantize_block_neon(const float *xb, int mode, int8_t *q8, int16_t *
 }
 #endif
 
-/* All give the same codes and scales (tests/test_isa.py); the library's ISA level picks. */
-static void quantize_rows(const float *x, int M, int K, int mode, void *q, float *d) {
+/* All give the same codes and scales (tests/test_isa.py); the library's ISA level picks. Rows
+   m0 .. m1-1. */
+static void quantize_range(const float *x, int m0, int m1, int K, int mode, void *q, float *d) {
     const int nb = K / QK, width = mode == ACT_SPLIT ? 2 : 1;   /* codes per element */
-    for (int m = 0; m < M; m++)
+    for (int m = m0; m < m1; m++)
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (long)m * K + b * QK;
             int8_t *q8 = (int8_t *)q + (long)m * K + b * QK;
@@ -186,6 +188,22 @@ static void quantize_rows(const float *x, int M, int K, int mode, void *q, float
 #endif
             quantize_block_ref(xb, mode, q8, q16, d + m * nb + b);
         }
+}
+
+/* A prompt's rows (a prefill GEMM's activations) split among the threads: on one thread a
+   [512, 1536] input took 0.11 ms, 13% of its q8_0 layer at two threads. A decode step's few
+   rows stay on the calling thread: an OpenMP region costs ~1 us, and with the loop outlined into
+   it one thread ran 20% slower. */
+static void quantize_rows(const float *x, int M, int K, int mode, void *q, float *d) {
+    if (M < 64 || omp_get_max_threads() < 2 || omp_in_parallel()) {
+        quantize_range(x, 0, M, K, mode, q, d);
+        return;
+    }
+#pragma omp parallel
+    {
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+        quantize_range(x, (int)((long)M * t / n), (int)((long)M * (t + 1) / n), K, mode, q, d);
+    }
 }
 
 /* The codes for tests (the activations the integer products take). */
