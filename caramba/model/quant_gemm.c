@@ -258,15 +258,22 @@ static void pack_activations(const int8_t *xq, const float *xd, int M, int Mp, i
     }
 }
 
+/* Weight rows n0 .. n0+PANEL-1's fp32 scales [PANEL][nb] (0 past N); returns how many rows are
+   live. */
+static int pack_scales(const struct weight *wt, long n0, int N, int nb, float *wdp) {
+    const int rows = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+    for (int i = 0; i < PANEL; i++)
+        for (int b = 0; b < nb; b++) wdp[i * nb + b] = i < rows ? weight_scale(wt, n0 + i, b) : 0.0f;
+    return rows;
+}
+
 /* Weight rows n0 .. n0+PANEL-1 as int8 codes [PANEL][K] (rows past N zero) and their fp32
    scales [PANEL][nb]. unsigned_codes: q8_0 codes + 128 and q4_0 nibbles as they are (vpdpbusd's
    u8 operand); else signed codes (q4_0: q - 8). A full row-major q8_0 panel with signed codes is
    read in place: the returned pointer. row: scratch for one row's code bytes. */
 static const int8_t *pack_weights(int fmt, const struct weight *wt, long n0, int N, int K, int unsigned_codes,
                                   int8_t *panel, uint8_t *row, float *wdp) {
-    const int nb = K / QK, rows = N - n0 < PANEL ? (int)(N - n0) : PANEL;
-    for (int i = 0; i < PANEL; i++)
-        for (int b = 0; b < nb; b++) wdp[i * nb + b] = i < rows ? weight_scale(wt, n0 + i, b) : 0.0f;
+    const int nb = K / QK, rows = pack_scales(wt, n0, N, nb, wdp);
     if (fmt == FMT_Q8_0 && !unsigned_codes && rows == PANEL && !wt->x16) return (const int8_t *)weight_unit(wt, n0, 0);
     memset(panel, 0, (size_t)PANEL * K);
     const __m256i nib = _mm256_set1_epi8(15), flip = _mm256_set1_epi8(unsigned_codes ? (char)0x80 : 0);
@@ -293,9 +300,7 @@ static const int8_t *pack_weights(int fmt, const struct weight *wt, long n0, int
    scales and scratch row as pack_weights. */
 static const int16_t *pack_weights_wide(const struct weight *wt, long n0, int N, int K, int16_t *panel, uint8_t *row,
                                         float *wdp) {
-    const int nb = K / QK, rows = N - n0 < PANEL ? (int)(N - n0) : PANEL;
-    for (int i = 0; i < PANEL; i++)
-        for (int b = 0; b < nb; b++) wdp[i * nb + b] = i < rows ? weight_scale(wt, n0 + i, b) : 0.0f;
+    const int nb = K / QK, rows = pack_scales(wt, n0, N, nb, wdp);
     memset(panel, 0, (size_t)PANEL * K * sizeof(int16_t));
     for (int i = 0; i < rows; i++) {
         weight_row(wt, n0 + i, row);
