@@ -49,6 +49,8 @@ VARIANTS = {
     # Trained sliding windows shorter than the test prompts (24 tokens), so the window binds.
     "mistral-sliding": ("mistral", dict(sliding_window=8)),
     "qwen2-sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),
+    # Only the layers from max_window_layers on slide: a hybrid model (ModelConfig.layer_types).
+    "qwen2-hybrid": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
 }
 
 
@@ -276,12 +278,10 @@ def mistral_dict(**kw) -> dict:
     (lambda: gpt2_dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
     (lambda: gpt2_dict(scale_attn_weights=False), "scale_attn_weights"),
     (lambda: gpt2_dict(activation_function="relu"), "activation_function 'relu'.*supported: gelu_new"),
-    (lambda: qwen2_dict(use_sliding_window=True, sliding_window=64, max_window_layers=2),
-     "sliding_window=64 is used by some layers"),
     (lambda: {**qwen2_dict(), "model_type": "llama", "mlp_bias": True}, "mlp_bias"),
     (lambda: {**qwen2_dict(), "model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    (lambda: {**qwen2_dict(), "model_type": "falcon"}, "supported: llama, mistral, qwen2, gpt2"),
-], ids=["gpt2-layer-idx-scale", "gpt2-unscaled", "gpt2-relu", "qwen2-some-layers-slide",
+    (lambda: {**qwen2_dict(), "model_type": "falcon"}, "supported: llama, mistral, qwen2, qwen3, phi3"),
+], ids=["gpt2-layer-idx-scale", "gpt2-unscaled", "gpt2-relu",
         "llama-mlp-bias", "llama-gelu", "unknown-family"])
 def test_configs_that_would_compute_a_different_model_are_rejected(hf, message):
     with pytest.raises(ValueError, match=message):

@@ -232,6 +232,15 @@ class KVCache:
         span = narrowest(self.window if window is None else window, model_window)
         return attention_mask(B, T, start, slot_mask, device, span, self.key_slots(start + T))
 
+    def layer_masks(self, B: int, T: int, slot_mask: torch.Tensor | None, device: torch.device,
+                    window: int | None, layer_windows: list[int | None]) -> list[tuple[torch.Tensor | None, bool]]:
+        """attention_mask per layer, each with its own trained window (layer_windows[i]: a hybrid
+        model's sliding layers have one, its full layers none); built once per distinct window."""
+        built: dict[int | None, tuple[torch.Tensor | None, bool]] = {}
+        for w in dict.fromkeys(layer_windows):
+            built[w] = self.attention_mask(B, T, slot_mask, device, window, w)
+        return [built[w] for w in layer_windows]
+
     @property
     def length(self) -> int:
         return self.layers[0].length

@@ -104,4 +104,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out
 
 
-__all__ = ["BLOCK", "MIN_CHUNK", "MIN_TOKENS", "attention", "blocked_applies", "causal_offset"]
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         causal: bool, cap: float) -> torch.Tensor:
+    """attention() with the scores soft-capped before the softmax, cap * tanh(scores / cap)
+    (Gemma 2), which no fused SDPA kernel computes: the scores are materialized, as in HF's eager
+    attention, and the softmax runs in float32."""
+    B, H, T, D = q.shape
+    rep = H // k.shape[1]
+    keys, values = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ keys.transpose(-1, -2)) * D ** -0.5
+    scores = torch.tanh(scores / cap) * cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif causal:
+        S = k.shape[2]
+        scores = scores.masked_fill(torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T).logical_not(),
+                                    float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
+
+
+__all__ = ["BLOCK", "MIN_CHUNK", "MIN_TOKENS", "attention", "blocked_applies", "causal_offset", "softcapped_attention"]

@@ -1,4 +1,5 @@
-"""The one config that describes a Llama-family decoder."""
+"""The one config that describes a decoder: Llama and the families that differ from it in parts
+(GPT-2, Qwen2/3, Mistral, Phi-3, OLMo 2, Gemma 2/3), each part a field, never a forked model."""
 
 from __future__ import annotations
 
@@ -25,13 +26,26 @@ class ModelConfig:
     qkv_bias: bool = False         # Qwen2-style checkpoints carry q/k/v biases
     # Family variations (defaults: Llama). GPT-2: "layer", "gelu_tanh", "learned", both biases.
     norm: str = "rms"              # "rms" (RMSNorm) | "layer" (LayerNorm with bias)
-    mlp: str = "swiglu"            # "swiglu" | "gelu_tanh" | "gelu" (fc -> GELU -> proj)
+    mlp: str = "swiglu"            # "swiglu" | "geglu" (gate through tanh GELU: Gemma) | "gelu_tanh" | "gelu" (fc -> GELU -> proj)
     positions: str = "rope"        # "rope" | "learned" (a table of max_position_embeddings rows)
     out_bias: bool = False         # bias on the attention output projection
     mlp_bias: bool = False         # biases on the GELU MLP's fc and proj
     # Trained sliding-window attention (Mistral; Qwen2 when every layer slides): each query sees
     # the newest `sliding_window` slots up to its own, in every layer. None: full attention.
     sliding_window: int | None = None
+    # Hybrid attention (Gemma 2/3): per layer "sliding" (the window above) or "full". None: every
+    # layer alike (sliding_window, if set, binds in all of them).
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None   # RoPE base of the sliding layers (Gemma 3: 1e4); None: rope_theta
+    # Parts of the newer families, each off by default (Llama):
+    qk_norm: str | None = None     # RMSNorm of queries and keys before RoPE: "head" (per head: Qwen3,
+                                   # Gemma 3) or "projection" (over all heads' width: OLMo 2)
+    pre_norms: bool = True         # norm before attention and MLP (OLMo 2 has none)
+    post_norms: bool = False       # norm of the attention and MLP outputs before the residual (Gemma, OLMo 2)
+    embed_scale: float | None = None    # embeddings times this (Gemma: sqrt(dim), in the model's dtype)
+    attn_scale: float | None = None     # scores' scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None   # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits (Gemma 2)
     # "standard" or "decoupled" (DBA, caramba.model.decoupled): per head, a semantic query/key
     # path of sem_dim without RoPE plus a geometric one of geo_dim with RoPE; values stay head_dim.
     attention: str = "standard"
@@ -45,14 +59,36 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         _check_attention(self)
-        for name, allowed in (("norm", ("rms", "layer")), ("mlp", ("swiglu", "gelu_tanh", "gelu")),
-                              ("positions", ("rope", "learned"))):
+        for name, allowed in (("norm", ("rms", "layer")), ("mlp", ("swiglu", "geglu", "gelu_tanh", "gelu")),
+                              ("positions", ("rope", "learned")), ("qk_norm", (None, "head", "projection"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: use one of {', '.join(allowed)}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"ModelConfig.sliding_window={self.sliding_window} must be >= 1 or None")
-        if self.mlp_bias and self.mlp == "swiglu":
-            raise ValueError("ModelConfig.mlp_bias needs a GELU mlp (the fused SwiGLU projection has no bias)")
+        if self.mlp_bias and self.mlp in ("swiglu", "geglu"):
+            raise ValueError("ModelConfig.mlp_bias needs a GELU mlp (the fused gate|up projection has no bias)")
+        _check_hybrid(self)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends within sliding_window (every layer does when layer_types is None)."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding"
+
+    def layer_window(self, layer: int) -> int | None:
+        """The trained window that binds in `layer` (None: full attention)."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    @property
+    def hybrid(self) -> bool:
+        """Sliding and full layers side by side: masks, RoPE tables and cache rings differ per layer type."""
+        return self.sliding_window is not None and self.layer_types is not None \
+            and len(set(self.layer_types)) > 1
+
+    @property
+    def score_scale(self) -> float:
+        """The attention scores' scale: attn_scale, or 1 / sqrt(head_dim)."""
+        return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -63,7 +99,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """From a transformers config.json (Llama, Mistral, Qwen2 and GPT-2 families).
+        """From a transformers config.json (Llama, Mistral, Qwen2/3, Phi-3, OLMo 2, Gemma 2/3 and GPT-2).
 
         Settings this model cannot compute exactly (a sliding window that can bind, GPT-2's
         per-layer attention scaling, ...) raise ValueError rather than load a different model."""
@@ -72,23 +108,21 @@ class ModelConfig:
         arch = hf.get("model_type", "llama")
         if arch == "gpt2":
             return cls(**_gpt2_fields(hf))
-        if arch not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"model_type {arch!r} is not supported (supported: llama, mistral, qwen2, gpt2)")
+        if arch in ("gemma2", "gemma3", "gemma3_text"):
+            return cls(**_gemma_fields(arch, hf))
+        if arch not in LLAMA_LIKE:
+            raise ValueError(f"model_type {arch!r} is not supported (supported: {', '.join(SUPPORTED_HF)})")
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
             _hf_size(hf, key)
         for key in ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window"):
             if hf.get(key) is not None:
                 _hf_size(hf, key)
-        window = _check_llama_family(arch, hf)
+        window, layer_types = _check_llama_family(arch, hf)
         n_heads = hf["num_attention_heads"]
         dim = hf["hidden_size"]
-        scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
-        if scaling is not None:
-            scaling = dict(scaling)
-            scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
-            if scaling["rope_type"] == "default":
-                scaling = None
-        theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        scaling, theta = _hf_rope(hf.get("rope_scaling") or hf.get("rope_parameters"), hf.get("rope_theta"))
+        if (scaling or {}).get("partial_rotary_factor", 1.0) != 1.0 or hf.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor < 1 is not supported (caramba rotates every pair of a head)")
         return cls(
             vocab_size=hf["vocab_size"],
             dim=dim,
@@ -103,10 +137,87 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("attention_bias", arch == "qwen2")),
-            out_bias=arch == "llama" and bool(hf.get("attention_bias", False)),  # Llama's biases q, k, v and o
+            # Llama, Qwen3 and OLMo 2 bias q, k, v and o alike
+            out_bias=arch in ("llama", "qwen3", "olmo2") and bool(hf.get("attention_bias", False)),
             sliding_window=window,
+            layer_types=layer_types,
+            qk_norm={"qwen3": "head", "olmo2": "projection"}.get(arch),
+            pre_norms=arch != "olmo2",
+            post_norms=arch == "olmo2",
             name=arch,
         )
+
+
+# Families whose config.json reads like Llama's (with the parts from_hf names per family).
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
+SUPPORTED_HF = (*LLAMA_LIKE, "gemma2", "gemma3", "gemma3_text", "gpt2")
+
+
+def _hf_rope(params: dict | None, theta: Any) -> tuple[dict | None, float]:
+    """(rope_scaling or None, rope_theta) from config.json's rope_scaling / rope_parameters."""
+    scaling = None
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ValueError(f"rope_scaling / rope_parameters must be an object, not {params!r}")
+        scaling = dict(params)
+        scaling["rope_type"] = scaling.pop("rope_type", scaling.pop("type", "default"))
+        own = scaling.pop("rope_theta", None)
+        theta = theta if theta is not None else own
+        if scaling["rope_type"] not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope type {scaling['rope_type']!r} is not supported (supported: default, linear, llama3)")
+        if scaling["rope_type"] == "default" and scaling.get("partial_rotary_factor", 1.0) == 1.0:
+            scaling = None
+    return scaling, _hf_float(theta if theta is not None else 10000.0, "rope_theta")
+
+
+def _gemma_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 and 3: (1 + w) RMSNorms (folded into the weights when they load: state_dict), four
+    norms per layer, GeGLU, scaled embeddings, the query pre-attention scalar, sliding and full
+    layers side by side (Gemma 3: each with its own RoPE base; QK-norm), Gemma 2's soft-capping."""
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        _hf_size(hf, key)
+    for key in ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window"):
+        if hf.get(key) is not None:
+            _hf_size(hf, key)
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if GELU_ACTIVATIONS.get(act) != "gelu_tanh":
+        raise ValueError(f"hidden_activation {act!r} is not supported for {arch} (its MLP is GeGLU with tanh GELU)")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention: true is not supported (caramba decodes causally)")
+    n, dim, n_heads = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
+    gemma3 = arch != "gemma2"
+    layer_types = hf.get("layer_types")
+    if layer_types is None:   # transformers' defaults: Gemma 2 alternates, Gemma 3 has every 6th layer full
+        every = 2 if not gemma3 else int(hf.get("sliding_window_pattern") or 6)
+        layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    if not isinstance(layer_types, list) or len(layer_types) != n \
+            or not set(layer_types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must list sliding_attention / full_attention for each of the {n} layers")
+    params = hf.get("rope_parameters") or {}
+    full = params.get("full_attention", params) if isinstance(params, dict) else params
+    local = params.get("sliding_attention", {}) if isinstance(params, dict) else {}
+    scaling, theta = _hf_rope(full if full else hf.get("rope_scaling"), hf.get("rope_theta") or (1e6 if gemma3 else None))
+    local_scaling, local_theta = _hf_rope(local or None, hf.get("rope_local_base_freq") or (1e4 if gemma3 else theta))
+    if local_scaling is not None:
+        raise ValueError("rope scaling of the sliding layers is not supported (only of the full ones)")
+    window = hf.get("sliding_window")
+    soft = {k: _hf_float(hf[k], k) if hf.get(k) is not None else None
+            for k in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")}
+    head_dim = hf.get("head_dim") or dim // n_heads
+    return dict(
+        vocab_size=hf["vocab_size"], dim=dim, n_layers=n, n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads, head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta, rope_scaling=scaling, max_position_embeddings=hf.get("max_position_embeddings", 8192),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), qkv_bias=bool(hf.get("attention_bias", False)),
+        out_bias=bool(hf.get("attention_bias", False)), mlp="geglu", sliding_window=window,
+        layer_types=None if window is None else ["sliding" if t == "sliding_attention" else "full" for t in layer_types],
+        rope_local_theta=local_theta if gemma3 and local_theta != theta else None,
+        qk_norm="head" if gemma3 else None, post_norms=True, embed_scale=float(dim) ** 0.5,
+        attn_scale=(soft["query_pre_attn_scalar"] or head_dim) ** -0.5,
+        attn_softcap=soft["attn_logit_softcapping"], final_softcap=soft["final_logit_softcapping"],
+        name="gemma2" if not gemma3 else "gemma3",
+    )
 
 
 # HF activation names -> ModelConfig.mlp. The tanh forms (gelu_new is GPT-2's) are one function.
@@ -116,33 +227,33 @@ GELU_ACTIVATIONS = {
 }
 
 
-def _check_llama_family(arch: str, hf: dict[str, Any]) -> int | None:
-    """Refuse what caramba would compute differently; return the sliding window every layer uses
-    (None: full attention, or a window no position can reach past)."""
+def _check_llama_family(arch: str, hf: dict[str, Any]) -> tuple[int | None, list[str] | None]:
+    """Refuse what caramba would compute differently; return the sliding window and, where only
+    some layers slide (Qwen2/3 from max_window_layers on), each layer's type (None: all alike)."""
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"hidden_act {act!r} is not supported for {arch} (its MLP is SwiGLU: silu)")
     if hf.get("mlp_bias"):
         raise ValueError("mlp_bias: true is not supported (the fused gate|up projection has no bias)")
-    # Qwen2 / Mistral sliding-window layers attend to the last `sliding_window` keys only; with
-    # full attention that is the same model only while no position can reach past the window.
+    # Sliding-window layers attend to the last `sliding_window` keys only; with full attention that
+    # is the same model only while no position can reach past the window.
     window = hf.get("sliding_window")
-    if arch == "qwen2" and not hf.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
         window = None
     if window is None or window >= hf.get("max_position_embeddings", 2048):
-        return None
+        return None, None
     layer_types = hf.get("layer_types")
-    if layer_types is None:  # Qwen2 slides from max_window_layers on, Mistral everywhere
-        first = hf.get("max_window_layers", 0) if arch == "qwen2" else 0
+    if layer_types is None:  # Qwen2/3 slide from max_window_layers on, Mistral and Phi-3 everywhere
+        first = hf.get("max_window_layers", 0) if arch in ("qwen2", "qwen3") else 0
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(hf["num_hidden_layers"])]
+    if not isinstance(layer_types, list) or len(layer_types) != hf["num_hidden_layers"] \
+            or not set(layer_types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError("layer_types must list sliding_attention / full_attention for every layer")
     if "sliding_attention" not in layer_types:
-        return None
-    if "full_attention" in layer_types:
-        raise ValueError(f"sliding_window={window} is used by some layers of this {arch} model and not by others; "
-                         "caramba applies one window to every layer, so it would compute a different model past "
-                         f"{window} tokens. Set use_sliding_window: false (or sliding_window: null) in config.json "
-                         "if the model was trained without it.")
-    return int(window)
+        return None, None
+    if "full_attention" not in layer_types:
+        return int(window), None
+    return int(window), ["sliding" if t == "sliding_attention" else "full" for t in layer_types]
 
 
 def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -171,6 +282,25 @@ def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)), qkv_bias=True, out_bias=True, mlp_bias=True,
         norm="layer", mlp=GELU_ACTIVATIONS[act], positions="learned", name="gpt2",
     )
+
+
+def _check_hybrid(cfg: ModelConfig) -> None:
+    """Per-layer attention types, their RoPE base and the remaining scalar parts."""
+    if cfg.layer_types is not None:
+        if not isinstance(cfg.layer_types, list) or len(cfg.layer_types) != cfg.n_layers \
+                or not set(cfg.layer_types) <= {"sliding", "full"}:
+            raise ValueError(f"ModelConfig.layer_types must list 'sliding' or 'full' for each of the {cfg.n_layers} layers")
+        if cfg.sliding_window is None:
+            raise ValueError("ModelConfig.layer_types needs a sliding_window for its sliding layers")
+    if cfg.rope_local_theta is not None and cfg.layer_types is None:
+        raise ValueError("ModelConfig.rope_local_theta is the sliding layers' RoPE base: it needs layer_types")
+    for name in ("rope_local_theta", "embed_scale", "attn_scale", "attn_softcap", "final_softcap"):
+        value = getattr(cfg, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"ModelConfig.{name}={value!r} must be a finite number > 0 or None")
+    if (cfg.qk_norm or cfg.post_norms or not cfg.pre_norms) and cfg.norm != "rms":
+        raise ValueError("ModelConfig.qk_norm / post_norms / pre_norms: false go with norm: rms")
 
 
 def _check_attention(cfg: ModelConfig) -> None:

@@ -12,5 +12,8 @@ void add_rms_norm(const float *x, const float *h, const float *w, float *s, floa
    silu_mul_ref is the portable reference (libm's expf), what a build without AVX2 runs. */
 void silu_mul(const float *gu, float *y, long rows, int hidden);
 void silu_mul_ref(const float *gu, float *y, long rows, int hidden);
+/* y = gelu_tanh(g) * u (GeGLU: Gemma), the same way. */
+void gelu_mul(const float *gu, float *y, long rows, int hidden);
+void gelu_mul_ref(const float *gu, float *y, long rows, int hidden);
 
 #endif

@@ -129,6 +129,14 @@ class _Plan:
         self.keep = keep + head[1] + [model.norm.weight]   # the pointers stay valid while the plan lives
 
 
+def _llama_parts(cfg) -> bool:
+    """Whether the model has none of the newer families' parts decode_step.c does not compute yet
+    (QK-norm, post-norms, scaled scores or embeddings are done outside it, soft caps, hybrid layers)."""
+    return (cfg.qk_norm is None and cfg.pre_norms and not cfg.post_norms and cfg.attn_softcap is None
+            and cfg.final_softcap is None and cfg.score_scale == cfg.head_dim ** -0.5 and not cfg.hybrid
+            and cfg.rope_local_theta is None)
+
+
 class _NoKernel(Exception):
     pass
 
@@ -136,6 +144,8 @@ class _NoKernel(Exception):
 def model_applies(model) -> bool:
     """Whether the model's architecture is one decode_step.c computes (not its weights' formats)."""
     cfg = model.config
+    if not _llama_parts(cfg):
+        return False
     if (cfg.norm, cfg.mlp, cfg.positions, cfg.attention) != ("rms", "swiglu", "rope", "standard") \
             or model.dtype != torch.float32 or model.device.type != "cpu" or cfg.head_dim > 512 \
             or cfg.n_heads // cfg.n_kv_heads > 64:

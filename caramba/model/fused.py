@@ -24,6 +24,8 @@ _SIGNATURES = {
     "add_rms_norm": ([_P] * 5 + [_L, _I, _F], None),
     "silu_mul": ([_P] * 2 + [_L, _I], None),
     "silu_mul_ref": ([_P] * 2 + [_L, _I], None),   # the portable reference, for tests
+    "gelu_mul": ([_P] * 2 + [_L, _I], None),
+    "gelu_mul_ref": ([_P] * 2 + [_L, _I], None),
 }
 # library(): the loaded elementwise kernels, or None.
 library = kernels.Library(SOURCE, _SIGNATURES, "decode steps run elementwise ops")
@@ -59,4 +61,11 @@ def silu_mul(gu: torch.Tensor, hidden: int) -> torch.Tensor:
     """silu(gu[..., :hidden]) * gu[..., hidden:]."""
     y = torch.empty(*gu.shape[:-1], hidden, dtype=gu.dtype)
     library().silu_mul(gu.data_ptr(), y.data_ptr(), gu.numel() // gu.shape[-1], hidden)
+    return y
+
+
+def gelu_mul(gu: torch.Tensor, hidden: int) -> torch.Tensor:
+    """gelu_tanh(gu[..., :hidden]) * gu[..., hidden:] (GeGLU)."""
+    y = torch.empty(*gu.shape[:-1], hidden, dtype=gu.dtype)
+    library().gelu_mul(gu.data_ptr(), y.data_ptr(), gu.numel() // gu.shape[-1], hidden)
     return y

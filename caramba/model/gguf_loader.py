@@ -1,8 +1,12 @@
-"""Read a Llama/Qwen2 GGUF file (llama.cpp's format) with ggml-org's `gguf` reader.
+"""Read a Llama, Qwen2 or Gemma 3 GGUF file (llama.cpp's format) with ggml-org's `gguf` reader.
 
 Quantized tensors are dequantized to float32. llama.cpp's converter permutes the rows of
 attn_q/attn_k for Llama models (to its interleaved rotary layout); we undo that so the
-weights match HF's half-rotation RoPE.
+weights match HF's half-rotation RoPE. For Gemma it stores every norm's weight as 1 + w; we
+subtract 1 as HF's GGUF loader does (the state dict adds it back, caramba.model.state_dict), so
+both compute the same floats. What a Gemma 3 file leaves out (its sliding-layer pattern, the
+sliding layers' RoPE base, the query scale) takes transformers' Gemma3TextConfig defaults, as HF
+and llama.cpp do.
 """
 
 from __future__ import annotations
@@ -15,13 +19,17 @@ import torch
 
 from caramba.model.config import ModelConfig
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+# Gemma's norms: four per layer (ffn_norm is the MLP's pre-norm there) and QK-norm.
+_GEMMA_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -62,6 +70,8 @@ def config_from_gguf(reader) -> ModelConfig:
     if vocab is None:
         raise ValueError(f"GGUF metadata lacks '{arch}.vocab_size' and 'tokenizer.ggml.tokens'")
     names = {t.name for t in reader.tensors}
+    if arch == "gemma3":
+        return _gemma3_config(reader, size, req, int(vocab), names)
     scaling = None
     if field(reader, f"{arch}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
@@ -86,11 +96,31 @@ def config_from_gguf(reader) -> ModelConfig:
     )
 
 
-def hf_name(gguf_name: str) -> str | None:
+def _gemma3_config(reader, size, req, vocab: int, names: set[str]) -> ModelConfig:
+    """Gemma 3 from its GGUF metadata, through the same fields as its config.json (ModelConfig.from_hf)."""
+    from caramba.model.config import _gemma_fields
+
+    hf = {"vocab_size": vocab, "hidden_size": size("embedding_length"), "num_hidden_layers": size("block_count"),
+          "num_attention_heads": size("attention.head_count"), "intermediate_size": size("feed_forward_length"),
+          "num_key_value_heads": size("attention.head_count_kv", size("attention.head_count")),
+          "head_dim": size("attention.key_length"), "rms_norm_eps": float(req("attention.layer_norm_rms_epsilon")),
+          "rope_theta": float(field(reader, "gemma3.rope.freq_base", 1e6)),
+          "max_position_embeddings": int(field(reader, "gemma3.context_length", 32768)),
+          "sliding_window": size("attention.sliding_window", 4096),
+          "query_pre_attn_scalar": 256,   # Gemma3TextConfig's default: the file does not say
+          "tie_word_embeddings": "output.weight" not in names}
+    try:
+        return ModelConfig(**_gemma_fields("gemma3", hf))
+    except KeyError as e:
+        raise ValueError(f"GGUF metadata lacks {e}") from None
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None: not a model tensor)."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    layer_names = _GEMMA_NAMES if arch == "gemma3" else _LAYER_NAMES
+    if parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if parts[0] in _TOP_NAMES:
         return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
     return None
@@ -108,7 +138,7 @@ def read_gguf_tensors(reader, cfg: ModelConfig, on_tensor: Callable[[str], None]
 
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.name)
         if name is None:
             continue
         try:
@@ -120,6 +150,8 @@ def read_gguf_tensors(reader, cfg: ModelConfig, on_tensor: Callable[[str], None]
             w = unpermute_rows(w, cfg.n_heads)
         elif cfg.name == "llama" and ".k_proj." in name:
             w = unpermute_rows(w, cfg.n_kv_heads)
+        elif cfg.name == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1   # the file's 1 + w, back to HF's w
         out[name] = w
         if on_tensor is not None:
             on_tensor(t.name)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from caramba.cache import LayerKVCache
-from caramba.cache.sdpa import attention
+from caramba.cache.sdpa import attention, softcapped_attention
 from caramba.model import fused
 from caramba.gemm import dense, linear
 from caramba.model.config import ModelConfig
@@ -39,20 +39,45 @@ class Attention(nn.Module):
         self.q_width, self.kv_width = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.wqkv = nn.Linear(cfg.dim, self.q_width + 2 * self.kv_width, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.q_width, cfg.dim, bias=cfg.out_bias)
+        # QK-norm (Qwen3, Gemma 3: per head; OLMo 2: over the projection's width), before RoPE.
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm is not None:
+            q_dim, k_dim = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (self.q_width, self.kv_width)
+            self.q_norm, self.k_norm = RMSNorm(q_dim, cfg.norm_eps), RMSNorm(k_dim, cfg.norm_eps)
+        # Attention computes scores at head_dim ** -0.5; another scale (Gemma's query_pre_attn_scalar)
+        # is folded into the queries: q . k * s == (q * s sqrt(D)) . k * D ** -0.5.
+        factor = cfg.score_scale * cfg.head_dim ** 0.5
+        self.q_factor = None if factor == 1.0 else factor
+        self.softcap = cfg.attn_softcap
 
     def forward(self, x, cos, sin, cache: LayerKVCache | None, mask: torch.Tensor | None, causal: bool):
         B, T, _ = x.shape
-        qkv = linear(self.wqkv, x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if cos is None:  # learned absolute positions (GPT-2), already in x: nothing to rotate
-            q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
-        else:
-            qk = apply_rope(qkv[:, : self.n_heads + self.n_kv_heads], cos, sin)  # q and k heads in one go
-            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)             # [B, H, T, D], [B, KVH, T, D]
-            v = qkv[:, self.n_heads + self.n_kv_heads :]                        # [B, KVH, T, D]
+        qkv = linear(self.wqkv, x)
+        if self.qk_norm == "projection":
+            q, k, v = qkv.split([self.q_width, self.kv_width, self.kv_width], dim=-1)
+            qkv = torch.cat([self.q_norm(q.contiguous()), self.k_norm(k.contiguous()), v], dim=-1)
+        qkv = qkv.view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos is not None:  # learned absolute positions (GPT-2) are already in x: nothing to rotate
+            if self.qk_norm == "head":
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            else:
+                qk = apply_rope(qkv[:, : self.n_heads + self.n_kv_heads], cos, sin)  # q and k heads in one go
+                q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)             # [B, H, T, D], [B, KVH, T, D]
+        if self.q_factor is not None:
+            q = q * self.q_factor
         if cache is not None:
             if cache.observer is not None:   # a press watching the context prefill (caramba.press.observe)
                 cache.observer(q, k, v, cos, sin, mask, causal)
-            y = cache.attend(q, k, v, mask, causal)                        # appends k, v; reads [0, S)
+            if self.softcap is not None:     # scores capped before the softmax: no fused kernel computes that
+                keys, values = cache.update(k, v)
+                y = softcapped_attention(q, keys, values, mask, causal, self.softcap)
+            else:
+                y = cache.attend(q, k, v, mask, causal)                    # appends k, v; reads [0, S)
+        elif self.softcap is not None:
+            y = softcapped_attention(q, k, v, mask, causal, self.softcap)
         else:
             y = attention(q, k, v, mask, causal)
         return linear(self.wo, y.transpose(1, 2).reshape(B, T, self.q_width))
@@ -75,18 +100,21 @@ class InputMajorLinear(nn.Module):
 
 
 class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (act = SiLU) or GeGLU (tanh GELU: Gemma)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.hidden = cfg.intermediate_size
+        self.gelu = cfg.mlp == "geglu"
         self.w13 = InputMajorLinear(cfg.dim, 2 * cfg.intermediate_size)  # gate | up
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)       # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.w13(x)
         if fused.applies(gu):
-            return linear(self.w2, fused.silu_mul(gu, self.hidden))
+            return linear(self.w2, (fused.gelu_mul if self.gelu else fused.silu_mul)(gu, self.hidden))
         gate, up = gu.split(self.hidden, dim=-1)
-        return linear(self.w2, F.silu(gate) * up)
+        return linear(self.w2, (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class BiasedInputMajorLinear(InputMajorLinear):

@@ -9,10 +9,12 @@ import torch
 from caramba.model.config import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """The rotary frequencies; local: a hybrid model's sliding layers' (rope_local_theta, unscaled)."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = cfg.rope_scaling or {}
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta is not None else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = {} if local else cfg.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "default":
         return inv_freq
@@ -41,8 +43,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 class RotaryTable:
     """cos/sin for every position up to max_positions, computed once in float32."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str = "cpu") -> None:
-        inv_freq = rope_inv_freq(cfg).to(device)
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str = "cpu",
+                 local: bool = False) -> None:
+        inv_freq = rope_inv_freq(cfg, local).to(device)
         freqs = torch.arange(max_positions, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, head_dim]
         self.cos = emb.cos()

@@ -34,24 +34,52 @@ class _Taker:
         return self.hf.get(name)
 
 
+# HF's per-layer norm names -> this model's, by which norms a family has (ModelConfig.pre_norms,
+# post_norms): Llama's second norm is the MLP's pre-norm; Gemma's and OLMo 2's is the attention's post-norm.
+_NORMS = {
+    (True, False): {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"},
+    (True, True): {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attn_norm",
+                   "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "post_mlp_norm"},
+    (False, True): {"post_attention_layernorm": "post_attn_norm", "post_feedforward_layernorm": "post_mlp_norm"},
+}
+
+
 def _llama(take: _Taker, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Llama and the families named like it (Mistral, Qwen2/3, Phi-3's fused projections, OLMo 2, Gemma)."""
     embed = take("model.embed_tokens.weight")
-    out: dict[str, torch.Tensor] = {"norm.weight": take("model.norm.weight")}
+    norm = _gemma_norm if cfg.name in GEMMA else (lambda w: w)
+    out: dict[str, torch.Tensor] = {"norm.weight": norm(take("model.norm.weight"))}
     _embeddings(out, take, cfg, embed)
+    fused_qkv = cfg.name == "phi3"
     for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-        out[f"layers.{i}.attn.wqkv.weight"] = _cat(qkv)
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        if fused_qkv:
+            out[o + "attn.wqkv.weight"] = take(p + "self_attn.qkv_proj.weight")
+            out[o + "mlp.w13.weight_t"] = _t(take(p + "mlp.gate_up_proj.weight"))   # gate | up, as w13
+        else:
+            out[o + "attn.wqkv.weight"] = _cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            out[o + "mlp.w13.weight_t"] = _t(_cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
         if cfg.qkv_bias:
-            out[f"layers.{i}.attn.wqkv.bias"] = _cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-        out[f"layers.{i}.attn.wo.weight"] = take(p + "self_attn.o_proj.weight")
+            out[o + "attn.wqkv.bias"] = _cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        out[o + "attn.wo.weight"] = take(p + "self_attn.o_proj.weight")
         if cfg.out_bias:
-            out[f"layers.{i}.attn.wo.bias"] = take(p + "self_attn.o_proj.bias")
-        out[f"layers.{i}.mlp.w13.weight_t"] = _t(_cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-        out[f"layers.{i}.mlp.w2.weight"] = take(p + "mlp.down_proj.weight")
-        out[f"layers.{i}.attn_norm.weight"] = take(p + "input_layernorm.weight")
-        out[f"layers.{i}.mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
+            out[o + "attn.wo.bias"] = take(p + "self_attn.o_proj.bias")
+        out[o + "mlp.w2.weight"] = take(p + "mlp.down_proj.weight")
+        for hf_norm, name in _NORMS[(cfg.pre_norms, cfg.post_norms)].items():
+            out[f"{o}{name}.weight"] = norm(take(f"{p}{hf_norm}.weight"))
+        if cfg.qk_norm is not None:
+            for n in "qk":
+                out[f"{o}attn.{n}_norm.weight"] = norm(take(f"{p}self_attn.{n}_norm.weight"))
     return out
+
+
+GEMMA = ("gemma2", "gemma3")
+
+
+def _gemma_norm(w: torch.Tensor | None) -> torch.Tensor | None:
+    """Gemma's RMSNorm scales by (1 + w): folded here, so the model's RMSNorm is Llama's. In float32,
+    as HF's Gemma RMSNorm computes 1 + w, whatever the weights' dtype."""
+    return None if w is None else 1.0 + w.float()
 
 
 def _gpt2(take: _Taker, cfg: ModelConfig) -> dict[str, torch.Tensor]:

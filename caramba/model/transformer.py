@@ -1,5 +1,7 @@
 """A Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU. The config swaps in
-GPT-2's parts (LayerNorm, learned absolute positions, a GELU MLP, biases) where a family needs them.
+other families' parts where they need them: GPT-2's (LayerNorm, learned absolute positions, a GELU
+MLP, biases), QK-norm and post-norms (Qwen3, OLMo 2), Gemma's (GeGLU, scaled embeddings, soft caps,
+sliding and full layers side by side, each with its own mask and RoPE base).
 
 One forward serves prefill, single-token decode and multi-token verify: token ids, their
 positions and the cache go in, logits come out. Projections are fused (q|k|v and gate|up)
@@ -21,21 +23,31 @@ from caramba.model.rope import RotaryTable
 
 
 class Block(nn.Module):
+    """attn and MLP, each with its residual: x + post(f(pre(x))). Llama norms before each (pre), OLMo 2
+    after each (post), Gemma both; a missing norm is nn.Identity."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.attn_norm = make_norm(cfg)
+        self.attn_norm = make_norm(cfg) if cfg.pre_norms else nn.Identity()
         self.attn = (DecoupledAttention if cfg.attention == "decoupled" else Attention)(cfg)
-        self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg) if cfg.mlp == "swiglu" else GeluMLP(cfg)
+        self.mlp_norm = make_norm(cfg) if cfg.pre_norms else nn.Identity()
+        self.mlp = MLP(cfg) if cfg.mlp in ("swiglu", "geglu") else GeluMLP(cfg)
+        self.post_norms = cfg.post_norms
+        if cfg.post_norms:
+            self.post_attn_norm, self.post_mlp_norm = make_norm(cfg), make_norm(cfg)
 
     def forward(self, x, cos, sin, cache, mask, causal):
         h = self.attn(self.attn_norm(x), cos, sin, cache, mask, causal)
+        if self.post_norms:
+            h = self.post_attn_norm(h)
         norm = self.mlp_norm
         if isinstance(norm, RMSNorm) and fused.applies(x) and h.is_contiguous() and norm.weight.dtype == torch.float32:
             x, normed = fused.add_rms_norm(x, h, norm.weight, norm.eps)   # residual + norm in one pass
-            return x + self.mlp(normed)
-        x = x + h
-        return x + self.mlp(norm(x))
+        else:
+            x = x + h
+            normed = norm(x)
+        h = self.mlp(normed)
+        return x + (self.post_mlp_norm(h) if self.post_norms else h)
 
 
 class Transformer(nn.Module):
@@ -55,6 +67,7 @@ class Transformer(nn.Module):
         # GPT-2's learned absolute positions [max_position_embeddings, dim]; RoPE models have none.
         self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.dim) if cfg.positions == "learned" else None
         self._rope: RotaryTable | None = None
+        self._rope_local: RotaryTable | None = None   # the sliding layers' (rope_local_theta), if their own
 
     @property
     def device(self) -> torch.device:
@@ -68,11 +81,17 @@ class Transformer(nn.Module):
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
             if hasattr(self.head, "embedding"):   # a quantized head (caramba.model.quant) reads its rows
-                return self.head.embedding(tokens).to(self.dtype)
+                return self.scale_embeddings(self.head.embedding(tokens).to(self.dtype))
             # Columns of the [dim, vocab] head: gathered along the rows (index_select) and transposed
             # once, 3x faster at a 4k-token prefill than F.embedding's strided rows of weight_t.t().
-            return self.head.weight_t.index_select(1, tokens.flatten()).t().contiguous().view(*tokens.shape, -1)
-        return self.embed(tokens)
+            x = self.head.weight_t.index_select(1, tokens.flatten()).t().contiguous().view(*tokens.shape, -1)
+            return self.scale_embeddings(x)
+        return self.scale_embeddings(self.embed(tokens))
+
+    def scale_embeddings(self, x: torch.Tensor) -> torch.Tensor:
+        """Embeddings times config.embed_scale (Gemma's sqrt(dim)), the scale rounded to their dtype as HF does."""
+        scale = self.config.embed_scale
+        return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)
 
     def new_cache(
         self,
@@ -92,13 +111,30 @@ class Transformer(nn.Module):
                                        n_kv_heads=self.config.n_kv_heads, dtype=self.dtype, **policy.for_layer(i)))
         return KVCache(layers)
 
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        needed = int(positions.max()) + 1
-        if self._rope is None or self._rope.cos.shape[0] < needed or self._rope.cos.device != self.device:
+    def rotary(self, positions: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the positions; local: the sliding layers' table (rope_local_theta)."""
+        name = "_rope_local" if local else "_rope"
+        table, needed = getattr(self, name), int(positions.max()) + 1
+        if table is None or table.cos.shape[0] < needed or table.cos.device != self.device:
             size = max(needed, self.config.max_position_embeddings)
             with torch.inference_mode(False):  # a plain tensor, usable by autograd callers too
-                self._rope = RotaryTable(self.config, size, self.device)
-        return self._rope(positions, self.dtype)
+                table = RotaryTable(self.config, size, self.device, local=local)
+            setattr(self, name, table)
+        return table(positions, self.dtype)
+
+    def layer_rotary(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | tuple[None, None]]:
+        """Each layer's cos, sin: one table, or the sliding layers' own where their RoPE base differs."""
+        if self.wpe is not None:
+            return [(None, None)] * self.config.n_layers
+        cfg, full = self.config, self.rotary(positions)
+        if cfg.rope_local_theta is None:
+            return [full] * cfg.n_layers
+        local = self.rotary(positions, local=True)
+        return [local if cfg.is_sliding(i) else full for i in range(cfg.n_layers)]
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's trained sliding window (None: full attention)."""
+        return [self.config.layer_window(i) for i in range(self.config.n_layers)]
 
     def learned_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [B, T] -> rows of the learned table [B, T, dim], indexed exactly as RoPE's."""
@@ -121,21 +157,34 @@ class Transformer(nn.Module):
         start = cache.length if cache is not None else 0
         if cache is not None:
             cache.check_room(T)
-            mask, causal = self.cache_mask(B, T, cache, slot_mask, tokens.device, window)
+            masks = self.layer_masks(B, T, cache, slot_mask, tokens.device, window)
         else:
-            mask, causal = self._attention_mask(B, T, slot_mask, tokens.device,
-                                                narrowest(window, self.config.sliding_window))
+            built = {w: self._attention_mask(B, T, slot_mask, tokens.device, narrowest(window, w))
+                     for w in set(self.layer_windows())}
+            masks = [built[w] for w in self.layer_windows()]
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
-        cos, sin = self.rotary(positions) if self.wpe is None else (None, None)
+        rope = self.layer_rotary(positions)
         x = self.embed_tokens(tokens)
         if self.wpe is not None:
             x = x + self.learned_positions(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.layers[i] if cache is not None else None, mask, causal)
+            x = layer(x, *rope[i], cache.layers[i] if cache is not None else None, *masks[i])
         if last_only:
             x = x[:, -1:]
-        return self.head(self.norm(x))
+        return self.cap_logits(self.head(self.norm(x)))
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """cap * tanh(logits / cap) with config.final_softcap (Gemma 2); else the logits as they are."""
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def layer_masks(self, B: int, T: int, cache: KVCache, slot_mask: torch.Tensor | None, device: torch.device,
+                    window: int | None = None) -> list[tuple[torch.Tensor | None, bool]]:
+        """cache_mask per layer: a hybrid model's sliding and full layers differ (each built once)."""
+        if not self.config.hybrid:
+            return [self.cache_mask(B, T, cache, slot_mask, device, window)] * self.config.n_layers
+        return cache.layer_masks(B, T, slot_mask, device, window, self.layer_windows())
 
     def cache_mask(self, B: int, T: int, cache: KVCache, slot_mask: torch.Tensor | None, device: torch.device,
                    window: int | None = None) -> tuple[torch.Tensor | None, bool]:

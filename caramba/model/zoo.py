@@ -214,7 +214,7 @@ def _convert_gguf(path: Path, target: Path, progress: bool) -> None:
     reader = gguf_loader.open_gguf(path)
     cfg = gguf_loader.config_from_gguf(reader)
     tokenizer = Tokenizer.from_gguf(path, reader=reader)
-    n = sum(1 for t in reader.tensors if gguf_loader.hf_name(t.name) is not None)
+    n = sum(1 for t in reader.tensors if gguf_loader.hf_name(t.name, cfg.name) is not None)
     with Progress(console=Console(stderr=True), transient=True, disable=not progress) as bar:
         task = bar.add_task(f"converting {path.name} (first load only)", total=n)
         tensors = gguf_loader.read_gguf_tensors(reader, cfg, on_tensor=lambda _: bar.advance(task))
