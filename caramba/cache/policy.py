@@ -79,8 +79,13 @@ class CacheSettings:
     rotate_values: bool = option(False, help="Hadamard-rotate values before quantizing them (the output is "
                                              "rotated back); with rotate_keys, llama.cpp's default for quantized caches")
     fp16_prefix_layers: int = option(0, ge=0, name="cache_fp16_prefix_layers", help="the first N layers keep an fp16 cache")
+    sliding_kind: str | None = option(None, name="cache_sliding_kind", choices=KIND_CHOICES,
+                                      help="hybrid models (Gemma): the sliding-window layers' kind (default: as the "
+                                           "others), e.g. quantize the full layers and keep the rings fp16")
 
     def __post_init__(self) -> None:
+        if self.sliding_kind is not None:
+            object.__setattr__(self, "sliding_kind", KVCacheKind.parse(self.sliding_kind).value)
         if str(self.kind).lower() != "auto":
             object.__setattr__(self, "kind", KVCacheKind.parse(self.kind).value)   # aliases, enum members
         check_options(self)
@@ -147,6 +152,7 @@ class CachePolicy:
     # Values stored Hadamard-rotated, the attention output rotated back (caramba.cache.layer);
     # standard attention only.
     rotate_values: bool = False
+    sliding_kind: str | None = None   # a hybrid model's sliding layers' kind, K and V (None: as the others)
 
     def __post_init__(self) -> None:
         if self.fp16_prefix_layers < 0:
@@ -179,13 +185,18 @@ class CachePolicy:
             raise ValueError(f"cache_policy names {', '.join(foreign)}, which {what} model does not cache; "
                              f"its streams are {', '.join(streams)}")
 
-    def for_layer(self, i: int) -> dict[str, Any]:
+    def for_layer(self, i: int, sliding: bool = False) -> dict[str, Any]:
         """Layer i's keyword arguments for LayerKVCache (its streams' storage and the per-layer
         rules): model.new_cache passes them as they are, so a new per-layer setting is its option
-        (CacheSettings), its rule here and the code it changes in the layer."""
+        (CacheSettings), its rule here and the code it changes in the layer. sliding: the layer is
+        a hybrid model's sliding-window layer (its kind: sliding_kind, where set)."""
         if i < self.fp16_prefix_layers:
             fp16 = KVCacheTensorConfig("fp16")
             return {"k_cfg": fp16, "v_cfg": fp16, "rotate_keys": False, "rotate_values": False}
+        if sliding and self.sliding_kind is not None:
+            ring = KVCacheTensorConfig(self.sliding_kind, self.k.qblock)
+            rotate = ring.quantized and self.rotate_keys, ring.quantized and self.rotate_values
+            return {"k_cfg": ring, "v_cfg": ring, "rotate_keys": rotate[0], "rotate_values": rotate[1]}
         return {"k_cfg": self.k, "v_cfg": self.v, "rotate_keys": self.rotate_keys, "rotate_values": self.rotate_values}
 
     def for_decoupled_layer(self, i: int) -> dict[str, Any]:

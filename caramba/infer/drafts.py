@@ -167,7 +167,7 @@ class _AssembledTransformer(Transformer):
         return self.norm.weight.dtype
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self._embed_weight)
+        return self.scale_embeddings(F.embedding(tokens, self._embed_weight))
 
 
 def _embedding_matrix(target: Transformer) -> torch.Tensor:
@@ -181,7 +181,10 @@ def layer_skip_draft(target: Transformer, n_layers: int | None = None) -> Transf
     n = total // 2 if n_layers is None else n_layers
     if not 1 <= n < total:
         raise ValueError(f"layer_skip draft_layers={n} must be in [1, {total - 1}] for a {total}-layer target")
-    cfg = dataclasses.replace(target.config, n_layers=n)
+    layer_types = target.config.layer_types
+    cfg = dataclasses.replace(target.config, n_layers=n, layer_types=None if layer_types is None else layer_types[:n])
+    if cfg.layer_types is not None and len(set(cfg.layer_types)) == 1 and cfg.layer_types[0] == "full":
+        cfg = dataclasses.replace(cfg, layer_types=None, sliding_window=None, rope_local_theta=None)
     return _AssembledTransformer(cfg, _embedding_matrix(target), list(target.layers[:n]), target.norm, target.head,
                                  target.wpe).eval()
 

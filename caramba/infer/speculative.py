@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from caramba import threads
+from caramba.cache import hybrid
 from caramba.cache.layer import CacheOverflowError
 from caramba.infer.drafts import (
     ModelDraft, PromptLookupDraft, check_vocab, int8_self_draft, layer_skip_draft,
@@ -263,6 +264,9 @@ class SpeculativeGenerator:
             raise CacheOverflowError(f"{width} prompt + {cfg.max_new_tokens} new tokens exceed max_seq_len={cfg.max_seq_len}; "
                                      "raise max_seq_len or shorten the prompt / max_new_tokens")
         window = self.target.config.sliding_window
+        if self.target.config.hybrid and cfg.spec_k_max > hybrid.SLACK:
+            raise ValueError(f"spec_k_max={cfg.spec_k_max}: a hybrid model's sliding-layer rings can give back at most "
+                             f"{hybrid.SLACK} rejected drafts (caramba.cache.hybrid.SLACK); set spec_k_max <= {hybrid.SLACK}")
         if B > 1 and window is not None and width + cfg.max_new_tokens - 1 > window:
             # Rejected drafts leave masked holes in a row's slots, and a slot window counts them.
             raise ValueError(f"speculative decoding of a batch is not exact on a model with a sliding window "

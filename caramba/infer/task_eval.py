@@ -30,6 +30,7 @@ import torch
 
 from caramba import threads
 from caramba.cache import CachePolicy, KVCache, LayerKVCache
+from caramba.cache.hybrid import SlidingLayerKVCache
 from caramba.infer.padding import left_pad
 from caramba.infer.pressing import observing_all, prefill_pressed
 from caramba.infer.decoding_press import DecodingPress
@@ -121,7 +122,12 @@ def store_context(source: KVCache, target: KVCache, dtype: torch.dtype = torch.f
     for src, dst in zip(source.layers, target.layers):
         if not (isinstance(src, LayerKVCache) and isinstance(dst, LayerKVCache)):
             raise ValueError("prefill: shared needs standard attention caches; use prefill: own")
-        dst.extend(*src.contents(n, dtype))
+        if type(src) is SlidingLayerKVCache:   # a hybrid model's ring: its newest slots, in slot order
+            keys, values, first = src.slot_contents(dtype)
+            dst.length = first
+            dst.extend(keys, values)
+        else:
+            dst.extend(*src.contents(n, dtype))
 
 
 def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Sequence[Candidate],

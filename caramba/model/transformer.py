@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from caramba.cache import CachePolicy, KVCache, KVCacheKind, LayerKVCache
+from caramba.cache import hybrid
 from caramba.cache.mask import attention_mask, narrowest
 from caramba.model import fused
 from caramba.model.config import ModelConfig
@@ -104,12 +105,14 @@ class Transformer(nn.Module):
         if self.config.attention == "decoupled":   # k_sem, k_geo and v streams
             return decoupled_cache(self.config, batch_size, max_seq_len, policy, self.device, self.dtype)
         policy.check_streams(decoupled=False)
-        width = self.config.n_kv_heads * self.config.head_dim
-        layers = []
-        for i in range(self.config.n_layers):
-            layers.append(LayerKVCache(batch_size, max_seq_len, width, width, device=self.device,
-                                       n_kv_heads=self.config.n_kv_heads, dtype=self.dtype, **policy.for_layer(i)))
-        return KVCache(layers)
+        cfg, width = self.config, self.config.n_kv_heads * self.config.head_dim
+        # A hybrid model's sliding layers keep a ring of their window (caramba.cache.hybrid).
+        ring = min(max_seq_len, cfg.sliding_window + hybrid.SLACK) if cfg.hybrid else max_seq_len
+        sliding = [cfg.hybrid and cfg.is_sliding(i) for i in range(cfg.n_layers)]
+        layers = [LayerKVCache(batch_size, ring if sliding[i] else max_seq_len, width, width, device=self.device,
+                               n_kv_heads=cfg.n_kv_heads, dtype=self.dtype, **policy.for_layer(i, sliding[i]))
+                  for i in range(cfg.n_layers)]
+        return hybrid.HybridKVCache(layers, sliding, cfg.sliding_window) if cfg.hybrid else KVCache(layers)
 
     def rotary(self, positions: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of the positions; local: the sliding layers' table (rope_local_theta)."""
