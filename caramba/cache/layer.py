@@ -278,3 +278,11 @@ class KVCache:
 
     def bytes_per_token(self) -> int:
         return sum(layer.bytes_per_token() for layer in self.layers)
+
+    def bytes_at(self, tokens: int) -> int:
+        """Bytes holding a context of `tokens` (a hybrid cache's rings stop growing: caramba.cache.hybrid)."""
+        return self.bytes_per_token() * tokens
+
+    def bytes_per_token_at(self, tokens: int) -> int:
+        """bytes_at(tokens) / tokens, rounded: the byte axis of a frontier at that context length."""
+        return round(self.bytes_at(tokens) / max(tokens, 1))

