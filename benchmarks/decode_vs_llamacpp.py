@@ -1,4 +1,4 @@
-"""Batch-1 decode tok/s of caramba and llama.cpp on SmolLM2-135M, per weight format, in one run.
+"""Batch-1 decode tok/s of caramba and llama.cpp on SmolLM2-135M (or --model), per weight format, in one run.
 
 The anchor of issue 15: llama.cpp's `llama-bench` (tg: tokens generated one at a time after an
 empty prompt) on the same weights, against caramba's decode step (greedy, one token, fp32 KV
@@ -15,7 +15,10 @@ searched block scales: caramba.model.quant). Runs alternate
 (caramba F32, llama.cpp F32, caramba Q8_0, ...) in every repeat, so a busy machine slows both
 sides alike; the table gives medians, with the load average before and after.
 
-    .venv/bin/python benchmarks/decode_vs_llamacpp.py [--threads 2] [--tokens 64] [--repeats 5]
+--model gemma3-270m (or any .gguf) times another model: llama.cpp requantizes that file to F32 and
+Q8_0 (--allow-requantize, as for SmolLM2) and caramba loads it with weights fp32 / q8_0.
+
+    .venv/bin/python benchmarks/decode_vs_llamacpp.py [--model smollm2-135m] [--threads 2] [--tokens 64] [--repeats 5]
         [--formats F32,Q8_0,Q4_0,Q4_1] [--sdist FILE] [--no-llamacpp] [--torch-path] [--isa LEVELS]
         [--rows] [--cpu-time] [--llamacpp-isa native|avx2] [--json out.json]
 
@@ -63,7 +66,7 @@ import llamacpp  # noqa: E402  (benchmarks/llamacpp.py)
 from caramba.cache import kernel as cache_kernel  # noqa: E402
 from caramba.model import fast_decode, fused, isa, quant  # noqa: E402
 from caramba.model.backend import Backend, TorchStep, choose  # noqa: E402
-from caramba.model.zoo import load_model  # noqa: E402
+from caramba.model.zoo import load_model, resolve_source  # noqa: E402
 
 def llama_bench(tools: llamacpp.Tools, model: Path, tokens: int, threads: int) -> tuple[float, list[str]]:
     """tok/s of one llama-bench tg run (one repetition: we repeat and alternate ourselves)."""
@@ -98,7 +101,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per measurement (llama-bench -n)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--formats", default="F32,Q8_0,Q4_0,Q4_1")
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="a zoo name (smollm2-135m, gemma3-270m) or a .gguf file; formats other than the default "
+                         "model's are requantized from it (default formats then: F32,Q8_0)")
+    ap.add_argument("--formats", default=None, help="default F32,Q8_0,Q4_0,Q4_1 (another --model: F32,Q8_0)")
     ap.add_argument("--sdist", default=None, help="llama_cpp_python-*.tar.gz (default: newest in /tmp/lcp)")
     ap.add_argument("--no-llamacpp", action="store_true", help="caramba only (no llama.cpp build or runs)")
     ap.add_argument("--llamacpp-isa", default="native", choices=list(llamacpp.ISA_FLAGS),
@@ -114,7 +120,9 @@ def main() -> None:
                     help="also time caramba with row-major quantized weights (the kernels before the x16 layout)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    default_model = args.model == "smollm2-135m"
+    formats = [f.strip() for f in (args.formats or ("F32,Q8_0,Q4_0,Q4_1" if default_model else "F32,Q8_0")).split(",")
+               if f.strip()]
     unknown = [f for f in formats if f not in llamacpp.CARAMBA_WEIGHTS]
     if unknown:
         ap.error(f"--formats: unknown {', '.join(unknown)}; use {', '.join(llamacpp.CARAMBA_WEIGHTS)}")
@@ -126,9 +134,10 @@ def main() -> None:
 
     tools = None if args.no_llamacpp else llamacpp.build(["llama-bench", "llama-quantize"], args.sdist,
                                                                 isa=args.llamacpp_isa)
-    ggufs = {} if tools is None else llamacpp.models(tools, formats)
+    source = None if default_model else resolve_source(args.model)
+    ggufs = {} if tools is None else llamacpp.models(tools, formats, source)
     kinds = [w for f in formats for w in llamacpp.CARAMBA_WEIGHTS[f]]
-    models = {w: load_model("smollm2-135m", progress=False, weights=w) for w in kinds}
+    models = {w: load_model(args.model, progress=False, weights=w) for w in kinds}
     rows_models = {}
     if args.rows:   # the same weights held row-major (fp32 has none to relayout)
         for w in kinds:
@@ -174,7 +183,7 @@ def main() -> None:
                 llama_runs[f].append(ts)
     load_after = os.getloadavg()
 
-    print(f"SmolLM2-135M batch-1 decode, {args.tokens} tokens x {args.repeats} alternating repeats, "
+    print(f"{args.model} batch-1 decode, {args.tokens} tokens x {args.repeats} alternating repeats, "
           f"{args.threads} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}; "
           f"kernels: decode step {fast_decode.status()}, weights {quant.status()}, decode ops {fused.status()}, "
           f"kv {cache_kernel.status()}, quantized products at {isa.kernel_isa()} (caramba.model.isa), "

@@ -128,16 +128,17 @@ CARAMBA_WEIGHTS = {"F32": ["fp32"], "Q8_0": ["q8_0"], "Q4_0": ["q4_0"], "Q4_1": 
 LLAMA_FORMAT = {w: f for f, kinds in CARAMBA_WEIGHTS.items() for w in kinds}
 
 
-def models(tools: Tools, formats: list[str]) -> dict[str, Path]:
-    """format -> GGUF of the embedded model: Q4_1 as shipped, the others requantized from it once
-    (llama-quantize --allow-requantize; Q8_0 and Q4_0 keep the tied head at 8 bits)."""
-    src = embedded_gguf()
+def models(tools: Tools, formats: list[str], source: str | Path | None = None) -> dict[str, Path]:
+    """format -> GGUF of `source` (default: the embedded model, whose Q4_1 is the file as shipped),
+    the others requantized from it once (llama-quantize --allow-requantize; Q8_0 and Q4_0 keep the
+    tied head at 8 bits)."""
+    src = Path(source) if source is not None else embedded_gguf()
     out = {}
     for fmt in formats:
-        if fmt == "Q4_1":
+        if fmt == "Q4_1" and source is None:
             out[fmt] = src
         elif fmt == "F32":
-            out[fmt] = f32_model(tools)
+            out[fmt] = f32_model(tools, src)
         else:
             path = tools.root / "models" / f"{src.stem}.{fmt}.gguf"
             if not path.exists():

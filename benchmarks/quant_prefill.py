@@ -1,4 +1,4 @@
-"""Prefill tok/s of SmolLM2-135M with quantized weights against fp32 weights, in one run.
+"""Prefill tok/s of SmolLM2-135M (or --model) with quantized weights against fp32 weights, in one run.
 
 Issue 31 goal 4: a prompt's prefill with q8_0, q4_0 or native (Q4_1) weights at least as fast as
 with fp32 weights. Each format's model is loaded once; every repeat prefills the same prompt
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import llamacpp  # noqa: E402
 from caramba.infer.evaluate import corpus_ids  # noqa: E402
 from caramba.model import isa, quant, quant_gemm  # noqa: E402
-from caramba.model.zoo import load_model  # noqa: E402
+from caramba.model.zoo import load_model, resolve_source  # noqa: E402
 
 
 def cpu_model() -> str:
@@ -81,7 +81,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="512,2048", help="comma-separated prompt lengths")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--formats", default="fp32,q8_0,q4_0,native")
+    ap.add_argument("--model", default="smollm2-135m", help="a zoo name (smollm2-135m, gemma3-270m) or a .gguf file")
+    ap.add_argument("--formats", default=None, help="default fp32,q8_0,q4_0,native (another --model: fp32,q8_0)")
     ap.add_argument("--old", action="store_true", help="also time the quantized formats' torch path")
     ap.add_argument("--llamacpp", action="store_true", help="also time llama-bench -p T on the same weights")
     ap.add_argument("--sdist", default=None, help="llama_cpp_python-*.tar.gz (default: newest in /tmp/lcp)")
@@ -90,6 +91,8 @@ def main() -> None:
                     "both sides as an AVX2-only CPU runs them)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    default_model = args.model == "smollm2-135m"
+    args.formats = args.formats or ("fp32,q8_0,q4_0,native" if default_model else "fp32,q8_0")
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     bad = [f for f in formats if f not in quant.WEIGHT_KINDS]
     if bad or "fp32" not in formats:
@@ -97,10 +100,11 @@ def main() -> None:
     lengths = [int(t) for t in args.tokens.split(",")]
     torch.set_num_threads(args.threads)
 
-    models = {w: load_model("smollm2-135m", progress=False, weights=w) for w in formats}
+    models = {w: load_model(args.model, progress=False, weights=w) for w in formats}
     tools = (llamacpp.build(["llama-bench", "llama-quantize"], args.sdist, isa=args.llamacpp_isa)
              if args.llamacpp else None)
-    ggufs = llamacpp.models(tools, sorted({llamacpp.LLAMA_FORMAT[w] for w in formats})) if tools else {}
+    source = None if default_model else resolve_source(args.model)
+    ggufs = llamacpp.models(tools, sorted({llamacpp.LLAMA_FORMAT[w] for w in formats}), source) if tools else {}
     ids = corpus_ids(models["fp32"].tokenizer)
     variants = [(w, False) for w in formats] + [(w, True) for w in formats if args.old and w != "fp32"]
     name = {v: v[0] + (" (torch path)" if v[1] else "") for v in variants}
@@ -127,7 +131,7 @@ def main() -> None:
         results[T] = (runs, llama)
     load_after = os.getloadavg()
 
-    print(f"\nprefill of SmolLM2-135M, {cpu_model()}, {args.threads} thread(s), torch {torch.__version__}; "
+    print(f"\nprefill of {args.model}, {cpu_model()}, {args.threads} thread(s), torch {torch.__version__}; "
           f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}; int8 GEMM at "
           f"{quant_gemm.level()}, decode products at {isa.kernel_isa()}; medians of {args.repeats}"
           + (f"; llama.cpp build {args.llamacpp_isa}" if tools else ""))
