@@ -135,3 +135,11 @@ def test_a_shared_context_stored_into_another_hybrid_cache_continues_alike(model
     got = torch.cat([model(ids[:, t:t + 1], cache=target) for t in range(n, n + 5)], dim=1)
     want = model(ids)[:, n:]
     torch.testing.assert_close(got, want, **tol.forward(want, model.config))
+
+
+def test_a_press_on_a_hybrid_model_is_refused_with_the_reason(model):
+    from caramba.infer.pressing import check_pressable
+    from caramba.press import PressConfig
+
+    with pytest.raises(ValueError, match="hybrid model"):
+        check_pressable(model, PressConfig(method="snapkv", ratio=0.5))

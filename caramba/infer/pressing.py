@@ -27,6 +27,12 @@ def check_pressable(model, press: PressConfig) -> None:
     if model.config.attention == "decoupled":
         raise ValueError(f"press={press.method}: presses score standard attention's keys; a decoupled (DBA) model's "
                          "three streams have no press yet: drop press or use a standard-attention model")
+    if model.config.hybrid:
+        # Its sliding layers' caches are rings that stop growing at their window; a press would
+        # apply to the full layers only, whose pressed slots no longer line up with the rings'.
+        raise ValueError(f"press={press.method}: a hybrid model's (sliding and full layers: Gemma 2/3) cache has no "
+                         "press yet; its sliding layers already keep only their window (caramba.cache.hybrid): "
+                         "compare cache kinds (cache_kind, cache_sliding_kind) instead")
 
 
 @torch.inference_mode()
