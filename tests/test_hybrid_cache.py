@@ -143,3 +143,63 @@ def test_a_press_on_a_hybrid_model_is_refused_with_the_reason(model):
 
     with pytest.raises(ValueError, match="hybrid model"):
         check_pressable(model, PressConfig(method="snapkv", ratio=0.5))
+
+
+# ---- every decoding path over the rings -----------------------------------------------------------
+
+def _greedy_reference(model, row: list[int], n: int) -> list[int]:
+    ids = torch.tensor([row])
+    for _ in range(n):
+        ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)
+    return ids[0, len(row):].tolist()
+
+
+@pytest.mark.parametrize("draft", ["prompt_lookup", "layer_skip", "self_int8"])
+def test_speculative_decoding_is_lossless_past_the_window(model, draft):
+    from caramba.infer.speculative import SpeculativeConfig, SpeculativeGenerator
+
+    row = tokens(20, seed=3)[0].tolist() * 2     # repeats, so prompt lookup drafts something
+    gen = SpeculativeGenerator(model, config=SpeculativeConfig(max_new_tokens=40, temperature=0.0, draft=draft,
+                                                              spec_k=6, spec_k_adaptive=True))
+    out = gen.run([row])
+    assert out.sequences[0] == _greedy_reference(model, row, 40)
+    assert out.stats.target_forwards < 40     # drafts were accepted: rollbacks went through the rings
+
+
+def test_speculative_refuses_drafts_longer_than_the_rings_slack(model):
+    from caramba.infer.speculative import SpeculativeConfig, SpeculativeGenerator
+
+    gen = SpeculativeGenerator(model, config=SpeculativeConfig(max_new_tokens=8, temperature=0.0,
+                                                              draft="prompt_lookup", spec_k_max=SLACK + 4))
+    with pytest.raises(ValueError, match="spec_k_max"):
+        gen.run([tokens(10)[0].tolist()])
+
+
+def test_beam_search_through_the_rings_equals_a_full_length_cache(model):
+    from caramba.infer.beam import beam_search
+
+    ids = tokens(12, seed=4)
+    ringed = beam_search(model, ids, max_new_tokens=30, num_beams=3, num_return_sequences=2, temperature=0,
+                         eos_token_id=[], max_seq_len=64)
+    full = model.new_cache
+    try:   # the same search with every layer holding every slot: no ring
+        model.new_cache = lambda b, n, kind="fp32": KVCache(
+            [LayerKVCache(b, n, 32, 32, n_kv_heads=2, **CachePolicy.of(kind).for_layer(i)) for i in range(4)])
+        plain = beam_search(model, ids, max_new_tokens=30, num_beams=3, num_return_sequences=2, temperature=0,
+                            eos_token_id=[], max_seq_len=64)
+    finally:
+        model.new_cache = full
+    assert ringed.sequences == plain.sequences
+
+
+@pytest.mark.parametrize("plan", [dict(decode_plan="auto", decode_bucket_short=16, decode_q_chunk=16),
+                                  dict(decode_plan="fixed", decode_q_chunk=7),
+                                  dict(decode_plan="fixed", decode_local_window=12)], ids=["auto", "chunk", "window"])
+def test_decode_plans_run_on_the_rings(model, plan):
+    row = tokens(70, seed=6)[0].tolist()
+    cfg = GenerateConfig(max_new_tokens=20, temperature=0, max_seq_len=128, **plan)
+    got = Generator(model, cfg).run([row]).sequences[0]
+    if "decode_local_window" in plan:   # a decode window changes outputs by design: it must still run
+        assert len(got) == 20
+    else:
+        assert got == _greedy_reference(model, row, 20)
