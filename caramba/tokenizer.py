@@ -11,7 +11,8 @@ as `tokenizer.ggml.*` metadata, and names the pre-tokenizer (how text is cut bef
 `tokenizer.ggml.pre`. We rebuild the tokenizer that name stands for in llama.cpp. For `smollm`
 that splits every digit on its own before the GPT-2 regex, as SmolLM2's own tokenizer.json does;
 transformers' GGUF loader (5.x) drops the digit split, so it differs from the model's tokenizer
-when a run of spaces precedes a digit ("x  1").
+when a run of spaces precedes a digit ("x  1"). SentencePiece vocabularies (`tokenizer.ggml.model =
+llama`: Gemma, Llama 2) are built in caramba.tokenizer_sentencepiece.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from caramba.errors import UserError
+from caramba.tokenizer_sentencepiece import sentencepiece_tokenizer
 
 # llama.cpp token types (gguf.TokenType): control tokens are special (<|im_end|>), user-defined
 # ones are added but not special (<think>); both must be matched whole in text, never cut by BPE.
@@ -98,7 +100,14 @@ class Tokenizer:
         if reader is None:
             reader = _open_gguf(path)
         meta = _GGUFMeta(reader, path)
-        backend, tokens = _byte_level_bpe(meta)
+        kind = meta.get("tokenizer.ggml.model", str)
+        if kind is None:
+            raise UserError(f"{path}: GGUF has no tokenizer (metadata 'tokenizer.ggml.model' is missing)")
+        if kind not in ("gpt2", "llama"):
+            raise UserError(f"{path}: tokenizer.ggml.model is {kind!r}; only 'gpt2' (byte-level BPE) "
+                            "and 'llama' (SentencePiece) are supported yet")
+        tokens, token_types = _vocabulary(meta)
+        merges = _merges(meta)
 
         def token_id(key: str) -> int | None:
             value = meta.get(key, int)
@@ -107,7 +116,14 @@ class Tokenizer:
             return value
 
         bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", bool))
+        pad, unk = token_id("tokenizer.ggml.padding_token_id"), token_id("tokenizer.ggml.unknown_token_id")
+        if kind == "gpt2":
+            backend = _byte_level_bpe(meta, tokens, token_types, merges)
+        else:
+            backend = sentencepiece_tokenizer(meta, tokens, token_types, merges, [bos, eos, unk, pad])
+        # A SentencePiece file without the flag gets BOS, as in llama.cpp and transformers.
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", bool)
+        add_bos = (kind == "llama" and bos is not None) if add_bos is None else add_bos
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", bool))
         if (add_bos and bos is None) or (add_eos and eos is None):
             raise UserError(f"{path}: metadata asks to add BOS/EOS to every text but gives no bos/eos token id")
@@ -123,8 +139,8 @@ class Tokenizer:
             backend,
             bos_token_id=bos,
             eos_token_id=eos,
-            pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
-            unk_token_id=token_id("tokenizer.ggml.unknown_token_id"),
+            pad_token_id=pad,
+            unk_token_id=unk,
             stop_token_ids=[i for i in stops if i is not None],
             chat_template=meta.get("tokenizer.chat_template", str),
             source=str(path),
@@ -346,36 +362,45 @@ class _GGUFMeta:
         return value
 
 
-def _byte_level_bpe(meta: _GGUFMeta) -> tuple[tokenizers.Tokenizer, list[str]]:
-    """The BPE model, pre-tokenizer and added tokens a GGUF describes, and its token strings."""
+def _vocabulary(meta: _GGUFMeta) -> tuple[list[str], list[int]]:
+    """The token strings and their llama.cpp types (empty when the file gives none)."""
     path = meta.path
-    kind = meta.get("tokenizer.ggml.model", str)
-    if kind is None:
-        raise UserError(f"{path}: GGUF has no tokenizer (metadata 'tokenizer.ggml.model' is missing)")
-    if kind != "gpt2":
-        raise UserError(f"{path}: tokenizer.ggml.model is {kind!r}; only 'gpt2' (byte-level BPE) is supported yet")
     tokens = meta.require("tokenizer.ggml.tokens", list)
-    merges = meta.require("tokenizer.ggml.merges", list)
     token_types = meta.get("tokenizer.ggml.token_type", list) or []
     if not tokens or not all(isinstance(t, str) for t in tokens):
         raise UserError(f"{path}: 'tokenizer.ggml.tokens' must be a non-empty list of strings")
     if token_types and len(token_types) != len(tokens):
         raise UserError(f"{path}: 'tokenizer.ggml.token_type' has {len(token_types)} entries for {len(tokens)} tokens")
+    return tokens, token_types
+
+
+def _merges(meta: _GGUFMeta) -> list[tuple[str, str]] | None:
+    """The file's BPE merges as pairs, or None: SentencePiece files have none (they are derived)."""
+    merges = meta.get("tokenizer.ggml.merges", list)
+    if merges is None:
+        return None
     pairs = []
     for merge in merges:
         pair = merge.split(" ") if isinstance(merge, str) else []
         if len(pair) != 2:
-            raise UserError(f"{path}: malformed entry in 'tokenizer.ggml.merges': {merge!r} (want 'left right')")
+            raise UserError(f"{meta.path}: malformed entry in 'tokenizer.ggml.merges': {merge!r} (want 'left right')")
         pairs.append((pair[0], pair[1]))
+    return pairs
 
+
+def _byte_level_bpe(meta: _GGUFMeta, tokens: list[str], token_types: list[int],
+                    merges: list[tuple[str, str]] | None) -> tokenizers.Tokenizer:
+    """The BPE model, pre-tokenizer and added tokens a byte-level GGUF (`gpt2`) describes."""
+    if merges is None:
+        raise UserError(f"{meta.path}: GGUF metadata lacks 'tokenizer.ggml.merges'")
     # The file's strings are already in the byte-level alphabet, so they go to BPE as they are.
-    backend = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs))
-    backend.normalizer, backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", str) or "default", path)
+    backend = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    backend.normalizer, backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", str) or "default", meta.path)
     backend.decoder = decoders.ByteLevel()
     typed = list(zip(tokens, token_types))
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED])
-    return backend, tokens
+    return backend
 
 
 def _pre_tokenizer(name: str, path: Path):
