@@ -83,6 +83,7 @@ def test_greedy_is_token_identical_to_transformers(loaded, hf_greedy, path):
     try:
         gen = Generator(model, GenerateConfig(max_new_tokens=N_NEW, temperature=0, eos_token_id=1))   # <eos>, as HF stops
         for ids, want in hf_greedy:
+            gen.reset()    # each prompt alone (a Generator otherwise continues the conversation)
             assert gen.run([ids]).sequences[0] == want
             assert gen.backend.path == path
     finally:
