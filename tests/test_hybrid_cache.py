@@ -203,3 +203,15 @@ def test_decode_plans_run_on_the_rings(model, plan):
         assert len(got) == 20
     else:
         assert got == _greedy_reference(model, row, 20)
+
+
+def test_autotune_candidates_address_the_rings_only_on_hybrid_models(model):
+    from caramba.autotune.candidates import default_candidates
+    from conftest import make_model
+
+    hybrid = default_candidates(model)
+    assert any(c.policy.sliding_kind == "fp16" for c in hybrid)
+    assert all(c.policy.sliding_kind is not None for c in hybrid if c.policy.k.kind.spec.per_channel)
+    for c in hybrid:    # every candidate builds a ring cache, and its bytes count the rings
+        model.new_cache(1, 64, c.policy)
+    assert not any(c.policy.sliding_kind for c in default_candidates(make_model()))

@@ -40,6 +40,13 @@ MIXED = [
     CacheSettings("q4_1", "k=q4_1c"),
     CacheSettings("q4_1", "k=q4_1c", qblock=16),                     # within +1% PPL on two texts (docs/kv-cache.md)
     CacheSettings("q2_1", "k=q2_1c", residual_len=RESIDUAL_LEN),
+    # Hybrid models (Gemma): the full layers, which grow with the context, quantized; the sliding
+    # layers' rings (a fixed window) kept finer, or in a per-token kind where a ring cannot hold
+    # per-channel keys or a residual window. Left out for models without sliding layers.
+    CacheSettings("q4_0", sliding_kind="fp16"),
+    CacheSettings("q4_0", rotate_keys=True, sliding_kind="q8_0"),
+    CacheSettings("q4_1", "k=q4_1c", sliding_kind="q4_1"),
+    CacheSettings("q2_1", "k=q2_1c", residual_len=RESIDUAL_LEN, sliding_kind="q8_0"),
 ]
 
 
@@ -72,7 +79,8 @@ def default_candidates(model, presses: Sequence[PressConfig] = ()) -> list[Candi
     out = [Candidate(base.describe(), base, baseline=True)]
     for settings in MIXED:
         p = canonical(settings.spec())
-        redundant = p.fp16_prefix_layers >= model.config.n_layers   # every layer fp16: the fp16 candidate
+        redundant = p.fp16_prefix_layers >= model.config.n_layers \
+            or p.sliding_kind is not None and not model.config.hybrid    # fp16 everywhere; no rings to address
         if p == base or redundant or any(c.policy == p for c in out) or not usable(model, p):
             continue
         out.append(Candidate(p.describe(), p))
