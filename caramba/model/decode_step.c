@@ -16,6 +16,13 @@
    window) leaves slots out of the softmax. The arithmetic follows the torch path (fp32, RoPE in
    the half-rotation layout, GQA head h reading KV head h / (H / KVH)); only summation orders
    differ.
+   The newer families' parts are the same loop with a part more or less (LayerPlan, StepArgs):
+   QK-norm of q and k before RoPE, per head or over the whole projection (Qwen3, Gemma 3, OLMo 2);
+   no norm before attention and MLP (OLMo 2: h = x) and norms of their outputs before each
+   residual add (Gemma, OLMo 2: x += rms_norm(a W_o^T)); GeGLU's tanh GELU for SiLU; the queries
+   times q_factor (folded into the scores' scale); and a hybrid model's sliding layers with their
+   own mask and rotary tables (Gemma 3). Scaled embeddings and the logits' soft cap are the
+   caller's (caramba.model.fast_decode), before and after the call.
 
    Barriers are what a busy 2-core machine makes expensive (a thread waiting at one for a
    descheduled peer waits a scheduler slice), so there are five per layer: after each projection
@@ -55,6 +62,12 @@
    one store (org), and kv_stream.h's head_at addresses that head's codes there instead of at
    rg * slots; the rings stay per head.
 
+   A ring cache (caramba.cache.ring; a hybrid model's sliding layers, caramba.cache.hybrid) holds slot
+   s at storage slot s % wrap (Stream.wrap): once it wraps, the step reads all of its storage
+   slots [0, wrap) under the layer's mask (which is over storage order), finds its new tokens at
+   (slot + t) % wrap (new_index) and writes them there; before, storage order is slot order and
+   nothing differs.
+
    Projections come in the layouts the model holds (no copies): fp32 [N, K] (nn.Linear), fp32
    [K, N] (InputMajorLinear) and the block formats of quant_gemv.c.
 
@@ -88,8 +101,8 @@ typedef struct {
 typedef struct {
     const StepArgs *a;
     int M, T, dim, n_heads, n_kv, D, hidden, rep, q_w, qkv_w, kmax, gmax, tid, nt;
-    int slot0, Lm, partmax, nalloc;   /* the model's first new slot and mask row; the most parts of a layer;
-                                         the most slots a thread takes in one */
+    int slot0, partmax, nalloc;       /* the model's first new slot; the most parts of a layer; the most
+                                         slots a thread takes in one */
     float scale;
     size_t part_w, chan_n;
     /* shared: projection outputs, attention partials [parts, M, heads, D + 2], column sums */
@@ -98,20 +111,25 @@ typedef struct {
     int p0, p1, s0, s1, n;
     /* private: residual stream, normed input, roped q, new k and v as stored, attention output, MLP
        gate, the new k and v as read, scores and their scratch, a rotation's output, minimum sums, a
-       group being quantized, decoded value rows and their block parameters, per-channel scratch; the
-       new k and v's codes and parameters, a group's codes */
-    float *x, *h, *q, *k, *v, *att, *act, *kn, *vn, *sc, *t, *sf, *bf, *tmp, *bsum, *xg, *vbuf, *ppb, *qs;
+       group being quantized, decoded value rows and their block parameters, per-channel scratch, a
+       row's QK-normed q|k, a post-normed output; the new k and v's codes and parameters, a group's
+       codes */
+    float *x, *h, *q, *k, *v, *att, *act, *kn, *vn, *sc, *t, *sf, *bf, *tmp, *bsum, *xg, *vbuf, *ppb, *qs, *qkn, *post;
     uint16_t *kpar, *vpar;
     uint8_t *ku, *vu, *ug;
     Act codes;
-    /* the layer in hand: its weights and streams; keys read from codes below kce, values below vce;
-       its own slots (a ragged press gives each layer its own): the first new token's, the slots
-       attended (L = slot + T), the capacity S, the model's slot of its slot 0 (off), each cache row
-       and head's first valid slot (first, NULL: 0) and its parts of ATT_PART slots */
+    /* the layer in hand: its weights, streams, mask and rotary tables; keys read from codes below kce,
+       values below vce; its own slots (a ragged press gives each layer its own): the first new
+       token's, the slots attended (L = slot + T; a ring's storage slots: at most wrap), the capacity
+       S, the model's slot of its slot 0 (off), each cache row and head's first valid slot (first,
+       NULL: 0) and its parts of ATT_PART slots; a ring's wrap (0: none) and where its first new token
+       is stored (at0) */
     const LayerPlan *lp;
     const Stream *ks, *vs;
+    const uint8_t *mask;
+    const float *cos, *ssin;
     int kchan, kce, vce, kgroup;
-    int slot, L, off, nparts;
+    int slot, L, off, nparts, wrap, at0;
     long S;
     const int64_t *first;
 } Step;
@@ -473,29 +491,53 @@ static void new_token_as_read(const Stream *st, const float *src, int D, int at,
     memcpy(read, src, sizeof(float) * D);
 }
 
-/* The attention's inputs: h = rms_norm(x); q|k|v = h W_qkv^T; q and k roped, then rotated as the
-   cache stores keys; v rotated as it stores values; the new k and v's codes, and the new k and v
-   as the torch path reads them back (kn, vn). Then a per-channel key group the new token
-   completes is quantized into the cache before anyone reads it (the loop's implicit barrier). */
+/* x normed by w into h, or x itself without a norm (OLMo 2 has none before attention and MLP). */
+static const float *pre_norm(Step *s, const float *w) {
+    if (!w) return s->x;
+    rms_norm(s->x, w, s->h, s->M, s->dim, s->a->eps);
+    return s->h;
+}
+
+/* A row's q|k (row: its q|k|v) QK-normed into the thread's qkn (the same layout), per head or over
+   each whole projection; the row itself without QK-norm. */
+static const float *qk_normed(Step *s, const float *row) {
+    const LayerPlan *lp = s->lp;
+    if (!lp->q_norm) return row;
+    const int D = s->D, q_w = s->q_w, k_w = s->n_kv * D;
+    const float eps = s->a->eps;
+    if (lp->qk_whole) {
+        rms_norm(row, lp->q_norm, s->qkn, 1, q_w, eps);
+        rms_norm(row + q_w, lp->k_norm, s->qkn + q_w, 1, k_w, eps);
+    } else {                    /* each head a row of D */
+        rms_norm(row, lp->q_norm, s->qkn, s->n_heads, D, eps);
+        rms_norm(row + q_w, lp->k_norm, s->qkn + q_w, s->n_kv, D, eps);
+    }
+    return s->qkn;
+}
+
+/* The attention's inputs: h = rms_norm(x); q|k|v = h W_qkv^T; q and k QK-normed where the layer
+   has it, roped (with the layer's tables), then rotated as the cache stores keys; v rotated as it
+   stores values; the new k and v's codes, and the new k and v as the torch path reads them back
+   (kn, vn). Then a per-channel key group the new token completes is quantized into the cache
+   before anyone reads it (the loop's implicit barrier). */
 static void attention_inputs(Step *s) {
     const StepArgs *a = s->a;
     const Stream *ks = s->ks, *vs = s->vs;
     const int M = s->M, D = s->D, q_w = s->q_w, n_kv = s->n_kv;
-    rms_norm(s->x, s->lp->attn_norm, s->h, M, s->dim, a->eps);
-    linear(&s->lp->qkv, s->h, M, s->qkv, &s->codes, s->cols);
+    linear(&s->lp->qkv, pre_norm(s, s->lp->attn_norm), M, s->qkv, &s->codes, s->cols);
     for (int r = 0; r < M; r++) {
-        const float *row = s->qkv + (long)r * s->qkv_w;
-        const float *c = a->cos + a->positions[r] * D, *sn = a->ssin + a->positions[r] * D;
+        const float *row = s->qkv + (long)r * s->qkv_w, *qk = qk_normed(s, row);
+        const float *c = s->cos + a->positions[r] * D, *sn = s->ssin + a->positions[r] * D;
         const int at = s->slot + r % s->T;
         for (int hh = 0; hh < s->n_heads; hh++) {
             float *qh = s->q + (long)r * q_w + hh * D;
-            rope_head(row + hh * D, qh, c, sn, D);
+            rope_head(qk + hh * D, qh, c, sn, D);
             if (ks->rot) rotate_in_place(qh, ks->rot, D, s->tmp);
         }
         for (int g = 0; g < n_kv; g++) {
             const long rg = (long)r * n_kv + g;
             float *kr = s->k + rg * D, *vr = s->v + rg * D;
-            rope_head(row + q_w + g * D, kr, c, sn, D);
+            rope_head(qk + q_w + g * D, kr, c, sn, D);
             if (ks->rot) rotate_in_place(kr, ks->rot, D, s->tmp);
             if (vs->rot) rotate(row + q_w + (n_kv + g) * D, vs->rot, D, vr);
             else memcpy(vr, row + q_w + (n_kv + g) * D, sizeof(float) * D);
@@ -595,12 +637,30 @@ static inline const float *new_row(const Step *s, const float *buf, int r, int u
     return buf + ((long)(first + u) * s->n_kv + g) * s->D;
 }
 
+/* Which new token storage slot sl of the layer holds (its slot - slot), or -1: an older one. */
+static inline int new_index(const Step *s, int sl) {
+    int u = sl - s->at0;
+    if (u < 0 && s->wrap) u += s->wrap;      /* a ring: the new tokens may wrap to storage slot 0 */
+    return u >= 0 && u < s->T ? u : -1;
+}
+
+/* A ring's new keys among the slots [b0, c1) scored from codes, rescored from kn: once a ring wraps
+   they sit where its codes still hold the slots they replace. */
+static void ring_new_keys(Step *s, int r, int g, const float *qg, int b0, int c1) {
+    for (int u = 0; u <= r % s->T; u++) {
+        const int sl = (s->at0 + u) % s->wrap;
+        if (sl < b0 || sl >= c1) continue;
+        const float *kk = new_row(s, s->kn, r, u, g);
+        for (int j = 0; j < s->rep; j++) s->sc[(long)j * s->n + sl - s->s0] = dot_f32(kk, qg + (long)j * s->D, s->D);
+    }
+}
+
 /* sc[j, i] for this thread's slots [s0, s1) of row r, KV group g (its rep query heads qg): from
    codes below kce, else the ring or the new tokens; masked slots and later new tokens -inf;
-   scaled by 1 / sqrt(D). */
+   scaled by q_factor / sqrt(D). */
 static void group_scores(Step *s, int r, int g, const float *qg) {
     const Stream *ks = s->ks;
-    const int D = s->D, rep = s->rep, n = s->n, s0 = s->s0, s1 = s->s1, slot = s->slot, tt = r % s->T;
+    const int D = s->D, rep = s->rep, n = s->n, s0 = s->s0, s1 = s->s1, tt = r % s->T;
     const long rg = (long)(r / s->T) * s->n_kv + g;    /* the cache row's KV head */
     float *sc = s->sc;
     /* a ragged press's holes [0, lo) are neither read nor scored: the head reads its survivors only */
@@ -611,15 +671,17 @@ static void group_scores(Step *s, int r, int g, const float *qg) {
         else key_scores_tokens(ks, rg, s->S, D, qg, rep, b0, c1 - b0, sc + (b0 - s0), n, s->t, s->sf, s->bf);
     }
     for (int sl = c1 > b0 ? c1 : b0; sl < s1; sl++) {
-        if (sl - slot > tt) break;                             /* a later new token */
-        const float *kk = sl >= slot ? new_row(s, s->kn, r, sl - slot, g) : ring_row(ks, rg, sl, D);
+        const int u = new_index(s, sl);
+        if (u > tt) continue;                                  /* a later new token */
+        const float *kk = u >= 0 ? new_row(s, s->kn, r, u, g) : ring_row(ks, rg, sl, D);
         for (int j = 0; j < rep; j++) sc[(long)j * n + sl - s0] = dot_f32(kk, qg + (long)j * D, D);
     }
-    const uint8_t *mr = s->a->mask ? s->a->mask + (long)r * s->Lm + s->off : NULL;   /* in the layer's slots */
+    if (s->wrap) ring_new_keys(s, r, g, qg, b0, c1);
+    const uint8_t *mr = s->mask ? s->mask + (long)r * (s->L + s->off) + s->off : NULL;   /* in the layer's slots */
     for (int j = 0; j < rep; j++) {
         float *sj = sc + (long)j * n;
         for (int i = 0; i < n; i++)
-            sj[i] = s0 + i < lo || (mr && !mr[s0 + i]) || s0 + i - slot > tt ? -INFINITY : sj[i] * s->scale;
+            sj[i] = s0 + i < lo || (mr && !mr[s0 + i]) || new_index(s, s0 + i) > tt ? -INFINITY : sj[i] * s->scale;
     }
 }
 
@@ -628,18 +690,18 @@ static void group_scores(Step *s, int r, int g, const float *qg) {
 static int value_rows(Step *s, int r, int g, int c0, int cn, const float **rows, int *coded) {
     const Stream *vs = s->vs;
     const int D = s->D, vnp = (kv_zero_point((int)vs->kind) ? 2 : 1) * (vs->kind == KV_FP32 ? 0 : D / (int)vs->block);
-    const int vfw = D * kv_bits((int)vs->kind) / 8, slot = s->slot;
+    const int vfw = D * kv_bits((int)vs->kind) / 8;
     const long rg = (long)(r / s->T) * s->n_kv + g;
     int live = 0;
     for (int k = 0; k < cn; k++) {
-        const int sl = c0 + k, i = sl - s->s0;
+        const int sl = c0 + k, i = sl - s->s0, u = new_index(s, sl);
         int any = 0;
         for (int j = 0; j < s->rep; j++) any |= s->sc[(long)j * s->n + i] != 0.0f;
-        coded[k] = sl < slot && sl < s->vce;
+        coded[k] = u < 0 && sl < s->vce;
         rows[k] = NULL;
         if (!any) continue;
         live = 1;
-        if (sl >= slot) rows[k] = new_row(s, s->vn, r, sl - slot, g);
+        if (u >= 0) rows[k] = new_row(s, s->vn, r, u, g);
         else if (coded[k]) {
             float *dst = s->vbuf + (long)k * D, *pk = s->ppb + (long)k * vnp;
             const HeadAt h = head_at(vs, rg, s->S);
@@ -710,14 +772,14 @@ static void attend(Step *s) {
         }
 }
 
-/* The new tokens' K and V into the cache, by the thread that owns the last part: nobody reads them
-   before the next step. */
+/* The new tokens' K and V into the cache (a ring's at their storage slots), by the thread that owns
+   the last part: nobody reads them before the next step. */
 static void store_new_tokens(Step *s) {
     if (!(s->p0 < s->p1 && s->p1 == s->nparts)) return;
     const int D = s->D, n_kv = s->n_kv;
     for (long rg = 0; rg < (long)s->M * n_kv; rg++) {
         const long r = rg / n_kv, cg = r / s->T * n_kv + rg % n_kv;
-        const int at = s->slot + (int)(r % s->T);
+        const int at = s->wrap ? (s->at0 + (int)(r % s->T)) % s->wrap : s->slot + (int)(r % s->T);
         write_new(s->ks, 1, cg, s->S, D, at, s->k + rg * D, s->ku + rg * D, s->kpar + rg * D);
         write_new(s->vs, 0, cg, s->S, D, at, s->v + rg * D, s->vu + rg * D, s->vpar + rg * D);
     }
@@ -751,17 +813,30 @@ static void combine_partials(Step *s) {
 
 /* ---- MLP and head ---------------------------------------------------------------------------- */
 
-/* x += a W_o^T; h = rms_norm(x); x += (silu(g) * u) W_2^T where g|u = h W_13^T. The next layer's
-   projections overwrite qkv and proj only after its first barrier, which every thread reaches
-   after reading these. */
+/* A projection's output, or (a post-norm: Gemma, OLMo 2) it normed by w into the thread's own post. */
+static const float *post_norm(Step *s, const float *out, const float *w) {
+    if (!w) return out;
+    rms_norm(out, w, s->post, s->M, s->dim, s->a->eps);
+    return s->post;
+}
+
+/* x += a W_o^T; h = rms_norm(x); x += (silu(g) * u) W_2^T where g|u = h W_13^T (GeGLU: gelu(g)), each
+   output post-normed first where the layer has those norms, h = x where it has no pre-norm. The
+   next layer's projections overwrite qkv and proj only after its first barrier, which every
+   thread reaches after reading these. */
 static void mlp(Step *s) {
+    const LayerPlan *lp = s->lp;
     const int M = s->M, dim = s->dim;
-    linear(&s->lp->o, s->att, M, s->proj, &s->codes, s->cols);
-    add_rms_norm(s->x, s->proj, s->lp->mlp_norm, s->x, s->h, M, dim, s->a->eps);
-    linear(&s->lp->w13, s->h, M, s->gu, &s->codes, s->cols);
-    silu_mul(s->gu, s->act, M, s->hidden);
-    linear(&s->lp->w2, s->act, M, s->proj, &s->codes, s->cols);
-    for (long i = 0; i < (long)M * dim; i++) s->x[i] += s->proj[i];
+    const long n = (long)M * dim;
+    linear(&lp->o, s->att, M, s->proj, &s->codes, s->cols);
+    const float *ao = post_norm(s, s->proj, lp->post_attn_norm);
+    if (lp->mlp_norm) add_rms_norm(s->x, ao, lp->mlp_norm, s->x, s->h, M, dim, s->a->eps);
+    else for (long i = 0; i < n; i++) s->x[i] += ao[i];
+    linear(&lp->w13, lp->mlp_norm ? s->h : s->x, M, s->gu, &s->codes, s->cols);
+    (s->a->gelu ? gelu_mul : silu_mul)(s->gu, s->act, M, s->hidden);
+    linear(&lp->w2, s->act, M, s->proj, &s->codes, s->cols);
+    const float *mo = post_norm(s, s->proj, lp->post_mlp_norm);
+    for (long i = 0; i < n; i++) s->x[i] += mo[i];
 }
 
 /* logits = rms_norm(x) W_head^T, of each cache row's last token with last_only. */
@@ -780,10 +855,12 @@ static void head(Step *s) {
 /* ---- the step -------------------------------------------------------------------------------- */
 
 /* A layer's own slots (ks's: step_shapes checked that V's agree) and this thread's run of whole
-   parts of them. (A ragged press's widest head has no holes, so every part has slots to read.) */
+   parts of them (a ring's: of its storage slots). (A ragged press's widest head has no holes, so
+   every part has slots to read.) */
 static void layer_slots(Step *s, const Stream *ks) {
     s->off = (int)ks->offset, s->slot = s->slot0 - s->off, s->L = s->slot + s->T, s->S = ks->slots;
-    s->first = ks->first;
+    s->first = ks->first, s->wrap = (int)ks->wrap, s->at0 = s->slot;
+    if (s->wrap) s->L = s->L < s->wrap ? s->L : s->wrap, s->at0 = s->slot % s->wrap;
     const int np = s->nparts = (s->L + ATT_PART - 1) / ATT_PART;
     s->p0 = (int)((long)s->tid * np / s->nt), s->p1 = (int)((long)(s->tid + 1) * np / s->nt);
     s->s0 = s->p0 * ATT_PART < s->L ? s->p0 * ATT_PART : s->L;
@@ -791,13 +868,17 @@ static void layer_slots(Step *s, const Stream *ks) {
     s->n = s->s1 - s->s0;
 }
 
-/* Layer l into the Step: its weights, streams and where each stream is read from codes (keys
-   [0, kce), values [0, vce); the rest from the ring, the new tokens from kn / vn, except a new key
-   a completed per-channel group holds: kce > slot). */
+/* Layer l into the Step: its weights, streams, mask and rotary tables, and where each stream is read
+   from codes (keys [0, kce), values [0, vce); the rest from the ring, the new tokens from kn / vn,
+   except a new key a completed per-channel group holds: kce > slot). */
 static void enter_layer(Step *s, int l) {
-    s->lp = s->a->layers + l;
-    s->ks = s->a->streams + 2L * l;
+    const StepArgs *a = s->a;
+    const LayerPlan *lp = s->lp = a->layers + l;
+    s->ks = a->streams + 2L * l;
     s->vs = s->ks + 1;
+    const int local = lp->sliding && a->cos_local;
+    s->mask = lp->sliding ? a->mask_local : a->mask;
+    s->cos = local ? a->cos_local : a->cos, s->ssin = local ? a->ssin_local : a->ssin;
     const Stream *ks = s->ks, *vs = s->vs;
     layer_slots(s, ks);
     const int slot = s->slot, kr0 = (int)ks->r0, vr0 = (int)vs->r0;
@@ -818,12 +899,14 @@ static void layer(Step *s, int l) {
 }
 
 /* Whether a stream's own slots fit the step: the layer's K and V agree on them (key: its K), the new
-   tokens land inside its capacity, and every first valid slot lies in [0, its first new slot]. */
+   tokens land inside its capacity (a ring's: it holds them all), and every first valid slot lies
+   in [0, its first new slot]. */
 static int layer_slots_ok(const StepArgs *a, const Stream *st, const Stream *key) {
     const long slot = a->slot - st->offset, rows = a->M / a->T * a->n_kv;
     if (st->slots != key->slots || st->offset != key->offset || st->first != key->first || st->org != key->org
-        || st->store != key->store || st->offset < 0
-        || slot < 0 || slot + a->T > st->slots)
+        || st->store != key->store || st->wrap != key->wrap || st->offset < 0 || slot < 0)
+        return 0;
+    if (st->wrap ? st->wrap != st->slots || a->T > st->wrap || st->first || st->org : slot + a->T > st->slots)
         return 0;
     for (long i = 0; st->first && i < rows; i++)
         if (st->first[i] < 0 || st->first[i] > slot) return 0;
@@ -838,16 +921,17 @@ static int step_shapes(const StepArgs *a, Step *s) {
     s->D = (int)a->head_dim, s->hidden = (int)a->hidden, s->slot0 = (int)a->slot;
     if (s->D > 512 || s->n_kv < 1 || s->n_heads / s->n_kv > 64 || s->T < 1 || s->M % s->T
         || a->slot < 0 || a->slot + a->T > a->max_seq) return 2;
-    s->Lm = s->slot0 + s->T, s->rep = s->n_heads / s->n_kv, s->q_w = s->n_heads * s->D;
+    s->rep = s->n_heads / s->n_kv, s->q_w = s->n_heads * s->D;
     s->qkv_w = (s->n_heads + 2 * s->n_kv) * s->D, s->kmax = s->dim > s->hidden ? s->dim : s->hidden;
-    s->scale = 1.0f / sqrtf((float)s->D);
+    s->scale = 1.0f / sqrtf((float)s->D) * a->q_factor;   /* q_factor 1: the same bits */
     s->part_w = (size_t)s->D + 2, s->partmax = 1;
     s->gmax = 1;   /* the largest per-channel group: complete_group's scratch */
     for (int i = 0; i < 2 * a->n_layers; i++) {
         const Stream *st = a->streams + i;
         if (!stream_ok(st, s->D, i % 2 == 0) || (s->T > 1 && kv_per_channel((int)st->kind))) return 2;   /* groups: one token a step */
         if (!layer_slots_ok(a, st, i % 2 ? st - 1 : st)) return 2;
-        const int L = (int)(a->slot - st->offset + a->T), np = (L + ATT_PART - 1) / ATT_PART;
+        const int L = (int)(st->wrap && a->slot + a->T > st->wrap ? st->wrap : a->slot - st->offset + a->T);
+        const int np = (L + ATT_PART - 1) / ATT_PART;
         s->partmax = np > s->partmax ? np : s->partmax;
         if (kv_per_channel((int)st->kind)) {
             s->gmax = st->block > s->gmax ? (int)st->block : s->gmax;
@@ -864,8 +948,9 @@ static void *thread_scratch(Step *s) {
     s->tid = omp_get_thread_num(), s->nt = omp_get_num_threads();
     s->nalloc = (s->partmax + s->nt - 1) / s->nt * ATT_PART;   /* layer_slots gives a thread at most this many */
     const size_t kv_n = (size_t)M * s->n_kv * D, n = (size_t)s->nalloc, kq = (size_t)M * (s->kmax / QK);
-    const size_t nf = (size_t)M * (s->dim + s->kmax + 2 * s->q_w + s->hidden) + 4 * kv_n + 2 * kq + 2 * rep * n + 2 * n
-                      + (size_t)D + (size_t)rep * D + (size_t)D * s->gmax + 3 * (size_t)VCHUNK * D + s->chan_n;
+    const size_t nf = (size_t)M * (2 * s->dim + s->kmax + 2 * s->q_w + s->hidden) + 4 * kv_n + 2 * kq + 2 * rep * n
+                      + 2 * n + (size_t)D + (size_t)rep * D + (size_t)D * s->gmax + 3 * (size_t)VCHUNK * D + s->chan_n
+                      + (size_t)s->qkv_w;
     const size_t nh = 2 * kv_n, nbytes = 4 * (size_t)M * s->kmax + 2 * kv_n + (size_t)D * s->gmax;
     float *pv = malloc(sizeof(float) * nf + sizeof(uint16_t) * nh + nbytes);
     if (!pv) return NULL;
@@ -877,6 +962,7 @@ static void *thread_scratch(Step *s) {
     TAKE(s->sc, rep * n); TAKE(s->t, rep * n); TAKE(s->sf, n); TAKE(s->bf, n); TAKE(s->tmp, (size_t)D);
     TAKE(s->bsum, (size_t)rep * D); TAKE(s->xg, (size_t)D * s->gmax);
     TAKE(s->vbuf, (size_t)VCHUNK * D); TAKE(s->ppb, 2 * (size_t)VCHUNK * D); TAKE(s->qs, s->chan_n);
+    TAKE(s->qkn, (size_t)s->qkv_w); TAKE(s->post, (size_t)M * s->dim);
 #undef TAKE
     s->kpar = (uint16_t *)f, s->vpar = s->kpar + kv_n;
     s->codes.xq = (int8_t *)(s->vpar + kv_n);   /* q8, int16 or split int16 activation codes: 2-byte aligned */
@@ -918,18 +1004,22 @@ int decode_step(const StepArgs *a) {
 }
 
 /* The structs' layout, for caramba.model.step_abi's test: sizes of Lin, LayerPlan, Stream and
-   StepArgs, then the offsets of StepArgs' fields in order. Returns how many it wrote. */
+   StepArgs, then the offsets of StepArgs' fields in order, then LayerPlan's and Stream's named
+   below. Returns how many it wrote (at most 64). */
 int step_abi_layout(int64_t *out) {
     int i = 0;
     out[i++] = sizeof(Lin), out[i++] = sizeof(LayerPlan), out[i++] = sizeof(Stream), out[i++] = sizeof(StepArgs);
 #define OFF(F) out[i++] = offsetof(StepArgs, F);
     OFF(n_layers) OFF(layers) OFF(head) OFF(final_norm) OFF(streams) OFF(x) OFF(logits) OFF(M) OFF(T) OFF(last_only)
     OFF(dim) OFF(n_heads) OFF(n_kv) OFF(head_dim) OFF(hidden) OFF(max_seq) OFF(slot) OFF(positions) OFF(mask)
-    OFF(cos) OFF(ssin) OFF(eps) OFF(nthreads)
+    OFF(mask_local) OFF(cos) OFF(ssin) OFF(cos_local) OFF(ssin_local) OFF(eps) OFF(q_factor) OFF(nthreads) OFF(gelu)
 #undef OFF
-    out[i++] = offsetof(LayerPlan, qkv), out[i++] = offsetof(LayerPlan, o), out[i++] = offsetof(LayerPlan, w13);
-    out[i++] = offsetof(LayerPlan, w2), out[i++] = offsetof(Stream, r0), out[i++] = offsetof(Stream, rot);
-    out[i++] = offsetof(Stream, slots), out[i++] = offsetof(Stream, offset), out[i++] = offsetof(Stream, first);
-    out[i++] = offsetof(Stream, org), out[i++] = offsetof(Stream, store);
+#define OFF(T, F) out[i++] = offsetof(T, F);
+    OFF(LayerPlan, qkv) OFF(LayerPlan, o) OFF(LayerPlan, w13) OFF(LayerPlan, w2) OFF(LayerPlan, q_norm)
+    OFF(LayerPlan, k_norm) OFF(LayerPlan, post_attn_norm) OFF(LayerPlan, post_mlp_norm) OFF(LayerPlan, qk_whole)
+    OFF(LayerPlan, sliding)
+    OFF(Stream, r0) OFF(Stream, rot) OFF(Stream, slots) OFF(Stream, offset) OFF(Stream, first) OFF(Stream, org)
+    OFF(Stream, store) OFF(Stream, wrap)
+#undef OFF
     return i;
 }

@@ -1,7 +1,7 @@
 /* The fused decode step's arguments (decode_step.c), mirrored field for field by the ctypes
-   Structures of caramba.model.step_abi (tests/test_fast_decode.py compares sizes and offsets
-   through step_abi_layout). Every field is 8 bytes but the last two, so the layout has no padding
-   a mirror could get wrong. */
+   Structures of caramba.model.step_abi (tests/test_step_parts.py compares sizes and offsets
+   through step_abi_layout). Every field is 8 bytes but the last four, two pairs of 4-byte fields,
+   so the layout has no padding a mirror could get wrong. */
 
 #ifndef CARAMBA_DECODE_STEP_H
 #define CARAMBA_DECODE_STEP_H
@@ -18,10 +18,17 @@ typedef struct {
     const float *bias;   /* or NULL */
 } Lin;
 
-/* One layer's weights. */
+/* One layer's weights, and which attention it is. A norm's NULL: the layer has none. */
 typedef struct {
-    const float *attn_norm, *mlp_norm;   /* RMSNorm weights [dim] */
+    const float *attn_norm, *mlp_norm;   /* RMSNorm weights [dim] before attention and MLP (NULL: OLMo 2) */
     Lin qkv, o, w13, w2;                 /* [q | k | v], attention output, [gate | up], down */
+    const float *q_norm, *k_norm;        /* QK-norm before RoPE (Qwen3, Gemma 3, OLMo 2): [head_dim] per head,
+                                            or with qk_whole [n_heads head_dim] and [n_kv head_dim] */
+    const float *post_attn_norm, *post_mlp_norm;   /* [dim]: the attention's and MLP's outputs normed
+                                                      before their residual add (Gemma, OLMo 2) */
+    int64_t qk_whole;                    /* QK-norm over the whole q and k projections (OLMo 2), not per head */
+    int64_t sliding;                     /* a hybrid model's sliding layer: StepArgs' mask_local and the local
+                                            rotary tables (where given) */
 } LayerPlan;
 
 /* One step: T new tokens for each of M / T cache rows. */
@@ -36,17 +43,22 @@ typedef struct {
     int64_t M, T;                 /* M token rows: T consecutive new tokens per cache row */
     int64_t last_only;            /* logits of each cache row's last new token only */
     int64_t dim, n_heads, n_kv, head_dim, hidden;
-    int64_t max_seq, slot;        /* the cache's length in slots; the first new token's slot (the model's
-                                     numbers: a ragged press's layers have their own, Stream.slots and
-                                     Stream.offset) */
+    int64_t max_seq, slot;        /* the cache's length in slots (a ring cache's, unbounded: slot + T); the
+                                     first new token's slot (the model's numbers: a ragged press's layers
+                                     have their own, Stream.slots and Stream.offset) */
     const int64_t *positions;     /* [M] rotary positions */
     const uint8_t *mask;          /* [M, slot + T]: nonzero where row r attends slot s; NULL: every cached
                                      slot, and the row's new tokens up to its own; a layer reads its
                                      slot i at i + its offset, and below each head's first valid slot
-                                     nothing */
+                                     nothing. A ring's layer (Stream.wrap): [M, min(slot + T, wrap)]
+                                     over its storage slots */
+    const uint8_t *mask_local;    /* the same for the sliding layers (LayerPlan.sliding) */
     const float *cos, *ssin;      /* [P, head_dim] rotary tables (ssin: sin, first half negated) */
+    const float *cos_local, *ssin_local;   /* the sliding layers' own (Gemma 3's RoPE base); NULL: cos, ssin */
     float eps;                    /* RMSNorm's */
+    float q_factor;               /* queries times this after RoPE (Gemma's query scale; 1: none) */
     int32_t nthreads;
+    int32_t gelu;                 /* the MLP's gate: tanh GELU (GeGLU: Gemma), else SiLU (SwiGLU) */
 } StepArgs;
 
 /* Returns 0; 1 when scratch could not be allocated; 2 for shapes or streams it does not take

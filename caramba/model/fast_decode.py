@@ -6,15 +6,24 @@ forward to `step`, which runs every layer, the final norm and the head in one pa
 weights in the layouts the model holds (fp32 nn.Linear / InputMajorLinear, or QuantLinear's
 blocks) and writing K and V into the cache as the torch path does.
 
-It applies to one new token per row (padding and sliding windows come as the cache's mask) on
-an fp32 model with RMSNorm, RoPE and SwiGLU, projections of the kinds above, and a KVCache of
-plain layers whose streams are fp32, per-token q8_0 / q4_0 / q4_0l / nf4 / q4_1 / q2_1 (with or
-without a residual window) or per-channel q4_1c / q2_1c keys, stored rotated or not (rotate_keys,
-rotate_values). The step writes the new token's codes with caramba.cache.quant's arithmetic, bit
-for bit, completes per-channel groups, and keeps the streams' rings and their bookkeeping as the
-torch path does (kv_stream.c). Everything else takes the torch path, which stays the reference
-(tests compare the two): per-channel values, ring-buffer caches, fp16/bf16 caches, and a step
+It applies to up to MAX_ROWS new token rows (padding and sliding windows come as the cache's
+mask) on an fp32 model with RMSNorm, RoPE and SwiGLU or GeGLU, projections of the kinds above,
+and a KVCache of plain layers whose streams are fp32, per-token q8_0 / q4_0 / q4_0l / nf4 / q4_1 /
+q2_1 (with or without a residual window) or per-channel q4_1c / q2_1c keys, stored rotated or not
+(rotate_keys, rotate_values). The step writes the new token's codes with caramba.cache.quant's
+arithmetic, bit for bit, completes per-channel groups, and keeps the streams' rings and their
+bookkeeping as the torch path does (kv_stream.c). Everything else takes the torch path, which
+stays the reference (tests compare the two): per-channel values, fp16/bf16 caches, and a step
 that must first refill a per-channel group a rollback went into.
+
+The newer families' parts (caramba.model.config) are computed too: QK-norm per head or over the
+projection (Qwen3, Gemma 3, OLMo 2), post-norms and no pre-norms (Gemma, OLMo 2), GeGLU, the
+queries' scale (Gemma's query_pre_attn_scalar), and hybrid models' sliding layers with their own
+mask and RoPE base (Gemma 3); the scaled embeddings and the logits' soft cap are applied here
+around the call (model.embed_tokens, model.cap_logits). Gemma 2's attention soft cap takes the
+torch path. Ring caches are read in their storage order, across their wraps: a RingKVCache
+(--local-window) and a HybridKVCache's sliding layers (caramba.cache.hybrid), per-token kinds
+without a residual window as those caches hold.
 
 The step is a backend (caramba.model.backend): `CStep(model)` reads the model's weights once, when
 it is built, and whoever drives decoding builds and owns it (a DecodeState, so the Generator and
@@ -41,6 +50,7 @@ from torch import nn
 
 from caramba import kernels, threads
 from caramba.cache.evict import PackedLayerKVCache, PressedKVCache, PressedLayerKVCache
+from caramba.cache.hybrid import HybridKVCache, SlidingLayerKVCache
 from caramba.cache.packed import PackedChannelStream, PackedFloatStream, PackedQuantStream
 from caramba.cache.layer import KVCache, LayerKVCache
 from caramba.cache.ring import RingKVCache, RingLayerKVCache
@@ -102,39 +112,62 @@ def _linear(module: nn.Module, n: int, k: int) -> tuple[Lin, list[torch.Tensor]]
     return Lin(fmt, n, k, *(None if t is None else t.data_ptr() for t in tensors)), [t for t in tensors if t is not None]
 
 
+def _norms(layer) -> dict[str, nn.Module | None]:
+    """A block's norms by LayerPlan field (None, or nn.Identity: the block has none)."""
+    attn = layer.attn
+    return {"attn_norm": layer.attn_norm, "mlp_norm": layer.mlp_norm, "q_norm": getattr(attn, "q_norm", None),
+            "k_norm": getattr(attn, "k_norm", None), "post_attn_norm": getattr(layer, "post_attn_norm", None),
+            "post_mlp_norm": getattr(layer, "post_mlp_norm", None)}
+
+
+def _norm_weight(norm: nn.Module | None, eps: float) -> torch.Tensor | None:
+    """An RMSNorm's weight as the step reads it (the model's eps, every norm's in C), None for no
+    norm; raises _NoKernel for any other module."""
+    if norm is None or type(norm) is nn.Identity:
+        return None
+    if type(norm) is not RMSNorm or norm.eps != eps or not _fp32(norm.weight):
+        raise _NoKernel
+    return norm.weight
+
+
 class _Plan:
     """The model's weights as decode_step.c reads them: a LayerPlan per layer and the head's Lin,
-    read once (raises _NoKernel when a projection has no kernel)."""
+    read once (raises _NoKernel when a projection or norm has no kernel). `sliding`: which layers
+    are a hybrid model's sliding ones (their own mask and rotary tables)."""
 
     def __init__(self, model) -> None:
         cfg = model.config
         self.layers, keep = (LayerPlan * len(model.layers))(), []
-        qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-        for plan, layer in zip(self.layers, model.layers):
-            a, m = layer.attn, layer.mlp
-            plan.attn_norm, plan.mlp_norm = layer.attn_norm.weight.data_ptr(), layer.mlp_norm.weight.data_ptr()
-            keep += [layer.attn_norm.weight, layer.mlp_norm.weight]
-            for name, mod, n, k in (("qkv", a.wqkv, qkv, cfg.dim), ("o", a.wo, cfg.dim, cfg.n_heads * cfg.head_dim),
-                                    ("w13", m.w13, 2 * cfg.intermediate_size, cfg.dim),
-                                    ("w2", m.w2, cfg.dim, cfg.intermediate_size)):
-                got = _linear(mod, n, k)
-                if got is None:
-                    raise _NoKernel
-                setattr(plan, name, got[0])
-                keep += got[1]
+        self.sliding = [cfg.hybrid and cfg.is_sliding(i) for i in range(len(model.layers))]
+        for plan, layer, sliding in zip(self.layers, model.layers, self.sliding):
+            keep += self._layer(plan, layer, cfg)
+            plan.qk_whole, plan.sliding = cfg.qk_norm == "projection", sliding
         head = _linear(model.head, cfg.vocab_size, cfg.dim)
         if head is None:
             raise _NoKernel
         self.head = head[0]
         self.keep = keep + head[1] + [model.norm.weight]   # the pointers stay valid while the plan lives
 
-
-def _llama_parts(cfg) -> bool:
-    """Whether the model has none of the newer families' parts decode_step.c does not compute yet
-    (QK-norm, post-norms, scaled scores or embeddings are done outside it, soft caps, hybrid layers)."""
-    return (cfg.qk_norm is None and cfg.pre_norms and not cfg.post_norms and cfg.attn_softcap is None
-            and cfg.final_softcap is None and cfg.score_scale == cfg.head_dim ** -0.5 and not cfg.hybrid
-            and cfg.rope_local_theta is None)
+    @staticmethod
+    def _layer(plan: LayerPlan, layer, cfg) -> list[torch.Tensor]:
+        """Fill one LayerPlan's norms and projections; the tensors it points into."""
+        keep = []
+        for name, norm in _norms(layer).items():
+            weight = _norm_weight(norm, cfg.norm_eps)
+            if weight is not None:
+                setattr(plan, name, weight.data_ptr())
+                keep.append(weight)
+        a, m = layer.attn, layer.mlp
+        qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        for name, mod, n, k in (("qkv", a.wqkv, qkv, cfg.dim), ("o", a.wo, cfg.dim, cfg.n_heads * cfg.head_dim),
+                                ("w13", m.w13, 2 * cfg.intermediate_size, cfg.dim),
+                                ("w2", m.w2, cfg.dim, cfg.intermediate_size)):
+            got = _linear(mod, n, k)
+            if got is None:
+                raise _NoKernel
+            setattr(plan, name, got[0])
+            keep += got[1]
+        return keep
 
 
 class _NoKernel(Exception):
@@ -142,17 +175,18 @@ class _NoKernel(Exception):
 
 
 def model_applies(model) -> bool:
-    """Whether the model's architecture is one decode_step.c computes (not its weights' formats)."""
+    """Whether the model's architecture is one decode_step.c computes (not its weights' formats):
+    a Llama-family decoder with any of the newer families' parts but Gemma 2's attention soft cap
+    (scores capped before the softmax: the torch path)."""
     cfg = model.config
-    if not _llama_parts(cfg):
-        return False
-    if (cfg.norm, cfg.mlp, cfg.positions, cfg.attention) != ("rms", "swiglu", "rope", "standard") \
-            or model.dtype != torch.float32 or model.device.type != "cpu" or cfg.head_dim > 512 \
-            or cfg.n_heads // cfg.n_kv_heads > 64:
+    if (cfg.norm, cfg.positions, cfg.attention) != ("rms", "rope", "standard") or cfg.mlp not in ("swiglu", "geglu") \
+            or cfg.attn_softcap is not None or model.dtype != torch.float32 or model.device.type != "cpu" \
+            or cfg.head_dim > 512 or cfg.n_heads // cfg.n_kv_heads > 64:
         return False
     layer = model.layers[0]
-    return type(layer.attn) is Attention and type(layer.mlp) is MLP and type(layer.attn_norm) is RMSNorm \
-        and type(model.norm) is RMSNorm
+    norms = (*_norms(layer).values(), model.norm)
+    return type(layer.attn) is Attention and type(layer.mlp) is MLP and type(model.norm) is RMSNorm \
+        and all(n is None or type(n) in (RMSNorm, nn.Identity) for n in norms)
 
 
 def _stream_kind(stream, keys: bool, head_dim: int) -> int | None:
@@ -176,18 +210,20 @@ def _stream_kind(stream, keys: bool, head_dim: int) -> int | None:
 
 
 PRESSED = (PressedLayerKVCache, PackedLayerKVCache)   # a ragged press's layers: their own slots
+RINGS = (RingLayerKVCache, SlidingLayerKVCache)       # slot s at storage slot s % capacity (Stream.wrap)
 
 
 class _Layout:
     """What decode_step.c takes of a cache: per layer, K then V, (stream, kind, rotation or None);
-    each layer (`layers`: its slots are the model's minus its offset, a ragged press's); the
-    streams whose full-precision ring the step keeps up (`ringed`) and the per-channel ones, each
-    with its layer's offset. `table` holds decode_step.c's Streams once _stream_table has built
-    them, `bound` the (object, attribute, tensor) they point into and `fp_slots` the (index,
-    stream, offset) of the entries whose r0 moves with every step."""
+    each layer (`layers`: its slots are the model's minus its offset, a ragged press's; `wraps`: a
+    ring's capacity, else 0); the streams whose full-precision ring the step keeps up (`ringed`)
+    and the per-channel ones, each with its layer's offset. `table` holds decode_step.c's Streams
+    once _stream_table has built them, `bound` the (object, attribute, tensor) they point into and
+    `fp_slots` the (index, stream, offset) of the entries whose r0 moves with every step."""
 
     def __init__(self, streams: list[tuple], layers: list, heads: int, head_dim: int) -> None:
         self.streams, self.layers, self.heads, self.head_dim = streams, layers, heads, head_dim
+        self.wraps = [layer.max_seq_len if type(layer) in RINGS else 0 for layer in layers]
         offsets = [_offset(layer) for layer in layers for _ in (0, 1)]
         self.ringed = [(s, o) for (s, kind, _), o in zip(streams, offsets) if kind != KV_FP32 and s.ring is not None]
         self.channels = [(s, o) for (s, kind, _), o in zip(streams, offsets) if kind in CHANNEL_KINDS.values()]
@@ -225,7 +261,7 @@ def _first_valid(layer) -> torch.Tensor | None:
 
 
 def _scan_layout(cache) -> _Layout | None:
-    kinds = PRESSED if type(cache) is PressedKVCache else (LayerKVCache, RingLayerKVCache)
+    kinds = PRESSED if type(cache) is PressedKVCache else (LayerKVCache, *RINGS)
     if any(type(layer) not in kinds or _first_valid(layer) is False for layer in cache.layers):
         return None
     streams = []
@@ -265,7 +301,7 @@ def _build_table(layout: _Layout) -> None:
         rot = None if rotation is None else rotation.data_ptr()
         packed = type(layer) is PackedLayerKVCache
         own = (layer.max_seq_len, _offset(layer), None if first is None else first.data_ptr(),
-               layer.org.data_ptr() if packed else None, layer.slots.total if packed else 0)
+               layer.org.data_ptr() if packed else None, layer.slots.total if packed else 0, layout.wraps[i // 2])
         if i % 2 == 0 and type(layer) is PressedLayerKVCache:    # a reorder replaces valid
             bound.append((layer, "valid", layer.valid))
         if i % 2 == 0 and packed:                                # ... and a packed layer's slots
@@ -338,11 +374,23 @@ class ThreadChoice:
         self.countdown = self.interval
 
 
+def _rope_table(model, positions: torch.Tensor, local: bool = False):
+    """The model's rotary table covering the positions (local: the sliding layers' own), grown
+    first where it does not; its rows are read in C."""
+    name = "_rope_local" if local else "_rope"
+    table = getattr(model, name)
+    if table is None or table.cos.shape[0] <= int(positions.max()) or table.cos.device != model.device:
+        model.rotary(positions[:, None], local=local)
+        table = getattr(model, name)
+    return table
+
+
 def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVCache,
-         mask: torch.Tensor | None, last_only: bool = False, *, plan: _Plan, choice: ThreadChoice) -> torch.Tensor:
+         masks: tuple, last_only: bool = False, *, plan: _Plan, choice: ThreadChoice) -> torch.Tensor:
     """logits [B, T, vocab] ([B, 1, vocab] with last_only) of T new tokens per row, their K and V
-    appended to the cache; mask [B, 1, T, slots] (True: attend) or None, as CStep.applies took it;
-    plan: the model's weights (CStep's), choice: the thread count's (CStep's)."""
+    appended to the cache; masks: the full layers' and the sliding layers' attention masks
+    [B, 1, T, slots] (True: attend) or None each, as CStep.applies took them; plan: the model's
+    weights (CStep's), choice: the thread count's (CStep's)."""
     cfg = model.config
     B, T = tokens.shape
     slot = cache.length
@@ -350,21 +398,25 @@ def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVC
     if positions is None:
         positions = torch.arange(slot, slot + T).expand(B, T)
     positions = positions.reshape(B * T).to(torch.int64).contiguous()
-    table = model._rope
-    if table is None or table.cos.shape[0] <= int(positions.max()) or table.cos.device != model.device:
-        model.rotary(positions[:, None])          # grows the table; its rows are read in C
-        table = model._rope
+    table = _rope_table(model, positions)
+    local = _rope_table(model, positions, local=True) if cfg.rope_local_theta is not None else None
     x = model.embed_tokens(tokens).reshape(B * T, cfg.dim).contiguous()   # read only
     logits = torch.empty(B, 1 if last_only else T, cfg.vocab_size)
-    if mask is not None:
-        mask = mask.contiguous()
+    mask, mask_local = (None if m is None else m.contiguous() for m in masks)
     streams = _stream_table(cache._fast_decode_layout, slot, T)     # as CStep.applies just found it
     threads = choice.next(B * T)
-    args = StepArgs(cfg.n_layers, ctypes.addressof(plan.layers), ctypes.addressof(plan.head), model.norm.weight.data_ptr(),
-                    ctypes.addressof(streams), x.data_ptr(), logits.data_ptr(), B * T, T, int(last_only), cfg.dim,
-                    cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cache.max_seq_len, slot,
-                    positions.data_ptr(), None if mask is None else mask.data_ptr(), table.cos.data_ptr(),
-                    table.sin.data_ptr(), cfg.norm_eps, threads)
+    q_factor = model.layers[0].attn.q_factor
+    args = StepArgs(
+        n_layers=cfg.n_layers, layers=ctypes.addressof(plan.layers), head=ctypes.addressof(plan.head),
+        final_norm=model.norm.weight.data_ptr(), streams=ctypes.addressof(streams), x=x.data_ptr(),
+        logits=logits.data_ptr(), M=B * T, T=T, last_only=int(last_only), dim=cfg.dim, n_heads=cfg.n_heads,
+        n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden=cfg.intermediate_size,
+        max_seq=slot + T if type(cache) is RingKVCache else cache.max_seq_len, slot=slot,
+        positions=positions.data_ptr(), mask=None if mask is None else mask.data_ptr(),
+        mask_local=None if mask_local is None else mask_local.data_ptr(), cos=table.cos.data_ptr(),
+        ssin=table.sin.data_ptr(), cos_local=None if local is None else local.cos.data_ptr(),
+        ssin_local=None if local is None else local.sin.data_ptr(), eps=cfg.norm_eps,
+        q_factor=1.0 if q_factor is None else q_factor, nthreads=threads, gelu=int(cfg.mlp == "geglu"))
     t0 = time.perf_counter()
     failed = library().decode_step(ctypes.byref(args))
     choice.took(threads, time.perf_counter() - t0, B * T)
@@ -374,7 +426,7 @@ def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVC
         raise ValueError(f"decode_step.c refused the shapes (code {failed}); CStep.applies should have")
     for layer in cache.layers:
         layer.length = slot + T - _offset(layer)
-    return logits
+    return model.cap_logits(logits)
 
 
 class Unsupported(ValueError):
@@ -396,13 +448,15 @@ class CStep:
         if library() is None:
             raise Unsupported(f"the fused decode step is unavailable: {status()}")
         if not model_applies(model):
-            raise Unsupported("decode_step.c computes fp32 Llama-family models on the CPU (RMSNorm, RoPE, SwiGLU, "
-                              "standard attention): use the torch path (caramba.model.backend.TorchStep)")
+            raise Unsupported("decode_step.c computes fp32 Llama-family models on the CPU (RMSNorm, RoPE, SwiGLU or "
+                              "GeGLU, standard attention without a soft cap): use the torch path "
+                              "(caramba.model.backend.TorchStep)")
         try:
             self.plan = _Plan(model)
         except _NoKernel:
-            raise Unsupported("a projection of this model is of a kind decode_step.c cannot read (fp32 nn.Linear, "
-                              "InputMajorLinear or CPU QuantLinear): use the torch path") from None
+            raise Unsupported("a projection or norm of this model is of a kind decode_step.c cannot read (fp32 "
+                              "nn.Linear, InputMajorLinear or CPU QuantLinear; RMSNorm at the model's eps): use the "
+                              "torch path") from None
         self.model = model
         self.threads = ThreadChoice() if threads is None else threads
         self.steps = {"c": 0, "torch": 0}     # forwards of up to MAX_ROWS token rows, by the path taken
@@ -420,35 +474,58 @@ class CStep:
         B, T = tokens.shape
         if cache is not None and B * T <= MAX_ROWS:
             cache.check_room(T)
-            mask, causal = self.model.cache_mask(B, T, cache, slot_mask, tokens.device, window)
-            if self.applies(tokens, cache, mask, causal):
+            masks = self.masks(B, T, cache, slot_mask, tokens.device, window)
+            if masks is not None and self.applies(tokens, cache, masks):
                 self.steps["c"] += 1
-                return step(self.model, tokens, positions, cache, mask, last_only, plan=self.plan, choice=self.threads)
+                masks = tuple(None if pair is None else pair[0] for pair in masks)
+                return step(self.model, tokens, positions, cache, masks, last_only, plan=self.plan, choice=self.threads)
             self.steps["torch"] += 1
         return self.model(tokens, positions, cache, slot_mask, last_only=last_only, window=window)
 
-    def applies(self, tokens: torch.Tensor, cache, mask: torch.Tensor | None, causal: bool) -> bool:
-        """Whether this forward is a step decode_step.c can take. mask, causal: the cache's attention
-        mask for it (KVCache.attention_mask: None, or [B, 1, T, slots] in slot order). Causal without
-        a mask is a first chunk into an empty cache, which the step's own rule gives: new token t sees
-        the cached slots and new tokens 0..t."""
+    def masks(self, B: int, T: int, cache, slot_mask: torch.Tensor | None, device: torch.device,
+              window: int | None) -> tuple | None:
+        """The (mask, causal) of the full layers and of the sliding ones (None: the model has none), as
+        the model builds them per layer (Transformer.layer_masks); None when layers of one type differ."""
+        model, sliding = self.model, self.plan.sliding
+        if not model.config.hybrid:
+            return model.cache_mask(B, T, cache, slot_mask, device, window), None
+        per_layer = model.layer_masks(B, T, cache, slot_mask, device, window)
+        full, local = per_layer[sliding.index(False)], per_layer[sliding.index(True)]
+        if any(pair is not (local if s else full) for pair, s in zip(per_layer, sliding)):
+            return None
+        return full, local
+
+    def applies(self, tokens: torch.Tensor, cache, masks: tuple) -> bool:
+        """Whether this forward is a step decode_step.c can take. masks: `masks`' (mask, causal) of
+        each layer type (KVCache.attention_mask: None, or [B, 1, T, slots] in the order the layers
+        store their slots)."""
         B, T = tokens.shape
-        if B * T > MAX_ROWS:
-            return False
-        if mask is None and causal != (T > 1):
-            return False
-        if mask is not None and (causal or mask.dtype != torch.bool or tuple(mask.shape) != (B, 1, T, cache.length + T)):
-            return False
         model = self.model
-        if type(cache) not in (KVCache, RingKVCache, PressedKVCache) \
+        if B * T > MAX_ROWS or type(cache) not in (KVCache, RingKVCache, PressedKVCache, HybridKVCache) \
                 or torch.is_grad_enabled() and model.norm.weight.requires_grad:
             return False
-        # A sliding window's ring holds slot s at s % capacity: until it first wraps, storage order is
-        # slot order and the step (which writes slot `length` and reads slots below it, masked by the
-        # window) is exact. After that it would need ring addressing in decode_step.c: the torch path.
-        if type(cache) is RingKVCache and cache.length + T > cache.capacity:
+        # A ring writes each forward's tokens before it reads (a longer one: the torch path, whose ring
+        # reads first or refuses it).
+        if type(cache) is RingKVCache and T > cache.max_write \
+                or any(type(layer) is SlidingLayerKVCache and not layer.writes_first(T) for layer in cache.layers):
             return False
         layout = _cache_layout(cache)
-        return not (layout is None or (layout.heads, layout.head_dim) != (model.config.n_kv_heads, model.config.head_dim)
-                    or cache.batch_size != B or any(s.refills(cache.length - off) for s, off in layout.channels)
-                    or T > 1 and layout.channels)      # a per-channel group is completed one token at a time
+        if layout is None or (layout.heads, layout.head_dim) != (model.config.n_kv_heads, model.config.head_dim) \
+                or cache.batch_size != B or any(s.refills(cache.length - off) for s, off in layout.channels) \
+                or T > 1 and layout.channels:      # a per-channel group is completed one token at a time
+            return False
+        return all(pair is None or _mask_fits(*pair, B, T, [w for w, s in zip(layout.wraps, self.plan.sliding)
+                                                                if s == local], cache.length)
+                   for pair, local in zip(masks, (False, True)))
+
+
+def _mask_fits(mask: torch.Tensor | None, causal: bool, B: int, T: int, wraps: list[int], length: int) -> bool:
+    """Whether the step reads a mask as the layers of one type need it: over each layer's slots
+    [0, length + T) (a ring's storage slots: the first min(length + T, capacity)). None (no mask)
+    and causal is a first chunk into an empty cache, which the step's own rule gives: new token t
+    sees the cached slots and new tokens 0..t; a ring past its wrap always has a mask."""
+    widths = {min(length + T, w) if w else length + T for w in wraps}
+    if mask is None:
+        return causal == (T > 1) and widths <= {length + T}
+    return not causal and mask.dtype == torch.bool and len(widths) == 1 \
+        and tuple(mask.shape) == (B, 1, T, widths.pop())

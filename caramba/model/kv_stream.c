@@ -13,6 +13,9 @@
        token arrives (complete_group, before the step's attention reads it).
    Positions below r0 are read from codes, the rest from the ring; fast_decode computes r0 with
    the stream's own fp_start.
+   A ring cache's stream (wrap > 0: caramba.cache.ring, a hybrid model's sliding layers) holds slot s
+   at storage slot s % wrap in any of these layouts; its kinds are per-token ones without a
+   residual window, so every function here takes storage slots as they are.
    A packed store (a per-head press's layer, caramba.cache.packed) holds the same codes with every
    row and head's slots back to back: [Dc, store] / [store, Dc] / [nb p, store] (per-channel
    parameters [2 D, store / G]), head rg's slot i at store slot org[rg] + i. Every function here
@@ -189,8 +192,9 @@ static inline uint8_t pack_byte(int bits, const uint8_t *u, int D, int i) {
 
 /* Whether decode_step can read and write this stream for head size D (2: refused). */
 HIDDEN int stream_ok(const Stream *s, int D, int keys) {
-    if (s->kind < 0 || s->kind >= KV_KINDS) return 0;
-    if (s->kind == KV_FP32) return s->ring != NULL && s->r0 == 0;
+    if (s->kind < 0 || s->kind >= KV_KINDS || s->wrap < 0) return 0;
+    if (s->kind == KV_FP32) return s->ring != NULL && s->r0 == 0 && (!s->wrap || s->ring_n == s->wrap);
+    if (s->wrap && (s->ring != NULL || kv_per_channel(s->kind))) return 0;   /* a ring: slot order is lost */
     if (s->block < 1 || (s->ring == NULL) != (s->ring_n == 0)) return 0;
     if (kv_per_channel(s->kind)) return keys && s->ring != NULL && D % 4 == 0;
     return D % s->block == 0 && D % 4 == 0;

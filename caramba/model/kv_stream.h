@@ -31,6 +31,10 @@ typedef struct {
        (org: a multiple of G for per-channel kinds). The rings stay per head: [rows, n_kv, ring_n, D]. */
     const int64_t *org;     /* [cache rows, n_kv]; NULL: the regular [rows, n_kv, slots] layout */
     int64_t store;          /* the store's slots (org != NULL) */
+    /* A ring (caramba.cache.ring, a hybrid model's sliding layers: caramba.cache.hybrid): its slot s is
+       stored at s % wrap, and a step reads its storage slots [0, min(slot + T, wrap)) under the
+       layer's mask; wrap == slots, per-token kinds without a residual window. 0: no ring. */
+    int64_t wrap;
 } Stream;
 
 /* Where head rg's codes lie: (the head index, its slot count and the store slot of its slot 0) to
