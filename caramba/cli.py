@@ -81,6 +81,7 @@ def run(
     jobs: Annotated[Optional[int], typer.Option("--jobs", min=1, help="Runs at once: local worker processes (each with cores/N threads), or the most tasks ray/slurm run at once.")] = None,
     ray_address: Annotated[Optional[str], typer.Option(help="Join this Ray cluster (default: start a local Ray).")] = None,
     junit_xml: Annotated[Optional[Path], typer.Option("--junit-xml", help="Also write JUnit XML here: one testcase per run, a failed check as its failure (for CI).")] = None,
+    track: Annotated[Optional[str], typer.Option("--track", help="Also log each run finished to mlflow or wandb (pip extra 'tracking'; settings in the manifest's tracking:); off: not even the manifest's.")] = None,
 ) -> None:
     """Validate a manifest and run its runs, leaving a record of each under runs/.
 
@@ -102,6 +103,7 @@ def run(
         if junit_xml is not None:
             _check_output_path(junit_xml, "--junit-xml")
         m = _load(manifest, overrides or [])
+        tracking = _tracking(m, track)
         command = command_line(str(manifest), run_ids or [], overrides or [], force, check)
         if dry_run or (executor == "local" and (jobs or 1) == 1):
             outcome = run_manifest(m, run_ids or [], force=force, dry_run=dry_run, console=out, check=check,
@@ -115,14 +117,46 @@ def run(
             busy = f", {len(outcome.busy)} left to another process running them" if outcome.busy else ""
             took = f" in {sum(outcome.seconds.values()):.1f}s" if outcome.seconds else ""
             err.print(f"{len(outcome.done)} done, {len(outcome.skipped)} skipped{busy}, {len(outcome.failed)} failed{checked}{took}")
-            failed = outcome.failed or outcome.check_failed
+            failed, done = outcome.failed or outcome.check_failed, outcome.done
             if junit_xml is not None:
                 _write_junit(junit_xml, m, run_ids or [], _serial_cases(outcome))
         else:
-            failed = _run_parallel(m, run_ids or [], force, check, overrides or [], command, executor, jobs, ray_address,
-                                   junit_xml)
+            failed, done = _run_parallel(m, run_ids or [], force, check, overrides or [], command, executor, jobs,
+                                         ray_address, junit_xml)
+        _track(m, tracking, run_ids or [], done)
         if failed:
             raise typer.Exit(1)
+
+
+def _tracking(m, track: str | None):
+    """The tracker runs are logged to: the manifest's tracking:, its backend replaced by --track."""
+    from caramba.manifest.schema import TrackingSettings
+
+    if track not in (None, "mlflow", "wandb", "off"):
+        raise UserError(f"--track {track}: use mlflow, wandb or off")
+    if track is None or track == "off":
+        return m.tracking if track is None else None
+    return (m.tracking or TrackingSettings()).model_copy(update={"backend": track})
+
+
+def _track(m, settings, run_ids: list[str], done: list[str]) -> None:
+    """The runs this command finished, logged to the tracker from their records; a tracker that
+    fails is one warning (the records are complete, the runs done)."""
+    if settings is None or not done:
+        return
+    from caramba import tracking
+    from caramba.runners import select_runs
+    from caramba.runs import RunDir, runs_root
+
+    finished = [tracking.Finished(f"{r.target}/{r.run.id}", RunDir(m.name, r.target, r.run.id).final, r.run.mode,
+                                  tracking.settings_of(r), r.run.params is not None)
+                for r in select_runs(m, run_ids) if f"{r.target}/{r.run.id}" in done]
+    problem = tracking.log_runs(settings, m.name, finished, runs_root())
+    if problem:
+        err.print(f"[yellow]warning: tracking ({settings.backend}) failed; the runs and their records are done: "
+                  f"{escape(problem)}[/yellow]", soft_wrap=True)
+    else:
+        err.print(f"tracked {len(finished)} run(s) in {settings.backend}")
 
 
 def _check_output_path(path: Path, option: str) -> None:
@@ -161,7 +195,8 @@ def _write_junit(path: Path, m, run_ids: list[str], cases: dict) -> None:
     err.print(f"junit: {escape(str(path))}")
 
 
-def _run_parallel(m, run_ids, force, check, overrides, command, executor, jobs, ray_address, junit_xml=None) -> bool:
+def _run_parallel(m, run_ids, force, check, overrides, command, executor, jobs, ray_address,
+                  junit_xml=None) -> tuple[bool, list[str]]:
     from caramba.executors import make_executor
     from caramba.executors.common import run_sweep
     from caramba.junit import Case
@@ -178,7 +213,7 @@ def _run_parallel(m, run_ids, force, check, overrides, command, executor, jobs, 
     if junit_xml is not None:
         _write_junit(junit_xml, m, run_ids, {n: Case(n, r.status, max(0.0, r.ended - r.started) if r.ended else 0.0,
                                                      r.message, r.checks) for n, r in result.results.items()})
-    return bool(result.names("failed") or result.check_failed)
+    return bool(result.names("failed") or result.check_failed), result.names("done")
 
 
 @app.command()
@@ -303,6 +338,9 @@ def report(
     x_key: Annotated[Optional[str], typer.Option("--x", help="The matrix key on the plot's x axis (default: --pivot, else the first).")] = None,
     overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field of the manifest, as for run.")] = None,
     fmt: Annotated[str, typer.Option("--format", help="table, json or markdown (markdown is also appended to $GITHUB_STEP_SUMMARY when that is set).")] = "table",
+    samples: Annotated[bool, typer.Option("--samples", help="An eval run's record: each task sample's question and references, every candidate's answer and score beside them.")] = False,
+    failed: Annotated[bool, typer.Option("--failed", help="With --samples: only samples some candidate did not answer fully.")] = False,
+    task: Annotated[Optional[str], typer.Option("--task", help="With --samples: only this task's samples.")] = None,
 ) -> None:
     """A sweep as one table: every run of a manifest as a row, its matrix values as columns, then
     the key metrics of its mode (decode tok/s, prefill, peak memory, cache bytes, acceptance,
@@ -310,11 +348,19 @@ def report(
     a run whose record was made with other settings is `changed`, one whose files no longer
     match DONE's digests `damaged`, one whose worker died `failed`. Given run record directories
     instead, compares them (bench cells or generate summaries) side by side, with deltas
-    against the first."""
+    against the first. With --samples RUN (an eval run's record), its task samples, for a person
+    to check the scores by eye."""
     with _errors_as_exit_codes():
         if fmt not in ("table", "json", "markdown"):
             raise UserError(f"--format {fmt!r}: choose table, json or markdown")
         fmt = "json" if as_json else fmt
+        if samples or failed or task is not None:
+            if not samples or len(run_dirs) != 1 or fmt == "markdown":
+                raise UserError("--failed and --task go with --samples RUN: one eval run's record, as a table or --json")
+            from caramba.cli_report import report_samples
+
+            report_samples(run_dirs[0], failed, task, fmt, out)
+            return
         for path, option in ((csv_file, "--csv"), (plot, "--plot")):
             if path is not None:
                 _check_output_path(path, option)

@@ -23,7 +23,7 @@ from rich.markup import escape
 from caramba.errors import UserError
 from caramba.infer.config import DRAFT_KINDS, DraftConfig, GenerateConfig, SpeculativeConfig, flat_paths
 from caramba.manifest.schema import option_fields
-from caramba.runs import json_text
+from caramba.runs import json_text, kernel_status
 
 # The CLI's own spellings where a short one predates the derived flag (both work).
 ALIASES = {"stop_sequences": ["--stop"], "decode_q_chunk": ["--q-chunk"], "decode_local_window": ["--local-window"],
@@ -141,7 +141,7 @@ def generate(prompt: str, model: str, dtype: str, device: str, weights: str, see
         print(json_text({**row, "model": {"source": m.source, "path": str(loaded.path), "sha256": loaded.content_hash,
                                            "dtype": m.dtype, "weights": m.weights},
                           "cache_kind": summary.get("cache_kind"), "cache_policy": summary.get("cache_policy"),
-                          "cache_auto": summary.get("cache_auto"),
+                          "cache_auto": summary.get("cache_auto"), "kernels": kernel_status(),
                           **({"speculative": speculative} if speculative else {})}))
         return
     if row.get("beams") is None:

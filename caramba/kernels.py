@@ -6,8 +6,8 @@ the compile command and this CPU's flags (-march=native code is only good on the
 for); the file appears atomically, so a concurrent build or reader never sees half a library.
 
 Callers keep an eager path for when a library is unavailable: CARAMBA_KERNELS=0, no C compiler,
-or a failed build (a warning says why, once per library); each user's `status()` says which,
-for benchmark records. Used by caramba.cache.kernel (quant_attend.c), caramba.model.quant
+or a failed build (one line on stderr says why, once per library: never silent, and not a Python
+warning that a filter could swallow); each user's `status()` says which, for records. Used by caramba.cache.kernel (quant_attend.c), caramba.model.quant
 (quant_gemv.c + cpu_isa.c) and caramba.model.fast_decode (decode_step.c and the files it calls).
 A library of several files is one compiler command over all of them; each shares what the others
 need through its header (x.c declares its shared functions in x.h), never by #including a .c.
@@ -22,8 +22,8 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -86,11 +86,11 @@ def build(source: Path | list[Path], cc: str, flags: list[str] = FLAGS) -> Path:
 
 
 def load(source: Path | list[Path], signatures: dict[str, tuple[list, object]], purpose: str,
-         flags: list[str] = FLAGS, stacklevel: int = 3) -> tuple[ctypes.CDLL | None, str]:
+         flags: list[str] = FLAGS) -> tuple[ctypes.CDLL | None, str]:
     """(library, status): the built and loaded `source` (a C file, or several linked together) with `signatures` (function name ->
-    (argtypes, restype)) set, status 'c'; or (None, why not) after one warning
-    "<purpose> through the slower eager path: kernels <why>". Callers cache the result
-    (functools.lru_cache), so the warning comes once per process."""
+    (argtypes, restype)) set, status 'c'; or (None, why not) after one stderr line
+    "caramba: warning: <purpose> through the slower eager path: kernels <why>". Callers cache the
+    result (Library), so the line comes once per library and process."""
     if os.environ.get("CARAMBA_KERNELS", "1") == "0":
         return None, "off (CARAMBA_KERNELS=0)"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -104,16 +104,29 @@ def load(source: Path | list[Path], signatures: dict[str, tuple[list, object]], 
                 fn.argtypes, fn.restype = argtypes, restype
             return lib, "c"
         except (OSError, AttributeError, subprocess.SubprocessError) as e:
-            detail = (getattr(e, "stderr", None) or str(e)).strip()
-            status = f"unavailable: build failed ({detail.splitlines()[-1] if detail else e})"
-    warnings.warn(f"{purpose} through the slower eager path: kernels {status}", stacklevel=stacklevel)
+            status = f"unavailable: build failed ({_reason(e)})"
+    print(f"caramba: warning: {purpose} through the slower eager path: kernels {status}", file=sys.stderr, flush=True)
     return None, status
+
+
+def _reason(e: Exception) -> str:
+    """Why a build or load failed, in a line: the compiler's first error (gcc's last line,
+    "compilation terminated.", names nothing), else how it exited, else the exception."""
+    stderr = getattr(e, "stderr", None) or ""
+    stderr = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr   # a timeout's may be bytes
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    if errors or lines:
+        return (errors or lines)[0]
+    if isinstance(e, subprocess.CalledProcessError):
+        return f"{Path(e.cmd[0]).name} exited with status {e.returncode}"
+    return str(e)
 
 
 class Library:
     """One C library's kernels (one source file, or several compiled together; `flags`: the compile
     command's, a test build's -D added) for its callers: `library()` builds and loads them on first use and
-    then returns the same handle (or None, after one warning); `status()` says which ('c' or why
+    then returns the same handle (or None, after one stderr line); `status()` says which ('c' or why
     not); `cache_clear()` forgets, so the next call loads again (tests, a changed environment)."""
 
     def __init__(self, source: Path | list[Path], signatures: dict[str, tuple[list, object]], purpose: str,
@@ -123,7 +136,7 @@ class Library:
 
     def __call__(self) -> ctypes.CDLL | None:
         if not self._loaded:
-            self._lib, self._status = load(self.source, self.signatures, self.purpose, self.flags, stacklevel=4)
+            self._lib, self._status = load(self.source, self.signatures, self.purpose, self.flags)
             self._loaded = True
         return self._lib
 

@@ -628,7 +628,20 @@ def capture_env(seed: int | None, device: str) -> dict[str, Any]:
     env["decode_step"] = __import__("caramba.model.fast_decode", fromlist=["status"]).status() if torch else None
     # the quantized prefill's GEMM level (amx, vnni, ...: caramba.model.quant_gemm)
     env["prefill_gemm"] = __import__("caramba.model.quant_gemm", fromlist=["level"]).level() if torch else None
+    # every C library: 'c', or why its callers took the eager path (an install without the kernels is
+    # 35x slower at q8_0 decode, so a record must say)
+    env["kernels"] = kernel_status() if torch else None
     return env
+
+
+def kernel_status() -> dict[str, str]:
+    """Each C kernel library's status ('c', else why not: caramba.kernels), by what it runs."""
+    from caramba.cache import kernel
+    from caramba.model import fast_decode, fused, quant, quant_gemm
+
+    return {"decode_step": fast_decode.status(), "quant_weights": quant.status(),
+            "quant_prefill": quant_gemm.library.status(), "kv_attention": kernel.status(),
+            "decode_ops": fused.status()}
 
 
 def cpu_model() -> str | None:

@@ -232,6 +232,9 @@ def test_generate_json(tiny_model):
     assert data["prompt_ids"] == list(b"hello") and len(data["output_ids"]) == 5
     for key in ("text", "prefill_s", "decode_s", "decode_tok_s"):
         assert key in data
+    # which kernels ran: the steps' path, and every C library's status ('c' or why not)
+    assert data["kernels"]["decode_step"] in ("c",) or data["kernels"]["decode_step"].startswith(("off", "unavailable"))
+    assert {"quant_weights", "kv_attention"} <= data["kernels"].keys()
 
 
 def test_generate_streams_text(tiny_model):

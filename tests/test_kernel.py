@@ -5,11 +5,13 @@ switched off or cannot be built."""
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from caramba import kernels
 from caramba.cache import KVCacheKind, KVCacheTensorConfig, LayerKVCache, kernel
 from caramba.cache.attend import attend_chunked
 import tolerance as tol
@@ -85,13 +87,28 @@ def test_switched_off_by_environment(fresh_library, monkeypatch):
     torch.testing.assert_close(attend_chunked(q, c.k_stream, c.v_stream, 9, None), ref, **tol.attention(ref, 32, 9))
 
 
-def test_a_failed_build_warns_once_and_falls_back(fresh_library, monkeypatch, tmp_path):
+def test_a_failed_build_says_so_once_on_stderr_and_falls_back(fresh_library, monkeypatch, tmp_path, capfd):
     monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")           # a "compiler" that always fails
-    with pytest.warns(UserWarning, match="slower eager path: kernels unavailable: build failed"):
-        assert kernel.library() is None
-    assert kernel.status().startswith("unavailable: build failed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")         # a filter that would swallow a Python warning
+        assert kernel.library() is None and kernel.library() is None
+    assert kernel.status() == "unavailable: build failed (false exited with status 1)"
+    err = capfd.readouterr().err
+    assert err == ("caramba: warning: quantized KV caches decode through the slower eager path: "
+                   "kernels unavailable: build failed (false exited with status 1)\n")   # one line, once
     assert not list((tmp_path / "kernels").glob("*.so"))      # no half-built library left behind
+
+
+def test_a_build_error_names_the_compilers_first_error(monkeypatch, tmp_path, capfd):
+    """gcc's last line is "compilation terminated.": the reason given is the error before it."""
+    needs_kernels()
+    monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "k.c"
+    source.write_text('#include "missing.h"\nint f(void) { return 1; }\n')
+    lib, status = kernels.load(source, {}, "a test kernel")
+    assert lib is None and "missing.h" in status and "error" in status and "terminated" not in status, status
+    assert capfd.readouterr().err.count("caramba: warning: a test kernel through the slower eager path") == 1
 
 
 def test_the_build_is_cached_per_source_and_cpu(fresh_library, monkeypatch, tmp_path):

@@ -131,6 +131,10 @@ def test_capture_env_keys_and_json(tmp_path, monkeypatch):
     assert expected <= env.keys()
     assert env["kernel_isa"] in ("scalar", "avx2", "avxvnni", "avx512", "avx512vnni") or env["kernel_isa"].startswith("eager")
     assert env["decode_step"] == "c" or env["decode_step"].startswith(("off", "unavailable"))
+    # every C library's status, by what it runs (an install without kernels must show in the record)
+    assert set(env["kernels"]) == {"decode_step", "quant_weights", "quant_prefill", "kv_attention", "decode_ops"}
+    assert env["kernels"]["decode_step"] == env["decode_step"]
+    assert all(s == "c" or s.startswith(("off", "unavailable")) for s in env["kernels"].values()), env["kernels"]
     assert env["caramba_version"] == caramba.__version__
     assert env["seed"] == 3
     assert env["git"] is None
