@@ -540,6 +540,18 @@ class ExecutorSettings(_Model):
     slurm: SlurmExecutor = Field(default_factory=SlurmExecutor)
 
 
+class TrackingSettings(_Model):
+    """Where `caramba run` also logs each run it finishes (caramba.tracking); no part of any run's
+    identity, and a tracker that fails costs no record."""
+
+    backend: Literal["mlflow", "wandb"] = Field("mlflow", description="the tracker (pip extra 'tracking')")
+    uri: str | None = Field(None, description="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else "
+                                              "sqlite:///mlruns/mlflow.db beside the runs dir)")
+    dir: str | None = Field(None, description="W&B: where its run files go (default: beside the runs dir)")
+    experiment: str | None = Field(None, description="MLflow experiment / W&B project (default: the manifest's name)")
+    offline: bool = Field(True, description="W&B: offline run files (`wandb sync` uploads them); false logs online")
+
+
 class Defaults(_Model):
     model: ModelSpec = Field(default_factory=ModelSpec)
 
@@ -561,6 +573,7 @@ class Manifest(_Model):
     defaults: Defaults = Field(default_factory=Defaults)
     targets: list[Target] = Field(min_length=1)
     executor: ExecutorSettings = Field(default_factory=ExecutorSettings)   # where runs go (docs/sweeps.md)
+    tracking: TrackingSettings | None = None   # a tracker each finished run is logged to (docs/sweeps.md)
 
     @field_validator("name")
     @classmethod
