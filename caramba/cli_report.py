@@ -180,3 +180,48 @@ def report_compare(run_dirs: list[Path], fmt: str, out: Console) -> str | None:
                                                  r.get("batch_size"), r.get("cache_kind"), r.get("decode_plan") or "")),
                       *cells)
     out.print(table)
+
+
+def report_samples(run: Path, failed: bool, task: str | None, fmt: str, out: Console) -> None:
+    """An eval record's task samples, one table each: the question, references and scoring rule,
+    then every candidate's answer and score side by side (answers.json)."""
+    from rich.table import Table
+
+    from caramba.runs import read_record_json
+
+    path = run / "answers.json"
+    if not path.is_file():
+        raise UserError(f"{run}: no answers.json; `caramba report --samples` reads an eval run's record (tasks:)")
+    answers = read_record_json(run, "answers.json")
+    samples: dict[tuple, dict] = {}   # (task, length, index) -> the sample and each candidate's answer
+    for label, rows in answers.items():
+        for a in rows:
+            sample = samples.setdefault((a["task"], a["length"], a["index"]), {**a, "answers": {}})
+            sample["answers"][label] = {"text": a["text"], "score": a["score"]}
+    chosen = [s for key, s in sorted(samples.items()) if (task is None or key[0] == task)
+              and (not failed or any(v["score"] < 1 for v in s["answers"].values()))]
+    if task is not None and not any(key[0] == task for key in samples):
+        raise UserError(f"--task {task}: no such task in {path}; tasks: {', '.join(sorted({k[0] for k in samples}))}")
+    if fmt == "json":
+        print(json_text([{k: s.get(k) for k in ("task", "length", "index", "references", "metric", "question",
+                                                 "context", "answers")} for s in chosen], indent=2))
+        return
+    for s in chosen:
+        context = s.get("context") or {}
+        table = Table(title=escape(f"{s['task']} @ {s['length']} #{s['index']}"), title_justify="left", show_lines=True)
+        table.add_column("candidate", no_wrap=True)
+        table.add_column("score", justify="right")
+        table.add_column("answer", overflow="fold")
+        for label, a in s["answers"].items():
+            color = "green" if a["score"] >= 1 else "red" if a["score"] == 0 else "yellow"
+            table.add_row(escape(label), f"[{color}]{a['score']:.2f}[/{color}]", escape(a["text"]))
+        refs = s.get("references")
+        table.caption = escape(f"references ({s.get('metric') or '?'}): {json_text(refs) if refs else '(not recorded)'}")
+        table.caption_justify = "left"
+        if context:
+            out.print(f"[dim]context sha256 {context['sha256'][:16]}, {context['tokens']} tokens: "
+                      f"{escape(repr(context['head'][:80]))} ... {escape(repr(context['tail'][-80:]))}[/dim]")
+        if s.get("question"):
+            out.print(f"[bold]question[/bold] {escape(s['question'].strip())}")
+        out.print(table)
+    out.print(f"{len(chosen)} of {len(samples)} sample(s)" + (" with a failed answer" if failed else ""))

@@ -275,6 +275,6 @@ def _answer(state: DecodeState, tokenizer, group: Sequence[TaskSample], question
     answers = []
     for sample, out, n in zip(group, outputs, steps):
         text = tokenizer.decode(out, skip_special_tokens=True)
-        answers.append(Answer(sample.task, sample.length, sample.index, out, text, score(text, sample.answers),
+        answers.append(Answer(sample.task, sample.length, sample.index, out, text, score(text, sample.answers, sample.metric),
                               prefill_s / B, decode_s / B, n))
     return answers

@@ -181,6 +181,9 @@ def task_spec(task: str) -> TaskSpec:
 # ---- samples -----------------------------------------------------------------------------------
 
 
+EXCERPT_CHARS = 200   # the context's head and tail kept beside an answer (answers.json)
+
+
 @dataclass(frozen=True)
 class TaskSample:
     task: str
@@ -196,6 +199,14 @@ class TaskSample:
     @property
     def prompt_ids(self) -> list[int]:
         return self.context_ids + self.question_ids
+
+    def describe(self, tokenizer, excerpt: int = EXCERPT_CHARS) -> dict:
+        """What a reader needs to check a score by eye: the references, the scoring rule, the
+        question, and the context by its sha256 (of its text) with its head and tail."""
+        context = tokenizer.decode(self.context_ids)
+        return {"references": list(self.answers), "metric": self.metric, "question": tokenizer.decode(self.question_ids),
+                "context": {"sha256": hashlib.sha256(context.encode()).hexdigest(), "tokens": len(self.context_ids),
+                            "head": context[:excerpt], "tail": context[-excerpt:] if len(context) > excerpt else ""}}
 
 
 @dataclass(frozen=True)

@@ -155,8 +155,10 @@ def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidat
             row = rows[r.candidate.label]
             row["kept_fraction"] = r.kept_fraction()
             row["bytes_per_token"] = round(row["bytes_per_token"] * row["kept_fraction"], 1)
-    if record.path is not None:   # every answer, for a reader who wants to see what a score came from
-        record.write_json("answers.json", {r.candidate.label: r.to_dict()["answers"] for r in results})
+    if record.path is not None:   # every answer beside its sample (references, rule, question): checkable by eye
+        about = {(x.task, x.length, x.index): x.describe(tok) for x in samples}
+        record.write_json("answers.json", {r.candidate.label: [{**a, **about[a["task"], a["length"], a["index"]]}
+                                                               for a in r.to_dict()["answers"]] for r in results})
     return {"names": list(s.names or task_suite.DEFAULT_TASKS), "lengths": s.lengths, "samples": s.samples,
             "seed": s.seed, "chat": s.chat, "q_chunk": s.q_chunk, "batch_size": s.batch_size,
             # what ran: a decoupled (DBA) model's three streams have no shared-context copy, so "own"
