@@ -93,3 +93,30 @@ def test_decode_steps_equal_the_unfused_model(monkeypatch):
     monkeypatch.setattr(fused, "applies", lambda x: False)
     ref = steps()
     torch.testing.assert_close(got, ref, **tol.forward(ref, model.config))
+
+
+def test_gelu_mul_and_its_reference_are_within_their_bounds_of_exact():
+    """GeGLU's gate (Gemma: tanh GELU) shares silu_mul's exp with the argument z = -2 sqrt(2/pi)
+    (g + 0.044715 g^3): z carries a few roundings, which exp turns into a relative error of a few
+    eps times |z|; so each path is within (8 + 4 |z|) eps of the exact value, and the vector loop's
+    tail is the reference. A wrong coefficient would be off by 1e-3 or more somewhere."""
+    lib = fused.library()
+    eps = torch.finfo(torch.float32).eps
+    for hidden in (1, 7, 8, 13, 64, 200):
+        g = torch.cat([torch.linspace(-12, 12, 3 * hidden), randn(hidden, seed=hidden) * 3])
+        rows = g.numel() // hidden
+        gu = torch.cat([g.reshape(rows, hidden), randn(rows, hidden, seed=7)], 1).contiguous()
+        got, ref = torch.empty(rows, hidden), torch.empty(rows, hidden)
+        lib.gelu_mul(gu.data_ptr(), got.data_ptr(), rows, hidden)
+        lib.gelu_mul_ref(gu.data_ptr(), ref.data_ptr(), rows, hidden)
+        gd, ud = gu[:, :hidden].double(), gu[:, hidden:].double()
+        inner = (2 / torch.pi) ** 0.5 * (gd + 0.044715 * gd ** 3)
+        exact = gd / (1 + torch.exp(-2 * inner)) * ud    # = g (1 + tanh(inner)) / 2, without its cancellation
+        bound = (8 + 8 * inner.abs()) * eps * exact.abs() + 1e-30
+        assert ((ref.double() - exact).abs() <= bound).all(), hidden
+        assert ((got.double() - exact).abs() <= bound).all(), hidden
+        tail = hidden - hidden % 8
+        assert torch.equal(got[:, tail:], ref[:, tail:]), "the vector loop's tail is the reference"
+    gu = randn(2, 1, 2 * 40, seed=4) * 3
+    want = F.gelu(gu[..., :40], approximate="tanh") * gu[..., 40:]
+    torch.testing.assert_close(fused.gelu_mul(gu, 40), want, **tol.elementwise(want, 8))

@@ -67,51 +67,26 @@ static inline __m256 exp8(__m256 x0) {
 }
 #endif
 
-static inline float silu_mul_one(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+/* The gated MLPs' y = act(g) * u for gu = [g | u] rows of width 2 * hidden, act(g) = g / (1 + exp(z)):
+   SwiGLU's SiLU with z = -g, or GeGLU's tanh GELU (Gemma) with z = -2 sqrt(2 / pi) (g + 0.044715 g^3),
+   since g (1 + tanh(x)) / 2 = g / (1 + exp(-2 x)). `gelu` is a constant at each call, so each use
+   compiles to its own loop. */
+static inline float glu_arg(float g, int gelu) {
+    return gelu ? -1.5957691216057308f * (g + 0.044715f * g * g * g) : -g;
+}
+static inline float glu_one(float g, float u, int gelu) { return g / (1.0f + expf(glu_arg(g, gelu))) * u; }
 
-/* SwiGLU's gate, the portable reference: y = silu(g) * u for gu = [g | u] rows of width 2 * hidden. */
-void silu_mul_ref(const float *gu, float *y, long rows, int hidden) {
+/* The portable reference (libm's expf). */
+static inline void glu_ref(const float *gu, float *y, long rows, int hidden, int gelu) {
     for (long r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * hidden, *u = g + hidden;
         float *yr = y + r * hidden;
-        for (int i = 0; i < hidden; i++) yr[i] = silu_mul_one(g[i], u[i]);
+        for (int i = 0; i < hidden; i++) yr[i] = glu_one(g[i], u[i], gelu);
     }
 }
 
 /* The same with exp8, 8 at a time (the reference's arithmetic for the last hidden % 8). */
-void silu_mul(const float *gu, float *y, long rows, int hidden) {
-#if defined(__AVX2__) && defined(__FMA__)
-    for (long r = 0; r < rows; r++) {
-        const float *g = gu + r * 2 * hidden, *u = g + hidden;
-        float *yr = y + r * hidden;
-        int i = 0;
-        for (; i + 8 <= hidden; i += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
-                                                   _mm256_loadu_ps(u + i)));
-        }
-        for (; i < hidden; i++) yr[i] = silu_mul_one(g[i], u[i]);
-    }
-#else
-    silu_mul_ref(gu, y, rows, hidden);
-#endif
-}
-
-/* GeGLU's gate (Gemma: tanh GELU): gelu(g) = g (1 + tanh(z)) / 2 = g / (1 + exp(-2 z)), with
-   z = sqrt(2 / pi) (g + 0.044715 g^3), so the vector path is silu_mul's with another argument. */
-static inline float gelu_arg(float g) { return -1.5957691216057308f * (g + 0.044715f * g * g * g); }
-static inline float gelu_mul_one(float g, float u) { return g / (1.0f + expf(gelu_arg(g))) * u; }
-
-void gelu_mul_ref(const float *gu, float *y, long rows, int hidden) {
-    for (long r = 0; r < rows; r++) {
-        const float *g = gu + r * 2 * hidden, *u = g + hidden;
-        float *yr = y + r * hidden;
-        for (int i = 0; i < hidden; i++) yr[i] = gelu_mul_one(g[i], u[i]);
-    }
-}
-
-void gelu_mul(const float *gu, float *y, long rows, int hidden) {
+static inline void glu(const float *gu, float *y, long rows, int hidden, int gelu) {
 #if defined(__AVX2__) && defined(__FMA__)
     const __m256 c = _mm256_set1_ps(-1.5957691216057308f), c3 = _mm256_set1_ps(0.044715f);
     for (long r = 0; r < rows; r++) {
@@ -120,14 +95,19 @@ void gelu_mul(const float *gu, float *y, long rows, int hidden) {
         int i = 0;
         for (; i + 8 <= hidden; i += 8) {
             const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 z = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(c3, gv), _mm256_mul_ps(gv, gv), gv));
-            const __m256 e = exp8(z);
-            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+            const __m256 z = gelu ? _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(c3, gv), _mm256_mul_ps(gv, gv), gv))
+                                  : _mm256_sub_ps(_mm256_setzero_ps(), gv);
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(z))),
                                                    _mm256_loadu_ps(u + i)));
         }
-        for (; i < hidden; i++) yr[i] = gelu_mul_one(g[i], u[i]);
+        for (; i < hidden; i++) yr[i] = glu_one(g[i], u[i], gelu);
     }
 #else
-    gelu_mul_ref(gu, y, rows, hidden);
+    glu_ref(gu, y, rows, hidden, gelu);
 #endif
 }
+
+void silu_mul_ref(const float *gu, float *y, long rows, int hidden) { glu_ref(gu, y, rows, hidden, 0); }
+void silu_mul(const float *gu, float *y, long rows, int hidden) { glu(gu, y, rows, hidden, 0); }
+void gelu_mul_ref(const float *gu, float *y, long rows, int hidden) { glu_ref(gu, y, rows, hidden, 1); }
+void gelu_mul(const float *gu, float *y, long rows, int hidden) { glu(gu, y, rows, hidden, 1); }
