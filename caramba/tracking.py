@@ -157,6 +157,14 @@ def _wandb(settings: TrackingSettings, manifest: str, runs: list[Finished], root
     where.mkdir(parents=True, exist_ok=True)
     group = manifest if any(run.swept for run in runs) else None
     quiet = wandb.Settings(console="off", silent=True, x_disable_stats=True, save_code=False)
+    try:
+        _wandb_runs(wandb, settings, manifest, runs, where, group, quiet)
+    finally:
+        wandb.teardown()   # waits for W&B's service to write every run's file (it writes them asynchronously)
+
+
+def _wandb_runs(wandb, settings: TrackingSettings, manifest: str, runs: list[Finished], where: Path,
+                group: str | None, quiet) -> None:
     for run in runs:
         result, env = _read(run.record)
         with wandb.init(project=settings.experiment or manifest, group=group, name=run.name, job_type=run.mode,
