@@ -11,6 +11,7 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Annotated, Optional
 
 import typer
@@ -101,7 +102,7 @@ def run(
         if ray_address and executor != "ray":
             raise UserError("--ray-address is for --executor ray")
         if junit_xml is not None:
-            _check_output_path(junit_xml, "--junit-xml")
+            _check_output_path(junit_xml, "--junit-xml", [manifest])
         m = _load(manifest, overrides or [])
         tracking = _tracking(m, track)
         command = command_line(str(manifest), run_ids or [], overrides or [], force, check)
@@ -159,16 +160,42 @@ def _track(m, settings, run_ids: list[str], done: list[str]) -> None:
         err.print(f"tracked {len(finished)} run(s) in {settings.backend}")
 
 
-def _check_output_path(path: Path, option: str) -> None:
-    """An output file the user named: its directory must exist and take files; exit 2 otherwise
-    (before any work, naming the path the user gave)."""
+def _check_output_path(path: Path, option: str, inputs: Sequence[Path] = ()) -> None:
+    """An output file the user named: its directory must exist and take files, and it must not
+    land on a record (_outside_records); exit 2 otherwise (before any work, naming the path the
+    user gave)."""
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise UserError(f"{option} {path}: is a directory; give a file path")
+    _outside_records(path, option, inputs)
     if not parent.is_dir():
         raise UserError(f"{option} {path}: the directory {parent} does not exist; create it or choose another path")
     if not os.access(parent, os.W_OK):
         raise UserError(f"{option} {path}: the directory {parent} is not writable")
+
+
+def _outside_records(path: Path, option: str, inputs: Sequence[Path] = ()) -> None:
+    """The one guard for everything caramba writes outside a record (report --csv/--plot, the
+    step summary, --junit-xml, convert-dba --out): never under the runs directory, where only
+    records are written, nor onto this command's inputs (a manifest, a records directory given
+    to report). Links are followed: a path that reaches a record through one is refused too."""
+    from caramba.runs import runs_root
+
+    def real(p: Path) -> Path:
+        try:
+            return p.resolve()
+        except (OSError, RuntimeError):   # a loop of links: as written
+            return p.absolute()
+
+    target = real(path)
+    root = runs_root()
+    if target.is_relative_to(real(root)):
+        raise UserError(f"{option} {path}: inside the runs directory {root}, where only run records are written "
+                        "(a file there could replace or damage one); choose a path outside it")
+    for given in inputs:
+        if target.is_relative_to(real(given)):
+            raise UserError(f"{option} {path}: this would write over {given}, an input of this command "
+                            "(a manifest, or records being read); choose a path outside it")
 
 
 def _serial_cases(outcome) -> dict:
@@ -363,10 +390,10 @@ def report(
             return
         for path, option in ((csv_file, "--csv"), (plot, "--plot")):
             if path is not None:
-                _check_output_path(path, option)
+                _check_output_path(path, option, run_dirs)
         summary = os.environ.get("GITHUB_STEP_SUMMARY") if fmt == "markdown" else None
         if summary:
-            _check_output_path(Path(summary), "$GITHUB_STEP_SUMMARY")
+            _check_output_path(Path(summary), "$GITHUB_STEP_SUMMARY", run_dirs)
         from caramba.cli_report import report_compare, report_sweep
 
         single = run_dirs[0] if len(run_dirs) == 1 else None
@@ -404,6 +431,7 @@ def convert_dba(
     with _errors_as_exit_codes():
         from caramba.cli_dba import convert
 
+        _outside_records(out_dir, "--out")   # --force replaces it: never a record
         convert(out_dir, sem_dim, geo_dim, model, calib_text, calib_tokens, force, out, err)
 
 
@@ -494,8 +522,10 @@ def autotune(
         from caramba.model.zoo import load_model
         from caramba.runners.autotune import print_candidates, run_tuned
 
-        if text is not None and not text.is_file():
-            raise UserError(f"--text {text}: no such file")
+        if text is not None:
+            from caramba.runners.preflight import check_text
+
+            check_text(text, "--text")
         if not (math.isfinite(budget_mb) and budget_mb > 0):
             raise UserError(f"--budget-mb {budget_mb}: give a finite number of MiB > 0")
         try:   # checked before the model loads

@@ -42,6 +42,31 @@ def bench_settings(prompt_lens: str, batch_sizes: str, cache_kinds: str, decode_
         raise UserError(problems) from None
 
 
+# The mode's field names as this command's flags, in its error messages.
+_FLAG_NAMES = {"bench.presses": "--presses", "bench.text": "--text", "bench.prompt_lens": "--prompt-lens"}
+
+
+def check_bench(model: dict[str, str], settings) -> None:
+    """The run's preflight, as `caramba run` does it for a decode-bench run (the model's files,
+    a press's window against the contexts, the text file): exit 2 before the model loads and
+    before a record is made."""
+    from caramba.manifest.schema import ModelSpec, ResolvedRun, Run
+    from caramba.runners.preflight import check_run
+
+    run = Run(id="bench", mode="decode-bench", bench=settings)
+    try:
+        spec = ModelSpec(**model)
+    except ValidationError as e:
+        raise UserError("; ".join(f"--{x['loc'][0]}: {x['msg']}" for x in e.errors())) from None
+    try:
+        check_run(ResolvedRun("cli", run, spec), "bench")
+    except UserError as e:
+        message = str(e).removeprefix("bench: ")
+        for field, name in _FLAG_NAMES.items():
+            message = message.replace(field, name)
+        raise UserError(message) from None
+
+
 def bench(model: dict[str, str], settings, as_json: bool, out: Console, err: Console) -> None:
     """Load the model, run the grid into a one-off record, print the cells (--json) and where the record is."""
     from caramba import __version__ as caramba_version
@@ -50,6 +75,7 @@ def bench(model: dict[str, str], settings, as_json: bool, out: Console, err: Con
     from caramba.runners.registry import get
     from caramba.runs import capture_env, library_versions
 
+    check_bench(model, settings)
     loaded = load_model(model["source"], model["dtype"], model["device"], progress=not as_json, weights=model["weights"])
     result: dict[str, Any] = {}
 

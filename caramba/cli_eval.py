@@ -97,8 +97,10 @@ def check_flags(text: Path | None, protocol: str, ctx: int, shared: dict[str, An
     from caramba.infer.config import CacheConfig
     from caramba.options import OptionError, options_of
 
-    if text is not None and not text.is_file():
-        raise UserError(f"--text {text}: no such file")
+    if text is not None:
+        from caramba.runners.preflight import check_text
+
+        check_text(text, "--text")
     if protocol not in ("decode", "chunks"):
         raise UserError(f"--protocol {protocol!r}: choose decode or chunks")
     if protocol == "chunks" and ctx % 2:
@@ -163,13 +165,14 @@ def _as_flags(message: str) -> str:
 
 def run_eval_command(manifest, as_json: bool, out: Console, err: Console) -> None:
     from caramba.model.zoo import load_model, resolve_device
-    from caramba.runners.eval import check_eval, run_eval
+    from caramba.runners.eval import run_eval
+    from caramba.runners.preflight import check_run
     from caramba.runners.lifecycle import Transient
 
     (resolved,) = list(manifest.iter_runs())
     resolve_device(resolved.model.device)
     try:
-        check_eval(resolved, "eval")
+        check_run(resolved, "eval")   # as caramba run's preflight (check_eval among its checks)
     except UserError as e:
         raise UserError(_as_flags(str(e).removeprefix("eval: "))) from None
     m = resolved.model

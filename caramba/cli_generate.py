@@ -76,7 +76,7 @@ def generate(prompt: str, model: str, dtype: str, device: str, weights: str, see
     from caramba.manifest.schema import Manifest
     from caramba.model.zoo import inspect_source, load_model, resolve_device
     from caramba.runners.lifecycle import Transient
-    from caramba.runners.preflight import Sources
+    from caramba.runners.preflight import check_run
     from caramba.runners.registry import get
 
     given = {k: v for k, v in options.items() if v is not None and v != []}
@@ -117,7 +117,7 @@ def generate(prompt: str, model: str, dtype: str, device: str, weights: str, see
         if spec is not None:
             inspect_source(spec.source)   # path and config: one clear error before loading weights
             resolve_device(spec.device)
-    get(mode).preflight(resolved, mode, Sources())   # the mode's own checks (prompts fit, a press's window)
+    check_run(resolved, mode)   # as caramba run's preflight: the weights whole, the tokenizer in the vocabulary, the mode's own checks
     # --json: stdout holds the one object and stderr only warnings (the runner prints to a quiet console).
     console = Console(quiet=True) if as_json else out
     window = getattr(resolved.run.settings, "decode_local_window", None)

@@ -41,6 +41,10 @@ def report_sweep(source: Path, fmt: str, pivot_key: str | None, metric: str | No
             records = [(name, path, None, None, None) for name, path in record_dirs(source)]
         rows = [sweep_row(*record) for record in records]
         if any(_on_frontier(r) for r in rows) and not pivot_key:   # candidates on a quality-cost frontier
+            if x_key is not None:   # the frontier's axes are fixed: an --x taken and not used would lie
+                raise ValueError(f"--x {x_key}: eval runs are plotted as their quality-cost frontier (bytes per "
+                                 "token against quality); --x chooses a sweep plot's axis: drop it, or add --pivot "
+                                 "KEY --metric NAME for a table of one metric by a matrix key")
             done = [(row["run"], record[1]) for row, record in zip(rows, records) if row["status"] == "done"]
             return _report_frontier(source, rows, done, fmt, csv_file, plot, out, err)
         metrics = list(dict.fromkeys(k for r in rows for k in r["metrics"]))
@@ -164,8 +168,9 @@ def report_compare(run_dirs: list[Path], fmt: str, out: Console) -> str | None:
     if fmt == "markdown":
         return f"### caramba report: compared with {run_dirs[0]}\n\n" + markdown_table(rows)
     metrics = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("run", *CELL_KEY) and not k.endswith("_delta")]
+    pressed = any(r.get("press") not in (None, "none") for r in rows)
     table = Table(title=f"compared with {escape(str(run_dirs[0]))}")
-    for col in ("run", "impl", "ctx", "batch", "cache", "plan", *metrics):
+    for col in ("run", "impl", "ctx", "batch", "cache", "plan", *(["press"] if pressed else []), *metrics):
         table.add_column(col)
     for r in rows:
         cells = []
@@ -176,9 +181,9 @@ def report_compare(run_dirs: list[Path], fmt: str, out: Console) -> str | None:
                 color = "green" if (delta > 0) == (m in ("decode_tok_s", "decode_tok_s_median")) else "red"
                 text += f" [{color}]({delta:+.1%})[/{color}]"
             cells.append(text)
-        table.add_row(*(escape(str(v)) for v in (Path(r["run"]).name, r.get("impl"), r.get("prompt_len"),
-                                                 r.get("batch_size"), r.get("cache_kind"), r.get("decode_plan") or "")),
-                      *cells)
+        key = (Path(r["run"]).name, r.get("impl"), r.get("prompt_len"), r.get("batch_size"), r.get("cache_kind"),
+               r.get("decode_plan") or "", *([r.get("press") or "none"] if pressed else []))
+        table.add_row(*(escape(str(v)) for v in key), *cells)
     out.print(table)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import operator
 import re
 from typing import Any
@@ -61,6 +62,8 @@ def check(result: dict[str, Any], expect) -> list[str]:
         value = lookup(result, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             problems.append(f"{text}: result.json has no number at '{name}'")
+        elif not math.isfinite(value):   # inf would pass every lower bound, NaN is no measurement
+            problems.append(f"{text}: got {name} = {value}, not a finite number")
         elif not _OPS[op](value, bound):
             problems.append(f"{text}: got {name} = {value:.6g}")
     return problems

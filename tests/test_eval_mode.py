@@ -128,7 +128,7 @@ def test_same_prompts_for_every_candidate_and_reproducible_from_the_record(tmp_p
     ("          candidates: [{cache_kind: q8_0}]\n          tasks: {lengths: [999999]}\n", "trained context"),
     ("          candidates: [{cache_kind: q8_0}]\n          tasks: {lengths: [64], names: [niah_single]}\n",
      "eval.tasks"),
-    ("          candidates: [{cache_kind: q8_0}]\n          perplexity: {text: /nonexistent.txt}\n", "not a file"),
+    ("          candidates: [{cache_kind: q8_0}]\n          perplexity: {text: /nonexistent.txt}\n", "no such file"),
 ])
 def test_bad_eval_settings_exit_2_before_anything_runs(tmp_path, monkeypatch, long_tiny, section, message):
     monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))

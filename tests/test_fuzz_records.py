@@ -133,3 +133,114 @@ def test_any_run_directory_state_gets_an_answer_and_touches_nothing_outside(worl
     assert again.exit_code == 0 and "Traceback" not in again.output, again.output
     assert (records / "b" / DONE).is_file() and snapshot(outside) == before
     shutil.rmtree(work)
+
+
+# ---- outputs aimed at records (issue 46) ------------------------------------------------------
+
+OUTPUTS = [["report", "--csv"], ["report", "--plot"], ["report", "--format", "markdown"], ["run", "--junit-xml"]]
+# Where the output is aimed: every one but "outside" reaches into the runs directory or the manifest.
+AIMS = ["record-file", "record-new-file", "runs-root", "lock", "partial", "link-into-runs", "dotdot", "manifest",
+        "outside"]
+
+
+def aim(kind: str, runs: Path, outside: Path, manifest: Path) -> Path:
+    records = runs / "fz" / "t"
+    if kind == "link-into-runs":
+        (outside / "to-runs").symlink_to(records / "b", target_is_directory=True)
+        return outside / "to-runs" / "result.json"
+    return {"record-file": records / "b" / "result.json", "record-new-file": records / "b" / "new.out",
+            "runs-root": runs / "out.csv", "lock": records / ".b.lock", "partial": records / ".b.partial",
+            "dotdot": outside / ".." / "runs" / "fz" / "t" / "a" / DONE, "manifest": manifest,
+            "outside": outside / "out.file"}[kind]
+
+
+def record_files(runs: Path) -> dict:
+    """Every record's files and bytes (locks left out: taking one writes its holder)."""
+    return {str(p.relative_to(runs)): p.read_bytes() for p in sorted(runs.rglob("*"))
+            if p.is_file() and not p.name.endswith(".lock")}
+
+
+@settings(FUZZ, max_examples=40)
+@given(output=st.sampled_from(OUTPUTS), where=st.sampled_from(AIMS))
+def test_no_output_path_reaches_a_record(world, monkeypatch, output, where):
+    base, template_manifest, template = world
+    work = Path(tempfile.mkdtemp(dir=base))
+    runs, outside = work / "runs", work / "outside"
+    shutil.copytree(template, runs, symlinks=True)
+    outside.mkdir()
+    manifest = work / "m.yaml"
+    shutil.copy(template_manifest, manifest)
+    monkeypatch.setenv("CARAMBA_RUNS_DIR", str(runs))
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    path = aim(where, runs, outside, manifest)
+    before, text = record_files(runs), manifest.read_bytes()
+    if output[-1] == "markdown":
+        monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(path))
+        option, args = "$GITHUB_STEP_SUMMARY", [*output[:1], str(manifest), *output[1:]]
+    else:
+        option, args = output[-1], [output[0], str(manifest), output[1], str(path)]
+
+    r = within(120, invoke, *args)
+    assert "Traceback" not in r.output, r.output
+    if where == "outside":
+        assert r.exit_code in (0, 2) if option == "--plot" else r.exit_code == 0, (args, r.output)
+        assert option == "--plot" or path.is_file()
+    else:
+        assert r.exit_code == 2 and option in r.output, (args, r.output)
+    assert record_files(runs) == before and manifest.read_bytes() == text, (args, r.output)
+    shutil.rmtree(work)
+
+
+# ---- metric values an expect: bound compares (issue 46) --------------------------------------------
+
+METRIC_VALUES = st.one_of(st.sampled_from([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1.0]),
+                          st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10))
+
+
+@settings(FUZZ, max_examples=300)
+@given(value=METRIC_VALUES, op=st.sampled_from([">=", "<=", ">", "<", "=="]),
+       bound=st.sampled_from(["0", "-0.0", "0.5", "1", "1e308", "-1e308"]), place=st.sampled_from(["summary", "top"]))
+def test_a_non_finite_metric_never_passes_a_bound(value, op, bound, place):
+    import math
+    import operator
+
+    from caramba.expect import check
+    from caramba.manifest.schema import Expect
+
+    result = {"summary": {"q.kl_max": value}} if place == "summary" else {"kl_max": value}
+    name = "q.kl_max" if place == "summary" else "kl_max"
+    problems = check(result, Expect(metrics=[f"{name} {op} {bound}"]))
+    ops = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}
+    holds = math.isfinite(value) and ops[op](value, float(bound))
+    assert (problems == []) == holds, (value, op, bound, problems)
+    if not math.isfinite(value):
+        assert "not a finite number" in problems[0]
+
+
+@settings(FUZZ, max_examples=100)
+@given(value=st.sampled_from([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e30]),
+       row=st.integers(0, 3), column=st.integers(0, 15), candidate=st.booleans())
+def test_logits_with_a_non_finite_value_are_never_scored(value, row, column, candidate):
+    """One NaN or inf anywhere in the baseline's or a candidate's logits stops the scoring, naming
+    the cache; -0.0 and large finite values are scored (KL >= 0, agreement within [0, 1])."""
+    import math
+
+    import torch
+
+    from caramba.infer.evaluate import NonFiniteLogits, _Score
+
+    g = torch.Generator().manual_seed(row * 16 + column)
+    logits = torch.randn(4, 16, generator=g)
+    base, cand = logits.clone(), logits + 0.01 * torch.randn(4, 16, generator=g)
+    (cand if candidate else base)[row, column] = value
+    targets = torch.zeros(4, dtype=torch.long)
+    scores = [_Score("fp32"), _Score("q4_0")]
+    lb, lc = torch.log_softmax(base, -1), torch.log_softmax(cand, -1)
+    if math.isfinite(value):
+        scores[0].add(lb, lb, targets)
+        scores[1].add(lc, lb, targets)
+        assert scores[1].kl >= 0 and 0 <= scores[1].agree <= scores[1].n and math.isfinite(scores[1].kl_max)
+        return
+    with pytest.raises(NonFiniteLogits, match="q4_0" if candidate else "fp32"):
+        scores[0].add(lb, lb, targets)
+        scores[1].add(lc, lb, targets)

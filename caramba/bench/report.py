@@ -10,7 +10,7 @@ from pathlib import Path
 
 from caramba.runs import DONE, STAGING, RecordError, atomic_write_text, entry_kind, read_record_json, record_damage, record_status
 
-CELL_KEY = ("impl", "prompt_len", "batch_size", "cache_kind", "decode_plan")
+CELL_KEY = ("impl", "prompt_len", "batch_size", "cache_kind", "decode_plan", "press")
 COMPARED = ("ttft_s", "decode_tok_s", "decode_p50_ms", "decode_p99_ms", "peak_rss_mb", "cache_bytes")
 
 
@@ -130,7 +130,8 @@ def compare(run_dirs: list[Path]) -> list[dict]:
 
 def _key(row: dict) -> tuple:
     # Cell keys come from a file: make them hashable whatever their JSON type.
-    return tuple(json.dumps(row.get(k), sort_keys=True) for k in CELL_KEY)
+    # A record from before presses has no "press": its cells were unpressed.
+    return tuple(json.dumps(row.get(k, "none" if k == "press" else None), sort_keys=True) for k in CELL_KEY)
 
 
 # ---- one table across a sweep (`caramba report MANIFEST` or `caramba report runs/NAME`) ----------
@@ -227,16 +228,23 @@ def pivot(rows: list[dict], key: str, metric: str) -> list[dict]:
             groups.append(free)
         free[0][column] = r["metrics"].get(metric)
         free[1].append(r["run"])
-    return [{"runs": _common_name(names), **cells} for groups in table.values() for cells, names in groups]
+    return [{"runs": _common_name(names, key), **cells} for groups in table.values() for cells, names in groups]
 
 
-def _common_name(names: list[str]) -> str:
-    """What a row's runs share: their longest common prefix up to a '.' (the sweep's base id)."""
+def _common_name(names: list[str], key: str) -> str:
+    """What a row's runs share: their ids up to the pivoted key's part (`.press_ratio-0.1`:
+    caramba.manifest.matrix names it by its last component, or the whole key with '_' for '.'),
+    never cut at a '.' inside a value (0.1 is not `press_ratio-0`); else the sweep's base id."""
     if len(names) == 1:
         return names[0]
     prefix = os.path.commonprefix(names)
-    cut = prefix.rfind(".")
-    return prefix[:cut] if cut > prefix.find("/") else prefix.rstrip(".-_") or names[0]
+    start = prefix.find("/") + 1
+    for label in (key.rsplit(".", 1)[-1], key.replace(".", "_")):
+        cut = prefix.rfind(f".{label}-")
+        if cut >= start:
+            return prefix[:cut]
+    cut = prefix.find(".", start)   # ids cut to a hash, or records from elsewhere: the base id
+    return prefix[:cut] if cut > start else prefix.rstrip(".-_") or names[0]
 
 
 def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:

@@ -77,14 +77,31 @@ class EvalResult:
         return {**asdict(self), "dnll": self.dnll, "ppl_ratio": self.ppl_ratio}
 
 
+class NonFiniteLogits(ValueError):
+    """A model's logits hold NaN or inf (float16 overflow, broken weights): every figure scored
+    from them would be meaningless (argmax of NaN agrees, a NaN KL vanishes in max), so the
+    scoring stops instead of reporting them."""
+
+
+def require_finite(logits: torch.Tensor, what: str) -> None:
+    """NonFiniteLogits when logits [..., V] hold a NaN or an inf; `what` names whose they are."""
+    finite = torch.isfinite(logits).all(-1)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        raise NonFiniteLogits(f"{what}: the model's logits are NaN or inf ({bad} of {finite.numel()} position(s)); "
+                              f"no score is meaningful (a {logits.dtype} overflow? try dtype float32 or bfloat16)")
+
+
 class _Score:
-    def __init__(self) -> None:
+    def __init__(self, name: str = "") -> None:
+        self.name = name            # the cache whose logits these are, for NonFiniteLogits
         self.nll = self.nll2 = self.kl = 0.0
         self.kl_max = 0.0
         self.agree = self.n = 0
 
     def add(self, lp: torch.Tensor, base: torch.Tensor, targets: torch.Tensor) -> None:
         """Score rows lp [N, V] (log-probabilities) against the baseline's base [N, V] at targets [N]."""
+        require_finite(lp, f"the {self.name} cache" if self.name else "scoring")
         nll = -lp.gather(-1, targets[:, None])[:, 0].double()
         self.nll += float(nll.sum())
         self.nll2 += float((nll * nll).sum())
@@ -127,7 +144,7 @@ def evaluate_cache(
     n = tokens.shape[1]
     forward = choose(model)     # decode steps through the fused C step where it applies, as a Generator's
     runs = [_Run(forward, model.new_cache(1, n, p), press) for p, press in zip(policies, [None, *presses])]
-    scores = [_Score() for _ in policies]
+    scores = [_Score(p.describe()) for p in policies]
     try:
         logits = [r.prefill(tokens[:, :prompt_len]) for r in runs]
         total = n - prompt_len
@@ -241,7 +258,7 @@ def evaluate_chunks(
     policies = [CachePolicy.of(baseline)] + [CachePolicy.of(c) for c in candidates]
     device = model.device
     caches = [model.new_cache(1, ctx, p) for p in policies]
-    scores = [_Score() for _ in policies]
+    scores = [_Score(p.describe()) for p in policies]
     first = ctx // 2
     for i, window in enumerate(windows):
         tokens = torch.tensor([window], device=device)
@@ -258,4 +275,4 @@ def evaluate_chunks(
     return _results(model, policies, caches, scores, "chunks")
 
 
-__all__ = ["EvalResult", "adds_bos", "chunk_windows", "corpus_ids", "corpus_text", "evaluate_cache", "evaluate_chunks"]
+__all__ = ["EvalResult", "NonFiniteLogits", "adds_bos", "chunk_windows", "corpus_ids", "corpus_text", "evaluate_cache", "evaluate_chunks", "require_finite"]

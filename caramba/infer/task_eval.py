@@ -34,6 +34,7 @@ from caramba.cache.hybrid import SlidingLayerKVCache
 from caramba.infer.padding import left_pad
 from caramba.infer.pressing import observing_all, prefill_pressed
 from caramba.infer.decoding_press import DecodingPress
+from caramba.infer.evaluate import require_finite
 from caramba.infer.state import DecodeState
 from caramba.model.backend import Backend, TorchStep, choose
 from caramba.press import PressConfig, kept_masks
@@ -206,7 +207,8 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
         if c.pressed:
             result.kept.append(state.kept_share)
         decoding = DecodingPress(state, c.press) if c.press is not None and c.press.decoding else None
-        for answer in _answer(state, tokenizer, group, question, c.window, stops, time.perf_counter() - t0, decoding):
+        for answer in _answer(state, tokenizer, group, question, c.window, stops, time.perf_counter() - t0, decoding,
+                              c.label):
             result.answers.append(answer)
             if on_answer is not None:
                 on_answer(c.label, answer)
@@ -237,7 +239,8 @@ def _feed(state: DecodeState, tokens: torch.Tensor, mask: torch.Tensor, window: 
 
 @torch.inference_mode()
 def _answer(state: DecodeState, tokenizer, group: Sequence[TaskSample], question: tuple[torch.Tensor, torch.Tensor],
-            window: int | None, stops: set[int], spent: float, decoding: DecodingPress | None = None) -> list[Answer]:
+            window: int | None, stops: set[int], spent: float, decoding: DecodingPress | None = None,
+            label: str = "") -> list[Answer]:
     """Greedy: feed the questions, then one token per row until its end-of-reply id or budget; a
     finished row's later slots are holes. The batch's seconds are shared equally among its rows.
     decoding: the candidate's decoding-time compression (press_interval), stepped with the answer."""
@@ -250,6 +253,8 @@ def _answer(state: DecodeState, tokenizer, group: Sequence[TaskSample], question
     steps = [0] * B
     t0 = time.perf_counter()
     while True:
+        # argmax of NaN logits is a token like any other: an answer from them would be scored as if real
+        require_finite(logits[active], f"candidate {label}, {group[0].task} at {group[0].length} tokens")
         tokens = logits.argmax(dim=-1)
         for row, token in enumerate(tokens.tolist()):
             if not active[row]:

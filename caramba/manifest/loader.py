@@ -61,6 +61,7 @@ def parse_manifest(text: str, source: str = "<manifest>", overrides: Sequence[st
             f"not a {type(data).__name__}"
         )
     locations.overrides = apply_overrides(data, overrides)
+    _check_encodable(data, (), locations)
     data = substitute_vars(data, locations)
     data = expand_matrices(data, locations)   # after --set and vars: a sweep expands what they made
     try:
@@ -73,6 +74,25 @@ def parse_manifest(text: str, source: str = "<manifest>", overrides: Sequence[st
         raise UserError(f"invalid manifest {source} ({count}):\n" + "\n".join(problems)) from None
     _check_written_paths(manifest, locations, source)
     return manifest
+
+
+def _check_encodable(value: Any, loc: tuple, locations: Locations) -> None:
+    """No string of the manifest holds a lone surrogate ("\\ud800" in a double-quoted YAML
+    string): it is not text, and writing the record (UTF-8) would fail after the run's lock."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_encodable(key, loc, locations)
+            _check_encodable(item, (*loc, key), locations)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_encodable(item, (*loc, i), locations)
+    elif isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise UserError(f"{locations.where(loc)}: {format_loc(loc)}: {value[e.start]!r} at character "
+                            f"{e.start} is a lone surrogate, not a character; write the character itself "
+                            "(or its \\U escape)") from None
 
 
 def _check_written_paths(manifest: Manifest, locations: Locations, source: str) -> None:

@@ -28,7 +28,7 @@ from caramba.infer.config import CacheConfig, DraftConfig, GenerateConfig, Specu
 from caramba.infer.plan import DecodePlan
 from caramba.manifest.yaml_lines import yaml11_note
 from caramba.model import quant
-from caramba.options import options_of
+from caramba.options import only_with, options_of
 from caramba.press.config import PressConfig
 
 # mode -> the run's key for its settings section, in the order modes were registered (which is
@@ -168,6 +168,11 @@ def _engine_error(error: Exception) -> ValueError:
     return ValueError(message)
 
 
+# A section's own settings that act only with another of them, as OptionInfo.needs is for the
+# engine's options (checked there, for the library and every CLI too).
+_SECTION_NEEDS = {"system_prompt": "chat"}
+
+
 class _GenerateSection(_Model):
     """What a `generate` run needs besides the engine's GenerateConfig options (derived below)."""
 
@@ -189,8 +194,9 @@ class _GenerateSection(_Model):
 
     @model_validator(mode="after")
     def _engine_accepts(self) -> Any:
-        if self.system_prompt is not None and not self.chat:
-            raise ValueError("system_prompt is only used with chat: true; set chat: true or drop it")
+        for name, needed in _SECTION_NEEDS.items():   # the engine's options check their own (OptionInfo.needs)
+            if getattr(self, name) is not None and not getattr(self, needed):
+                raise ValueError(f"{name}: {only_with(name, needed)}")
         try:   # cross-field rules live in the engine config: one place for library, CLI and manifests
             self.engine_config()
         except (ValueError, TypeError) as e:
@@ -247,6 +253,16 @@ class BenchSettings(_Model):
         for text in plans:
             parse_plan(text)
         return plans
+
+    @field_validator("prompt_lens", "batch_sizes", "cache_kinds", "decode_plans", "presses")
+    @classmethod
+    def _distinct(cls, values: list) -> list:
+        # after the checks above: two spellings of one setting (Q8_0 and q8_0) are one value too
+        duplicate = _first_duplicate(values)
+        if duplicate is not None:
+            raise ValueError(f"{duplicate!r} is listed twice: every cell would be measured twice under one name "
+                             "(as an eval refuses a repeated length); list each value once")
+        return values
 
 
 class _SpeculativeSection(GenerateSettings):  # type: ignore[misc, valid-type]

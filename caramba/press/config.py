@@ -21,25 +21,26 @@ DECODING_METHODS = ("streaming_llm", "knorm", "keydiff", "snapkv", "tova", "expe
 class PressConfig:
     method: str | None = option(None, name="press", choices=METHODS,
                                 help="KV eviction after the context is prefilled (docs/kv-cache.md#presses)")
-    ratio: float = option(0.5, ge=0.0, lt=1.0, name="press_ratio",
+    ratio: float = option(0.5, ge=0.0, lt=1.0, name="press_ratio", needs="press",
                           help="fraction of the context's cached tokens a press drops")
-    window_size: int = option(64, ge=1, name="press_window",
+    window_size: int = option(64, ge=1, name="press_window", needs="press",
                               help="snapkv/pyramidkv: the last N context queries that score the keys")
-    kernel_size: int = option(5, ge=1, name="press_kernel",
-                              help="snapkv/pyramidkv: width of the max-pooling over the scores (odd)")
-    n_sink: int = option(4, ge=0, name="press_sinks",
+    kernel_size: int = option(5, ge=1, name="press_kernel", needs="press",
+                              help="snapkv/pyramidkv: width of the average-pooling over the scores (odd; "
+                                   "zero-padded at the ends)")
+    n_sink: int = option(4, ge=0, name="press_sinks", needs="press",
                          help="streaming_llm: first tokens always kept; expected_attention: first tokens left out of the query statistics")
-    n_future_positions: int = option(512, ge=1, name="press_future",
+    n_future_positions: int = option(512, ge=1, name="press_future", needs="press",
                                      help="expected_attention: future positions the query statistics are averaged over")
-    beta: float = option(20.0, gt=0.0, name="press_beta", help="pyramidkv: how steeply budgets shrink with depth")
-    adaptive: bool = option(False, name="press_adaptive",
+    beta: float = option(20.0, gt=0.0, name="press_beta", needs="press", help="pyramidkv: how steeply budgets shrink with depth")
+    adaptive: bool = option(False, name="press_adaptive", needs="press",
                             help="AdaKV: one budget per layer shared across heads (heads keep different counts)")
-    alpha_safeguard: float = option(0.2, ge=0.0, le=1.0, name="press_safeguard",
+    alpha_safeguard: float = option(0.2, ge=0.0, le=1.0, name="press_safeguard", needs="press_adaptive",
                                     help="press_adaptive: share of each head's even budget it always keeps")
     interval: int | None = option(None, ge=1, name="press_interval",
                                   help="decoding-time compression: every N generated tokens, evict down to "
                                        "press_target tokens per head (kvpress's DecodingPress); None: off")
-    target: int = option(2048, ge=1, name="press_target",
+    target: int = option(2048, ge=1, name="press_target", needs="press_interval",
                          help="press_interval: tokens each row keeps per layer and KV head after a decoding-time compression")
 
     def __post_init__(self) -> None:

@@ -73,13 +73,15 @@ def cells_table(rows: list[dict]) -> Table:
     shared = any(r.get("peak_rss_includes") for r in rows)
     note = "; peak RSS counts both models (one process): compare 'cell MiB', what each cell added" if shared else ""
     table = Table(title=f"decode-bench (medians; latency per decode step{note})")
-    for col in ("impl", "ctx", "batch", "cache", "plan", "TTFT ms", "prefill tok/s", "p50 ms", "p90 ms", "p99 ms",
-                "decode tok/s", "vs HF", "peak RSS MiB", "cell MiB", "cache MiB"):
-        table.add_column(col, justify="left" if col in ("impl", "cache", "plan") else "right")
+    pressed = any(r.get("press", "none") != "none" for r in rows)   # rows that differ only by their press
+    for col in ("impl", "ctx", "batch", "cache", "plan", *(["press"] if pressed else []), "TTFT ms", "prefill tok/s",
+                "p50 ms", "p90 ms", "p99 ms", "decode tok/s", "vs HF", "peak RSS MiB", "cell MiB", "cache MiB"):
+        table.add_column(col, justify="left" if col in ("impl", "cache", "plan", "press") else "right")
     for r in rows:
         ratio = r.get("decode_tok_s_vs_hf")
         table.add_row(
             r["impl"], str(r["prompt_len"]), str(r["batch_size"]), r["cache_kind"], r.get("decode_plan", "none"),
+            *([r.get("press", "none")] if pressed else []),
             f"{1000 * r['ttft_s']:.1f}",
             f"{r['prefill_tok_s']:.0f}", f"{r['decode_p50_ms']:.1f}", f"{r['decode_p90_ms']:.1f}", f"{r['decode_p99_ms']:.1f}",
             f"{r['decode_tok_s']:.1f}", f"{ratio:.2f}x" if ratio else "", f"{r['peak_rss_mb']:.0f}",

@@ -9,8 +9,8 @@ with their sha256, so a record says which prompts its scores come from.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import time
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -251,15 +251,16 @@ def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked
                config=None) -> None:
     """An eval's texts, candidate streams and context lengths against the model, and its task
     samples generated once at n=1 (a length too short for a task is found here, not mid-run)."""
-    from caramba.runners.preflight import Sources
+    from caramba.runners.preflight import Sources, check_text
 
     tok = tok or Sources().tokenizer(r.model.source)
     checked = set() if checked is None else checked
     s = r.run.eval
     config = config or inspect_source(r.model.source)
     for field, text in (("perplexity.text", s.perplexity and s.perplexity.text), ("tasks.text", s.tasks and s.tasks.text)):
-        if text and not Path(text).is_file():
-            raise UserError(f"{where}: eval.{field}: {text} is not a file")
+        if text:
+            check_text(text, f"{where}: eval.{field}")
+    _check_expect_names(r, where)
     for i, c in enumerate([*s.candidates, s.baseline]):
         try:
             c.policy().check_streams(config.attention == "decoupled")
@@ -283,6 +284,34 @@ def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked
             perplexity_ids(tok, s.perplexity)
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
+
+
+def _check_expect_names(r: ResolvedRun, where: str) -> None:
+    """Each expect: bound on a candidate names a figure this eval will report (LABEL.KEY,
+    LABEL.tasks.TASK.LENGTH): a typo is exit 2 now, not a failed check after the whole eval."""
+    from caramba.expect import parse_bound
+
+    s = r.run.eval
+    labels = [c.label for c in [*s.candidates, s.baseline]]
+    keys = [*SUMMARY_KEYS, *(PERPLEXITY_KEYS if s.perplexity is not None else ())]
+    if s.tasks is not None:
+        keys += [f"tasks.{name}.{n}" for name in s.tasks.names or task_suite.DEFAULT_TASKS for n in s.tasks.lengths]
+    else:   # without tasks there is no task score, and no decode speed of answers
+        keys = [k for k in keys if k not in ("task_avg", "decode_tok_s")]
+    names = [f"{label}.{key}" for label in labels for key in keys]
+    for i, text in enumerate(r.run.expect.metrics if r.run.expect is not None else []):
+        name = parse_bound(text)[0]
+        head = name.split(".")[0]
+        if name in names or (head not in labels and head in _RESULT_KEYS):
+            continue
+        hint = difflib.get_close_matches(name, names, n=1)
+        raise UserError(f"{where}: expect.metrics[{i}]: {name!r} is not a figure this eval reports"
+                        + (f"; did you mean {hint[0]!r}?" if hint else "")
+                        + f" (candidates: {', '.join(labels)}; e.g. {names[0]})")
+
+
+# The top-level keys of an eval's result.json a bound may name as a dotted path (perplexity.seconds).
+_RESULT_KEYS = ("mode", "baseline", "perplexity", "tasks", "candidates", "summary")
 
 
 def _check_press_contexts(samples: list, candidates: list) -> None:

@@ -3,17 +3,19 @@ record is written, so a bad run 5 exits 2 (naming the run and the field) instead
 mid-manifest with runs 1-4 half-done.
 
 Cheap on purpose: model sources are resolved, not loaded; each source's config and tokenizer
-are read once (a GGUF parsed once), whatever the number of runs; weights are never read here.
+are read once (a GGUF parsed once), whatever the number of runs; of the weights only their
+headers are read, to know each file holds all the bytes they list (a truncated copy fails here).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from caramba.errors import UserError
 from caramba.manifest import ResolvedRun
-from caramba.model import gguf_loader, native, quant
+from caramba.model import gguf_loader, hf_loader, native, quant
 from caramba.model.config import ModelConfig
 from caramba.model.zoo import CACHE_FORMAT, cache_root, file_sha256, inspect_source, resolve_device, resolve_source
 from caramba.prompting import encode_prompt
@@ -37,35 +39,84 @@ def preflight(manifest_name: str, runs: list[ResolvedRun], root: str | Path | No
     for r in runs:
         where = f"run {r.target}/{r.run.id}"
         _check_path_lengths(manifest_name, r, where, root, limits)
-        for field, spec in (("model", r.model), ("draft", r.draft)):
-            if spec is None:
-                continue
-            try:
-                path = sources.path(spec.source)
-                sources.config(spec.source)   # the config too, not only the path: one error up front
-                if spec.device not in devices:
-                    resolve_device(spec.device)
-                    devices.add(spec.device)
-            except UserError as e:
-                raise UserError(f"{where}: {field}: {e}") from None
-            if spec.weights in quant.NATIVE_ACT and not path.is_file():
-                raise UserError(f"{where}: {field}.weights: '{spec.weights}' keeps a GGUF file's own blocks, but "
-                                f"{field}.source {spec.source!r} is not a .gguf; use weights q8_0 or q4_0 (they "
-                                "quantize any source) or fp32")
-            _check_vocabulary(spec.source, sources, where, field)
-        mode = registry.get(r.run.mode)
-        mode.preflight(r, where, sources)
-        if r.draft is not None:
-            target, draft = sources.tokenizer(r.model.source), sources.tokenizer(r.draft.source)
-            if draft.vocab_size != target.vocab_size:
-                raise UserError(f"{where}: draft.source {r.draft.source!r} has a vocabulary of {draft.vocab_size} "
-                                f"tokens, the model {target.vocab_size}; speculative decoding needs a draft with "
-                                "the same tokenizer")
-        text = getattr(r.run.settings, "text", None)
-        if text is not None and not Path(text).is_file():
-            raise UserError(f"{where}: {mode.section}.text: {text} is not a file")
+        check_run(r, where, sources, devices)
     configs = {spec.source: sources.config(spec.source) for r in runs for spec in (r.model, r.draft) if spec is not None}
     check_memory(runs, configs)   # weights + KV cache + activations against MemAvailable
+
+
+def check_run(r: ResolvedRun, where: str, sources: Sources | None = None, devices: set[str] | None = None) -> None:
+    """Every check of one run that needs no runs directory: its models (path, config, whole
+    weights, a tokenizer within the vocabulary), its mode's own checks and the text files it
+    reads. `caramba run` calls it per run; the one-off commands (generate, eval, bench) for
+    their one run, so a flag fails as its manifest field would, with exit 2 before any work."""
+    sources = sources if sources is not None else Sources()
+    devices = devices if devices is not None else set()
+    for field, spec in (("model", r.model), ("draft", r.draft)):
+        if spec is None:
+            continue
+        try:
+            path = sources.path(spec.source)
+            sources.config(spec.source)   # the config too, not only the path: one error up front
+            sources.check_weights(spec.source)
+            if spec.device not in devices:
+                resolve_device(spec.device)
+                devices.add(spec.device)
+        except UserError as e:
+            raise UserError(f"{where}: {field}: {e}") from None
+        if spec.weights in quant.NATIVE_ACT and not path.is_file():
+            raise UserError(f"{where}: {field}.weights: '{spec.weights}' keeps a GGUF file's own blocks, but "
+                            f"{field}.source {spec.source!r} is not a .gguf; use weights q8_0 or q4_0 (they "
+                            "quantize any source) or fp32")
+        _check_vocabulary(spec.source, sources, where, field)
+    mode = registry.get(r.run.mode)
+    text = getattr(r.run.settings, "text", None)
+    if text is not None:   # before the mode's checks, which may read it
+        check_text(text, f"{where}: {mode.section}.text")
+    mode.preflight(r, where, sources)
+    if r.draft is not None:
+        target, draft = sources.tokenizer(r.model.source), sources.tokenizer(r.draft.source)
+        if draft.vocab_size != target.vocab_size:
+            raise UserError(f"{where}: draft.source {r.draft.source!r} has a vocabulary of {draft.vocab_size} "
+                            f"tokens, the model {target.vocab_size}; speculative decoding needs a draft with "
+                            "the same tokenizer")
+
+
+def check_text(path: str | Path, field: str) -> None:
+    """A text file a run reads: a regular file of UTF-8 text (what corpus_text decodes), else
+    UserError naming the field, so a bad file is exit 2 up front and not a raw error mid-run."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{field}: {path}: " + ("not a regular file" if path.exists() else "no such file"))
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"{field}: cannot read {path}: {e.strerror or e}") from None
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{field}: {path} is not UTF-8 text ({e.reason} at byte {e.start}, line {line}); "
+                        "convert it (e.g. iconv -t utf-8) or give another file") from None
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why a safetensors file cannot hold what its header lists (truncated, not safetensors),
+    or None; reads the header only."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or n > size - 8:
+            return f"{size} bytes: too short for the safetensors header it announces"
+        try:
+            header = json.loads(f.read(n))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "its header is not a safetensors header"
+    need = 8 + n + max(ends, default=0)
+    if size < need:
+        return f"{size} bytes, but its header lists tensors up to byte {need}: the file is truncated"
+    return None
 
 
 class Sources:
@@ -81,6 +132,7 @@ class Sources:
         self._encoded: dict[tuple, list[int]] = {}
         self._largest: dict[str, int] = {}
         self._copies: dict[str, Path | None] = {}
+        self._weighed: set[str] = set()
         self.seen: set[str] = set()
 
     def path(self, source: str) -> Path:
@@ -101,7 +153,29 @@ class Sources:
                 except ValueError as e:
                     raise UserError(f"cannot load model {source!r}: {e}") from None
                 self._readers[source] = reader
+                _check_gguf_extent(reader, path, source)
         return self._configs[source]
+
+    def check_weights(self, source: str) -> None:
+        """The weights load_model will read are whole: each safetensors file (a directory's, or a
+        GGUF's converted copy) holds every byte its header lists. A GGUF is measured when parsed."""
+        if source in self._weighed:
+            return
+        path, copy = self.path(source), self._converted(source)
+        if path.is_dir() and native.is_native_dir(path):   # caramba's own layout
+            files = [path / "model.safetensors"]
+        elif path.is_dir():
+            try:
+                files = hf_loader.safetensors_files(path)
+            except ValueError as e:
+                raise UserError(f"cannot load model {source!r}: {e}") from None
+        else:   # a GGUF loads from its converted copy when there is one
+            files = [copy / "model.safetensors"] if copy is not None else []
+        for file in files:
+            why = safetensors_problem(file) if file.is_file() else None
+            if why:
+                raise UserError(f"cannot load model {source!r}: {file}: {why}; copy or convert the weights again")
+        self._weighed.add(source)
 
     def tokenizer(self, source: str) -> Tokenizer:
         """The tokenizer of a model source, without its weights."""
@@ -144,6 +218,15 @@ class Sources:
             tok = self.tokenizer(source)
             self._encoded[key] = [len(encode_prompt(tok, p, s.chat, s.system_prompt)) for p in s.prompts]
         return self._encoded[key]
+
+
+def _check_gguf_extent(reader, path: Path, source: str) -> None:
+    """A GGUF holds every tensor its header lists (the reader maps the file and checks nothing)."""
+    size = path.stat().st_size
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in getattr(reader, "tensors", [])), default=0)
+    if end > size:
+        raise UserError(f"cannot load model {source!r}: {path} has {size} bytes, but its tensors reach byte {end}: "
+                        "the file is truncated; download it again")
 
 
 def _check_vocabulary(source: str, sources: Sources, where: str, field: str) -> None:
