@@ -170,13 +170,11 @@ class HybridKVCache(KVCache):
 
     def bytes_at(self, tokens: int) -> int:
         """Bytes holding a context of `tokens`: each full layer's per token, each ring's up to its capacity."""
-        return sum(layer.bytes_per_token() * (min(tokens, layer.max_seq_len) if ring else tokens)
-                   for layer, ring in zip(self.layers, self.sliding))
+        return sum(self.bytes_by_layer_type(tokens).values())
 
     def bytes_by_layer_type(self, tokens: int) -> dict[str, int]:
         """bytes_at split into the sliding layers' rings and the full layers."""
         out = {"sliding": 0, "full": 0}
         for layer, ring in zip(self.layers, self.sliding):
-            out["sliding" if ring else "full"] += layer.bytes_per_token() * (min(tokens, layer.max_seq_len)
-                                                                            if ring else tokens)
+            out["sliding" if ring else "full"] += layer.bytes_at(min(tokens, layer.max_seq_len) if ring else tokens)
         return out

@@ -72,8 +72,19 @@ class StreamLayerCache:
 
     def bytes_per_token(self) -> int:
         """Bytes one token occupies in this layer, over the whole batch (analytic; the fixed
-        residual windows are not per-token and are left out)."""
+        residual windows are not per-token and are left out: bytes_at counts them)."""
         return self.batch_size * sum(c.bytes_per_token(s.n_heads, s.head_dim) for c, s in zip(self.configs, self.streams))
+
+    def bytes_at(self, tokens: int) -> int:
+        """Bytes this layer holds for a context of `tokens`: every token's codes or values, plus the
+        full-precision copies a quantized kind's residual window keeps of the newest of them (a
+        window longer than the context keeps every token twice: no cheaper than full precision)."""
+        total = self.bytes_per_token() * tokens
+        for s in self.streams:
+            R = getattr(s, "R", 0)
+            if R:
+                total += self.batch_size * s.n_heads * s.head_dim * s.ring.element_size() * min(tokens, R)
+        return total
 
 
 class LayerKVCache(StreamLayerCache):
@@ -280,8 +291,9 @@ class KVCache:
         return sum(layer.bytes_per_token() for layer in self.layers)
 
     def bytes_at(self, tokens: int) -> int:
-        """Bytes holding a context of `tokens` (a hybrid cache's rings stop growing: caramba.cache.hybrid)."""
-        return self.bytes_per_token() * tokens
+        """Bytes holding a context of `tokens`, residual windows included (a hybrid cache's rings stop
+        growing: caramba.cache.hybrid). The one count a frontier's and an eval's byte axis read."""
+        return sum(layer.bytes_at(tokens) for layer in self.layers)
 
     def bytes_per_token_at(self, tokens: int) -> int:
         """bytes_at(tokens) / tokens, rounded: the byte axis of a frontier at that context length."""

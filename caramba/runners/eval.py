@@ -69,14 +69,15 @@ def task_samples(tokenizer, settings: TaskSettings) -> list:
 
 
 def cache_bytes(model, policy, context: int) -> dict[str, Any]:
-    """A candidate's bytes per token, batch 1, at a context of `context` tokens; a hybrid model's
-    (Gemma) also per layer type, since its sliding layers' rings stop growing at their window."""
-    if not model.config.hybrid:
-        return {"bytes_per_token": model.new_cache(1, 1, policy).bytes_per_token()}
-    cache = model.new_cache(1, context, policy)
-    split = cache.bytes_by_layer_type(context)
-    return {"bytes_per_token": cache.bytes_per_token_at(context), "bytes_context": context,
-            "bytes_per_token_by_layer_type": {k: round(v / context, 1) for k, v in split.items()}}
+    """A candidate's bytes per token, batch 1, at a context of `context` tokens, from the cache's own
+    count (KVCache.bytes_at: residual windows included); a hybrid model's (Gemma) also per layer
+    type, since its sliding layers' rings stop growing at their window."""
+    cache = model.new_cache(1, context if model.config.hybrid else 1, policy)   # rings need their real capacity
+    row = {"bytes_per_token": cache.bytes_per_token_at(context), "bytes_context": context}
+    if model.config.hybrid:
+        split = cache.bytes_by_layer_type(context)
+        row["bytes_per_token_by_layer_type"] = {k: round(v / context, 1) for k, v in split.items()}
+    return row
 
 
 def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, record: RunDir,
