@@ -3,7 +3,9 @@
 run files by default). A manifest's `tracking:` or `--track mlflow|wandb` turns it on.
 
 Each run gets its resolved settings as params, its summary's numbers as metrics, its run hash,
-env and mode as tags, and its record directory as artifacts. Runs of a sweep (a manifest with a
+env and mode as tags, and its record directory as artifacts; an eval run also gets its
+quality-cost frontier, once, as a table (frontier.csv; a W&B Table) and a plot (frontier.png,
+where matplotlib is installed). Runs of a sweep (a manifest with a
 matrix) are grouped: one MLflow parent run per `caramba run`, or a W&B group, named after the
 manifest. Everything is read from the finished records, in the driver, after the runs: workers on
 Ray or Slurm need no tracker, and a tracker's failure (not installed, a bad URI, a server down)
@@ -18,6 +20,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +79,11 @@ def _text(value: Any) -> str:
     return text if len(text) <= PARAM_CHARS else text[:PARAM_CHARS - 1] + "…"
 
 
+def _cell(value: Any) -> Any:
+    """A frontier value as a W&B Table cell: numbers, text and None as they are, anything else as JSON."""
+    return value if value is None or isinstance(value, (int, float, str)) else json.dumps(value)
+
+
 def _read(record: Path) -> tuple[dict, dict]:
     return (json.loads((record / "result.json").read_text()), json.loads((record / "env.json").read_text()))
 
@@ -86,6 +94,27 @@ def _tags(run: Finished, manifest: str, result: dict, env: dict) -> dict[str, st
     for key, value in flatten({k: v for k, v in env.items() if k not in ("params", "libraries")}).items():
         tags[_key(f"caramba.env.{key}")] = _text(value)
     return tags
+
+
+def frontier_files(run: Finished, where: Path) -> tuple[list[dict], list[Path]]:
+    """An eval run's frontier rows, written under `where` as frontier.csv and frontier.png (the plot
+    only where matplotlib is installed and the candidates share a quality metric); other modes: none."""
+    if run.mode != "eval":
+        return [], []
+    from caramba.bench.frontier import frontier_rows, plot_frontier
+    from caramba.bench.report import pyplot, write_csv
+
+    rows = frontier_rows([(run.name, run.record)])
+    if not rows:
+        return [], []
+    write_csv(where / "frontier.csv", rows)
+    files = [where / "frontier.csv"]
+    if pyplot(required=False) is not None:
+        try:
+            files.append(plot_frontier(where / "frontier.png", rows))
+        except ValueError:   # no quality metric every candidate has: the table alone says what there is
+            pass
+    return rows, files
 
 
 def log_runs(settings: TrackingSettings, manifest: str, runs: list[Finished], root: Path) -> str | None:
@@ -145,6 +174,9 @@ def _mlflow(settings: TrackingSettings, manifest: str, runs: list[Finished], roo
         for i in range(0, max(len(params), len(metrics)), 100):   # log_batch takes 100 params at a time
             client.log_batch(run_id, metrics=metrics[i:i + 100], params=params[i:i + 100])
         client.log_artifacts(run_id, str(run.record), "record")
+        with tempfile.TemporaryDirectory() as tmp:
+            if frontier_files(run, Path(tmp))[1]:
+                client.log_artifacts(run_id, tmp, "frontier")
         client.set_terminated(run_id)
     if parent:
         client.set_terminated(parent)
@@ -174,3 +206,10 @@ def _wandb_runs(wandb, settings: TrackingSettings, manifest: str, runs: list[Fin
             record = wandb.Artifact(re.sub(r"[^\w\-.]", "_", f"{manifest}-{run.name}")[:128], type="caramba-record")
             record.add_dir(str(run.record))
             tracked.log_artifact(record)
+            with tempfile.TemporaryDirectory() as tmp:
+                rows, files = frontier_files(run, Path(tmp))
+                if rows:
+                    columns = list(dict.fromkeys(k for row in rows for k in row))
+                    table = wandb.Table(columns=columns, data=[[_cell(row.get(c)) for c in columns] for row in rows])
+                    plots = {"frontier_plot": wandb.Image(str(f)) for f in files if f.suffix == ".png"}
+                    tracked.log({"frontier": table, **plots})

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import write_manifest
 from test_cli import invoke, tiny_model  # noqa: F401  (fixture)
+from test_eval_mode import SECTION, eval_manifest, long_tiny  # noqa: F401  (fixture)
 
 RUNS = """\
 - id: kv
@@ -139,3 +140,43 @@ def test_the_cli_loads_no_tracker_until_asked():
     code = "import sys; from caramba.cli import app; print(sorted(m for m in ('mlflow', 'wandb') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_an_eval_runs_frontier_is_logged_once_as_a_table_and_a_plot(tmp_path, monkeypatch, long_tiny):  # noqa: F811
+    """The frontier `caramba report` draws for an eval record, logged with the run: MLflow gets
+    frontier.csv (the report's rows) and frontier.png; W&B offline gets one Table in the run's history."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("matplotlib")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    manifest = eval_manifest(tmp_path, long_tiny, SECTION)
+    r = invoke("run", manifest, "--track", "mlflow")
+    assert r.exit_code == 0 and "tracked 1 run(s) in mlflow" in r.output and "warning" not in r.output, r.output
+    report = invoke("report", manifest, "--format", "json")
+    assert report.exit_code == 0, report.output
+    front = json.loads(report.output)["frontier"]
+    assert len(front) == 3 and "fp32" in {row["cache"] for row in front}   # the baseline and both candidates
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("ev").experiment_id])
+    assert {f.path for f in client.list_artifacts(run.info.run_id, "frontier")} == \
+        {"frontier/frontier.csv", "frontier/frontier.png"}
+    table = Path(client.download_artifacts(run.info.run_id, "frontier/frontier.csv", str(tmp_path / "dl")))
+    import csv
+
+    logged = list(csv.DictReader(table.open()))
+    assert [(row["run"], row["cache"], float(row["bytes_per_token"])) for row in logged] == \
+        [(row["run"], row["cache"], float(row["bytes_per_token"])) for row in front]
+
+    pytest.importorskip("wandb")
+    manifest.write_text(manifest.read_text() + f"tracking: {{backend: wandb, dir: '{tmp_path / 'wb'}'}}\n")
+    r = invoke("run", manifest, "--force")   # done runs are skipped, and skipped runs are not logged again
+    assert r.exit_code == 0 and "tracked 1 run(s) in wandb" in r.output and "warning" not in r.output, r.output
+    (media,) = (tmp_path / "wb" / "wandb").glob("offline-run-*/files/media")
+    (table_file,) = media.glob("table/frontier_*.table.json")
+    (plot_file,) = media.glob("images/frontier_plot_*.png")
+    table = json.loads(table_file.read_text())
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert [(row["cache"], row["bytes_per_token"]) for row in rows] == [(row["cache"], row["bytes_per_token"]) for row in front]
+    assert plot_file.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
