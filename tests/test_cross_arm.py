@@ -33,7 +33,7 @@ from test_isa import FORMATS, SHAPES, U, exact_product, layer, random_blocks
 pytestmark = pytest.mark.skipif(cross_arch.missing() is not None, reason=str(cross_arch.missing()))
 
 LIBRARIES = {"quant_gemv": quant.SOURCES, "decode_step": fast_decode.SOURCES, "quant_gemm": quant_gemm.SOURCES,
-             "quant_attend": [cache_kernel.SOURCE], "decode_ops": [fused.SOURCE]}
+             "quant_attend": cache_kernel.SOURCES, "decode_ops": [fused.SOURCE]}
 GEMV = {("q8_0", "q8"): "gemv_q8_0_q8", ("q8_0", "f32"): "gemv_q8_0_f32", ("q4_1", "f32"): "gemv_q4_1_f32",
         ("q4_1", "q8"): "gemv_q4_1_q8", ("q4_0", "q8"): "gemv_q4_1_q8", ("q8_0", "i16"): "gemv_q8_0_i16", ("q4_1", "i16"): "gemv_q4_1_i16"}
 

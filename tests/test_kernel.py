@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -169,6 +170,106 @@ def test_per_channel_key_kernel_equals_sdpa_over_the_dequantized_cache(k_kind, v
                                                  enable_gqa=True)
         torch.testing.assert_close(got, ref, **tol.attention(ref, D, S), msg=f"B={B} S={S}")
     assert group in calls   # the per-channel loop ran (short caches are all full precision)
+
+
+# --- the instruction set levels (quant_attend.c: the reference at scalar, the vector loops above) ---
+
+U = 2.0 ** -24   # fp32's unit roundoff
+
+
+def code_values(codes: np.ndarray, spec, D: int) -> np.ndarray:
+    """Element values (before offset and scale) of codes [..., Dc, n] (keys-major) -> [..., D, n]:
+    q8_0 signed bytes; 4-bit kinds element e in the low nibble of byte e, e + D/2 in the high one;
+    zero-point kinds of `bits` element e in bit field e / fw of byte e % fw (quant_attend.c)."""
+    if spec.zero_point:
+        fw, mask = D * spec.bits // 8, (1 << spec.bits) - 1
+        return np.concatenate([(codes >> (spec.bits * f)) & mask for f in range(D // fw)], -2).astype(np.float64)
+    if spec.bits == 8:
+        return codes.view(np.int8).astype(np.float64)
+    u = np.concatenate([codes & 15, codes >> 4], -2)
+    return np.asarray(spec.codebook, np.float64)[u] if spec.codebook else u.astype(np.float64)
+
+
+def attend_case(kind: str, D: int, block: int, n: int, R: int, seed: int):
+    """Random queries q [1, 2, R, D], softmax weights p [1, 2, R, n], keys-major key codes and value
+    codes (values: [1, 2, n, Dc], transposed from keys-major), their scales or zero-point params,
+    and (exact scores, their sum of |terms|, exact values mixed, theirs) in float64."""
+    spec = KVCacheKind(kind).spec
+    rng = np.random.default_rng(seed)
+    Dc = D * spec.bits // 8
+    kc = rng.integers(0, 256, (1, 2, Dc, n)).astype(np.uint8)
+    vc = rng.integers(0, 256, (1, 2, n, Dc)).astype(np.uint8)
+    q = rng.standard_normal((1, 2, R, D)).astype(np.float32)
+    p = rng.random((1, 2, R, n)).astype(np.float32)
+    kv, vv = code_values(kc, spec, D), code_values(np.swapaxes(vc, -1, -2), spec, D)   # [1, 2, D, n]
+    nb, q64, p64 = D // block, q.astype(np.float64), p.astype(np.float64)
+    blocks = np.arange(D) // block
+    if spec.zero_point and spec.per_channel:   # keys: [2 D, groups of `block` tokens]
+        ng = -(-n // block)
+        kpar = np.concatenate([rng.uniform(0.01, 0.2, (1, 2, D, ng)), rng.uniform(-1, 1, (1, 2, D, ng))], 2)
+        kpar = kpar.astype(np.float32)
+        s, m = (kpar[:, :, :D, np.arange(n) // block].astype(np.float64), kpar[:, :, D:, np.arange(n) // block]
+                .astype(np.float64))
+        scores = np.einsum("bhre,bhet->bhrt", q64, s * kv) + np.einsum("bhre,bhet->bhrt", q64, m)
+        smag = np.einsum("bhre,bhet->bhrt", np.abs(q64), np.abs(s * kv) + np.abs(m))
+    else:
+        kpar = (np.concatenate([rng.uniform(0.01, 0.2, (1, 2, nb, n)), rng.uniform(-1, 1, (1, 2, nb, n))], 2)
+                if spec.zero_point else rng.uniform(-0.2, 0.2, (1, 2, nb, n))).astype(np.float32)
+        s = kpar[:, :, :nb][:, :, blocks].astype(np.float64)                          # [1, 2, D, n]
+        off = kpar[:, :, nb:][:, :, blocks].astype(np.float64) if spec.zero_point else spec.offset * s
+        scores = np.einsum("bhre,bhet->bhrt", q64, s * kv + off)
+        smag = np.einsum("bhre,bhet->bhrt", np.abs(q64), np.abs(s * kv) + np.abs(off))
+    vpar = (np.concatenate([rng.uniform(0.01, 0.2, (1, 2, nb, n)), rng.uniform(-1, 1, (1, 2, nb, n))], 2)
+            if spec.zero_point else rng.uniform(-0.2, 0.2, (1, 2, nb, n))).astype(np.float32)
+    s = vpar[:, :, :nb][:, :, blocks].astype(np.float64)
+    off = vpar[:, :, nb:][:, :, blocks].astype(np.float64) if spec.zero_point else spec.offset * s
+    mixed = np.einsum("bhrt,bhet->bhre", p64, s * vv + off)
+    vmag = np.einsum("bhrt,bhet->bhre", np.abs(p64), np.abs(s * vv) + np.abs(off))
+    return spec, [torch.from_numpy(a) for a in (q, p, kc, vc, kpar, vpar)], scores, smag, mixed, vmag
+
+
+def attend_levels(spec, q, p, kc, vc, kpar, vpar, block: int, D: int):
+    """(scores, values mixed) from quant_attend.c at each level this machine has: {level: (s, v)}."""
+    from caramba.model import isa
+
+    out = {}
+    for level in [lv for lv in isa.LEVELS if isa.available(lv)]:
+        with isa.use_isa(level) as got:
+            assert got == level and kernel.library().isa_name().decode() == level
+            if spec.zero_point:
+                group = block if spec.per_channel else 0
+                ks = kernel.key_scores_zp(q, kc, kpar, spec, D if group else block, group)
+                vs = kernel.value_mix_zp(p, vc, vpar, spec, block, D) if not spec.per_channel else None
+            else:
+                ks = kernel.key_scores(q, kc, kpar, spec, block)
+                vs = kernel.value_mix(p, vc, vpar, spec, block, D)
+        out[level] = (ks, vs)
+    return out
+
+
+@pytest.mark.parametrize("kind,D,block", [("q8_0", 64, 32), ("q4_0", 64, 64), ("nf4", 48, 16), ("q4_0l", 24, 6),
+                                          ("q4_1", 64, 32), ("q2_1", 32, 8), ("q4_1c", 64, 16), ("q2_1c", 32, 32)])
+@pytest.mark.parametrize("n,R", [(5, 1), (300, 9)])
+def test_every_level_is_within_fp32_rounding_of_the_exact_scores_and_vector_levels_agree(kind, D, block, n, R):
+    """quant_attend.c at every instruction set level this machine has (caramba.model.isa.use_isa,
+    as CARAMBA_ISA does at load): the portable reference at scalar, the vector loops above it.
+    Each within fp32 rounding of the exact (float64) scores and mixed values of the same codes:
+    (D + n + 16) u of the sum of |terms|; the vector levels (the same code) bit for bit alike.
+    Shapes: one tile and a partial vector; 9 query rows (two row groups), 300 positions (two
+    tiles); blocks narrower than a vector, one block per head, per-channel groups of 16 and 32."""
+    needs_kernels()
+    spec, tensors, scores, smag, mixed, vmag = attend_case(kind, D, block, n, R, seed=D + n + R)
+    runs = attend_levels(spec, *tensors, block=block, D=D)
+    bound = (D + n + 16) * U
+    for level, (ks, vs) in runs.items():
+        err = np.abs(ks.double().numpy() - scores)
+        assert (err <= bound * smag).all(), (level, float((err / smag).max()))
+        if vs is not None:
+            err = np.abs(vs.double().numpy() - mixed)
+            assert (err <= bound * vmag).all(), (level, float((err / vmag).max()))
+    vector = [runs[lv] for lv in runs if lv != "scalar"]
+    for ks, vs in vector[1:]:
+        assert torch.equal(ks, vector[0][0]) and (vs is None or torch.equal(vs, vector[0][1]))
 
 
 def test_every_kernel_library_builds_where_a_compiler_is():

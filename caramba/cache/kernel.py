@@ -1,7 +1,9 @@
 """The C loops of quant_attend.c: decode-step attention straight from quantized codes.
 
 Built on first use and cached by caramba.kernels (the system C compiler, ctypes, a library
-keyed by source, compile command and CPU flags under $CARAMBA_CACHE_DIR/kernels).
+keyed by source, compile command and CPU flags under $CARAMBA_CACHE_DIR/kernels). They run at the
+model kernels' instruction set level (caramba.model.isa: the portable reference at scalar, the
+vector loops at every other level).
 
 caramba.cache.attend keeps its eager path where these do not apply (GPU, non-fp32 queries,
 autograd) and when they are unavailable: CARAMBA_KERNELS=0, no C compiler, or a failed build
@@ -18,15 +20,25 @@ import torch
 from caramba import kernels
 from caramba.cache.kinds import KindSpec, KVCacheKind, spec_of
 
-SOURCE = Path(__file__).with_name("quant_attend.c")
+SOURCE = Path(__file__).with_name("quant_attend.c")   # the exported loops (it names the library)
+# with the levels' work items (the portable reference, the vector loops) and the model kernels' run-time
+# instruction set choice (cpu_isa.c: CARAMBA_ISA, caramba.model.isa.use_isa), compiled together
+SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in ("quant_attend_ref.c", "quant_attend_vec.c")),
+           Path(__file__).parents[1] / "model" / "cpu_isa.c"]
 FLAGS = kernels.FLAGS
 _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.c_long] * 2 + [ctypes.c_int] * 2
 # zero-point kinds: ... bits, group (0: per-token blocks), parameter row stride, threads
 _ZP_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.c_long] * 2 + [ctypes.c_int] * 2 + [ctypes.c_long, ctypes.c_int]
 
+# cpu_isa.c's exports (caramba.model.quant.ISA_SIGNATURES's; not imported: the cache imports nothing of the model)
+ISA_SIGNATURES = {"isa_name": ([], ctypes.c_char_p), "isa_set": ([ctypes.c_char_p], ctypes.c_int),
+                  "isa_available": ([ctypes.c_char_p], ctypes.c_int), "isa_env_error": ([], ctypes.c_int),
+                  "isa_amx": ([], ctypes.c_int)}
+
 # library(): the loaded kernels, or None (see the module doc).
-library = kernels.Library(SOURCE, {"key_scores": (_ARGS, None), "value_mix": (_ARGS, None),
-                                   "key_scores_zp": (_ZP_ARGS, None), "value_mix_zp": (_ZP_ARGS, None)},
+library = kernels.Library(SOURCES, {"key_scores": (_ARGS, None), "value_mix": (_ARGS, None),
+                                    "key_scores_zp": (_ZP_ARGS, None), "value_mix_zp": (_ZP_ARGS, None),
+                                    **ISA_SIGNATURES},
                           "quantized KV caches decode")
 
 

@@ -29,8 +29,8 @@ How to add a quantized kind
    test_codes_match_reference_formulas.
 
 Without `kernel=` the kind decodes through the eager path (caramba.cache.attend). For the C fast
-path also give it `kernel=N` and handle KIND id N in caramba/cache/quant_attend.c's
-`code_vector`. Zero-point kinds (4- or 2-bit, per token, or per channel for keys in groups of a
+path also give it `kernel=N` and handle KIND id N in caramba/cache/quant_attend_vec.c's
+`code_vector` and quant_attend_ref.c's `code_value` (the scalar reference). Zero-point kinds (4- or 2-bit, per token, or per channel for keys in groups of a
 multiple of 16 tokens) take the C loops key_scores_zp / value_mix_zp without a kernel id. The
 one-call CPU decode step (caramba.model.fast_decode) reads and writes caches itself: a kind it
 should take needs `step=N` (the next free id) and, where its quantizer or code values are new, a
@@ -66,7 +66,7 @@ class KindSpec:
 
     code_range: [lo, hi] of the stored codes; None for a float kind (values stored as `dtype`).
     codebook: the value of code u (ascending, one per code); None: uniform levels c + offset.
-    kernel: the kind's id in quant_attend.c, or None (decode reads it through the eager path).
+    kernel: the kind's id in quant_attend_vec.c / quant_attend_ref.c, or None (decode reads it through the eager path).
     step: the kind's id among the fused decode step's cache streams (caramba/model/kv_stream.c),
       or None (a step over a cache of this kind takes the torch path). Ids are dense from 0.
     mid_tread: uniform levels with an exact zero and a signed scale (see the module doc).

@@ -10,122 +10,24 @@
    high nibble. Scales arrive as float [BH, nb, n] (converted from the stored fp16 by the caller).
    Code values: q8_0 c + 1/2, q4_0 u - 15/2, nf4 the NF4 codebook, q4_0l u - 8; times the block
    scale (q4_0l's is signed).
-   Parallel over independent output pieces with OpenMP (the process shares torch's libgomp). */
+   Parallel over independent output pieces with OpenMP (the process shares torch's libgomp).
+
+   Levels: the run-time instruction set choice of the model's kernels (caramba/model/cpu_isa.c,
+   compiled into this library too: CARAMBA_ISA when it loads, caramba.model.isa.use_isa after).
+   scalar runs the portable reference (quant_attend_ref.c: one position and element at a time);
+   every other level runs the vector loops (quant_attend_vec.c: GCC vector extensions, lowered to
+   the build's widest SIMD). The two agree within fp32 rounding (whether a multiply and an add
+   fuse differs by target and vector width); every vector level runs the same vector code, so
+   those agree bit for bit. This file: the exported functions, which split the work into items
+   and run each through the library's level. */
+
+#include "quant_attend_ref.h"
+#include "quant_attend_vec.h"
 
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-/* The kind ids, offsets and nf4's codebook: caramba.cache.kinds' table. */
-#include "kinds.h"
-
-static float code_offset(int kind) { return KIND_OFFSET[kind]; }
-
-/* GCC/Clang vector extensions: 16 floats, lowered to whatever SIMD -march=native offers. The
-   per-item bodies are force-inlined into one copy per (kind, rows) so that both are constants
-   there: the accumulators of up to RMAX query rows then live in registers. */
-#define VW 16
-_Static_assert(VW == 16, "the NF4 lookup permutes one 16-lane vector");
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef uint8_t vu8 __attribute__((vector_size(VW)));
-typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
-#define RMAX 8    /* query rows handled by one work item */
 #define TILE 256  /* key positions per work item */
-#define INLINE static inline __attribute__((always_inline))
-
-/* w <= VW bytes (the rest zero) as a vector. */
-INLINE vu8 load_bytes(const void *src, int w) {
-    vu8 b;
-    if (w == VW) {
-        memcpy(&b, src, VW);
-        return b;
-    }
-    b = (vu8){0};
-    for (int i = 0; i < w; i++) b[i] = ((const uint8_t *)src)[i];
-    return b;
-}
-
-INLINE vf load_floats(const float *src, int w) {
-    vf v = {0};
-    if (w == VW) memcpy(&v, src, VW * 4);
-    else for (int i = 0; i < w; i++) v[i] = src[i];
-    return v;
-}
-
-INLINE void store_floats(float *dst, vf v, int w) {
-    if (w == VW) memcpy(dst, &v, VW * 4);
-    else for (int i = 0; i < w; i++) dst[i] = v[i];
-}
-
-/* Values of w <= VW codes, one byte each from `src` (4-bit: the `high` or low nibble of each). */
-INLINE vf code_vector(const void *src, int w, const int kind, int high) {
-    const vu8 b = load_bytes(src, w);
-    /* Widen unsigned bytes to int32, then sign-extend by shifts: GCC (12) turns a direct or
-       signed int8 -> float conversion into scalar code, this into vpmovzxbd + shifts. */
-    if (kind == KIND_Q8_0) return __builtin_convertvector((__builtin_convertvector(b, vi32) << 24) >> 24, vf);
-    const vu8 u = high ? b >> 4 : b & 15;
-    const vi32 idx = __builtin_convertvector(u, vi32);
-    if (kind == KIND_Q4_0 || kind == KIND_Q4_0L) return __builtin_convertvector(idx, vf);
-#if defined(__clang__)
-    vf v;
-    for (int i = 0; i < VW; i++) v[i] = NF4_LEVELS[idx[i]];
-    return v;
-#else
-    vf table;   /* the 16-entry codebook is one vector: the lookup is a lane permute */
-    memcpy(&table, NF4_LEVELS, sizeof table);
-    return __builtin_shuffle(table, idx);
-#endif
-}
-
-/* One key work item: rows [0, rr) of qh against positions [t0, t1). */
-INLINE void key_item(const int kind, const int rr, const float *qh, const uint8_t *base, const float *sh,
-                     float *oh, int D, int blk, int n, long row_stride, int t0, int t1) {
-    const int nb = D / blk, half = D / 2, packed = kind != KIND_Q8_0;
-    const float off = code_offset(kind);
-    for (int v0 = t0; v0 < t1; v0 += VW) {
-        const int w = t1 - v0 < VW ? t1 - v0 : VW;
-        vf score[RMAX] = {0};
-        for (int j = 0; j < nb; j++) {
-            vf acc[RMAX] = {0};
-            float qs[RMAX] = {0};   /* the offset term: value(c) = c + off for every code */
-            for (int e = j * blk; e < (j + 1) * blk; e++) {
-                const int high = packed && e >= half;
-                const vf c = code_vector(base + (high ? e - half : e) * row_stride + v0, w, kind, high);
-                for (int r = 0; r < rr; r++) {
-                    acc[r] += qh[(long)r * D + e] * c;
-                    qs[r] += qh[(long)r * D + e];
-                }
-            }
-            const vf s = load_floats(sh + (long)j * n + v0, w);
-            for (int r = 0; r < rr; r++) score[r] += s * (acc[r] + off * qs[r]);
-        }
-        for (int r = 0; r < rr; r++) store_floats(oh + (long)r * n + v0, score[r], w);
-    }
-}
-
-/* One value work item: rows [0, rr) of the weights wt = p * scale over all n positions, for the
-   elements [e0, e1) of one block. */
-INLINE void value_item(const int kind, const int rr, const float *wt, const float *wsum, const uint8_t *base,
-                       float *oh, int D, int n, long row_stride, int e0, int e1) {
-    const int half = D / 2, packed = kind != KIND_Q8_0;
-    const float off = code_offset(kind);
-    for (int e = e0; e < e1;) {
-        int w = e1 - e < VW ? e1 - e : VW;
-        const int high = packed && e >= half;
-        if (packed && e < half && e + w > half) w = half - e;   /* never straddle the nibble halves */
-        const uint8_t *col = base + (high ? e - half : e);
-        vf acc[RMAX] = {0};
-        for (int t = 0; t < n; t++) {
-            const vf c = code_vector(col + (long)t * row_stride, w, kind, high);
-            for (int r = 0; r < rr; r++) acc[r] += wt[(long)r * n + t] * c;
-        }
-        for (int r = 0; r < rr; r++) store_floats(oh + (long)r * D + e, acc[r] + off * wsum[r], w);
-        e += w;
-    }
-}
-
-#define FOR_ROWS(X, K) X(K, 1) X(K, 2) X(K, 3) X(K, 4) X(K, 5) X(K, 6) X(K, 7) X(K, 8)
-#define FOR_KINDS_ROWS(X) FOR_ROWS(X, KIND_Q8_0) FOR_ROWS(X, KIND_Q4_0) FOR_ROWS(X, KIND_NF4) FOR_ROWS(X, KIND_Q4_0L)
 
 /* scores[bh, r, t] = sum_j scale[bh, j, t] * sum_{e in block j} q[bh, r, e] * value(code[bh, e, t]),
    for positions t in [0, n). q: [BH, R, D] floats (already scaled), out: [BH, R, n]. Keys-major
@@ -134,6 +36,7 @@ void key_scores(const float *q, const void *codes, const float *scales, float *o
                 int BH, int R, int D, int blk, int n, long head_stride, long row_stride,
                 int kind, int nthreads) {
     const int nb = D / blk, tiles = (n + TILE - 1) / TILE, groups = (R + RMAX - 1) / RMAX;
+    key_item_fn *const run = g_isa == ISA_SCALAR ? key_item_ref : key_item_vec;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (long item = 0; item < (long)BH * groups * tiles; item++) {
         const int bh = (int)(item / ((long)groups * tiles)), g = (int)(item / tiles % groups);
@@ -142,10 +45,7 @@ void key_scores(const float *q, const void *codes, const float *scales, float *o
         const float *qh = q + ((long)bh * R + r0) * D, *sh = scales + (long)bh * nb * n;
         const uint8_t *base = (const uint8_t *)codes + bh * head_stride;
         float *oh = out + ((long)bh * R + r0) * n;
-        switch (kind * 16 + rr) {
-#define KEY_CASE(K, RR) case K * 16 + RR: key_item(K, RR, qh, base, sh, oh, D, blk, n, row_stride, t0, t1); break;
-            FOR_KINDS_ROWS(KEY_CASE)
-        }
+        run(kind, rr, qh, base, sh, oh, D, blk, n, row_stride, t0, t1);
     }
 }
 
@@ -155,6 +55,7 @@ void value_mix(const float *p, const void *codes, const float *scales, float *ou
                int BH, int R, int D, int blk, int n, long head_stride, long row_stride,
                int kind, int nthreads) {
     const int nb = D / blk, groups = (R + RMAX - 1) / RMAX;
+    value_item_fn *const run = g_isa == ISA_SCALAR ? value_item_ref : value_item_vec;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (long item = 0; item < (long)BH * nb * groups; item++) {
         const int bh = (int)(item / ((long)nb * groups)), j = (int)(item / groups % nb), g = (int)(item % groups);
@@ -169,10 +70,7 @@ void value_mix(const float *p, const void *codes, const float *scales, float *ou
             }
         const uint8_t *base = (const uint8_t *)codes + bh * head_stride;
         float *oh = out + ((long)bh * R + r0) * D;
-        switch (kind * 16 + rr) {
-#define VALUE_CASE(K, RR) case K * 16 + RR: value_item(K, RR, wt, wsum, base, oh, D, n, row_stride, j * blk, (j + 1) * blk); break;
-            FOR_KINDS_ROWS(VALUE_CASE)
-        }
+        run(kind, rr, wt, wsum, base, oh, D, n, row_stride, j * blk, (j + 1) * blk);
         free(wt);
     }
 }
@@ -181,58 +79,7 @@ void value_mix(const float *p, const void *codes, const float *scales, float *ou
    m + u * s with a per-block scale s and minimum m. Codes of `bits` (4 or 2) are packed
    8/bits per byte: element e sits in bit field e / fw of byte e % fw, fw = D * bits / 8.
    Parameters arrive as float [BH, 2 nb, n] for per-token blocks (scales, then minimums) and
-   [BH, 2 D, ng] for per-channel groups of G tokens (keys only; G a multiple of VW). */
-
-INLINE vf field_vector(const void *src, int w, int shift, int mask) {
-    const vu8 b = load_bytes(src, w);
-    return __builtin_convertvector(__builtin_convertvector((b >> shift) & (uint8_t)mask, vi32), vf);
-}
-
-/* Per-token blocks: score[r, t] = sum_j s_j(t) (q_j . u_j(t)) + m_j(t) sum(q_j). */
-INLINE void key_item_zp(const int bits, const int rr, const float *qh, const uint8_t *base, const float *ph,
-                        float *oh, int D, int blk, int n, long pstride, long row_stride, int t0, int t1) {
-    const int nb = D / blk, fw = D * bits / 8, mask = (1 << bits) - 1;
-    for (int v0 = t0; v0 < t1; v0 += VW) {
-        const int w = t1 - v0 < VW ? t1 - v0 : VW;
-        vf score[RMAX] = {0};
-        for (int j = 0; j < nb; j++) {
-            vf acc[RMAX] = {0};
-            float qs[RMAX] = {0};
-            for (int e = j * blk; e < (j + 1) * blk; e++) {
-                const vf c = field_vector(base + (e % fw) * row_stride + v0, w, bits * (e / fw), mask);
-                for (int r = 0; r < rr; r++) {
-                    acc[r] += qh[(long)r * D + e] * c;
-                    qs[r] += qh[(long)r * D + e];
-                }
-            }
-            const vf s = load_floats(ph + (long)j * pstride + v0, w), m = load_floats(ph + (long)(nb + j) * pstride + v0, w);
-            for (int r = 0; r < rr; r++) score[r] += s * acc[r] + m * qs[r];
-        }
-        for (int r = 0; r < rr; r++) store_floats(oh + (long)r * n + v0, score[r], w);
-    }
-}
-
-/* Per-channel groups: score[r, t] = sum_e (q_e s_e(g)) u_e(t) + sum_e q_e m_e(g), g = t / G. */
-INLINE void key_item_channel(const int bits, const int rr, const float *qh, const uint8_t *base, const float *ph,
-                             float *oh, int D, int G, int n, long pstride, long row_stride, int t0, int t1) {
-    const int fw = D * bits / 8, mask = (1 << bits) - 1;
-    for (int v0 = t0; v0 < t1; v0 += VW) {
-        const int w = t1 - v0 < VW ? t1 - v0 : VW, g = v0 / G;
-        vf acc[RMAX] = {0};
-        float cst[RMAX] = {0};
-        for (int e = 0; e < D; e++) {
-            const float s = ph[(long)e * pstride + g], m = ph[(long)(D + e) * pstride + g];
-            const vf c = field_vector(base + (e % fw) * row_stride + v0, w, bits * (e / fw), mask);
-            for (int r = 0; r < rr; r++) {
-                acc[r] += (qh[(long)r * D + e] * s) * c;
-                cst[r] += qh[(long)r * D + e] * m;
-            }
-        }
-        for (int r = 0; r < rr; r++) store_floats(oh + (long)r * n + v0, acc[r] + cst[r], w);
-    }
-}
-
-#define FOR_BITS_ROWS(X) FOR_ROWS(X, 4) FOR_ROWS(X, 2)
+   [BH, 2 D, ng] for per-channel groups of G tokens (keys only; G a multiple of 16: a vector). */
 
 /* group == 0: per-token blocks of blk elements; group > 0: per-channel groups of `group` tokens. */
 void key_scores_zp(const float *q, const void *codes, const float *params, float *out,
@@ -240,6 +87,8 @@ void key_scores_zp(const float *q, const void *codes, const float *params, float
                    int bits, int group, long pstride, int nthreads) {
     const int nb = D / blk, tiles = (n + TILE - 1) / TILE, groups = (R + RMAX - 1) / RMAX;
     const long prows = group ? 2L * D : 2L * nb;
+    key_item_zp_fn *const run = group ? (g_isa == ISA_SCALAR ? key_item_channel_ref : key_item_channel_vec)
+                                      : (g_isa == ISA_SCALAR ? key_item_zp_ref : key_item_zp_vec);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (long item = 0; item < (long)BH * groups * tiles; item++) {
         const int bh = (int)(item / ((long)groups * tiles)), gr = (int)(item / tiles % groups);
@@ -248,36 +97,7 @@ void key_scores_zp(const float *q, const void *codes, const float *params, float
         const float *qh = q + ((long)bh * R + r0) * D, *ph = params + (long)bh * prows * pstride;
         const uint8_t *base = (const uint8_t *)codes + bh * head_stride;
         float *oh = out + ((long)bh * R + r0) * n;
-        if (group) {
-            switch (bits * 16 + rr) {
-#define KEYC_CASE(B, RR) case B * 16 + RR: key_item_channel(B, RR, qh, base, ph, oh, D, group, n, pstride, row_stride, t0, t1); break;
-                FOR_BITS_ROWS(KEYC_CASE)
-            }
-        } else {
-            switch (bits * 16 + rr) {
-#define KEYZ_CASE(B, RR) case B * 16 + RR: key_item_zp(B, RR, qh, base, ph, oh, D, blk, n, pstride, row_stride, t0, t1); break;
-                FOR_BITS_ROWS(KEYZ_CASE)
-            }
-        }
-    }
-}
-
-/* Per-token blocks of values: out[r, e] = sum_t (p_t s_j(t)) u_e(t) + sum_t p_t m_j(t), j = e / blk. */
-INLINE void value_item_zp(const int bits, const int rr, const float *wt, const float *moff, const uint8_t *base,
-                          float *oh, int D, int n, long row_stride, int e0, int e1) {
-    const int fw = D * bits / 8, mask = (1 << bits) - 1;
-    for (int e = e0; e < e1;) {
-        int w = e1 - e < VW ? e1 - e : VW;
-        const int field = e / fw;
-        if ((e + w - 1) / fw != field) w = (field + 1) * fw - e;   /* never straddle two bit fields */
-        const uint8_t *col = base + e % fw;
-        vf acc[RMAX] = {0};
-        for (int t = 0; t < n; t++) {
-            const vf c = field_vector(col + (long)t * row_stride, w, bits * field, mask);
-            for (int r = 0; r < rr; r++) acc[r] += wt[(long)r * n + t] * c;
-        }
-        for (int r = 0; r < rr; r++) store_floats(oh + (long)r * D + e, acc[r] + moff[r], w);
-        e += w;
+        run(bits, rr, qh, base, ph, oh, D, group ? group : blk, n, pstride, row_stride, t0, t1);
     }
 }
 
@@ -286,6 +106,7 @@ void value_mix_zp(const float *p, const void *codes, const float *params, float 
                   int bits, int group, long pstride, int nthreads) {
     (void)group;
     const int nb = D / blk, groups = (R + RMAX - 1) / RMAX;
+    value_item_zp_fn *const run = g_isa == ISA_SCALAR ? value_item_zp_ref : value_item_zp_vec;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (long item = 0; item < (long)BH * nb * groups; item++) {
         const int bh = (int)(item / ((long)nb * groups)), j = (int)(item / groups % nb), gr = (int)(item % groups);
@@ -301,10 +122,7 @@ void value_mix_zp(const float *p, const void *codes, const float *params, float 
             }
         const uint8_t *base = (const uint8_t *)codes + bh * head_stride;
         float *oh = out + ((long)bh * R + r0) * D;
-        switch (bits * 16 + rr) {
-#define VALUEZ_CASE(B, RR) case B * 16 + RR: value_item_zp(B, RR, wt, moff, base, oh, D, n, row_stride, j * blk, (j + 1) * blk); break;
-            FOR_BITS_ROWS(VALUEZ_CASE)
-        }
+        run(bits, rr, wt, moff, base, oh, D, n, row_stride, j * blk, (j + 1) * blk);
         free(wt);
     }
 }

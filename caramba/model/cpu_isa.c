@@ -5,7 +5,7 @@
    macros). That alone would trust the build; the choice also asks the CPU and the OS now
    (__builtin_cpu_supports reads cpuid and XGETBV: AVX-512 counts only where the OS saves its
    registers), so a library copied to, or a VM migrated onto, a smaller CPU never runs an
-   instruction that would SIGILL. Levels, each a family of kernels in quant_gemv.c:
+   instruction that would SIGILL. Levels, each a family of kernels (quant_gemv.c dispatches):
 
      scalar      the portable reference products (*_ref), one element at a time
      avx2        256-bit integer multiply-adds (maddubs/madd), the kernels tuned on an AMD EPYC

@@ -1,7 +1,8 @@
-/* What every CPU kernel file of the model's libraries shares (cpu_isa.c; quant_gemv.c,
-   kv_stream.c, decode_ops.c, decode_step.c): the instruction sets the build's target has
-   (HAVE_*), the level chosen at run time (g_isa, cpu_isa.c), and the small inline helpers the
-   loops take from one another (fp16 conversion, a horizontal sum).
+/* What every CPU kernel file of the model's libraries shares (cpu_isa.c; the quant_gemv*.c files,
+   step_linear.c, kv_stream.c, decode_ops.c, decode_step.c; caramba/cache's quant_attend*.c): the
+   instruction sets the build's target has (HAVE_*), the level chosen at run time (g_isa,
+   cpu_isa.c), and the small inline helpers the loops take from one another (fp16 conversion, a
+   horizontal sum).
 
    Functions one file shares with another are HIDDEN: not exported from the library, and called
    directly rather than through the PLT. */

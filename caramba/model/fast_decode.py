@@ -61,9 +61,10 @@ from caramba.model.layers import MLP, Attention, InputMajorLinear, RMSNorm
 from caramba.model.step_abi import LayerPlan, Lin, StepArgs, Stream
 
 # the step (decode_step.c) and the files it calls, compiled together: each shares what the
-# others use through its header (decode_step.h, kv_stream.h, decode_ops.h, quant_gemv.h, cpu_isa.h)
-SOURCES = [Path(__file__).with_name(name) for name in
-           ("decode_step.c", "kv_stream.c", "decode_ops.c", "quant_gemv.c", "cpu_isa.c")]
+# others use through its header (decode_step.h, step_linear.h, kv_stream.h, decode_ops.h, quant_gemv.h,
+# cpu_isa.h); the quantized products' files are quant.SOURCES (cpu_isa.c among them)
+SOURCES = [*(Path(__file__).with_name(name) for name in
+             ("decode_step.c", "step_linear.c", "kv_stream.c", "decode_ops.c")), *quant.SOURCES]
 MAX_ROWS = 16        # beyond this the torch path's GEMMs win
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {"decode_step": ([_P], _I), "step_linear": ([_P, _P, _I, _P, _I], _I), "step_abi_layout": ([_P], _I),

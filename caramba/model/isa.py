@@ -1,20 +1,22 @@
 """Which instruction set the quantized weight products run with (cpu_isa.c), for records and tests.
 
 The C libraries that multiply block-quantized weights (quant_gemv.c's, and decode_step.c's which
-is built with it) each choose a level once, when they load: the best the CPU, the OS and the build
-all have, or the one CARAMBA_ISA asks for (a level the machine lacks falls back to the best one
-below it in its family, never above). Levels, slowest first: scalar (the portable reference),
-then x86-64's avx2, avxvnni, avx512, avx512vnni, or ARM's neon (AArch64: sdot where the build
-has the dot-product extension). A level of one family is never chosen on the other's machines: a
-wish for it runs at scalar. Every vector level's outputs are bit-identical to avx2's (neon's
-row-major products too: tests/test_cross_arm.py); scalar differs by fp32 summation order only.
+is built with it), and quant_attend.c's (attention over quantized KV caches: its portable
+reference at scalar, its vector loops at every other level), each choose a level once, when they
+load: the best the CPU, the OS and the build all have, or the one CARAMBA_ISA asks for (a level
+the machine lacks falls back to the best one below it in its family, never above). Levels,
+slowest first: scalar (the portable reference), then x86-64's avx2, avxvnni, avx512, avx512vnni,
+or ARM's neon (AArch64: sdot where the build has the dot-product extension). A level of one family
+is never chosen on the other's machines: a wish for it runs at scalar. Every vector level's
+outputs are bit-identical to avx2's (neon's row-major products too: tests/test_cross_arm.py);
+scalar differs by fp32 summation order only (quant_attend.c's: by where multiply-adds fuse).
 Quantized layers made at a level with a vector kernel for their format hold their codes
 row-interleaved (caramba.model.quant's layout 'x16': every format at avx512vnni, the q8
 activations' at avx2, avxvnni and avx512); at any other level x16 layers run the portable
 reference, bit-identical and slow (for tests; an A/B of kernels compares layouts: quant.relayout,
 benchmarks/decode_vs_llamacpp.py --rows). In the decode step's library, scalar (and neon, which
 has no fp32 kernels of its own) runs the fp32 products, value mixing and dot products through
-their portable references (decode_step.c's *_ref).
+their portable references (step_linear.c's and decode_step.c's *_ref).
 
     kernel_isa()           the level the products run with ('avx512vnni'), or why no C kernels run
     available('avx2')      whether this machine (CPU, OS, build) has a level
@@ -30,6 +32,7 @@ import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
+from caramba.cache import kernel as cache_kernel
 from caramba.model import fast_decode, quant
 
 LEVELS = ("scalar", "avx2", "avxvnni", "avx512", "avx512vnni", "neon")   # cpu_isa.h's order
@@ -40,7 +43,7 @@ _warned = False
 
 def _libraries() -> list:
     """The libraries that carry cpu_isa.c, loaded (quant_gemv's first: it is what kernel_isa names)."""
-    return [lib for lib in (quant.library(), fast_decode.library()) if lib is not None]
+    return [lib for lib in (quant.library(), fast_decode.library(), cache_kernel.library()) if lib is not None]
 
 
 def _check_env(lib) -> None:

@@ -56,8 +56,12 @@ QUANTIZED = {"q8_0": (-127, 127), "q4_0": (-8, 7)}   # the formats quantize_mode
 QK = 32               # elements per block (both formats)
 KERNEL_ROWS = 16      # rows of activations up to which the GEMV kernels beat dequantize + matmul
 
-# the products and the instruction set choice they dispatch on, compiled together (kernels.Library)
-SOURCES = [Path(__file__).with_name("quant_gemv.c"), Path(__file__).with_name("cpu_isa.c")]
+# the products (quant_gemv.c: the exported functions and the dispatch; the portable reference; the
+# x86-64 and AArch64 kernels) and the instruction set choice they dispatch on, compiled together
+# (kernels.Library; the first names the library)
+SOURCES = [Path(__file__).with_name(name) for name in
+           ("quant_gemv.c", "quant_gemv_ref.c", "quant_gemv_x86.c", "quant_gemv_x86_x16.c", "quant_gemv_arm.c",
+            "cpu_isa.c")]
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "gemv_q8_0_q8": ([_P] * 4 + [_I] * 4, _I),

@@ -15,7 +15,7 @@ enum { F32_ROWS = 0, F32_COLS = 1, Q8_0_Q8 = 2, Q8_0_F32 = 3, Q4_1_F32 = 4, Q4_1
        Q8_0_F32_X16 = 14, Q4_1_F32_X16 = 15, FORMATS = 16 };
 
 /* The X16 formats hold the same blocks row-interleaved, 16 weight rows to a group (the decode
-   products' lanes are those rows: quant_gemv.c, "row-interleaved weights"):
+   products' lanes are those rows: quant_gemv_x86_x16.c, quant_gemv_arm.c):
      codes [ceil(N/16), B/4, 16, 4] bytes, B the row's code bytes (K for q8_0, K/2 for q4): a row's
      bytes in 4-byte units, unit u of the 16 rows of a group side by side (rows past N are zeros);
      scales d (and q4_1's minimums m) [ceil(N/16), K/32, 16] fp16. */

@@ -1,0 +1,307 @@
+/* The fused decode step's projections (decode_step.c calls linear() once per projection, from
+   every thread of its parallel region): fp32 weights row-major ([N, K], nn.Linear) or input-major
+   ([K, N], InputMajorLinear), each with a portable reference (*_ref, the scalar level's) and AVX2 /
+   AVX-512 loops; the block formats through quant_gemv.c's quant_rows. Every product splits its
+   outputs between the threads (rows, or bands of an input-major weight's columns), never a sum, so
+   its bits do not depend on the thread count. */
+
+#include "step_linear.h"
+
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+/* Several token rows (a batch) make the fp32 products compute-bound rather than read-bound, so
+   they go through register tiles: each weight element loaded once feeds up to TR rows' sums held
+   in registers (8 accumulators: 2 weight rows x 4 token rows, or 16 columns x 4 token rows). */
+#define TR 4
+
+/* out[0][r], out[1][r] = weight rows w0, w1 . token rows x + r K for r < RR: the reference. */
+static void rows_tile_ref(int RR, const float *w0, const float *w1, const float *x, int K, float out[2][TR]) {
+    for (int r = 0; r < RR; r++) {
+        out[0][r] = dot_f32_ref(w0, x + (long)r * K, K);
+        out[1][r] = dot_f32_ref(w1, x + (long)r * K, K);
+    }
+}
+
+#if HAVE_AVX2
+/* The same, 8 k at a time for every token row. With several token rows the loop computes long
+   enough per byte that the hardware prefetcher falls behind: prefetching the next pair two rows
+   ahead took a batch-8 product over the head's shape from ~14 to ~8.4 ms (2 threads, quiet; /tmp
+   microbenchmark). */
+INLINE void rows_tile_avx2(const int RR, const float *w0, const float *w1, const float *x, int K, float out[2][TR]) {
+    __m256 a[TR], b[TR];
+    for (int r = 0; r < RR; r++) a[r] = b[r] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 u = _mm256_loadu_ps(w0 + k), v = _mm256_loadu_ps(w1 + k);
+        if ((k & 15) == 0) {   /* the thread's next row pair, a line at a time (prefetches never fault) */
+            _mm_prefetch((const char *)(w0 + 2L * K + k), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + 2L * K + k), _MM_HINT_T0);
+        }
+        for (int r = 0; r < RR; r++) {
+            __m256 xv = _mm256_loadu_ps(x + (long)r * K + k);
+            __asm__("" : "+x"(xv));   /* one load for both weight rows (see cols_band_avx2) */
+            a[r] = _mm256_fmadd_ps(u, xv, a[r]);
+            b[r] = _mm256_fmadd_ps(v, xv, b[r]);
+        }
+    }
+    for (int r = 0; r < RR; r++) {
+        float s0 = hsum8(a[r]), s1 = hsum8(b[r]);
+        for (int kk = k; kk < K; kk++) {
+            s0 += w0[kk] * x[(long)r * K + kk];
+            s1 += w1[kk] * x[(long)r * K + kk];
+        }
+        out[0][r] = s0;
+        out[1][r] = s1;
+    }
+}
+
+#define TILE_ROWS(X) X(1) X(2) X(3) X(4)
+#endif
+
+/* fp32 [N, K] weights times M >= 2 token rows, weight rows two at a time. */
+static void rows_f32_batch(const float *w, const float *x, int M, int N, int K, float *y, const float *bias) {
+#pragma omp for schedule(static)
+    for (int np = 0; np < (N + 1) / 2; np++) {
+        const int n0 = 2 * np, n1 = n0 + 1 < N ? n0 + 1 : n0;
+        for (int r0 = 0; r0 < M; r0 += TR) {
+            const int rr = M - r0 < TR ? M - r0 : TR;
+            float out[2][TR];
+            const float *xr = x + (long)r0 * K;
+#if HAVE_AVX2
+            if (g_isa >= ISA_AVX2)
+                switch (rr) {
+#define ROWS_CASE(RR) case RR: rows_tile_avx2(RR, w + (long)n0 * K, w + (long)n1 * K, xr, K, out); break;
+                    TILE_ROWS(ROWS_CASE)
+#undef ROWS_CASE
+                }
+            else
+#endif
+                rows_tile_ref(rr, w + (long)n0 * K, w + (long)n1 * K, xr, K, out);
+            for (int r = 0; r < rr; r++) {
+                y[(long)(r0 + r) * N + n0] = out[0][r] + (bias ? bias[n0] : 0.0f);
+                y[(long)(r0 + r) * N + n1] = out[1][r] + (bias ? bias[n1] : 0.0f);
+            }
+        }
+    }
+}
+
+/* One band of input-major columns: y[r, c] += sum over k of x[r, k] w[k, c] for c in [0, cw), four
+   weight rows per pass, two token rows at a time (each weight load feeds both). Every column's sum
+   runs in the same order (per four k: x0 w0, then three fused multiply-adds, with zeros past K;
+   then one add into y) in the vector lanes and in the scalar tail alike, so its bits do not
+   depend on the band. The reference: plain multiply-adds, column by column. */
+static void cols_band_ref(const float *w, long ldw, const float *x, int M, int K, float *y, long ldy, int cw) {
+    for (int k0 = 0; k0 < K; k0 += 4) {
+        const int kn = K - k0 < 4 ? K - k0 : 4;
+        const float *w0 = w + (long)k0 * ldw, *w1 = w0 + (kn > 1 ? ldw : 0), *w2 = w0 + (kn > 2 ? 2 * ldw : 0),
+                    *w3 = w0 + (kn > 3 ? 3 * ldw : 0);
+        for (int r = 0; r < M; r++) {
+            const float *xa = x + (long)r * K + k0;
+            const float a0 = xa[0], a1 = kn > 1 ? xa[1] : 0.0f, a2 = kn > 2 ? xa[2] : 0.0f, a3 = kn > 3 ? xa[3] : 0.0f;
+            float *ya = y + (long)r * ldy;
+            for (int c = 0; c < cw; c++) ya[c] += a0 * w0[c] + a1 * w1[c] + a2 * w2[c] + a3 * w3[c];
+        }
+    }
+}
+
+#if HAVE_AVX2
+/* The partial sums of one token row over one quad of k, 8 columns (weights u0..u3): x0 w0, then
+   three FMAs. */
+#define QUAD_REG(V) _mm256_fmadd_ps(V##3, u3, _mm256_fmadd_ps(V##2, u2, _mm256_fmadd_ps(V##1, u1, _mm256_mul_ps(V##0, u0))))
+/* the same for one column, in the scalar tail */
+#define QUAD_F(X, C) fmaf(X##3, w3[C], fmaf(X##2, w2[C], fmaf(X##1, w1[C], X##0 * w0[C])))
+
+static void cols_band_avx2(const float *w, long ldw, const float *x, int M, int K, float *y, long ldy, int cw) {
+    for (int k0 = 0; k0 < K; k0 += 4) {
+        const int kn = K - k0 < 4 ? K - k0 : 4;
+        const float *restrict w0 = w + (long)k0 * ldw, *restrict w1 = w0 + (kn > 1 ? ldw : 0),
+                    *restrict w2 = w0 + (kn > 2 ? 2 * ldw : 0), *restrict w3 = w0 + (kn > 3 ? 3 * ldw : 0);
+        for (int r = 0; r < M; r += 2) {
+            const int two = r + 1 < M;
+            const float *xa = x + (long)r * K + k0, *xb = xa + (two ? K : 0);
+            const float a0 = xa[0], a1 = kn > 1 ? xa[1] : 0.0f, a2 = kn > 2 ? xa[2] : 0.0f, a3 = kn > 3 ? xa[3] : 0.0f;
+            const float b0 = xb[0], b1 = kn > 1 ? xb[1] : 0.0f, b2 = kn > 2 ? xb[2] : 0.0f, b3 = kn > 3 ? xb[3] : 0.0f;
+            float *ya = y + (long)r * ldy, *yb = ya + ldy;
+            int c = 0;
+            const __m256 va0 = _mm256_set1_ps(a0), va1 = _mm256_set1_ps(a1), va2 = _mm256_set1_ps(a2), va3 = _mm256_set1_ps(a3);
+            const __m256 vb0 = _mm256_set1_ps(b0), vb1 = _mm256_set1_ps(b1), vb2 = _mm256_set1_ps(b2), vb3 = _mm256_set1_ps(b3);
+            /* the band's weight rows two quads on, a line at a time, while these stream: a band is a
+               piece of each row, so the hardware prefetcher starts over at every row */
+#define PREFETCH_AHEAD(C) if (r == 0 && ((C) & 15) == 0) {                                                   \
+                _mm_prefetch((const char *)(w0 + 8 * ldw + (C)), _MM_HINT_T0);                          \
+                _mm_prefetch((const char *)(w0 + 9 * ldw + (C)), _MM_HINT_T0);                          \
+                _mm_prefetch((const char *)(w0 + 10 * ldw + (C)), _MM_HINT_T0);                          \
+                _mm_prefetch((const char *)(w0 + 11 * ldw + (C)), _MM_HINT_T0);                          \
+            }
+#define LOAD_QUAD(C) __m256 u0 = _mm256_loadu_ps(w0 + (C)), u1 = _mm256_loadu_ps(w1 + (C)), \
+                           u2 = _mm256_loadu_ps(w2 + (C)), u3 = _mm256_loadu_ps(w3 + (C));
+            if (two)
+                for (; c + 8 <= cw; c += 8) {
+                    PREFETCH_AHEAD(c)
+                    LOAD_QUAD(c)
+                    /* the four weight vectors once, in registers, for both rows: gcc folds them into each
+                       row's multiply-adds otherwise, loading them twice, and the loop was bound by its
+                       loads (a batch-8 fp32 step ~4% faster; the same arithmetic) */
+                    __asm__("" : "+x"(u0), "+x"(u1), "+x"(u2), "+x"(u3));
+                    _mm256_storeu_ps(ya + c, _mm256_add_ps(_mm256_loadu_ps(ya + c), QUAD_REG(va)));
+                    _mm256_storeu_ps(yb + c, _mm256_add_ps(_mm256_loadu_ps(yb + c), QUAD_REG(vb)));
+                }
+            else
+                for (; c + 8 <= cw; c += 8) {
+                    PREFETCH_AHEAD(c)
+                    LOAD_QUAD(c)
+                    _mm256_storeu_ps(ya + c, _mm256_add_ps(_mm256_loadu_ps(ya + c), QUAD_REG(va)));
+                }
+#undef LOAD_QUAD
+#undef PREFETCH_AHEAD
+            for (; c < cw; c++) {
+                ya[c] += QUAD_F(a, c);
+                if (two) yb[c] += QUAD_F(b, c);
+            }
+        }
+    }
+}
+/* One token row (M = 1, the decode step's) over a band of input-major columns, summed straight
+   into y: cols_band_avx2's arithmetic lane for lane (so the same bits), whole rows per thread and
+   no software prefetch: whole rows stream well enough for the hardware prefetcher.
+     W512 (the avx512 levels): 16 columns per vector, each load a whole line; on the Zen 5 EPYC
+       the head and the gate|up projection went from ~29 to ~38 GB/s (one thread, /tmp
+       microbenchmark).
+     else (avx2, avxvnni): two 8-column vectors (a line) of each weight row per pass; a whole
+       fp32 decode step at the avx2 level ran 1.08x (1 thread) and 1.10x (2) faster than with
+       the prefetching band loop (Zen 5, three alternated runs each). */
+INLINE void cols_row(const int W512, const float *w, long ldw, const float *x, int K, float *y, int cw) {
+    for (int k0 = 0; k0 < K; k0 += 4) {
+        const int kn = K - k0 < 4 ? K - k0 : 4;
+        const float *restrict w0 = w + (long)k0 * ldw, *restrict w1 = w0 + (kn > 1 ? ldw : 0),
+                    *restrict w2 = w0 + (kn > 2 ? 2 * ldw : 0), *restrict w3 = w0 + (kn > 3 ? 3 * ldw : 0);
+        const float a0 = x[k0], a1 = kn > 1 ? x[k0 + 1] : 0.0f, a2 = kn > 2 ? x[k0 + 2] : 0.0f, a3 = kn > 3 ? x[k0 + 3] : 0.0f;
+        const __m256 va0 = _mm256_set1_ps(a0), va1 = _mm256_set1_ps(a1), va2 = _mm256_set1_ps(a2), va3 = _mm256_set1_ps(a3);
+        int c = 0;
+#if HAVE_AVX512
+        if (W512) {
+            const __m512 wa0 = _mm512_set1_ps(a0), wa1 = _mm512_set1_ps(a1), wa2 = _mm512_set1_ps(a2), wa3 = _mm512_set1_ps(a3);
+            for (; c + 16 <= cw; c += 16) {
+                const __m512 q = _mm512_fmadd_ps(wa3, _mm512_loadu_ps(w3 + c),
+                                 _mm512_fmadd_ps(wa2, _mm512_loadu_ps(w2 + c),
+                                 _mm512_fmadd_ps(wa1, _mm512_loadu_ps(w1 + c), _mm512_mul_ps(wa0, _mm512_loadu_ps(w0 + c)))));
+                _mm512_storeu_ps(y + c, _mm512_add_ps(_mm512_loadu_ps(y + c), q));
+            }
+        }
+#endif
+        for (; !W512 && c + 16 <= cw; c += 16) {
+            __m256 u0 = _mm256_loadu_ps(w0 + c), u1 = _mm256_loadu_ps(w1 + c), u2 = _mm256_loadu_ps(w2 + c),
+                   u3 = _mm256_loadu_ps(w3 + c);
+            const __m256 q0 = QUAD_REG(va);
+            u0 = _mm256_loadu_ps(w0 + c + 8), u1 = _mm256_loadu_ps(w1 + c + 8), u2 = _mm256_loadu_ps(w2 + c + 8),
+            u3 = _mm256_loadu_ps(w3 + c + 8);
+            const __m256 q1 = QUAD_REG(va);
+            _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), q0));
+            _mm256_storeu_ps(y + c + 8, _mm256_add_ps(_mm256_loadu_ps(y + c + 8), q1));
+        }
+        for (; c + 8 <= cw; c += 8) {
+            const __m256 u0 = _mm256_loadu_ps(w0 + c), u1 = _mm256_loadu_ps(w1 + c), u2 = _mm256_loadu_ps(w2 + c),
+                         u3 = _mm256_loadu_ps(w3 + c);
+            _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), QUAD_REG(va)));
+        }
+        for (; c < cw; c++) y[c] += QUAD_F(a, c);
+    }
+}
+#undef QUAD_REG
+#undef QUAD_F
+#endif
+
+/* fp32 [K, N] (input-major) weights times M token rows. Each thread takes bands of whole columns
+   and sums them over every k, streaming the band's part of each weight row (at most COLS_CHUNK
+   columns), into its own [M, band] sums (L1/L2-resident, rows a band apart; summing in y itself,
+   whose rows lie a vocabulary apart, took a batch-8 step from 39 to 55 ms), then copies them
+   out. A column's sum never depends on the thread count; splitting k between the threads, as
+   before, moved fp32 models' logits by ~4e-5 when ThreadChoice changed the count. cols: shared
+   [threads, M, COLS_CHUNK]. */
+static void cols_f32_batch(const float *w, const float *x, int M, int N, int K, float *y, const float *bias,
+                           float *cols) {
+    const int nt = omp_get_num_threads();
+#if HAVE_AVX2
+    if (M == 1 && g_isa >= ISA_AVX2) {   /* one band per thread, its sums in y itself (one row) */
+        const int cw = ((N + nt - 1) / nt + 15) / 16 * 16, bands = (N + cw - 1) / cw;
+#pragma omp for schedule(static)
+        for (int b = 0; b < bands; b++) {
+            const int c0 = b * cw, w_ = N - c0 < cw ? N - c0 : cw;
+            memset(y + c0, 0, sizeof(float) * (size_t)w_);
+            if (g_isa >= ISA_AVX512) cols_row(1, w + c0, N, x, K, y + c0, w_);
+            else cols_row(0, w + c0, N, x, K, y + c0, w_);
+            for (int c = 0; c < w_; c++) y[c0 + c] += bias ? bias[c0 + c] : 0.0f;
+        }
+        return;
+    }
+#endif
+    float *mine = cols + (size_t)omp_get_thread_num() * M * COLS_CHUNK;
+    int cw = ((N + nt - 1) / nt + 15) / 16 * 16;    /* whole cache lines of a row of y */
+    if (cw > COLS_CHUNK) cw = COLS_CHUNK;
+    const int bands = (N + cw - 1) / cw;
+#pragma omp for schedule(static)
+    for (int b = 0; b < bands; b++) {
+        const int c0 = b * cw, w_ = N - c0 < cw ? N - c0 : cw;
+        memset(mine, 0, sizeof(float) * (size_t)M * w_);
+#if HAVE_AVX2
+        if (g_isa >= ISA_AVX2) cols_band_avx2(w + c0, N, x, M, K, mine, w_, w_);
+        else
+#endif
+            cols_band_ref(w + c0, N, x, M, K, mine, w_, w_);
+        for (int r = 0; r < M; r++)
+            for (int c = 0; c < w_; c++) y[(long)r * N + c0 + c] = mine[(long)r * w_ + c] + (bias ? bias[c0 + c] : 0.0f);
+    }
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias), x private to the calling thread (every thread holds the same
+   values), y shared. Called by every thread of the region; ends with a barrier. cols: shared
+   [threads, M, COLS_CHUNK] sums for input-major weights. */
+HIDDEN void linear(const Lin *L, const float *x, int M, float *y, const Act *a, float *cols) {
+    const int N = (int)L->N, K = (int)L->K;
+    if (L->fmt == F32_COLS) {
+        cols_f32_batch((const float *)L->w, x, M, N, K, y, L->bias, cols);
+        return;
+    }
+    if (L->fmt == F32_ROWS && M > 1) {
+        rows_f32_batch((const float *)L->w, x, M, N, K, y, L->bias);
+        return;
+    }
+    if (L->fmt == F32_ROWS) {
+#pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) y[n] = dot_f32((const float *)L->w + (long)n * K, x, K) + (L->bias ? L->bias[n] : 0.0f);
+        return;
+    }
+    prepare_activations((int)L->fmt, x, M, K, a->xq, a->xd, a->xs);
+    /* guided: large contiguous chunks first (half the rows, then a quarter, ...), then smaller ones
+       to whichever thread is free, so a thread slowed by the shared VM does not hold the other at
+       each of a step's ~120 barriers (native steps 5-14% faster than static, alternated; dynamic
+       chunks of 8 or 32 rows were 20-35% slower). A row's sum is the same on any thread. */
+#pragma omp for schedule(guided)
+    for (int c = 0; c < row_chunks(N); c++)
+        quant_rows((int)L->fmt, L->w, L->d, L->m, c, N, K, x, a->xq, a->xd, a->xs, M, y, L->bias);
+}
+
+/* One projection of M rows of x, for tests: the products at the library's level (linear's fp32
+   layouts have references too: CARAMBA_ISA=scalar, caramba.model.isa.use_isa). Each thread has
+   its own activation codes, as in the step (the wide X16 formats rewrite theirs in place: shared,
+   one thread's could be rewritten twice). Returns 1 when scratch could not be allocated. */
+int step_linear(const Lin *L, const float *x, int M, float *y, int nthreads) {
+    const size_t K = (size_t)L->K, codes = 4 * (size_t)M * K + 4, sums = (size_t)M * (K / QK + 1);
+    float *cols = malloc(sizeof(float) * ((size_t)nthreads * M * COLS_CHUNK + 2 * (size_t)nthreads * sums));
+    int8_t *xq = malloc(codes * (size_t)nthreads);
+    int failed = !cols || !xq;
+    if (!failed) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            const size_t t = (size_t)omp_get_thread_num();
+            float *mine = cols + (size_t)nthreads * M * COLS_CHUNK + 2 * t * sums;
+            const Act a = {xq + t * codes, mine, mine + sums};
+            linear(L, x, M, y, &a, cols);
+        }
+    }
+    free(cols);
+    free(xq);
+    return failed;
+}
