@@ -1,11 +1,11 @@
 """The fused decode step (decode_step.c) on the newer families' parts against the torch path it stands
 in for: QK-norm per head (Qwen3, Gemma 3) and over the projection (OLMo 2), post-norms without
-pre-norms (OLMo 2), GeGLU, the queries' scale, the logits' soft cap, and hybrid sliding/full layers
+pre-norms (OLMo 2), GeGLU, the queries' scale, the scores' and the logits' soft caps (Gemma 2), and
+hybrid sliding/full layers
 with their own masks and RoPE bases (Gemma 3), whose sliding layers keep rings (caramba.cache.hybrid)
 that the step reads and writes in storage order past their wraps; a RingKVCache (--local-window)
 past its wraps too. Tiny random caramba models (conftest), and tiny HF families against transformers
-(tests/test_new_families.py's): greedy tokens identical through the C path, Gemma 2 (its attention
-soft cap) through the torch path."""
+(tests/test_new_families.py's): greedy tokens identical through the C path, Gemma 2 included."""
 
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ FAMILIES = {
     # its attention cap), the queries' scale and GeGLU without QK-norm
     "hybrid capped": dict(n_layers=4, sliding_window=WINDOW, layer_types=["full", "sliding", "sliding", "full"],
                           mlp="geglu", post_norms=True, attn_scale=0.2, final_softcap=5.0),
+    # Gemma 2: the scores soft-capped before the softmax (a cap near the scores' size, so it bends them)
+    "gemma2": dict(n_layers=4, sliding_window=WINDOW, layer_types=["sliding", "full", "sliding", "full"],
+                   mlp="geglu", post_norms=True, attn_scale=0.3, attn_softcap=0.5, final_softcap=5.0),
     "mistral": dict(sliding_window=WINDOW),      # every layer slides: one mask, a plain cache
 }
 
@@ -126,7 +129,7 @@ def test_steps_equal_the_torch_path_past_the_window(family, kind, weights, taken
 
 
 @pytest.mark.parametrize("kind", ["fp32", "q8_0"])
-@pytest.mark.parametrize("family", ["gemma3", "hybrid capped"])
+@pytest.mark.parametrize("family", ["gemma3", "hybrid capped", "gemma2"])
 def test_verify_chunks_through_the_rings_equal_the_torch_path(family, kind, taken):
     """Several new tokens per forward (a speculative verify, up to MAX_ROWS), written before they are
     read: new token t sees its window, the ring's slots it has not overwritten and new tokens 0..t,
@@ -221,21 +224,26 @@ def test_the_portable_build_computes_the_new_parts(monkeypatch, tmp_path, taken)
     assert len(taken) == 48
 
 
-def test_an_attention_soft_cap_takes_the_torch_path():
-    """Gemma 2 caps the scores before the softmax: no fused kernel computes that."""
-    model = make_model(seed=15, **FAMILIES["hybrid capped"], attn_softcap=2.0)
-    assert not fast_decode.model_applies(model)
-    with pytest.raises(fast_decode.Unsupported, match="soft cap"):
-        CStep(model)
-    assert isinstance(backend.choose(model), TorchStep)
+def test_an_attention_soft_cap_changes_what_the_c_step_computes():
+    """Gemma 2's cap on the scores is computed in C, not dropped: the same model without it gives
+    other logits through the C step, and the capped one takes the C path by default."""
+    model = make_model(seed=15, **FAMILIES["gemma2"])
+    assert fast_decode.model_applies(model) and isinstance(backend.choose(model), CStep)
+    ids = torch.randint(0, 97, (1, PROMPT), generator=torch.Generator().manual_seed(16))
+    capped = greedy_both(model, ids, 4, new_cache("fp32"))[1][0]
+    model.config.attn_softcap = None
+    for layer in model.layers:
+        layer.attn.softcap = None
+    uncapped = greedy_both(model, ids, 4, new_cache("fp32"))[1][0]
+    assert (capped - uncapped).abs().max() > 100 * bound(capped, model.config)
 
 
 @pytest.mark.parametrize("family", list(HF_FAMILIES))
 def test_greedy_through_the_c_step_matches_transformers(saved, family):  # noqa: F811
-    """transformers' tiny families, saved and loaded: the C step for all but Gemma 2."""
+    """transformers' tiny families, saved and loaded, Gemma 2 included: the C step."""
     hf, loaded = saved(family)
     prompt = rand_tokens(loaded.model.config.vocab_size, 1, 7, seed=3)
     gen = Generator(loaded.model, GenerateConfig(max_new_tokens=N_NEW, temperature=0))
     got = gen.run([prompt[0].tolist()]).sequences[0]
     assert got == hf_greedy(hf, prompt)
-    assert gen.backend.path == ("torch" if family == "gemma2" else "c")
+    assert gen.backend.path == "c"

@@ -97,7 +97,7 @@ typedef struct {
     int M, T, dim, n_heads, n_kv, D, hidden, rep, q_w, qkv_w, kmax, gmax, tid, nt;
     int slot0, partmax, nalloc;       /* the model's first new slot; the most parts of a layer; the most
                                          slots a thread takes in one */
-    float scale;
+    float scale, softcap;             /* softcap 0: scores as they are */
     size_t part_w, chan_n;
     /* shared: projection outputs, attention partials [parts, M, heads, D + 2], column sums */
     float *qkv, *proj, *gu, *part, *cols;
@@ -323,7 +323,7 @@ static void ring_new_keys(Step *s, int r, int g, const float *qg, int b0, int c1
 
 /* sc[j, i] for this thread's slots [s0, s1) of row r, KV group g (its rep query heads qg): from
    codes below kce, else the ring or the new tokens; masked slots and later new tokens -inf;
-   scaled by q_factor / sqrt(D). */
+   scaled by q_factor / sqrt(D), then soft-capped where the model caps them (Gemma 2). */
 static void group_scores(Step *s, int r, int g, const float *qg) {
     const Stream *ks = s->ks;
     const int D = s->D, rep = s->rep, n = s->n, s0 = s->s0, s1 = s->s1, tt = r % s->T;
@@ -348,6 +348,9 @@ static void group_scores(Step *s, int r, int g, const float *qg) {
         float *sj = sc + (long)j * n;
         for (int i = 0; i < n; i++)
             sj[i] = s0 + i < lo || (mr && !mr[s0 + i]) || new_index(s, s0 + i) > tt ? -INFINITY : sj[i] * s->scale;
+        if (s->softcap > 0.0f)
+            for (int i = 0; i < n; i++)
+                if (sj[i] != -INFINITY) sj[i] = s->softcap * tanhf(sj[i] / s->softcap);
     }
 }
 
@@ -590,6 +593,7 @@ static int step_shapes(const StepArgs *a, Step *s) {
     s->rep = s->n_heads / s->n_kv, s->q_w = s->n_heads * s->D;
     s->qkv_w = (s->n_heads + 2 * s->n_kv) * s->D, s->kmax = s->dim > s->hidden ? s->dim : s->hidden;
     s->scale = 1.0f / sqrtf((float)s->D) * a->q_factor;   /* q_factor 1: the same bits */
+    s->softcap = a->softcap;
     s->part_w = (size_t)s->D + 2, s->partmax = 1;
     s->gmax = 1;   /* the largest per-channel group: complete_group's scratch */
     for (int i = 0; i < 2 * a->n_layers; i++) {
@@ -679,6 +683,7 @@ int step_abi_layout(int64_t *out) {
     OFF(n_layers) OFF(layers) OFF(head) OFF(final_norm) OFF(streams) OFF(x) OFF(logits) OFF(M) OFF(T) OFF(last_only)
     OFF(dim) OFF(n_heads) OFF(n_kv) OFF(head_dim) OFF(hidden) OFF(max_seq) OFF(slot) OFF(positions) OFF(mask)
     OFF(mask_local) OFF(cos) OFF(ssin) OFF(cos_local) OFF(ssin_local) OFF(eps) OFF(q_factor) OFF(nthreads) OFF(gelu)
+    OFF(softcap) OFF(unused)
 #undef OFF
 #define OFF(T, F) out[i++] = offsetof(T, F);
     OFF(LayerPlan, qkv) OFF(LayerPlan, o) OFF(LayerPlan, w13) OFF(LayerPlan, w2) OFF(LayerPlan, q_norm)

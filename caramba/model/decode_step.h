@@ -59,6 +59,8 @@ typedef struct {
     float q_factor;               /* queries times this after RoPE (Gemma's query scale; 1: none) */
     int32_t nthreads;
     int32_t gelu;                 /* the MLP's gate: tanh GELU (GeGLU: Gemma), else SiLU (SwiGLU) */
+    float softcap;                /* scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2); 0: none */
+    int32_t unused;               /* keeps the tail a whole 8 bytes, the same on both sides */
 } StepArgs;
 
 /* Returns 0; 1 when scratch could not be allocated; 2 for shapes or streams it does not take

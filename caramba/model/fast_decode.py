@@ -20,9 +20,9 @@ The newer families' parts (caramba.model.config) are computed too: QK-norm per h
 projection (Qwen3, Gemma 3, OLMo 2), post-norms and no pre-norms (Gemma, OLMo 2), GeGLU, the
 queries' scale (Gemma's query_pre_attn_scalar), and hybrid models' sliding layers with their own
 mask and RoPE base (Gemma 3); the scaled embeddings and the logits' soft cap are applied here
-around the call (model.embed_tokens, model.cap_logits). Gemma 2's attention soft cap takes the
-torch path. Ring caches are read in their storage order, across their wraps: a RingKVCache
-(--local-window) and a HybridKVCache's sliding layers (caramba.cache.hybrid), per-token kinds
+around the call (model.embed_tokens, model.cap_logits); Gemma 2's attention soft cap is applied to
+the scores in C, as softcapped_attention does. Ring caches are read in their storage order, across
+their wraps: a RingKVCache (--local-window) and a HybridKVCache's sliding layers (caramba.cache.hybrid), per-token kinds
 without a residual window as those caches hold.
 
 The step is a backend (caramba.model.backend): `CStep(model)` reads the model's weights once, when
@@ -177,11 +177,10 @@ class _NoKernel(Exception):
 
 def model_applies(model) -> bool:
     """Whether the model's architecture is one decode_step.c computes (not its weights' formats):
-    a Llama-family decoder with any of the newer families' parts but Gemma 2's attention soft cap
-    (scores capped before the softmax: the torch path)."""
+    a Llama-family decoder with any of the newer families' parts (Gemma 2's attention soft cap too)."""
     cfg = model.config
     if (cfg.norm, cfg.positions, cfg.attention) != ("rms", "rope", "standard") or cfg.mlp not in ("swiglu", "geglu") \
-            or cfg.attn_softcap is not None or model.dtype != torch.float32 or model.device.type != "cpu" \
+            or model.dtype != torch.float32 or model.device.type != "cpu" \
             or cfg.head_dim > 512 or cfg.n_heads // cfg.n_kv_heads > 64:
         return False
     layer = model.layers[0]
@@ -417,7 +416,8 @@ def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVC
         mask_local=None if mask_local is None else mask_local.data_ptr(), cos=table.cos.data_ptr(),
         ssin=table.sin.data_ptr(), cos_local=None if local is None else local.cos.data_ptr(),
         ssin_local=None if local is None else local.sin.data_ptr(), eps=cfg.norm_eps,
-        q_factor=1.0 if q_factor is None else q_factor, nthreads=threads, gelu=int(cfg.mlp == "geglu"))
+        q_factor=1.0 if q_factor is None else q_factor, nthreads=threads, gelu=int(cfg.mlp == "geglu"),
+        softcap=cfg.attn_softcap or 0.0)
     t0 = time.perf_counter()
     failed = library().decode_step(ctypes.byref(args))
     choice.took(threads, time.perf_counter() - t0, B * T)
@@ -450,7 +450,7 @@ class CStep:
             raise Unsupported(f"the fused decode step is unavailable: {status()}")
         if not model_applies(model):
             raise Unsupported("decode_step.c computes fp32 Llama-family models on the CPU (RMSNorm, RoPE, SwiGLU or "
-                              "GeGLU, standard attention without a soft cap): use the torch path "
+                              "GeGLU, standard attention): use the torch path "
                               "(caramba.model.backend.TorchStep)")
         try:
             self.plan = _Plan(model)
