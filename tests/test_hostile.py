@@ -19,7 +19,7 @@ import pytest
 from test_cli import write_tiny_model
 from typer.testing import CliRunner
 
-from caramba import tokenizer as tokenizer_module
+from caramba import chat_template
 from caramba.autotune.plans import PlanStore, default_plan_path
 from caramba.cli import app, json_text
 from caramba.errors import UserError
@@ -259,7 +259,7 @@ def _render(template: str):
     ("{{ raise_exception('no system role') }}", "rejected the messages: no system role"),
 ])
 def test_chat_templates_are_bounded(template, message, monkeypatch):
-    monkeypatch.setattr(tokenizer_module, "TEMPLATE_SECONDS", 0.5)
+    monkeypatch.setattr(chat_template, "TEMPLATE_SECONDS", 0.5)
     started = time.perf_counter()
     with pytest.raises(UserError, match=f"chat template of model.gguf .*{message}"):
         within(30, _render, template)
