@@ -34,13 +34,14 @@ from caramba.infer.state import DecodeState
 from caramba.model.backend import TorchStep
 from caramba.press import PressConfig, kept_masks, observing
 from caramba.press.observe import window_of
+from caramba.press.spec import spec_of
 
 BUFFER = 256   # kvpress's hidden_states_buffer_size: decode steps expected_attention's statistics span
 
 
 def watched_steps(press: PressConfig) -> int:
     """Decode steps before each compression whose queries the method scores with (0: none)."""
-    if press.method == "expected_attention":
+    if spec_of(press.method).observes == "queries":   # statistics over kvpress's buffer
         return min(press.interval, BUFFER)
     return window_of(press)
 

@@ -9,17 +9,17 @@ own kinds, so a press composes with every quantized kind. Defaults are kvpress's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from caramba.options import OptionError, check_options, option
-
-METHODS = ("streaming_llm", "knorm", "snapkv", "tova", "observed_attention", "expected_attention", "pyramidkv",
-           "keydiff")
-DECODING_METHODS = ("streaming_llm", "knorm", "keydiff", "snapkv", "tova", "expected_attention")
+from caramba.press.spec import DECODING_METHODS, METHODS, spec_of
 
 
 @dataclass(frozen=True)
 class PressConfig:
+    # choices read the table live; a manifest takes the methods there at import
     method: str | None = option(None, name="press", choices=METHODS,
+                                schema=Literal[tuple(METHODS)] | None,  # type: ignore[valid-type]
                                 help="KV eviction after the context is prefilled (docs/kv-cache.md#presses)")
     ratio: float = option(0.5, ge=0.0, lt=1.0, name="press_ratio", needs="press",
                           help="fraction of the context's cached tokens a press drops")
@@ -45,7 +45,7 @@ class PressConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
-        if self.method in ("snapkv", "pyramidkv") and self.kernel_size % 2 == 0:
+        if self.method is not None and spec_of(self.method).pooled and self.kernel_size % 2 == 0:
             raise OptionError("press_kernel", self.kernel_size, "must be odd (the pooling keeps each score's position)")
         if self.interval is not None:
             self._check_decoding()
@@ -55,24 +55,21 @@ class PressConfig:
         if self.method is None:
             raise OptionError("press_interval", self.interval, "needs a press method to score with; set press "
                               f"({', '.join(DECODING_METHODS)}) or drop press_interval")
-        if self.method not in DECODING_METHODS:
+        spec = spec_of(self.method)
+        if spec.no_decoding:
             raise OptionError("press_interval", self.interval,
                               f"does not work with press={self.method}: decoding-time compression wraps "
-                              f"{', '.join(DECODING_METHODS)} (observed_attention sums the attention of every query "
-                              "since the context began; pyramidkv's per-layer budgets make the cache ragged)")
+                              f"{', '.join(DECODING_METHODS)} ({self.method}: {spec.no_decoding})")
         if self.adaptive:
             raise OptionError("press_interval", self.interval, "does not work with press_adaptive (AdaKV's per-head "
                               "budgets make the cache ragged, and a ragged cache cannot be pressed again); drop one")
-        if self.method == "snapkv" and self.interval <= self.window_size:
-            raise OptionError("press_interval", self.interval, f"must exceed press_window={self.window_size}: snapkv "
-                              "scores with the queries of the last press_window generated tokens")
+        if spec.window is None and self.interval <= self.window_size:
+            raise OptionError("press_interval", self.interval, f"must exceed press_window={self.window_size}: "
+                              f"{self.method} scores with the queries of the last press_window generated tokens")
 
     def min_context(self) -> int:
         """The fewest context tokens this press can score: more than its window of queries."""
-        if not self.active:
-            return 0
-        return {"snapkv": self.window_size + 1, "pyramidkv": self.window_size + 1, "tova": 2,
-                "streaming_llm": self.n_sink + 1, "expected_attention": self.n_sink + 1}.get(self.method, 1)
+        return spec_of(self.method).min_context(self) if self.active else 0
 
     @property
     def active(self) -> bool:

@@ -1,4 +1,5 @@
-"""One scorer per press method: how much each cached token of one row matters, per KV head.
+"""One scorer per press method: how much each cached token of one row matters, per KV head
+(caramba.press.spec names each method's scorer and traits).
 
 Each scorer sees one batch row's real tokens in order (`Row`: its keys and values as the cache
 holds them, post-RoPE, plus what the layer's observer collected for that row) and returns
@@ -12,7 +13,7 @@ The formulas are kvpress 0.5.5's (kvpress/presses/*_press.py), which follow the 
 - snapkv (arXiv 2404.14469): the softmax attention (fp32, causal) of the last window_size
   queries over the keys before the window, averaged over the window, average-pooled (kernel
   kernel_size, zero padding kernel_size // 2, counted in the mean), averaged over each GQA group.
-- pyramidkv (arXiv 2406.02069): snapkv's scores; the per-layer budget is caramba.press.select's.
+- pyramidkv (arXiv 2406.02069): snapkv's scores; the per-layer budget is caramba.press.budget's.
 - tova (arXiv 2401.06104): the last query's attention over the earlier keys, averaged over all
   query heads (every KV head gets the same scores).
 - observed_attention (H2O, arXiv 2306.14048): the attention each key received summed over the
@@ -91,7 +92,7 @@ def snapkv(row: Row, press) -> torch.Tensor:
     return F.pad(scores, (0, W), value=INF)
 
 
-pyramidkv = snapkv   # its per-layer budgets are applied by caramba.press.select
+pyramidkv = snapkv   # its per-layer budgets: caramba.press.budget
 
 
 def tova(row: Row, press) -> torch.Tensor:
@@ -142,15 +143,5 @@ def keydiff(row: Row, press) -> torch.Tensor:
     return -F.cosine_similarity(row.keys, anchor, dim=-1)
 
 
-SCORERS = {
-    "streaming_llm": streaming_llm, "knorm": knorm, "snapkv": snapkv, "pyramidkv": pyramidkv, "tova": tova,
-    "observed_attention": observed_attention, "expected_attention": expected_attention, "keydiff": keydiff,
-}
-
-
-def score(row: Row, press) -> torch.Tensor:
-    """Scores [KVH, L] of one row's tokens under press.method (+inf: always kept)."""
-    return SCORERS[press.method](row, press)
-
-
-__all__ = ["Row", "SCORERS", "average_rope", "score", "window_attention"]
+__all__ = ["Row", "average_rope", "expected_attention", "keydiff", "knorm", "observed_attention", "pyramidkv", "snapkv",
+           "streaming_llm", "tova", "window_attention"]

@@ -2,13 +2,14 @@
 
 `observing(model, cache, press)` installs one observer per layer cache (the attention calls it
 before it attends, caramba.cache.layer.StreamLayerCache.observer) and yields `Observations`. Each
-layer keeps only what its method needs, never the [T, S] attention of the whole context:
-- snapkv / pyramidkv: the post-RoPE queries of the last `window_size` slots; tova: the last one;
-- observed_attention: the attention each key received, summed over every context query (softmax
-  in fp32 under the forward's own mask, from q and the cache's keys);
-- expected_attention: sums of the pre-RoPE queries and of their outer products (float64), from
-  each row's token n_sink on, so the mean and covariance need no list of queries;
-- streaming_llm, knorm, keydiff: nothing (they score the cached keys and values alone).
+layer keeps only what its method needs (its MethodSpec, caramba.press.spec), never the [T, S]
+attention of the whole context:
+- a window (snapkv / pyramidkv: press_window; tova: 1): the post-RoPE queries of the last slots;
+- observes="attention" (observed_attention): the attention each key received, summed over every
+  context query (softmax in fp32 under the forward's own mask, from q and the cache's keys);
+- observes="queries" (expected_attention): sums of the pre-RoPE queries and of their outer
+  products (float64), from each row's token n_sink on, so the mean and covariance need no list;
+- neither (streaming_llm, knorm, keydiff): nothing (they score the cached keys and values alone).
 
 Left padding: a padding query attends only to itself (caramba.cache.mask), so it adds attention
 to its own padding slot only, and a query's mask row counts the real slots it sees (its position
@@ -25,16 +26,14 @@ import torch
 from caramba.cache.layer import KVCache, LayerKVCache
 from caramba.model.rope import apply_rope, rope_inv_freq
 from caramba.press.config import PressConfig
+from caramba.press.spec import spec_of
 
-WINDOWED = {"snapkv": None, "pyramidkv": None, "tova": 1}   # None: press.window_size
 Q_BLOCK = 256   # queries per block of the observed attention: bounds its [H, block, S] scratch
 
 
 def window_of(press: PressConfig) -> int:
     """How many of the last queries the method scores with (0: none)."""
-    if press.method not in WINDOWED:
-        return 0
-    return WINDOWED[press.method] or press.window_size
+    return 0 if press.method is None else spec_of(press.method).window_of(press)
 
 
 class LayerObservation:
@@ -45,6 +44,7 @@ class LayerObservation:
         self.length = start                           # slots observed (this chunk's included)
         self.partial = start > 0                      # decoding: only the queries from `start` on
         self.window = window_of(press)
+        self.observes = spec_of(press.method).observes if press.method else None   # what else it collects
         self.window_q: torch.Tensor | None = None     # [B, H, <=W, D] post-RoPE, last slots
         self.attn_sum: torch.Tensor | None = None     # [B, H, max_seq_len] fp32
         self.q_count: torch.Tensor | None = None      # [B] queries in the statistics
@@ -63,9 +63,9 @@ class LayerObservation:
         if self.window:
             q_win = q.float() if self.window_q is None else torch.cat([self.window_q, q.float()], dim=2)
             self.window_q = q_win[:, :, -self.window:].clone()
-        if self.press.method == "observed_attention":
+        if self.observes == "attention":
             self._observe_attention(q, k, start, mask, causal)
-        elif self.press.method == "expected_attention":
+        elif self.observes == "queries":
             self._observe_queries(q, cos, sin, start, mask, causal)
 
     def _observe_attention(self, q, k, start, mask, causal) -> None:

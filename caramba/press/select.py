@@ -1,11 +1,12 @@
 """Scores -> kept masks: which cached (layer, row, KV head, slot) a press keeps.
 
-Budgets are kvpress's: a row of L real tokens keeps n_kept = max(1, int(L * (1 - ratio))) per
-KV head (kvpress.utils.compute_n_kept); pyramidkv gives layer i its pyramid budget
-(PyramidKVPress.get_layer_budget); with `adaptive` (AdaKVPress) each head first keeps its best
-int(n_kept * alpha_safeguard) (at least 1), then the layer keeps its KVH * n_kept best scores over
-all heads together, so heads keep different counts. Ties break towards the later slot (kvpress
-leaves them to torch.topk, whose order among equal values is unspecified).
+Budgets are kvpress's (caramba.press.budget, the method's MethodSpec.budget): a row of L real
+tokens keeps n_kept = max(1, int(L * (1 - ratio))) per KV head (kvpress.utils.compute_n_kept);
+pyramidkv gives layer i its pyramid budget (PyramidKVPress.get_layer_budget); with `adaptive`
+(AdaKVPress) each head first keeps its best int(n_kept * alpha_safeguard) (at least 1), then the
+layer keeps its KVH * n_kept best scores over all heads together, so heads keep different counts.
+Ties break towards the later slot (kvpress leaves them to torch.topk, whose order among equal
+values is unspecified).
 
 Rows are scored alone: a row's real slots (the `valid` mask; rows are left-padded) are gathered in
 order, so a padded batch row keeps what the row alone keeps, and padding is never kept.
@@ -16,36 +17,11 @@ from __future__ import annotations
 import torch
 
 from caramba.cache.layer import KVCache
+from caramba.press.budget import n_kept, pyramid_budget
 from caramba.press.config import PressConfig
-from caramba.press.methods import Row, score
+from caramba.press.methods import Row
 from caramba.press.observe import LayerObservation, Observations, check_cache, window_of
-
-NEEDS_OBSERVATION = ("snapkv", "pyramidkv", "tova", "observed_attention", "expected_attention")
-
-
-def n_kept(length: int, ratio: float) -> int:
-    """Tokens a head keeps of `length` at compression `ratio` (kvpress's compute_n_kept)."""
-    if ratio >= 1.0:
-        return 0
-    return max(1, int(length * (1 - ratio)))
-
-
-def pyramid_budget(layer: int, n_layers: int, length: int, press: PressConfig) -> int:
-    """PyramidKV's tokens per head for `layer` of n_layers at a `length`-token context: budgets
-    fall linearly from the first layer to the last (steepness beta) and sum to what snapkv keeps;
-    where the pyramid does not fit, snapkv's budget (floored to 1). kvpress's formula, rounding
-    included (Python's round, half to even)."""
-    W = press.window_size
-    max_capacity = W + length * (1 - press.ratio)
-    min_num = (max_capacity - W) / press.beta
-    max_num = (max_capacity - W) * 2 - min_num
-    if max_num >= length - W:
-        max_num = length - W
-        min_num = (max_capacity - W) * 2 - max_num
-    if not (length >= max_num >= min_num >= W):
-        return max(1, round(length * (1 - press.ratio)))
-    steps = (max_num - min_num) / (n_layers - 1) if n_layers > 1 else 0.0
-    return round(max_num - layer * steps)
+from caramba.press.spec import score, spec_of
 
 
 def top(scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -70,9 +46,9 @@ def layer_row(obs: LayerObservation, observations: Observations, b: int, slots: 
     row = Row(keys[b][:, slots], values[b][:, slots], obs.n_heads, inv_freq=observations.inv_freq)
     if obs.window:
         row.window_q = obs.window_q[b]
-    if press.method == "observed_attention":
+    if obs.observes == "attention":
         row.attn_sum = obs.attn_sum[b][:, slots]
-    if press.method == "expected_attention":
+    if obs.observes == "queries":
         row.q_mean, row.q_cov = query_statistics(obs, b, slots, press.n_sink)
     return row
 
@@ -94,14 +70,14 @@ def query_statistics(obs: LayerObservation, b: int, slots: torch.Tensor, n_sink:
 
 def check_row(press: PressConfig, b: int, length: int, tail_real: bool) -> None:
     """A row too short for the method, or a window over padding: a clear error (kvpress asserts)."""
-    if press.method in ("streaming_llm", "expected_attention") and length <= press.n_sink:
+    if spec_of(press.method).sinks and length <= press.n_sink:
         raise ValueError(f"row {b} has {length} tokens; press {press.method} needs more than "
                          f"press_sinks={press.n_sink}")
     window = window_of(press)
     if window and length <= window:
         raise ValueError(f"row {b} has {length} tokens; press {press.method} needs more than its window of "
                          f"{window} (press_window={press.window_size})" if window > 1 else
-                         f"row {b} has {length} tokens; press tova needs at least 2")
+                         f"row {b} has {length} tokens; press {press.method} needs at least 2")
     if window and not tail_real:
         raise ValueError(f"row {b}: the last {window} slots are not all real tokens; a pressed batch must be "
                          "left-padded (real tokens last)")
@@ -124,6 +100,7 @@ def kept_masks(cache: KVCache, observations: Observations | None, press: PressCo
     scoring = press.active or (target is not None and press.method is not None)
     if scoring:
         _check_press(press, observations, cache, S)
+        spec = spec_of(press.method)
     masks = []
     for i, layer in enumerate(cache.layers):
         keys, values = layer.contents(S)                                # dequantized, rotations undone
@@ -139,8 +116,7 @@ def kept_masks(cache: KVCache, observations: Observations | None, press: PressCo
             obs = observations[i] if observations is not None else None
             row = layer_row(obs, observations, b, slots, keys, values, press) if obs is not None else \
                 Row(keys[b][:, slots], values[b][:, slots], 0)
-            n = target if target is not None else pyramid_budget(i, len(cache.layers), len(slots), press) \
-                if press.method == "pyramidkv" else n_kept(len(slots), press.ratio)
+            n = target if target is not None else spec.budget(i, len(cache.layers), len(slots), press)
             if target is not None:
                 row.budget = n   # streaming_llm prunes to the count, not the ratio
             scores = score(row, press)
@@ -162,9 +138,8 @@ def _check_valid(valid, B: int, S: int) -> torch.Tensor:
 def _check_press(press: PressConfig, observations, cache: KVCache, S: int) -> None:
     if not isinstance(press, PressConfig):
         raise TypeError(f"press must be a PressConfig, not {type(press).__name__}")
-    if press.method in ("snapkv", "pyramidkv") and press.kernel_size % 2 == 0:
-        raise ValueError(f"press_kernel={press.kernel_size} must be odd (the pooling keeps the length)")
-    if press.method not in NEEDS_OBSERVATION:
+    spec = spec_of(press.method)   # PressConfig checked the kernel
+    if not spec.needs_observation:
         return
     if observations is None:
         raise ValueError(f"press {press.method} scores with what the prefill computed: prefill the context "
@@ -172,7 +147,7 @@ def _check_press(press: PressConfig, observations, cache: KVCache, S: int) -> No
     if observations.press.method != press.method or len(observations) != len(cache.layers):
         raise ValueError(f"the observations were collected for press {observations.press.method} over "
                          f"{len(observations)} layers, not {press.method} over {len(cache.layers)}")
-    if press.method == "expected_attention" and observations.press.n_sink != press.n_sink:
+    if spec.observes == "queries" and observations.press.n_sink != press.n_sink:
         raise ValueError(f"the observations skipped {observations.press.n_sink} sinks, the press "
                          f"{press.n_sink}: observe with the same press")
     if window_of(observations.press) != window_of(press):
