@@ -139,7 +139,9 @@ def generate(prompt: str, model: str, dtype: str, device: str, weights: str, see
     if as_json:
         m = resolved.model
         print(json_text({**row, "model": {"source": m.source, "path": str(loaded.path), "sha256": loaded.content_hash,
-                                           "dtype": m.dtype, "weights": m.weights},
+                                           "dtype": m.dtype, "weights": m.weights,
+                                           **({"native_weights": loaded.model.native_weights}
+                                              if getattr(loaded.model, "native_weights", None) is not None else {})},
                           "cache_kind": summary.get("cache_kind"), "cache_policy": summary.get("cache_policy"),
                           "cache_auto": summary.get("cache_auto"), "kernels": kernel_status(),
                           **({"speculative": speculative} if speculative else {})}))

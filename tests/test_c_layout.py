@@ -24,9 +24,10 @@ X86 = re.compile(r"\b_mm(256|512)?_\w+|\b__m(128|256|512)[id]?\b|\b__mmask\d+\b"
 ARM = re.compile(r"\b(u?int|float)(8|16|32|64)x\d+(x\d)?_t\b|\bv\w+_[suf](8|16|32|64)\b")
 # the files that must be portable C (what every build runs: the references and the dispatch), and
 # each architecture family's own
-PORTABLE = ("model/quant_gemv.c", "model/quant_gemv_ref.c", "model/quant_gemv_ref.h", "cache/quant_attend.c",
-            "cache/quant_attend_ref.c", "cache/quant_attend_ref.h")
-FAMILY = {"model/quant_gemv_x86.c": X86, "model/quant_gemv_x86_x16.c": X86, "model/quant_gemv_arm.c": ARM}
+PORTABLE = ("model/quant_gemv.c", "model/quant_gemv_ref.c", "model/quant_gemv_ref.h", "model/quant_gemv_kq.h",
+            "model/quant_gemv_kq_ref.c", "cache/quant_attend.c", "cache/quant_attend_ref.c", "cache/quant_attend_ref.h")
+FAMILY = {"model/quant_gemv_x86.c": X86, "model/quant_gemv_x86_x16.c": X86, "model/quant_gemv_kq_x86.c": X86,
+          "model/quant_gemv_arm.c": ARM, "model/quant_gemv_kq_arm.c": ARM}
 
 
 def code(path: Path) -> str:

@@ -301,3 +301,31 @@ def test_cache_kernels_on_arm_equal_the_dequantized_cache(arm_cache, kind):
         arm_cache.call(fn, x.numpy(), codes.numpy(), scales.numpy(), out, B * H, 4, D, block, S,
                        codes.stride(1), codes.stride(2), kid, 2, ret="v")
         torch.testing.assert_close(torch.from_numpy(out), want, **tol.reduction(scale, terms))
+
+
+@pytest.mark.parametrize("build", ["dotprod", "plain"])
+@pytest.mark.parametrize("act", ["f32", "i16"])
+@pytest.mark.parametrize("fmt", list(quant.STORED))
+def test_stored_gguf_formats_on_arm_are_the_x86_reference_bit_for_bit(arm, arm_plain, build, fmt, act):
+    """The stored GGUF formats (quant_gemv_kq.h: Q5_0 .. Q6_K) at neon and at ARM's scalar level give
+    the x86 reference's products bit for bit (tests/test_kquant.py's shapes: row tails, tiles of 1 to
+    4 rows, 1 and 2 threads), so every level on either family does."""
+    from test_kquant import activations, random_blocks, shapes
+
+    lib_x86 = quant.library()
+    if lib_x86 is None:
+        pytest.skip(f"weight kernels {quant.status()}")
+    lib = arm if build == "dotprod" else arm_plain
+    fid = quant.FORMAT_IDS[(fmt, act, "rows")]
+    for i, (M, N, K) in enumerate(shapes(fmt)):
+        raw = random_blocks(fmt, N, K, 500 + i).numpy()
+        x = activations(M, K, 600 + i).numpy()
+        want = np.zeros((M, N), np.float32)
+        with isa.use_isa("scalar"):
+            assert lib_x86.gemv_kq(fid, x.ctypes.data, raw.ctypes.data, want.ctypes.data, M, N, K, 1) == 0
+        for name in ("neon", "scalar"):
+            assert set_level(lib, name) == name
+            got = np.zeros((M, N), np.float32)
+            assert lib.call("gemv_kq", fid, x, raw, got, M, N, K, 1 + i % 2) == 0
+            assert np.array_equal(got.view(np.int32), want.view(np.int32)), (name, M, N, K, np.abs(got - want).max())
+        set_level(lib, "neon")

@@ -276,7 +276,11 @@ def test_rejects_what_has_no_kernel():
         QuantLinear("q4_0", torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1), act="f32")
     with pytest.raises(ValueError, match="no kernel for weights q4_0 with i16"):
         QuantLinear("q4_0", torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1), act="i16")
-    with pytest.raises(ValueError, match="no kernel for weights q5_0"):
+    with pytest.raises(ValueError, match="no kernel for weights q2_k"):
+        QuantLinear("q2_k", torch.zeros(4, 84, dtype=torch.uint8), None)
+    with pytest.raises(ValueError, match="no kernel for weights q5_0 with q8"):   # stored formats: f32 or i16 codes
+        QuantLinear("q5_0", torch.zeros(4, 22, dtype=torch.uint8), None, act="q8")
+    with pytest.raises(ValueError, match="the file's blocks"):   # stored formats hold their scales in the blocks
         QuantLinear("q5_0", torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1))
     with pytest.raises(ValueError, match="q4_1 need block minimums"):
         QuantLinear("q4_1", torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1))

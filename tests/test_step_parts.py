@@ -113,7 +113,7 @@ def test_the_projection_formats_are_quant_gemv_hs():
     from pathlib import Path
 
     text = (Path(fast_decode.__file__).with_name("quant_gemv.h")).read_text()
-    enum = {name: int(v) for name, v in re.findall(r"\b(F32_\w+|Q\d_\d_\w+) = (\d+)", text)}
+    enum = {name: int(v) for name, v in re.findall(r"\b(F32_\w+|Q\d_[\dK]_\w+) = (\d+)", text)}
     assert enum and all(getattr(fast_decode, name) == v for name, v in enum.items())
     assert set(fast_decode._QUANT_FORMATS.values()) | {fast_decode.F32_ROWS, fast_decode.F32_COLS} == set(enum.values())
 

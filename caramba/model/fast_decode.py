@@ -80,8 +80,9 @@ CHANNEL_KINDS = {k: k.spec.step for k in KVCacheKind if k.spec.step is not None 
 
 # decode_step.c's projection formats (quant_gemv.h's ids, kept in caramba.model.quant)
 from caramba.model.quant import (F32_COLS, F32_ROWS, Q4_0_Q8, Q4_0_Q8_X16, Q4_1_F32, Q4_1_F32_X16,  # noqa: E402,F401
-                                 Q4_1_I16, Q4_1_I16_X16, Q4_1_Q8, Q4_1_Q8_X16, Q8_0_F32, Q8_0_F32_X16, Q8_0_I16,
-                                 Q8_0_I16_X16, Q8_0_Q8, Q8_0_Q8_X16)
+                                 Q4_1_I16, Q4_1_I16_X16, Q4_1_Q8, Q4_1_Q8_X16, Q4_K_F32, Q4_K_I16, Q5_0_F32, Q5_0_I16,
+                                 Q5_1_F32, Q5_1_I16, Q5_K_F32, Q5_K_I16, Q6_K_F32, Q6_K_I16, Q8_0_F32, Q8_0_F32_X16,
+                                 Q8_0_I16, Q8_0_I16_X16, Q8_0_Q8, Q8_0_Q8_X16)
 _QUANT_FORMATS = quant.FORMAT_IDS   # (fmt, act, layout) -> id
 
 

@@ -7,7 +7,7 @@
           q8_0 on the fly, as llama.cpp does (quant_gemv.c, gemv_q8_0_q8);
   q4_0    the same with llama.cpp's q4_0 blocks (32 4-bit codes, one fp16 scale: 4.5 bits);
   native  a GGUF's own blocks kept as they are (the embedded SmolLM2: Q4_1 projections, a Q8_0
-          embedding/head), multiplied with fp32 activations so that the weight values are exactly
+          embedding/head; a Q4_K_M file's Q4_K, Q6_K and Q5_0 as the file's bytes: STORED), multiplied with fp32 activations so that the weight values are exactly
           the ones the fp32 path dequantizes: the products differ at the level of fp32 rounding
           (the kernels carry each activation as two int16 codes, exact to 2^-16 of its block's
           power-of-two scale: quant_gemv.c's ACT_SPLIT);
@@ -61,7 +61,7 @@ KERNEL_ROWS = 16      # rows of activations up to which the GEMV kernels beat de
 # (kernels.Library; the first names the library)
 SOURCES = [Path(__file__).with_name(name) for name in
            ("quant_gemv.c", "quant_gemv_ref.c", "quant_gemv_x86.c", "quant_gemv_x86_x16.c", "quant_gemv_arm.c",
-            "cpu_isa.c")]
+            "quant_gemv_kq_ref.c", "quant_gemv_kq_x86.c", "quant_gemv_kq_arm.c", "cpu_isa.c")]
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "gemv_q8_0_q8": ([_P] * 4 + [_I] * 4, _I),
@@ -81,6 +81,7 @@ _SIGNATURES = {
     "x16_vector": ([_I], _I),
     "embed_rows_q8_0_x16": ([_P, ctypes.c_long, _P, _P, ctypes.c_long, _I, _P], ctypes.c_long),
     "dequantize_rows": ([_I, _I, _P, _P, _P, _I, _I, _I, _P, _I], None),
+    "gemv_kq": ([_I] + [_P] * 3 + [_I] * 4, _I),
 }
 # cpu_isa.c's exports, in every library built with it (caramba.model.isa reads them)
 ISA_SIGNATURES = {"isa_name": ([], ctypes.c_char_p), "isa_set": ([ctypes.c_char_p], _I),
@@ -107,13 +108,19 @@ def check_kind(weights: str) -> str:
 # the decode step's fp32 layouts, the row-major block formats (weight x activation codes), then
 # the row-interleaved ones (layout 'x16').
 (F32_ROWS, F32_COLS, Q8_0_Q8, Q8_0_F32, Q4_1_F32, Q4_1_Q8, Q4_0_Q8, Q8_0_I16, Q4_1_I16,
- Q8_0_Q8_X16, Q4_0_Q8_X16, Q4_1_Q8_X16, Q8_0_I16_X16, Q4_1_I16_X16, Q8_0_F32_X16, Q4_1_F32_X16) = range(16)
+ Q8_0_Q8_X16, Q4_0_Q8_X16, Q4_1_Q8_X16, Q8_0_I16_X16, Q4_1_I16_X16, Q8_0_F32_X16, Q4_1_F32_X16,
+ Q5_0_I16, Q5_1_I16, Q4_K_I16, Q5_K_I16, Q6_K_I16, Q5_0_F32, Q5_1_F32, Q4_K_F32, Q5_K_F32, Q6_K_F32) = range(26)
+# GGUF formats kept as stored, each row the file's blocks [N, row bytes] (quant_gemv_kq.h): name ->
+# (elements per block, bytes per block); their products take int16 ('i16') or split int16 ('f32') codes
+STORED = {"q5_0": (32, 22), "q5_1": (32, 24), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
 FORMAT_IDS = {("q8_0", "q8", "rows"): Q8_0_Q8, ("q8_0", "f32", "rows"): Q8_0_F32, ("q4_1", "f32", "rows"): Q4_1_F32,
               ("q4_1", "q8", "rows"): Q4_1_Q8, ("q4_0", "q8", "rows"): Q4_0_Q8, ("q8_0", "i16", "rows"): Q8_0_I16,
               ("q4_1", "i16", "rows"): Q4_1_I16, ("q8_0", "q8", "x16"): Q8_0_Q8_X16,
               ("q4_0", "q8", "x16"): Q4_0_Q8_X16, ("q4_1", "q8", "x16"): Q4_1_Q8_X16,
               ("q8_0", "i16", "x16"): Q8_0_I16_X16, ("q4_1", "i16", "x16"): Q4_1_I16_X16,
-              ("q8_0", "f32", "x16"): Q8_0_F32_X16, ("q4_1", "f32", "x16"): Q4_1_F32_X16}
+              ("q8_0", "f32", "x16"): Q8_0_F32_X16, ("q4_1", "f32", "x16"): Q4_1_F32_X16,
+              **{(f, "i16", "rows"): Q5_0_I16 + i for i, f in enumerate(STORED)},
+              **{(f, "f32", "rows"): Q5_0_F32 + i for i, f in enumerate(STORED)}}
 
 # Layouts of QuantLinear's codes: 'rows' (llama.cpp's, row after row) or 'x16' (groups of X16 rows
 # interleaved 4 code bytes at a time, their scales side by side: quant_gemv.h), which the decode
@@ -123,7 +130,7 @@ FORMAT_IDS = {("q8_0", "q8", "rows"): Q8_0_Q8, ("q8_0", "f32", "rows"): Q8_0_F32
 # sdot); elsewhere rows. Either layout holds the same bytes;
 # state_dict() gives rows whatever the layout.
 LAYOUTS = ("rows", "x16")
-DEQUANT_FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}   # quant_gemv.c's dequantize_rows
+DEQUANT_FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, **{f: 3 + i for i, f in enumerate(STORED)}}   # quant_gemv.c's dequantize_rows
 # fp32 bytes of a weight tile that dequantize-then-matmul dequantizes at a time: every projection
 # of SmolLM2's but the head, its fused gate|up (7 MB) too, in one (a split one's column slices are
 # copied into the output: at 4 MiB that copy was 3% of a 2048-token native prefill); each thread
@@ -266,10 +273,30 @@ def dequantize_q4_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return ((unpack_nibbles(q).float() - 8) * d.float().unsqueeze(-1)).reshape(N, -1)
 
 
+def dequantize_stored(fmt: str, qs: torch.Tensor) -> torch.Tensor:
+    """A stored format's blocks [N, row bytes] -> W [N, K] fp32 (quant_gemv.c's dequantize_rows, or
+    gguf's numpy dequantization without the library: the same values)."""
+    N = qs.shape[0]
+    K = qs.shape[1] // STORED[fmt][1] * STORED[fmt][0]
+    lib = library() if qs.is_cpu else None
+    if lib is None:
+        from gguf import GGMLQuantizationType, quants
+
+        w = quants.dequantize(qs.cpu().numpy(), GGMLQuantizationType[fmt.upper()])
+        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(N, K).to(qs.device)
+    qs = qs.contiguous()
+    out = torch.empty(N, K)
+    lib.dequantize_rows(DEQUANT_FORMATS[fmt], 0, qs.data_ptr(), None, None, 0, N, K, out.data_ptr(),
+                        torch.get_num_threads() if N * K >= 1 << 16 else 1)
+    return out
+
+
 def gguf_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
     """A GGUF tensor's raw bytes [N, bytes per row] -> this module's buffers (codes and scales)."""
     N, K = shape
     nb = K // QK
+    if type_name.lower() in STORED:   # kept as the file's blocks, scales and all
+        return {"qs": torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(N, -1).copy())}
     raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(N, nb, -1)
     if type_name == "Q8_0":     # block: d fp16, 32 x int8
         d = raw[:, :, 0:2].copy().view(np.float16).reshape(N, nb)
@@ -283,7 +310,28 @@ def gguf_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> dic
         m = raw[:, :, 2:4].copy().view(np.float16).reshape(N, nb)
         q = raw[:, :, 4:].copy().reshape(N, K // 2)
         return {"qs": torch.from_numpy(q), "d": torch.from_numpy(d), "m": torch.from_numpy(m)}
-    raise ValueError(f"GGUF type {type_name} has no kernel here (have Q8_0, Q4_0, Q4_1)")
+    raise ValueError(f"GGUF type {type_name} has no kernel here (have Q8_0, Q4_0, Q4_1, "
+                     f"{', '.join(f.upper() for f in STORED)})")
+
+
+def q8_0_from_blocks(fmt: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Q5_0 or Q4_0 blocks as Q8_0 ones with the same values (d (q - 16) and d (q - 8) are int8 codes on
+    the same scale: exact), or None for another format: what a fused projection whose parts mix
+    them with Q8_0 (Gemma 3's Q5_0 q, k beside a Q8_0 v) is held as."""
+    if fmt == "q4_0":
+        return {"qs": (unpack_nibbles(parts["qs"]).to(torch.int16) - 8).to(torch.int8).reshape(parts["qs"].shape[0], -1),
+                "d": parts["d"]}
+    if fmt != "q5_0":
+        return None
+    raw = parts["qs"]
+    N = raw.shape[0]
+    blk = raw.reshape(N, -1, 22)
+    d = blk[:, :, 0:2].contiguous().view(torch.float16).reshape(N, -1)
+    qh = blk[:, :, 2:6].to(torch.int64)
+    bits = (qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24).unsqueeze(-1)
+    high = ((bits >> torch.arange(32)) & 1).to(torch.int16) << 4
+    q = unpack_nibbles(blk[:, :, 6:].reshape(N, -1)).to(torch.int16) + high - 16
+    return {"qs": q.to(torch.int8).reshape(N, -1), "d": d}
 
 
 # --- the layer ------------------------------------------------------------------------------------
@@ -312,17 +360,27 @@ class QuantLinear(nn.Module):
     kernels split each activation into two int16 codes, quant_gemv.c's ACT_SPLIT).
     `embedding(tokens)` reads rows of W, for a head tied to the embeddings.
 
+    fmt 'q5_0', 'q5_1', 'q4_k', 'q5_k' or 'q6_k' (STORED) holds a GGUF tensor's own blocks, scales and
+    all, as qs uint8 [N, row bytes] (d and m None), always row-major, with 'f32' or 'i16' activations
+    (quant_gemv_kq.h); prefill dequantizes them a tile at a time (no GEMM reads them).
+
     qs, d and m come row-major ([N, K or K/2], [N, K/32]); `layout` is how the layer holds them
     ('rows', or 'x16': row-interleaved for the decode kernels; None: default_layout). `row_major()`
     gives them back row-major whatever the layout, and state_dict() holds them so.
     """
 
-    def __init__(self, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
+    def __init__(self, fmt: str, qs: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, act: str = "f32", layout: str | None = None) -> None:
         super().__init__()
-        if fmt not in ("q8_0", "q4_0", "q4_1") or act not in ("q8", "i16", "f32") or (fmt == "q4_0" and act != "q8"):
+        stored = fmt in STORED
+        if (fmt not in ("q8_0", "q4_0", "q4_1") and not stored) or act not in ("q8", "i16", "f32") \
+                or (fmt == "q4_0" and act != "q8") or (stored and act == "q8"):
             raise ValueError(f"no kernel for weights {fmt} with {act} activations")
-        if (m is None) != (fmt != "q4_1"):
+        if stored and (d is not None or m is not None or qs.dtype != torch.uint8 or qs.dim() != 2
+                       or qs.shape[1] % STORED[fmt][1]):
+            raise ValueError(f"weights {fmt} are the file's blocks: uint8 [N, a multiple of {STORED[fmt][1]}], "
+                             "no d or m")
+        if not stored and (m is None) != (fmt != "q4_1"):
             raise ValueError(f"weights {fmt} {'need' if fmt == 'q4_1' else 'have no'} block minimums")
         layout = default_layout(fmt, act) if layout is None else layout
         if layout not in LAYOUTS or (layout == "x16" and (fmt, act, layout) not in FORMAT_IDS):
@@ -330,7 +388,8 @@ class QuantLinear(nn.Module):
                              f"use one of {', '.join(LAYOUTS)}")
         self.fmt, self.act, self.layout = fmt, act, layout
         self.out_features = qs.shape[0]
-        self.in_features = qs.shape[1] * (1 if fmt == "q8_0" else 2)
+        self.in_features = (qs.shape[1] // STORED[fmt][1] * STORED[fmt][0] if stored
+                            else qs.shape[1] * (1 if fmt == "q8_0" else 2))
         if self.in_features % QK:
             raise ValueError(f"quantized weights need in_features divisible by {QK}, got {self.in_features}")
         self.register_buffer("qs", None)
@@ -343,6 +402,9 @@ class QuantLinear(nn.Module):
 
     def _hold(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> None:
         """Keep row-major qs, d, m in this layer's layout (one copy: the row-major ones are dropped)."""
+        if d is None:   # a stored format: rows only
+            self.qs, self.d, self.m = qs.contiguous(), None, None
+            return
         d = d.to(torch.float16)
         m = None if m is None else m.to(torch.float16)
         if self.layout == "x16":
@@ -395,7 +457,7 @@ class QuantLinear(nn.Module):
     def c_readable(self) -> bool:
         """Whether the C kernels can read the held buffers as they are: on the CPU, contiguous, fp16
         scales (not after a module cast to fp32 ones)."""
-        held = (self.qs, self.d) if self.m is None else (self.qs, self.d, self.m)
+        held = tuple(t for t in (self.qs, self.d, self.m) if t is not None)
         return all(t.is_cpu and t.is_contiguous() for t in held) and all(t.dtype == torch.float16 for t in held[1:])
 
     def _dequantize_rows(self, n0: int, n1: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -409,7 +471,8 @@ class QuantLinear(nn.Module):
             return None
         K = self.in_features
         out = torch.empty(n1 - n0, K) if out is None else out
-        lib.dequantize_rows(DEQUANT_FORMATS[self.fmt], self.layout == "x16", self.qs.data_ptr(), self.d.data_ptr(),
+        lib.dequantize_rows(DEQUANT_FORMATS[self.fmt], self.layout == "x16", self.qs.data_ptr(),
+                            None if self.d is None else self.d.data_ptr(),
                             None if self.m is None else self.m.data_ptr(), n0, n1, K, out.data_ptr(),
                             torch.get_num_threads() if (n1 - n0) * K >= 1 << 16 else 1)
         return out
@@ -436,7 +499,9 @@ class QuantLinear(nn.Module):
             y[:, n0:n1] = gemm.dense(rows, w, None if self.bias is None else self.bias[n0:n1])
         return y
 
-    def _dequantize(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    def _dequantize(self, qs: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None) -> torch.Tensor:
+        if self.fmt in STORED:
+            return dequantize_stored(self.fmt, qs)
         if self.fmt == "q8_0":
             return dequantize_q8_0(qs, d)
         return dequantize_q4_0(qs, d) if self.fmt == "q4_0" else dequantize_q4_1(qs, d, m)
@@ -462,7 +527,7 @@ class QuantLinear(nn.Module):
     def _gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Row-major (qs, d, m) of rows ids [n] of W."""
         if self.layout == "rows":
-            return self.qs[ids], self.d[ids], None if self.m is None else self.m[ids]
+            return self.qs[ids], None if self.d is None else self.d[ids], None if self.m is None else self.m[ids]
         g, lane = ids // X16, ids % X16
         qs = self.qs[g, :, lane, :].reshape(len(ids), -1)
         return qs, self.d[g, :, lane], None if self.m is None else self.m[g, :, lane]
@@ -471,7 +536,8 @@ class QuantLinear(nn.Module):
         # The decode-step path first, with as few torch ops as possible: at batch 1 each op's
         # dispatch costs about as much as the GEMV of a narrow projection.
         if (x.is_cpu and x.dtype == torch.float32 and x.is_contiguous() and x.shape[-1] == self.in_features
-                and self.d.dtype == torch.float16 and not (x.requires_grad and torch.is_grad_enabled())):
+                and (self.d is None or self.d.dtype == torch.float16)
+                and not (x.requires_grad and torch.is_grad_enabled())):
             M = x.numel() // self.in_features
             lib = library() if M <= KERNEL_ROWS else None
             if lib is not None:
@@ -496,7 +562,7 @@ class QuantLinear(nn.Module):
         """rows [M, K] fp32 (contiguous, CPU) times this layer's weight^T (+ bias) in caramba.model.quant_gemm,
         or None where no GEMM here applies (no library, no int8 level for q8 activations, no AMX-BF16
         for fp32 or int16 ones): forward then dequantizes and calls torch."""
-        if not self.c_readable():
+        if not self.c_readable() or self.fmt in STORED:   # no GEMM reads them: dequantized tiles
             return None
         lib = quant_gemm.library()
         if lib is None:
@@ -525,7 +591,10 @@ class QuantLinear(nn.Module):
         out = torch.empty(x.shape[:-1] + (N,))
         # Below ~64k weights a thread hand-off costs more than it saves.
         threads = torch.get_num_threads() if N * K >= 1 << 16 else 1
-        if self.layout == "x16":
+        if self.fmt in STORED:
+            failed = lib.gemv_kq(FORMAT_IDS[(self.fmt, self.act, "rows")], x.data_ptr(), self.qs.data_ptr(),
+                                 out.data_ptr(), M, N, K, threads)
+        elif self.layout == "x16":
             failed = lib.gemv_x16(FORMAT_IDS[(self.fmt, self.act, "x16")], x.data_ptr(), self.qs.data_ptr(),
                                   self.d.data_ptr(), None if self.m is None else self.m.data_ptr(), out.data_ptr(),
                                   M, N, K, threads)
@@ -606,18 +675,25 @@ def quantize_model(model: nn.Module, fmt: str = "q8_0", act: str = "q8") -> int:
 
 
 def native_from_gguf(model: nn.Module, reader, cfg, act: str = "f32") -> int:
-    """Swap in a GGUF's own Q4_1/Q8_0 blocks for the projections and the head of a Llama/Qwen2
-    `model` loaded from that file (rows unpermuted and fused exactly as the fp32 loader does).
-    A projection whose parts have another type (F32, F16, K-quants) keeps its fp32 weights, whose
-    values are the file's too. `act`: the activations' precision ('f32' or 'i16', QuantLinear).
-    Returns how many were swapped."""
+    """Swap in a GGUF's own blocks for the projections and the head of a Llama/Qwen2/Gemma 3 `model`
+    loaded from that file (rows unpermuted and fused exactly as the fp32 loader does): Q8_0 and Q4_1
+    as QuantLinear's codes, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K as the file's blocks (STORED). A fused
+    projection whose parts mix Q8_0 with Q5_0 or Q4_0 (Gemma 3's q, k beside its v), or a Q4_0 one,
+    is held as Q8_0 with the same values; a part of any other type (F32, F16, Q2_K, IQ*, ...) keeps
+    the projection's fp32 weights, whose values are the file's too. `act`: the activations'
+    precision ('f32' or 'i16', QuantLinear). Returns how many were swapped; `model.native_weights`
+    says what became of each GGUF tensor (kept: counts by type; as_q8_0: names held as exact Q8_0;
+    dequantized: quantized tensors without a kernel here, by name, with their type; unquantized:
+    float tensors, by name), for the run's record."""
     from caramba.model import gguf_loader
 
     tensors = {t.name: t for t in reader.tensors}
+    kernels = ("Q8_0", "Q4_1", "Q4_0", *(f.upper() for f in STORED))
+    report: dict = {"kept": {}, "as_q8_0": [], "dequantized": {}, "unquantized": []}
 
     def blocks(name: str, heads: int | None = None) -> tuple[str, dict[str, torch.Tensor]] | None:
         t = tensors.get(name)
-        if t is None or t.tensor_type.name not in ("Q8_0", "Q4_1") or len(t.shape) != 2:
+        if t is None or t.tensor_type.name not in kernels or len(t.shape) != 2:
             return None
         K, N = (int(v) for v in t.shape)      # gguf lists ne0 (the row length) first
         if K % QK:
@@ -629,11 +705,31 @@ def native_from_gguf(model: nn.Module, reader, cfg, act: str = "f32") -> int:
 
     def fused(names: list[tuple[str, int | None]], bias: torch.Tensor | None) -> QuantLinear | None:
         got = [blocks(n, h) for n, h in names]
-        if any(g is None for g in got) or len({g[0] for g in got}) != 1:
+        if any(g is None for g in got):
+            for n, _ in names:
+                t = tensors.get(n)
+                if t is None:
+                    continue
+                kind = t.tensor_type.name
+                if kind in ("F32", "F16", "BF16", "F64"):
+                    report["unquantized"].append(n)
+                else:
+                    report["dequantized"][n] = kind
             return None
+        types = {g[0] for g in got}
+        if len(types) > 1 or types == {"Q4_0"}:
+            as_q8 = [g[1] if g[0] == "Q8_0" else q8_0_from_blocks(g[0].lower(), g[1]) for g in got]
+            if any(p is None for p in as_q8):
+                report["dequantized"].update({n: g[0] for (n, _), g in zip(names, got)})
+                return None
+            report["as_q8_0"] += [n for (n, _), g in zip(names, got) if g[0] != "Q8_0"]
+            report["kept"]["Q8_0"] = report["kept"].get("Q8_0", 0) + sum(g[0] == "Q8_0" for g in got)
+            got = [("Q8_0", p) for p in as_q8]
+        else:
+            report["kept"][got[0][0]] = report["kept"].get(got[0][0], 0) + len(got)
         fmt = got[0][0].lower()
         cat = {k: torch.cat([g[1][k] for g in got]) for k in got[0][1]}
-        return QuantLinear(fmt, cat["qs"], cat["d"], cat.get("m"), bias=bias, act=act)
+        return QuantLinear(fmt, cat["qs"], cat.get("d"), cat.get("m"), bias=bias, act=act)
 
     swaps = 0
 
@@ -651,4 +747,5 @@ def native_from_gguf(model: nn.Module, reader, cfg, act: str = "f32") -> int:
         swap(mlp, "w13", fused([(p + "ffn_gate.weight", None), (p + "ffn_up.weight", None)], None))
         swap(mlp, "w2", fused([(p + "ffn_down.weight", None)], None))
     swap(model, "head", fused([("token_embd.weight" if cfg.tie_embeddings else "output.weight", None)], None))
+    model.native_weights = report
     return swaps

@@ -52,6 +52,7 @@
    what the build lacks. */
 
 #include "quant_gemv_arm.h"
+#include "quant_gemv_kq.h"
 #include "quant_gemv_ref.h"
 #include "quant_gemv_x86.h"
 #include "quant_gemv_x86_x16.h"
@@ -85,6 +86,13 @@ static x16_group_fn *const X16_GROUPS[ISA_LEVELS][Q4_1_F32_X16 - Q8_0_Q8_X16 + 1
                         X16W_GROUP512},
     [ISA_NEON] = {X16_GROUP_NEON, X16_GROUP_NEON, X16_GROUP_NEON}};
 #undef X16_256
+/* The stored GGUF formats (quant_gemv_kq.h): the 16-bit multiply-adds at avx2, avxvnni and avx512
+   (avxvnni's VEX vpdpwssd is not used: the EVEX one needs AVX-512 VL), vpdpwssd at avx512vnni;
+   widening multiply-adds at neon. */
+static quant_rows_fn *const KQ_ROWS[ISA_LEVELS] = {
+    [ISA_SCALAR] = kq_rows_ref, [ISA_AVX2] = KQ_ROWS_AVX2, [ISA_AVXVNNI] = KQ_ROWS_AVX2, [ISA_AVX512] = KQ_ROWS_AVX2,
+    [ISA_AVX512VNNI] = KQ_ROWS_AVX512VNNI, [ISA_NEON] = KQ_ROWS_NEON};
+static kq_dequantize_fn *const KQ_DEQUANTIZE[ISA_LEVELS] = {X86_LEVELS(KQ_DEQUANTIZE_AVX2)};
 #undef X86_LEVELS
 
 /* --- the activation codes (quant_gemv_ref.h's ACT_*) --------------------------------------------
@@ -170,6 +178,23 @@ int x16_vector(int fmt) { return is_x16(fmt) && X16_GROUPS[g_isa][fmt - Q8_0_Q8_
 HIDDEN void prepare_activations(int fmt, const float *x, int M, int K, int8_t *xq, float *xd, float *xs) {
     const int nb = K / QK;
     const int f32 = fmt == Q4_1_F32 || fmt == Q8_0_F32, wide = fmt == Q8_0_I16 || fmt == Q4_1_I16;
+    if (is_kq(fmt)) {   /* int16 or split codes at every level; xs: the minimums' block sums */
+        const int split = kq_split(fmt);
+        quantize_rows(x, M, K, split ? ACT_SPLIT : ACT_I16, xq, xd);
+        if (kq_zero_point(kq_kind(fmt)))
+            for (int mb = 0; mb < M * nb; mb++) {
+                if (split) {
+                    float s = 0.0f;
+                    for (int i = 0; i < QK; i++) s += x[(long)mb * QK + i];
+                    xs[mb] = s;
+                } else {
+                    int32_t s = 0;
+                    for (int i = 0; i < QK; i++) s += ((const int16_t *)xq)[(long)mb * QK + i];
+                    xs[mb] = xd[mb] * (float)s;
+                }
+            }
+        return;
+    }
     if (is_x16_wide(fmt)) {   /* codes as byte planes; xs: q4_1's minimum factors, q8_0's hi sums */
         const int split = X16_PLANES(fmt) == 4;
         quantize_rows(x, M, K, split ? ACT_SPLIT : ACT_I16, xq, xd);
@@ -227,6 +252,10 @@ HIDDEN void prepare_activations(int fmt, const float *x, int M, int K, int8_t *x
 HIDDEN void quant_rows(int fmt, const void *w, const uint16_t *d, const uint16_t *m, int c, int N, int K,
                        const float *x, const int8_t *xq, const float *xd, const float *xs, int M, float *y,
                        const float *bias) {
+    if (is_kq(fmt)) {
+        (KQ_ROWS[g_isa] ? KQ_ROWS[g_isa] : kq_rows_ref)(fmt, w, d, m, c, N, K, x, xq, xd, xs, M, y, bias);
+        return;
+    }
     if (is_x16(fmt)) {
         x16_group_fn *const group = X16_GROUPS[g_isa][fmt - Q8_0_Q8_X16];
         (group ? group : is_x16_wide(fmt) ? x16w_rows_ref : x16_rows_ref)(fmt, w, d, m, c, N, K, xq, xd, xs, M, y, bias);
@@ -278,6 +307,12 @@ int gemv_x16(int fmt, const float *x, const void *qs, const uint16_t *d, const u
              int M, int N, int K, int nthreads) {
     if (!is_x16(fmt)) return 2;
     return gemv_blocks(fmt, x, qs, d, mins, out, M, N, K, nthreads);
+}
+
+/* The stored GGUF formats (quant_gemv.h's ids Q5_0_I16 .. Q6_K_F32): qs the file's blocks [N, row bytes]. */
+int gemv_kq(int fmt, const float *x, const void *qs, float *out, int M, int N, int K, int nthreads) {
+    if (!is_kq(fmt) || K % kq_block_elems(kq_kind(fmt))) return 2;
+    return gemv_blocks(fmt, x, qs, NULL, NULL, out, M, N, K, nthreads);
 }
 
 /* mins NULL: q4_0 weights (w = d (q - 8)). */
@@ -343,11 +378,20 @@ void quantize_blocks_best(const float *w, long nblocks, int qmin, int qmax, cons
    native prefill; this is one pass from either layout. Every value is what quant.dequantize_*
    computes: d q is exact in fp32 (an fp16 scale's 11 bits times a code of at most 8), so q4_1's
    d q + m rounds once, fused or not.
-   fmt: 0 q8_0, 1 q4_0, 2 q4_1 (quant.py's DEQUANT_FORMATS); x16: the codes and scales interleaved
-   (quant_gemv.h) rather than row-major. */
+   fmt: 0 q8_0, 1 q4_0, 2 q4_1, 3 .. 7 the stored GGUF formats q5_0, q5_1, q4_k, q5_k, q6_k (quant.py's
+   DEQUANT_FORMATS: qs their blocks [N, row bytes], d and m unused); x16: the codes and scales
+   interleaved (quant_gemv.h) rather than row-major. */
 void dequantize_rows(int fmt, int x16, const uint8_t *qs, const uint16_t *d, const uint16_t *m, int n0, int n1, int K,
                      float *out, int nthreads) {
     /* rows n0 .. n1-1 of the weight into out [n1 - n0, K] */
+    if (fmt >= 3) {
+        const int kind = fmt - 3;
+        const long rb = kq_row_bytes(kind, K);
+        kq_dequantize_fn *const krow = KQ_DEQUANTIZE[g_isa] ? KQ_DEQUANTIZE[g_isa] : kq_dequantize_row_ref;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+        for (int n = n0; n < n1; n++) krow(kind, qs + n * rb, K, out + (long)(n - n0) * K);
+        return;
+    }
     const long bytes = fmt == 0 ? K : K / 2, nb = K / QK;
     dequantize_row_fn *const row = DEQUANTIZE_ROW[g_isa] ? DEQUANTIZE_ROW[g_isa] : dequantize_row_ref;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)

@@ -12,7 +12,10 @@
    format x activation codes). fast_decode.py mirrors these ids. */
 enum { F32_ROWS = 0, F32_COLS = 1, Q8_0_Q8 = 2, Q8_0_F32 = 3, Q4_1_F32 = 4, Q4_1_Q8 = 5, Q4_0_Q8 = 6, Q8_0_I16 = 7,
        Q4_1_I16 = 8, Q8_0_Q8_X16 = 9, Q4_0_Q8_X16 = 10, Q4_1_Q8_X16 = 11, Q8_0_I16_X16 = 12, Q4_1_I16_X16 = 13,
-       Q8_0_F32_X16 = 14, Q4_1_F32_X16 = 15, FORMATS = 16 };
+       Q8_0_F32_X16 = 14, Q4_1_F32_X16 = 15,
+       /* GGUF blocks kept as stored (quant_gemv_kq.h): int16 activation codes, then split ones */
+       Q5_0_I16 = 16, Q5_1_I16 = 17, Q4_K_I16 = 18, Q5_K_I16 = 19, Q6_K_I16 = 20,
+       Q5_0_F32 = 21, Q5_1_F32 = 22, Q4_K_F32 = 23, Q5_K_F32 = 24, Q6_K_F32 = 25, FORMATS = 26 };
 
 /* The X16 formats hold the same blocks row-interleaved, 16 weight rows to a group (the decode
    products' lanes are those rows: quant_gemv_x86_x16.c, quant_gemv_arm.c):
