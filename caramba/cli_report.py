@@ -9,16 +9,52 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from caramba.bench.frontier import frontier_rows, plot_frontier, quality_key
+from caramba.bench.report import (CELL_KEY, compare, flat_rows, markdown_table, pivot, plot_sweep, record_dirs,
+                                  write_csv)
 from caramba.errors import UserError
 from caramba.manifest import load_manifest
-from caramba.runs import json_text
+from caramba.runners import registry, run_hash, run_identity
+from caramba.runs import RecordError, RunDir, held_locks, json_text, read_record_json, record_status
+
+
+def sweep_row(name: str, record: Path, params: dict | None = None, digest: str | None = None,
+              mode: str | None = None, locks: set[tuple[int, int, int]] | None = None) -> dict:
+    """One run as a row: {run, status, mode, params, metrics, detail}. status as caramba.runs.
+    record_status says: done, changed (made with other settings than `digest`, the manifest's),
+    damaged (its files no longer match DONE), blocked, running (another process holds its lock),
+    failed (an attempt without DONE, or a killed one) or pending. Only a done record's metrics are
+    shown: an old or damaged record's numbers are never reported as this run's. params come from
+    the manifest when given, else from the record. locks: caramba.runs.held_locks(), read once."""
+    status = record_status(record, digest, locks)
+    row = {"run": name, "status": status.state, "mode": mode, "params": dict(params or {}), "metrics": {},
+           "detail": status.detail}
+    if status.state in ("blocked", "pending") or (status.state != "done" and params is not None):
+        return row   # a blocked record path may be a link out of runs/: never read through it
+    try:
+        result = read_record_json(record)
+    except RecordError:
+        return row
+    if not isinstance(result, dict):
+        return row
+    row["mode"] = result.get("mode") or mode
+    if params is None and isinstance(result.get("params"), dict):
+        row["params"] = result["params"]
+    if status.state == "done":
+        row["metrics"] = _metrics(result)
+    return row
+
+
+def _metrics(result: dict) -> dict:
+    """The key numbers of a finished run, as its mode reports them (caramba.runners.registry)."""
+    name = result.get("mode")
+    mode = registry.modes().get(name) if isinstance(name, str) else None
+    return mode.metrics(result) if mode is not None else {}
 
 
 def _on_frontier(row: dict) -> bool:
     """Whether a report row's mode reports its runs as a quality-cost frontier (False for a mode
     not registered here: a record from elsewhere)."""
-    from caramba.runners import registry
-
     mode = registry.modes().get(row.get("mode")) if isinstance(row.get("mode"), str) else None
     return mode is not None and mode.frontier
 
@@ -28,10 +64,6 @@ def report_sweep(source: Path, fmt: str, pivot_key: str | None, metric: str | No
     """A manifest (or its records directory) as one table: a row per run; eval runs as their frontier."""
     from rich.table import Table
 
-    from caramba.bench.report import flat_rows, markdown_table, pivot, plot_sweep, record_dirs, sweep_row
-    from caramba.runners import run_hash, run_identity
-    from caramba.runs import RunDir
-
     try:
         if source.is_file():
             m = load_manifest(source, overrides)
@@ -39,7 +71,8 @@ def report_sweep(source: Path, fmt: str, pivot_key: str | None, metric: str | No
                         run_hash(run_identity(r)), r.run.mode) for r in m.iter_runs()]
         else:
             records = [(name, path, None, None, None) for name, path in record_dirs(source)]
-        rows = [sweep_row(*record) for record in records]
+        locks = held_locks()   # read once: which runs another process is doing now
+        rows = [sweep_row(*record, locks=locks) for record in records]
         if any(_on_frontier(r) for r in rows) and not pivot_key:   # candidates on a quality-cost frontier
             if x_key is not None:   # the frontier's axes are fixed: an --x taken and not used would lie
                 raise ValueError(f"--x {x_key}: eval runs are plotted as their quality-cost frontier (bytes per "
@@ -87,8 +120,6 @@ def report_sweep(source: Path, fmt: str, pivot_key: str | None, metric: str | No
 
 
 def _write_csv(path: Path, rows: list[dict], err: Console) -> None:
-    from caramba.bench.report import write_csv
-
     try:
         write_csv(path, rows)
     except OSError as e:
@@ -101,9 +132,6 @@ def _report_frontier(source: Path, rows: list[dict], done: list[tuple[str, Path]
     """Eval runs: the runs' status, then one row per candidate of the finished records that match
     the manifest, the Pareto-optimal ones marked. Returns the markdown with --format markdown."""
     from rich.table import Table
-
-    from caramba.bench.frontier import frontier_rows, plot_frontier, quality_key
-    from caramba.bench.report import markdown_table
 
     front = frontier_rows(done)
     if plot is not None:
@@ -156,8 +184,6 @@ def report_compare(run_dirs: list[Path], fmt: str, out: Console) -> str | None:
     """Run record directories side by side (bench cells or generate summaries), deltas against the first."""
     from rich.table import Table
 
-    from caramba.bench.report import CELL_KEY, compare, markdown_table
-
     try:
         rows = compare(list(run_dirs))
     except (FileNotFoundError, ValueError) as e:
@@ -191,8 +217,6 @@ def report_samples(run: Path, failed: bool, task: str | None, fmt: str, out: Con
     """An eval record's task samples, one table each: the question, references and scoring rule,
     then every candidate's answer and score side by side (answers.json)."""
     from rich.table import Table
-
-    from caramba.runs import read_record_json
 
     path = run / "answers.json"
     if not path.is_file():

@@ -206,21 +206,79 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(read_record_file(path)).hexdigest()
 
 
+def held_locks() -> set[tuple[int, int, int]] | None:
+    """(major, minor, inode) of every flock held on this machine, from /proc/locks (Linux);
+    None where that file is missing. Reading it takes no lock, so a run starting meanwhile is
+    never turned away (as probing its lock could)."""
+    try:
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    held = set()
+    for line in text.splitlines():
+        fields = line.split()
+        if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":
+            continue   # '->': a process waiting for the lock, not holding it
+        try:
+            major, minor, inode = fields[5].split(":")
+            held.add((int(major, 16), int(minor, 16), int(inode)))
+        except ValueError:
+            continue
+    return held
+
+
+def lock_held(path: Path, locks: set[tuple[int, int, int]] | None = None) -> bool:
+    """Whether some process holds the run lock at `path`."""
+    try:
+        st = os.lstat(path)   # a link is never a lock (and is not followed)
+    except OSError:
+        return False
+    if locks is None:
+        locks = held_locks()
+    if locks is not None:
+        return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in locks
+    if fcntl is None:   # Windows: no flock, so no lock is ever held
+        return False
+    try:   # no /proc/locks: probe with a shared lock, dropped at once
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _holder(lock: Path) -> str | None:
+    """The pid the process holding a run's lock wrote in it (None if unknown)."""
+    try:
+        return read_record_file(lock, 64).decode().strip() or None
+    except (RecordError, UnicodeDecodeError):
+        return None
+
+
 @dataclass
 class RecordStatus:
     """What a run's record is, read without a lock: done (DONE and its digests hold, and the run
     hash matches when one is given), changed (done, but made with other settings), damaged (DONE,
     but a file it vouches for is missing, changed or not a file), blocked (the record path, or an
     entry beside it, is something caramba will not use: a link, a FIFO, a file where the record
-    directory belongs), failed (an attempt without DONE, or one that died: its staging directory
-    is left) or pending (nothing yet)."""
+    directory belongs), running (a live process holds the run's lock: what is there is its work in
+    progress), failed (an attempt without DONE, or one that died: its staging directory is left)
+    or pending (nothing yet)."""
 
     state: str
     detail: str = ""
 
 
-def record_status(final: Path, digest: str | None = None) -> RecordStatus:
-    """The status of the record at `final` (see RecordStatus); never raises for what it finds."""
+def record_status(final: Path, digest: str | None = None, locks: set[tuple[int, int, int]] | None = None, *,
+                  running: bool = True) -> RecordStatus:
+    """The status of the record at `final` (see RecordStatus); never raises for what it finds.
+    locks: held_locks(), read once for many runs. running=False: the record itself, whoever holds
+    the lock (for the lock's holder, who is the one running it)."""
     try:
         kind = entry_kind(final)
     except RecordError as e:
@@ -232,6 +290,8 @@ def record_status(final: Path, digest: str | None = None) -> RecordStatus:
                                        "will not open it: remove it and run again")
     if lock_kind == "file" and _links(lock) > 1:
         return RecordStatus("blocked", f"the lock {lock} is a hard link to another file; remove it and run again")
+    if running and lock_kind == "file" and lock_held(lock, locks):
+        return RecordStatus("running", f"pid {_holder(lock) or '?'}")
     staging = final.parent / f".{final.name}{STAGING}"
     if kind is None:
         if _lexists(staging):   # an attempt that died mid-run (a killed worker): no record, but not pending
@@ -456,10 +516,7 @@ class RunDir:
 
     def holder(self) -> str | None:
         """The pid written by the process holding the lock (None if unknown)."""
-        try:
-            return read_record_file(self.lock_path, 64).decode().strip() or None
-        except (RecordError, UnicodeDecodeError):
-            return None
+        return _holder(self.lock_path)
 
     def release(self) -> None:
         """Drop the lock (closing the descriptor drops the flock)."""
@@ -483,8 +540,9 @@ class RunDir:
     # ---- state -----------------------------------------------------------------------------
 
     def status(self, digest: str | None = None) -> RecordStatus:
-        """See record_status."""
-        return record_status(self.final, digest)
+        """See record_status: the record itself, as the lock's holder (who is running it) sees it;
+        a reader outside the lock asks record_status, which says `running` while a process holds it."""
+        return record_status(self.final, digest, running=False)
 
     def is_done(self) -> bool:
         """True when a finished record is in place and its files match DONE's digests."""
@@ -622,11 +680,14 @@ def capture_env(seed: int | None, device: str) -> dict[str, Any]:
     cuda = bool(torch and torch.cuda.is_available())
     env["cuda_version"] = torch.version.cuda if torch else None
     env["gpu"] = torch.cuda.get_device_name(0) if cuda else None
+    # lazy: keeps --help free of torch (the CLI imports this module)
     env["kernel_isa"] = __import__("caramba.model.isa", fromlist=["isa"]).kernel_isa() if torch else None
     # whether the fused C decode step can run here ('c', else why not); the decoders choose it per
     # session (caramba.model.backend), and bench cells and generate rows say which path their steps took
+    # lazy: keeps --help free of torch (the CLI imports this module)
     env["decode_step"] = __import__("caramba.model.fast_decode", fromlist=["status"]).status() if torch else None
     # the quantized prefill's GEMM level (amx, vnni, ...: caramba.model.quant_gemm)
+    # lazy: keeps --help free of torch (the CLI imports this module)
     env["prefill_gemm"] = __import__("caramba.model.quant_gemm", fromlist=["level"]).level() if torch else None
     # every C library: 'c', or why its callers took the eager path (an install without the kernels is
     # 35x slower at q8_0 decode, so a record must say)
@@ -636,8 +697,8 @@ def capture_env(seed: int | None, device: str) -> dict[str, Any]:
 
 def kernel_status() -> dict[str, str]:
     """Each C kernel library's status ('c', else why not: caramba.kernels), by what it runs."""
-    from caramba.cache import kernel
-    from caramba.model import fast_decode, fused, quant, quant_gemm
+    from caramba.cache import kernel   # lazy: keeps --help free of torch (the CLI imports this module)
+    from caramba.model import fast_decode, fused, quant, quant_gemm   # lazy: keeps --help free of torch
 
     return {"decode_step": fast_decode.status(), "quant_weights": quant.status(),
             "quant_prefill": quant_gemm.library.status(), "kv_attention": kernel.status(),

@@ -251,7 +251,7 @@ def test_frontier_marks_the_pareto_optimal_candidates_within_comparable_runs(tmp
 
 def test_a_new_task_generator_makes_an_eval_record_stale(monkeypatch, long_tiny, tmp_path):
     """Other generators write other prompts: the record of an eval with tasks is not reused."""
-    import caramba.runners as runners
+    import caramba.runners.orchestrate as runners
     from caramba.manifest.loader import load_manifest
 
     (run,) = load_manifest(eval_manifest(tmp_path, long_tiny, SECTION)).iter_runs()

@@ -170,3 +170,21 @@ def test_swapping_a_runner_through_mode_runners_reaches_the_registry(monkeypatch
     assert registry.get("eval").run is fake
     with pytest.raises(KeyError):
         MODE_RUNNERS["no-such-mode"]
+
+
+def test_registering_builds_new_models_and_leaves_the_old_ones_as_they_were():
+    """One registry (caramba.manifest.modes): registering a mode builds new Run/Target/Manifest
+    models from it (pydantic.create_model), never editing a model in place."""
+    run_before, manifest_before = schema.Run, schema.Manifest
+    fields_before = dict(run_before.model_fields)
+    registry.register(NextTokenMode())
+    try:
+        assert schema.Run is not run_before and "next" in schema.Run.model_fields
+        assert list(schema.Run.model_fields).index("next") == list(schema.Run.model_fields).index("expect") - 1
+        assert dict(run_before.model_fields) == fields_before and "next" not in run_before.model_fields
+        assert "next-token" in schema.MODES and schema.MODE_SECTIONS["next-token"] == "next"
+        assert registry.get("next-token").settings is NextTokenSettings
+    finally:
+        registry.unregister("next-token")
+    assert "next" not in schema.Run.model_fields and schema.Manifest is not manifest_before
+    assert schema.Manifest.model_json_schema() == manifest_before.model_json_schema()

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_model
-from caramba.press import METHODS, PressConfig, kept_masks, n_kept, observing, press_masks, pyramid_budget
+from caramba.infer.pressing import press_masks
+from caramba.press import METHODS, PressConfig, kept_masks, n_kept, observing, pyramid_budget
 
 S, WINDOW, CHUNK = 96, 16, 24
 

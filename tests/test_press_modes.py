@@ -17,7 +17,8 @@ from caramba.infer import tasks as task_suite
 from caramba.cache import CachePolicy
 from caramba.model import fast_decode
 from caramba.options import OptionError
-from caramba.press import PressConfig, press_masks
+from caramba.infer.pressing import press_masks
+from caramba.press import PressConfig
 from conftest import make_model
 from test_cli import invoke
 from test_eval_mode import LENGTH, eval_manifest, loaded, long_tiny  # noqa: F401 (fixtures)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from caramba.infer import GenerateConfig, Generator
 from caramba.infer.state import DecodeState
 from caramba.options import OptionError
-from caramba.press import SPECS, MethodSpec, PressConfig, press_masks
+from caramba.infer.pressing import press_masks
+from caramba.press import SPECS, MethodSpec, PressConfig
 from caramba.press.methods import INF, window_attention
 from caramba.press.observe import window_of
 from caramba.press.spec import DECODING_METHODS, METHODS

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from caramba.runs import DONE, STAGING, RecordError, atomic_write_text, entry_kind, read_record_json, record_damage, record_status
+from caramba.runs import DONE, STAGING, RecordError, atomic_write_text, entry_kind, record_damage
 
 CELL_KEY = ("impl", "prompt_len", "batch_size", "cache_kind", "decode_plan", "press")
 COMPARED = ("ttft_s", "decode_tok_s", "decode_p50_ms", "decode_p99_ms", "peak_rss_mb", "cache_bytes")
@@ -160,42 +160,6 @@ def _kind(path: Path) -> str | None:
         return entry_kind(path)
     except RecordError:
         return None
-
-
-def sweep_row(name: str, record: Path, params: dict | None = None, digest: str | None = None,
-              mode: str | None = None) -> dict:
-    """One run as a row: {run, status, mode, params, metrics, detail}. status as caramba.runs.
-    record_status says: done, changed (made with other settings than `digest`, the manifest's),
-    damaged (its files no longer match DONE), blocked, failed (an attempt without DONE, or a
-    killed one) or pending. Only a done record's metrics are shown: an old or damaged record's
-    numbers are never reported as this run's. params come from the manifest when given, else
-    from the record."""
-    status = record_status(record, digest)
-    row = {"run": name, "status": status.state, "mode": mode, "params": dict(params or {}), "metrics": {},
-           "detail": status.detail}
-    if status.state in ("blocked", "pending") or (status.state != "done" and params is not None):
-        return row   # a blocked record path may be a link out of runs/: never read through it
-    try:
-        result = read_record_json(record)
-    except RecordError:
-        return row
-    if not isinstance(result, dict):
-        return row
-    row["mode"] = result.get("mode") or mode
-    if params is None and isinstance(result.get("params"), dict):
-        row["params"] = result["params"]
-    if status.state == "done":
-        row["metrics"] = _metrics(result)
-    return row
-
-
-def _metrics(result: dict) -> dict:
-    """The key numbers of a finished run, as its mode reports them (caramba.runners.registry)."""
-    from caramba.runners import registry   # imported when asked: the modes import this module
-
-    name = result.get("mode")
-    mode = registry.modes().get(name) if isinstance(name, str) else None
-    return mode.metrics(result) if mode is not None else {}
 
 
 def flat_rows(rows: list[dict]) -> list[dict]:

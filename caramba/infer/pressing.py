@@ -6,7 +6,8 @@ received, query statistics, whatever the method scores with. Then every layer's 
 scored (caramba.press.kept_masks) and the cache is rebuilt with the survivors only
 (DecodeState.press, caramba.cache.evict), in the cache's own kinds or a template's. The logits
 the prefill returns were computed over the whole context: the first new token sees everything,
-the later ones the survivors (kvpress's protocol).
+the later ones the survivors (kvpress's protocol). press_masks does the same on a fresh fp32 cache
+and returns the kept masks (what the benchmark and a caller without a decoding state use).
 """
 
 from __future__ import annotations
@@ -33,6 +34,27 @@ def check_pressable(model, press: PressConfig) -> None:
         raise ValueError(f"press={press.method}: a hybrid model's (sliding and full layers: Gemma 2/3) cache has no "
                          "press yet; its sliding layers already keep only their window (caramba.cache.hybrid): "
                          "compare cache kinds (cache_kind, cache_sliding_kind) instead")
+
+
+@torch.inference_mode()
+def press_masks(model, context_ids: torch.Tensor, press: PressConfig, q_chunk: int | None = 512,
+                mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per layer, [B, KVH, S] bool (True = keep) for context_ids [B, S] (left-padded where mask
+    [B, S], True = real token, says so), prefilled in chunks of q_chunk tokens (None: one)."""
+    if context_ids.dim() != 2 or context_ids.dtype not in (torch.long, torch.int32, torch.int64):
+        raise ValueError(f"context_ids must be integer token ids [batch, tokens]; got {context_ids.dtype} "
+                         f"{list(context_ids.shape)}")
+    B, S = context_ids.shape
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, S)):
+        raise ValueError(f"mask must be a bool tensor [{B}, {S}] (True = real token); got {mask.dtype} "
+                         f"{list(mask.shape)}")
+    if q_chunk is not None and q_chunk < 1:
+        raise ValueError(f"q_chunk={q_chunk} must be >= 1 or None")
+    # the torch path: its forwards call the observers (the fused C step's do not)
+    state = DecodeState(model, model.new_cache(B, S, "fp32"), q_chunk=q_chunk, backend=TorchStep(model))
+    with observing(model, state.cache, press) as observations:
+        state.prefill(context_ids.to(model.device), None if mask is None else mask.to(model.device))
+    return kept_masks(state.cache, observations, press, state.valid_slots())
 
 
 @torch.inference_mode()

@@ -10,7 +10,7 @@ import copy
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -19,9 +19,13 @@ from caramba.runs import runs_root
 from caramba.manifest.hints import did_you_mean, format_loc
 from caramba.manifest.matrix import expand_matrices
 from caramba.manifest.overrides import apply_overrides
-from caramba.manifest.schema import Manifest, annotation_at
+from caramba.manifest import schema
+from caramba.manifest.schema import annotation_at
 from caramba.manifest.substitution import escape_vars, substitute_vars
 from caramba.manifest.yaml_lines import MAX_BYTES, Locations, dump_yaml, parse_yaml, yaml11_note
+
+if TYPE_CHECKING:   # annotations: the model itself is read from the schema when used
+    from caramba.manifest.schema import Manifest
 
 
 def load_manifest(path: str | Path, overrides: Sequence[str] = ()) -> Manifest:
@@ -65,7 +69,7 @@ def parse_manifest(text: str, source: str = "<manifest>", overrides: Sequence[st
     data = substitute_vars(data, locations)
     data = expand_matrices(data, locations)   # after --set and vars: a sweep expands what they made
     try:
-        manifest = Manifest.model_validate(data)
+        manifest = schema.Manifest.model_validate(data)   # the schema as the registry of modes stands
     except ValidationError as error:
         # In file order, so the message reads top to bottom like the manifest.
         errors = sorted(error.errors(include_url=False), key=lambda e: locations.line_of(e["loc"]) or 0)
@@ -139,7 +143,7 @@ def resolved_run_yaml(manifest: Manifest, target: str, run_id: str) -> str:
     run_data = {**run.model_dump(mode="json"), "model": manifest.model_for(run).model_dump(mode="json")}
     data = copy.deepcopy(data)
     data["targets"] = [{**owner.model_dump(mode="json", exclude={"runs"}), "runs": [run_data]}]
-    data = {key: data[key] for key in Manifest.model_fields}   # in schema order, as resolved_manifest_yaml
+    data = {key: data[key] for key in schema.Manifest.model_fields}   # in schema order, as resolved_manifest_yaml
     return dump_yaml(escape_vars(data))
 
 

@@ -6,9 +6,11 @@ registers an instance when it is imported (`register(MyMode())`); everything tha
 "which mode is this?" asks the registry instead: the manifest schema (the `mode:` values and the
 run's sections), `caramba run` (the runner), preflight, the resource checks and `caramba report`.
 
-The five first modes' sections are declared in caramba.manifest.schema (a manifest validates
-without loading a runner); a mode added later names its own `section` and `settings` and
-register() adds them to the schema. The built-in modes are the modules caramba.runners imports.
+The registry is one table, caramba.manifest.modes (mode -> section, settings, runner): the five
+first modes' sections are registered there with the schema (a manifest validates without loading
+a runner) and their modules here add their runners; a mode added later names its own `section`
+and `settings` and register() adds them with it. The built-in modes are the modules
+caramba.runners imports.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from pydantic import BaseModel
 
-from caramba.manifest import schema
+from caramba.manifest import modes as table
 
 if TYPE_CHECKING:   # types only: the registry imports no runner
     from rich.console import Console
@@ -94,49 +96,47 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-_MODES: dict[str, Mode] = {}
-_BROUGHT: set[str] = set()   # modes whose section register() added to the schema
-
-
 def register(mode: Mode) -> Mode:
-    """Add `mode` to the registry (and its section to the manifest schema when the schema does not
-    hold it yet); returns it. A name registered twice is a ValueError."""
-    if mode.name in _MODES:
+    """Add `mode` to the registry (with its section, when the registry does not hold that yet);
+    returns it. A name registered twice is a ValueError."""
+    entry = table.entry(mode.name)
+    if entry is not None and entry.runner is not None:
         raise ValueError(f"mode {mode.name!r} is registered already")
-    known = schema.MODE_SECTIONS.get(mode.name)
-    if known is None:
+    if entry is None:
         if not mode.section or mode.settings is None:
             raise ValueError(f"mode {mode.name!r} needs a section name and a settings model")
-        schema.register_section(mode.name, mode.section, mode.settings)
-        _BROUGHT.add(mode.name)
-    elif mode.section not in (None, known) or mode.settings not in (None, schema.MODE_SETTINGS[mode.name]):
-        raise ValueError(f"mode {mode.name!r}: the schema declares its section as {known!r} with "
-                         f"{schema.MODE_SETTINGS[mode.name].__name__}")
-    mode.section, mode.settings = known or mode.section, schema.MODE_SETTINGS[mode.name]
-    _MODES[mode.name] = mode
+        entry = table.register_section(mode.name, mode.section, mode.settings, mode)
+    elif mode.section not in (None, entry.section) or mode.settings not in (None, entry.settings):
+        raise ValueError(f"mode {mode.name!r}: the schema declares its section as {entry.section!r} with "
+                         f"{entry.settings.__name__}")
+    mode.section, mode.settings = entry.section, entry.settings
+    entry.runner = mode
     return mode
 
 
 def unregister(name: str) -> None:
-    """Remove a mode (and the section it brought): a test's throwaway mode."""
-    del _MODES[name]
-    if name in _BROUGHT:
-        _BROUGHT.discard(name)
-        schema.unregister_section(name)
+    """Remove a mode (and the section it brought; a built-in section stays): a test's throwaway mode."""
+    entry = table.entry(name)
+    if entry is None or entry.runner is None:
+        raise KeyError(name)
+    if entry.built_in:
+        entry.runner = None
+    else:
+        table.unregister_section(name)
 
 
 def modes() -> dict[str, Mode]:
     """Every registered mode by name, the built-in ones included: caramba/runners/__init__.py
     imports them, and Python runs a package's __init__ before any of its modules (this one too)."""
-    return dict(_MODES)
+    return {name: e.runner for name, e in table.entries().items() if e.runner is not None}
 
 
 def get(name: str) -> Mode:
     """The mode called `name`; KeyError when none is registered."""
-    found = _MODES.get(name) or modes().get(name)   # a sweep asks once per run: the dict first
-    if found is None:
+    entry = table.entry(name)
+    if entry is None or entry.runner is None:
         raise KeyError(name)
-    return found
+    return entry.runner
 
 
 class RunnerTable(MutableMapping):

@@ -18,8 +18,12 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
+
 from caramba.errors import UserError
 from caramba.manifest import ResolvedRun
+from caramba.model.transformer import Transformer
+from caramba.model.zoo import inspect_source
 from caramba.runners import registry
 from caramba.runs import entry_kind, runs_root
 
@@ -97,8 +101,6 @@ def check_memory(runs: list[ResolvedRun], configs: dict | None = None, available
     """UserError (exit 2) naming the run and the field to lower when a CPU run's estimated
     memory (weights + KV cache + activations) is over what the machine has available.
     `configs`: model source -> ModelConfig (filled from inspect_source, once per source)."""
-    from caramba.model.zoo import inspect_source
-
     configs = {} if configs is None else configs
     available = mem_available() if available is None else available
     if available is None:
@@ -162,10 +164,6 @@ def _shape_costs(cfg, dtype: str) -> tuple[int, int]:
     model on the meta device and its cache's own bytes_per_token."""
     key = (repr(cfg), dtype)
     if key not in _SHAPES:
-        import torch
-
-        from caramba.model.transformer import Transformer
-
         with torch.device("meta"):
             model = Transformer(cfg)
             params = sum(p.numel() for p in model.parameters())
