@@ -26,12 +26,17 @@ class MaskedLayer(LayerKVCache):
     hidden: torch.Tensor   # [B, KVH, S] True = dropped
 
     def attend(self, q, k, v, mask, causal):
+        return self.attend_softcapped(q, k, v, mask, causal, None)
+
+    def attend_softcapped(self, q, k, v, mask, causal, cap):   # cap: Gemma 2's scores, cap * tanh(s / cap)
         end = self._append(k, v)
         keys, values = self.contents(end, q.dtype)                   # [B, KVH, end, D]
         B, H, T, D = q.shape
         G = H // self.n_kv_heads
         keys, values = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
         scores = q @ keys.transpose(-1, -2) / D**0.5                 # [B, H, T, end]
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
         allowed = torch.ones(B, H, T, end, dtype=torch.bool)
         if mask is not None:
             allowed &= mask

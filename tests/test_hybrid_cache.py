@@ -137,12 +137,19 @@ def test_a_shared_context_stored_into_another_hybrid_cache_continues_alike(model
     torch.testing.assert_close(got, want, **tol.forward(want, model.config))
 
 
-def test_a_press_on_a_hybrid_model_is_refused_with_the_reason(model):
-    from caramba.infer.pressing import check_pressable
+def test_a_press_on_a_hybrid_model_presses_its_full_layers_only(model):
+    """tests/test_press_hybrid.py has the rest: rings bit for bit, masks, decoding, the C step."""
+    from caramba.infer.pressing import check_pressable, prefill_pressed
+    from caramba.infer.state import DecodeState
     from caramba.press import PressConfig
 
-    with pytest.raises(ValueError, match="hybrid model"):
-        check_pressable(model, PressConfig(method="snapkv", ratio=0.5))
+    press = PressConfig(method="snapkv", ratio=0.5, window_size=4)
+    check_pressable(model, press)
+    state = DecodeState(model, model.new_cache(1, 64))
+    prefill_pressed(state, tokens(40), None, press)
+    assert type(state.cache) is HybridKVCache and state.cache.pressed_at == 40 and state.cache.length == 40
+    assert [type(layer) is SlidingLayerKVCache for layer in state.cache.layers] == [t == "sliding" for t in TYPES]
+    check_pressable(model, PressConfig(method="knorm", ratio=0.0, interval=8, target=16))   # decoding-time too
 
 
 # ---- every decoding path over the rings -----------------------------------------------------------

@@ -32,19 +32,34 @@ Two layouts:
     sit in front behind a per-head validity mask.
   The fused C step reads both in place, each head only its run of survivors (its first valid
   slot and, packed, its origin in the store: fast_decode), so neither layout reads holes.
+
+A hybrid cache (caramba.cache.hybrid: Gemma 2/3) is pressed in its full layers only (kept[l] is
+None for a sliding layer): each full layer becomes a ragged layer as above, its slots offset by
+the context's length minus its width, so the model's slot numbers stay the rings' (HybridKVCache.
+pressed). The rings are copied as they are (in the template's sliding kinds where those differ:
+their slots re-stored, as caramba.infer.task_eval.store_context does), and the decoding state's
+slot mask, in those same slot numbers, stays. A pressed hybrid cache can be pressed again
+(decoding-time compression): kept masks are in the model's slot numbers (held_slots,
+slot_contents: what a pressed layer holds, where the model numbers it), each full layer rebuilt
+from its own survivors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import copy
+
 import torch
 
 from caramba.cache.attend import attend_chunked
+from caramba.cache.hybrid import HybridKVCache, SlidingLayerKVCache
 from caramba.cache.layer import CHUNKED_MAX_T, KVCache, LayerKVCache
 from caramba.cache.packed import PackedSlots, alignment, make_packed_stream
+from caramba.cache.sdpa import softcapped_attention
 
-__all__ = ["PackedLayerKVCache", "PressedKVCache", "PressedLayerKVCache", "evict", "kept_counts"]
+__all__ = ["PackedLayerKVCache", "PressedKVCache", "PressedLayerKVCache", "evict", "held_slots", "kept_counts",
+           "slot_contents"]
 
 
 def kept_counts(kept: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -58,16 +73,21 @@ PACK = True
 
 
 @torch.inference_mode()
-def evict(source: KVCache, kept: Sequence[torch.Tensor], template: KVCache | None = None,
+def evict(source: KVCache, kept: Sequence[torch.Tensor | None], template: KVCache | None = None,
           room: int = 0, dtype: torch.dtype = torch.float32,
-          pack: bool | None = None, ragged_rows: bool = False) -> tuple[KVCache, torch.Tensor | None]:
+          pack: bool | None = None, ragged_rows: bool = False,
+          slot_mask: torch.Tensor | None = None) -> tuple[KVCache, torch.Tensor | None]:
     """(cache, slot_mask): the source's kept slots (kept[l] [B, KVH, S], S = source.length) in the
     template's kinds (default: the source's), with `room` free slots after them. slot_mask
     [B, W + room] marks a uniform cache's real slots (None: all of them, or a ragged cache,
     whose layers hold their own masks). pack: whether ragged layers may be packed (None: PACK).
     ragged_rows: rows keeping different counts go the ragged way, packed (no holes in front of
     the shorter rows), where otherwise they stay uniform with holes; a ragged cache cannot be
-    pressed again, so a press followed by decoding-time compression leaves it False."""
+    pressed again, so a press followed by decoding-time compression leaves it False.
+    A HybridKVCache source: its full layers pressed (kept None for its sliding layers), its rings
+    copied, and `slot_mask` (the source's, in the slot numbers it keeps) returned as it is."""
+    if isinstance(source, HybridKVCache):
+        return _evict_hybrid(source, kept, template, room, dtype, pack), slot_mask
     layers = source.layers
     S, B = source.length, source.batch_size
     template = source if template is None else template
@@ -108,6 +128,102 @@ def evict(source: KVCache, kept: Sequence[torch.Tensor], template: KVCache | Non
     slot_mask = torch.zeros(B, width + room, dtype=torch.bool, device=rows.device)
     slot_mask[:, :width] = torch.arange(width, device=rows.device)[None, :] >= (width - rows)[:, None]
     return KVCache(built), slot_mask
+
+
+def held_slots(layer: LayerKVCache, S: int) -> torch.Tensor | None:
+    """[B, KVH, S] which of the model's slots [0, S) a pressed layer holds (its holes and the slots
+    before its offset not); None for a plain layer, which holds all of them."""
+    if type(layer) not in (PressedLayerKVCache, PackedLayerKVCache):
+        return None
+    B, H, off = layer.batch_size, layer.n_kv_heads, layer.offset
+    own = torch.arange(S - off, device=layer.k.device)                      # this layer's slots
+    if type(layer) is PackedLayerKVCache:
+        held = own >= layer.first[..., None]
+    else:
+        held = torch.ones(B, H, S - off, dtype=torch.bool, device=own.device)
+        if layer.valid is not None:
+            held[..., :layer.width] = layer.valid
+    return torch.cat([torch.zeros(B, H, off, dtype=torch.bool, device=own.device), held], dim=-1)
+
+
+def slot_contents(layer: LayerKVCache, S: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [B, KVH, S, D] of the model's slots [0, S) (rotations undone): a pressed layer's own
+    slots after its offset, zeros where it holds nothing (held_slots says where)."""
+    off = getattr(layer, "offset", 0)
+    keys, values = layer.contents(S - off, dtype)
+    if not off:
+        return keys, values
+    return torch.nn.functional.pad(keys, (0, 0, off, 0)), torch.nn.functional.pad(values, (0, 0, off, 0))
+
+
+def _evict_hybrid(source: HybridKVCache, kept: Sequence[torch.Tensor | None], template: KVCache | None, room: int,
+                  dtype: torch.dtype, pack: bool | None) -> HybridKVCache:
+    """The hybrid cache whose full layers keep their kept slots (ragged layers, offset to the
+    source's slot numbers) and whose rings are the source's, copied."""
+    S, B = source.length, source.batch_size
+    template = source if template is None else template
+    if len(kept) != len(source.layers) or len(template.layers) != len(source.layers) or \
+            getattr(template, "sliding", None) != source.sliding:
+        raise ValueError(f"evict needs one kept mask per layer ({len(source.layers)}, None for each sliding layer) "
+                         "and a template of the same model's hybrid cache")
+    packs = PACK if pack is None else pack
+    built: list[LayerKVCache] = []
+    for i, (src, tpl, mask, ring) in enumerate(zip(source.layers, template.layers, kept, source.sliding)):
+        if ring:
+            if mask is not None:
+                raise ValueError(f"layer {i} is a sliding layer's ring: a press keeps it whole (its kept mask must "
+                                 "be None)")
+            built.append(_copy_ring(src, tpl, dtype))
+            continue
+        held = (LayerKVCache, PressedLayerKVCache, PackedLayerKVCache)   # pressed already: pressed again
+        if type(src) not in held or type(tpl) not in held:
+            raise ValueError(f"eviction needs standard attention caches; full layer {i} is {type(src).__name__}")
+        if mask is None or mask.dtype != torch.bool or tuple(mask.shape) != (B, src.n_kv_heads, S):
+            raise ValueError(f"kept mask of full layer {i} must be bool [{B}, {src.n_kv_heads}, {S}]; got "
+                             f"{None if mask is None else (mask.dtype, tuple(mask.shape))}")
+        had = held_slots(src, S)
+        if had is not None and bool((mask & ~had).any()):
+            raise ValueError(f"the kept mask of full layer {i} keeps slots the layer no longer holds")
+        counts = mask.sum(dim=-1)                                    # [B, KVH]
+        w = int(counts.max()) if counts.numel() else 0
+        off = getattr(src, "offset", 0)                              # the mask over this layer's own slots
+        keys, values, valid = _gather(src, mask[..., off:], S - off, w, dtype)
+        first = w - counts
+        align = alignment(tpl.k_cfg, tpl.v_cfg)
+        if packs and bool((first >= align).any()):
+            layer = PackedLayerKVCache.build(tpl, B, w, room, first, S - w, align)
+            layer.extend(keys, values)
+        else:
+            layer = tpl.like(B, w + room)
+            layer.extend(keys, values)
+            layer = PressedLayerKVCache.adopt(layer, S - w, None if bool(valid.all()) else valid)
+        built.append(layer)
+    cache = HybridKVCache.pressed(built, source.sliding, source.model_window, S)
+    cache.window = source.window
+    return cache
+
+
+def _copy_ring(src: SlidingLayerKVCache, tpl: LayerKVCache, dtype: torch.dtype) -> SlidingLayerKVCache:
+    """A copy of a ring in the template's kinds: its storage as it is where the kinds and rotations
+    agree, else its slots re-stored in the template's."""
+    B = src.batch_size
+    same = (src.k_cfg, src.v_cfg, src.rotation is None, src.v_rotation is None) == \
+        (tpl.k_cfg, tpl.v_cfg, tpl.rotation is None, tpl.v_rotation is None)
+    if same:
+        ring = copy.copy(src)
+        rows = torch.arange(B, device=src.k.device)
+        ring.k_stream, ring.v_stream = copy.copy(src.k_stream), copy.copy(src.v_stream)
+        for stream in ring.streams:
+            stream.reorder(rows)                                     # index_select: a copy of every tensor
+        ring.observer = None
+        return ring
+    ring = tpl.like(B, src.max_seq_len)
+    ring.__class__ = SlidingLayerKVCache
+    ring.window = src.window
+    keys, values, first = src.slot_contents(dtype)
+    ring.length = first
+    ring.extend(keys, values)
+    return ring
 
 
 def _gather(layer: LayerKVCache, mask: torch.Tensor, S: int, width: int, dtype: torch.dtype):
@@ -161,14 +277,8 @@ class PressedLayerKVCache(LayerKVCache):
         always gives one) mapped onto this layer's slots (its slot i is the model's i + offset)
         and each head's holes masked. The C decode step reads the same (fast_decode)."""
         B, H, T, _ = q.shape
-        if mask is None or causal:
-            raise ValueError("a pressed layer needs an explicit mask (PressedKVCache.attention_mask)")
-        end = self._append(k, v)
+        end, layer_mask = self._append_masked(k, v, mask, causal, B, T)
         KVH = self.n_kv_heads
-        layer_mask = mask[..., self.offset:].expand(B, KVH, T, end)          # [B, KVH, T, end]
-        if self.valid is not None:
-            layer_mask = torch.cat([layer_mask[..., :self.width] & self.valid[:, :, None, :],
-                                    layer_mask[..., self.width:]], dim=-1)
         if self.rotation is not None:
             q = q @ self.rotation.to(q.dtype)
         if T <= CHUNKED_MAX_T:
@@ -177,6 +287,32 @@ class PressedLayerKVCache(LayerKVCache):
             keys, values = self.k_stream.read(end, q.dtype), self.v_stream.read(end, q.dtype)
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, keys, values, attn_mask=layer_mask.repeat_interleave(H // KVH, dim=1), enable_gqa=True)
+        return out if self.v_rotation is None else out @ self.v_rotation.to(out.dtype)
+
+    def _append_masked(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, B: int,
+                       T: int) -> tuple[int, torch.Tensor]:
+        """Append k, v; (end, the model's mask mapped onto this layer's slots [B, KVH, T, end],
+        each head's holes masked)."""
+        if mask is None or causal:
+            raise ValueError("a pressed layer needs an explicit mask (PressedKVCache.attention_mask)")
+        end = self._append(k, v)
+        layer_mask = mask[..., self.offset:].expand(B, self.n_kv_heads, T, end)
+        if self.valid is not None:
+            layer_mask = torch.cat([layer_mask[..., :self.width] & self.valid[:, :, None, :],
+                                    layer_mask[..., self.width:]], dim=-1)
+        return end, layer_mask
+
+    def attend_softcapped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          causal: bool, cap: float) -> torch.Tensor:
+        """attend() with the scores soft-capped (Gemma 2): this layer's slots (each head's, as
+        stored: rotated queries meet rotated keys) under the mapped mask, scores materialized."""
+        B, H, T, _ = q.shape
+        end, layer_mask = self._append_masked(k, v, mask, causal, B, T)
+        if self.rotation is not None:
+            q = q @ self.rotation.to(q.dtype)
+        keys, values = self.k_stream.read(end, q.dtype), self.v_stream.read(end, q.dtype)   # [B, KVH, end, D]
+        out = softcapped_attention(q, keys, values, layer_mask.repeat_interleave(H // self.n_kv_heads, dim=1),
+                                   False, cap)
         return out if self.v_rotation is None else out @ self.v_rotation.to(out.dtype)
 
 
@@ -213,6 +349,15 @@ class PackedLayerKVCache(PressedLayerKVCache):
     def org(self) -> torch.Tensor:
         return self.slots.org
 
+    def _append_masked(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, B: int,
+                       T: int) -> tuple[int, torch.Tensor]:
+        """As PressedLayerKVCache's, each head's slots before its first survivor masked."""
+        if mask is None or causal:
+            raise ValueError("a pressed layer needs an explicit mask (PressedKVCache.attention_mask)")
+        end = self._append(k, v)
+        held = torch.arange(end, device=mask.device) >= self.first[..., None]  # [B, KVH, end]
+        return end, mask[..., self.offset:].expand(B, self.n_kv_heads, T, end) & held[:, :, None, :]
+
     def reorder(self, index: torch.Tensor) -> None:
         slots, gather = self.slots.reorder(index)
         for s in self.streams:
@@ -226,13 +371,9 @@ class PackedLayerKVCache(PressedLayerKVCache):
         layer's slots and each head's holes masked: quantized codes read in place in chunks for
         decode-sized forwards (PressedLayerKVCache's read), else SDPA over the dequantized slots."""
         B, H, T, _ = q.shape
-        if mask is None or causal:
-            raise ValueError("a pressed layer needs an explicit mask (PressedKVCache.attention_mask)")
-        end = self._append(k, v)
+        end, layer_mask = self._append_masked(k, v, mask, causal, B, T)
         if self.rotation is not None:
             q = q @ self.rotation.to(q.dtype)
-        held = torch.arange(end, device=q.device) >= self.first[..., None]  # [B, KVH, end]
-        layer_mask = mask[..., self.offset:].expand(B, self.n_kv_heads, T, end) & held[:, :, None, :]
         if self.quantized and T <= CHUNKED_MAX_T:
             # codes read where they lie (caramba.cache.attend), from each head's slots copied out
             views = [s.dense_view(end) if s.quantized else _FloatView(s.read(end, s.data.dtype)) for s in self.streams]

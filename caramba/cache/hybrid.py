@@ -17,6 +17,18 @@ A forward of T new tokens into a ring:
 SLACK is the room a rollback needs (speculative decoding truncates rejected drafts: the slots it
 gives back must not have been overwritten). truncate refuses to go back further. 16 is the fused
 step's most token rows (caramba.model.fast_decode.MAX_ROWS): 3% of Gemma 3's window.
+
+A press (caramba.press, caramba.cache.evict) presses the full layers only: they are what grows
+with the context, while a ring already holds no more than its window and its storage slots are
+numbered by the slots (s % capacity), so dropping ring slots would save nothing and break that
+numbering. A pressed hybrid cache (`pressed_at`: the context's slots when it was pressed) keeps
+the model's slot numbers, which are the rings' (its length, room and new tokens' slots are the
+unpressed cache's): its full layers are a ragged press's layers (PressedLayerKVCache /
+PackedLayerKVCache: each head's survivors in order, right-aligned before pressed_at, then the new
+tokens), whose slot i is the model's i + offset, offset = pressed_at - the layer's width. The
+full layers' mask is the model's over slots [0, length + T) with the context's slots all allowed
+(each full layer masks its own holes per head: caramba.cache.evict), the rings' mask is as before;
+the decoding state's slot mask (left padding) stays, in the same slot numbers.
 """
 
 from __future__ import annotations
@@ -28,6 +40,11 @@ from caramba.cache.mask import attention_mask, narrowest
 from caramba.cache.sdpa import attention
 
 SLACK = 16
+
+
+def _offset(layer) -> int:
+    """The model's slot of the layer's slot 0: a pressed full layer's offset (caramba.cache.evict), else 0."""
+    return getattr(layer, "offset", 0)
 
 
 def ring_slots(end: int, capacity: int, device) -> torch.Tensor | None:
@@ -135,15 +152,52 @@ class HybridKVCache(KVCache):
         super().__init__(layers)
         self.sliding, self.model_window = list(sliding), window
         self._full = next(layer for layer, ring in zip(layers, sliding) if not ring)
+        self.pressed_at: int | None = None   # the context's slots when a press left the full layers ragged
+
+    @classmethod
+    def pressed(cls, layers: list[LayerKVCache], sliding: list[bool], window: int, at: int) -> HybridKVCache:
+        """A pressed hybrid cache (caramba.cache.evict): rings (SlidingLayerKVCache) where `sliding`,
+        a ragged press's layers elsewhere, pressed after `at` slots."""
+        self = cls.__new__(cls)
+        KVCache.__init__(self, layers)
+        self.sliding, self.model_window = list(sliding), window
+        self._full = next(layer for layer, ring in zip(layers, sliding) if not ring)
+        self.pressed_at = at
+        return self
+
+    @property
+    def length(self) -> int:
+        return self._full.length + _offset(self._full)
 
     @property
     def max_seq_len(self) -> int:
-        return self._full.max_seq_len
+        return self._full.max_seq_len + _offset(self._full)
 
     def attention_mask(self, B: int, T: int, slot_mask: torch.Tensor | None, device: torch.device,
                        window: int | None = None, model_window: int | None = None) -> tuple[torch.Tensor | None, bool]:
         """The full layers' mask (layer_masks gives each layer its own)."""
-        return super().attention_mask(B, T, slot_mask, device, window, model_window)
+        if self.pressed_at is None:
+            return super().attention_mask(B, T, slot_mask, device, window, model_window)
+        if self.window is not None and window not in (None, self.window):
+            raise ValueError(f"window={window} disagrees with the cache's window={self.window}")
+        return self._full_mask(B, T, slot_mask, device, narrowest(self.window if window is None else window,
+                                                                   model_window))
+
+    def _full_mask(self, B: int, T: int, slot_mask: torch.Tensor | None, device: torch.device,
+                   span: int | None) -> tuple[torch.Tensor | None, bool]:
+        """The full layers' mask over slots [0, length + T). Pressed: spelled out (each pressed layer
+        maps it onto its own slots), the context's slots all allowed (its holes are each layer's)."""
+        start = self.length
+        if self.pressed_at is None:
+            return attention_mask(B, T, start, slot_mask, device, span)
+        if slot_mask is not None:
+            slot_mask = slot_mask.clone()
+            slot_mask[:, :self.pressed_at] = True
+        mask, _ = attention_mask(B, T, start, slot_mask, device, span)
+        if mask is None:
+            q_slot = torch.arange(start, start + T, device=device)[:, None]
+            mask = (torch.arange(start + T, device=device)[None, :] <= q_slot).expand(B, 1, T, start + T)
+        return mask, False
 
     def layer_masks(self, B: int, T: int, slot_mask: torch.Tensor | None, device: torch.device,
                     window: int | None, layer_windows: list[int | None]) -> list[tuple[torch.Tensor | None, bool]]:
@@ -152,7 +206,7 @@ class HybridKVCache(KVCache):
             raise ValueError(f"window={window} disagrees with the cache's window={self.window}")
         span = self.window if window is None else window
         start = self.length
-        full = attention_mask(B, T, start, slot_mask, device, span)
+        full = self._full_mask(B, T, slot_mask, device, span)
         ring = next(layer for layer in self.layers if type(layer) is SlidingLayerKVCache)
         local = attention_mask(B, T, start, slot_mask, device, narrowest(span, self.model_window),
                                ring.key_slots(start, T, device))
@@ -166,15 +220,36 @@ class HybridKVCache(KVCache):
         if self.length - n > room and self.length > ring.max_seq_len:
             raise ValueError(f"a hybrid cache's sliding-layer rings can roll back at most {room} slots; "
                              f"asked to go from {self.length} to {n}")
-        super().truncate(n)
+        for layer in self.layers:
+            layer.truncate(n - _offset(layer))
 
     def bytes_at(self, tokens: int) -> int:
         """Bytes holding a context of `tokens`: each full layer's per token, each ring's up to its capacity."""
         return sum(self.bytes_by_layer_type(tokens).values())
 
     def bytes_by_layer_type(self, tokens: int) -> dict[str, int]:
-        """bytes_at split into the sliding layers' rings and the full layers."""
+        """bytes_at split into the sliding layers' rings and the full layers. Pressed: a full layer
+        holds its survivors' share of the context's first min(tokens, pressed_at) slots, then every
+        token after them."""
         out = {"sliding": 0, "full": 0}
         for layer, ring in zip(self.layers, self.sliding):
-            out["sliding" if ring else "full"] += layer.bytes_at(min(tokens, layer.max_seq_len) if ring else tokens)
+            if ring:
+                out["sliding"] += layer.bytes_at(min(tokens, layer.max_seq_len))
+            elif self.pressed_at is None:
+                out["full"] += layer.bytes_at(tokens)
+            else:
+                P = self.pressed_at
+                held = min(tokens, P) * self.held_share(layer) + max(0, tokens - P)
+                out["full"] += round(layer.bytes_per_token() * held)
         return out
+
+    def held_share(self, layer) -> float:
+        """The share of the context's (row, KV head, slot) entries a pressed full layer holds."""
+        B, H, P = layer.batch_size, layer.n_kv_heads, self.pressed_at
+        if getattr(layer, "first", None) is not None:            # packed: each head's survivors from `first` on
+            held = int((layer.width - layer.first).sum())
+        elif getattr(layer, "valid", None) is not None:
+            held = int(layer.valid.sum())
+        else:
+            held = B * H * layer.width
+        return held / max(B * H * P, 1)

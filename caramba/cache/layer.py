@@ -13,7 +13,7 @@ from caramba.cache.attend import attend_chunked
 from caramba.cache.kinds import KVCacheTensorConfig
 from caramba.cache.mask import attention_mask, narrowest
 from caramba.cache.quant import quantize
-from caramba.cache.sdpa import attention
+from caramba.cache.sdpa import attention, softcapped_attention
 from caramba.cache.streams import make_stream
 
 # Queries per step up to which a quantized cache is read in chunks (decode, speculative
@@ -204,6 +204,13 @@ class LayerKVCache(StreamLayerCache):
             keys, values = self.k_stream.read(end, q.dtype), self.v_stream.read(end, q.dtype)   # prefill: once
             out = attention(q, keys, values, mask, causal)
         return out if self.v_rotation is None else out @ self.v_rotation.to(out.dtype)
+
+    def attend_softcapped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          causal: bool, cap: float) -> torch.Tensor:
+        """attend() with the scores soft-capped before the softmax (Gemma 2): no fused kernel
+        computes that, so every cached K and V is read back and the scores are materialized."""
+        keys, values = self.update(k, v)
+        return softcapped_attention(q, keys, values, mask, causal, cap)
 
     @property
     def streams(self) -> tuple:

@@ -22,6 +22,11 @@ the key/value methods, keep the C step. Each compression scores every row and re
 (caramba.cache.evict) with uniform budgets, which the C step reads as it is. Survivors keep their
 RoPE positions; new tokens continue at each row's next position (DecodeState.next_pos), and
 DecodeState.evicted counts the dropped tokens.
+
+Hybrid models (Gemma 2/3, caramba.cache.hybrid): each compression presses the full layers only,
+as a prefill press does; their rings keep their window. A pressed hybrid cache keeps the model's
+slot numbers (the rings'), so a second compression scores what each full layer still holds there
+(caramba.cache.evict.held_slots).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import contextlib
 
 import torch
 
+from caramba.infer.pressing import check_pressable
 from caramba.infer.state import DecodeState
 from caramba.model.backend import TorchStep
 from caramba.press import PressConfig, kept_masks, observing
@@ -53,6 +59,7 @@ class DecodingPress:
     def __init__(self, state: DecodeState, press: PressConfig) -> None:
         if not press.decoding:
             raise ValueError("DecodingPress needs a press with press_interval set")
+        check_pressable(state.model, press)   # what a model cannot press: refused, with the reason
         self.state, self.press = state, press
         self.steps = 0                       # decode steps since the last compression
         self.watch = watched_steps(press)

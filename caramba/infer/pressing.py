@@ -8,6 +8,13 @@ scored (caramba.press.kept_masks) and the cache is rebuilt with the survivors on
 the prefill returns were computed over the whole context: the first new token sees everything,
 the later ones the survivors (kvpress's protocol). press_masks does the same on a fresh fp32 cache
 and returns the kept masks (what the benchmark and a caller without a decoding state use).
+
+A hybrid model (Gemma 2/3, caramba.cache.hybrid) is pressed in its full layers only: only they are
+observed and scored, the pressed cache keeps the model's slot numbers (the rings'), and the sliding
+layers' rings carry over untouched (the kept masks hold None for them; DecodeState.kept_share is the full
+layers' share). Decoding-time compression presses the full layers again, in the model's slot
+numbers. Gemma 2's soft-capped attention reads a pressed layer through its attend_softcapped (its
+own slots under the mapped mask), as the uncapped attention reads its attend.
 """
 
 from __future__ import annotations
@@ -28,12 +35,6 @@ def check_pressable(model, press: PressConfig) -> None:
     if model.config.attention == "decoupled":
         raise ValueError(f"press={press.method}: presses score standard attention's keys; a decoupled (DBA) model's "
                          "three streams have no press yet: drop press or use a standard-attention model")
-    if model.config.hybrid:
-        # Its sliding layers' caches are rings that stop growing at their window; a press would
-        # apply to the full layers only, whose pressed slots no longer line up with the rings'.
-        raise ValueError(f"press={press.method}: a hybrid model's (sliding and full layers: Gemma 2/3) cache has no "
-                         "press yet; its sliding layers already keep only their window (caramba.cache.hybrid): "
-                         "compare cache kinds (cache_kind, cache_sliding_kind) instead")
 
 
 @torch.inference_mode()

@@ -176,17 +176,22 @@ class DecodeState:
         press's choice, caramba.press) in a new cache of the template's kinds (default: this
         cache's), with this cache's remaining room after them (caramba.cache.evict; ragged_rows:
         rows keeping different counts packed, for a cache that will not be pressed again). Rows
-        keep their positions: the next token of each row is still at next_pos."""
+        keep their positions: the next token of each row is still at next_pos. A hybrid cache:
+        kept is None for its sliding layers (kept whole); kept_share counts its full layers; its
+        slot numbers, so the slot mask, stay."""
         if self.ring:
             raise ValueError("a press needs a plain cache, not a sliding-window ring (drop decode_local_window)")
         valid = self.valid_slots()
+        pressed = [mask for mask in kept if mask is not None]
         for i, mask in enumerate(kept):
-            if mask.dtype == torch.bool and mask.shape[-1:] == valid.shape[-1:] and bool((mask & ~valid[:, None, :]).any()):
+            if mask is not None and mask.dtype == torch.bool and mask.shape[-1:] == valid.shape[-1:] and \
+                    bool((mask & ~valid[:, None, :]).any()):
                 raise ValueError(f"the kept mask of layer {i} keeps padding slots")
         room = self.cache.max_seq_len - self.cache.length
-        real = valid.sum() * len(kept) * self.cache.layers[0].n_kv_heads
-        self.kept_share = float(sum(int(m.sum()) for m in kept) / max(int(real), 1))
-        self.cache, self.slot_mask = evict(self.cache, kept, template, room, ragged_rows=ragged_rows)
+        real = valid.sum() * len(pressed) * self.cache.layers[0].n_kv_heads
+        self.kept_share = float(sum(int(m.sum()) for m in pressed) / max(int(real), 1))
+        self.cache, self.slot_mask = evict(self.cache, kept, template, room, ragged_rows=ragged_rows,
+                                           slot_mask=self.slot_mask)
         # Tokens each row no longer holds a slot for: rollback counts tokens, the cache holds survivors.
         # Recounted, not added to: a second press (decoding-time compression) sees the first's holes gone.
         self.evicted = self.next_pos - self.valid_slots().sum(dim=1)

@@ -262,7 +262,9 @@ def _first_valid(layer) -> torch.Tensor | None:
 
 
 def _scan_layout(cache) -> _Layout | None:
-    kinds = PRESSED if type(cache) is PressedKVCache else (LayerKVCache, *RINGS)
+    # a pressed hybrid cache's full layers are a ragged press's, offset to its rings' slot numbers
+    kinds = PRESSED if type(cache) is PressedKVCache else (LayerKVCache, *RINGS, *PRESSED) \
+        if type(cache) is HybridKVCache else (LayerKVCache, *RINGS)
     if any(type(layer) not in kinds or _first_valid(layer) is False for layer in cache.layers):
         return None
     streams = []

@@ -72,8 +72,7 @@ class Attention(nn.Module):
             if cache.observer is not None:   # a press watching the context prefill (caramba.press.observe)
                 cache.observer(q, k, v, cos, sin, mask, causal)
             if self.softcap is not None:     # scores capped before the softmax: no fused kernel computes that
-                keys, values = cache.update(k, v)
-                y = softcapped_attention(q, keys, values, mask, causal, self.softcap)
+                y = cache.attend_softcapped(q, k, v, mask, causal, self.softcap)
             else:
                 y = cache.attend(q, k, v, mask, causal)                    # appends k, v; reads [0, S)
         elif self.softcap is not None:

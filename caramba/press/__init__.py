@@ -1,7 +1,8 @@
 """KV-cache presses: token eviction after prefill (caramba.press.config, docs/kv-cache.md#presses).
 
 observing(model, cache, press) -> Observations: collect what the method scores with during a
-context prefill; kept_masks(cache, observations, press, valid) -> per layer [B, KVH, S] bool.
+context prefill; kept_masks(cache, observations, press, valid) -> per layer [B, KVH, S] bool (None: a
+hybrid cache's sliding layer, kept whole: only the full layers are pressed).
 caramba.infer.pressing runs them in a decoding state (press_masks: both on a fresh fp32 cache).
 A method is one MethodSpec in caramba.press.spec.SPECS."""
 

@@ -11,6 +11,12 @@ attention of the whole context:
   products (float64), from each row's token n_sink on, so the mean and covariance need no list;
 - neither (streaming_llm, knorm, keydiff): nothing (they score the cached keys and values alone).
 
+A hybrid model's cache (caramba.cache.hybrid: Gemma 2/3) is pressed in its full layers only, so
+only they are observed: each full layer's own queries (its window of the last context queries, its
+attention, its statistics), which see the whole context as a plain model's layers do. The sliding
+layers get no observer (Observations holds None for them): their queries see only their window,
+and their rings are never scored.
+
 Left padding: a padding query attends only to itself (caramba.cache.mask), so it adds attention
 to its own padding slot only, and a query's mask row counts the real slots it sees (its position
 + 1), which is how the query statistics skip padding and sinks without knowing the slot mask.
@@ -23,6 +29,8 @@ from contextlib import contextmanager
 
 import torch
 
+from caramba.cache.evict import PackedLayerKVCache, PressedLayerKVCache
+from caramba.cache.hybrid import HybridKVCache
 from caramba.cache.layer import KVCache, LayerKVCache
 from caramba.model.rope import apply_rope, rope_inv_freq
 from caramba.press.config import PressConfig
@@ -55,7 +63,8 @@ class LayerObservation:
 
     @torch.no_grad()
     def __call__(self, q, k, v, cos, sin, mask, causal) -> None:
-        start, T = self.layer.length, q.shape[2]      # called before the chunk is appended
+        # called before the chunk is appended; in the model's slot numbers (a pressed layer's are offset)
+        start, T = self.layer.length + getattr(self.layer, "offset", 0), q.shape[2]
         if start != self.length:
             raise RuntimeError(f"a press observer saw slots [{start}, {start + T}) after {self.length}: a forward "
                                "ran past it (keep every context forward inside `observing`)")
@@ -135,7 +144,7 @@ def _seen(mask, causal, start, T, B, device) -> torch.Tensor:
 class Observations:
     """Every layer's observation of one context prefill, plus what scoring needs of the model."""
 
-    def __init__(self, layers: list[LayerObservation], press: PressConfig, inv_freq: torch.Tensor | None) -> None:
+    def __init__(self, layers: list[LayerObservation | None], press: PressConfig, inv_freq: torch.Tensor | None) -> None:
         self.layers, self.press = layers, press
         self.inv_freq = inv_freq      # [D/2] RoPE frequencies (expected_attention); None: no RoPE
 
@@ -146,12 +155,25 @@ class Observations:
         return self.layers[i]
 
 
+def pressed_layers(cache: KVCache) -> list[bool]:
+    """Which layers a press scores and evicts: every layer, but a hybrid cache's full layers only
+    (its sliding layers' rings hold no more than their window already)."""
+    if isinstance(cache, HybridKVCache):
+        return [not ring for ring in cache.sliding]
+    return [True] * len(cache.layers)
+
+
 def check_cache(cache: KVCache) -> None:
-    """A press needs plain layer caches in slot order (not a ring buffer, not DBA's streams)."""
+    """A press needs plain layer caches in slot order (not a ring buffer, not DBA's streams); a
+    hybrid cache's full layers (caramba.cache.hybrid), pressed already or not."""
     if cache.window is not None:
         raise ValueError(f"a press needs a cache without a sliding window (this one has window={cache.window})")
-    if cache.key_slots(cache.length + 1) is not None or not all(type(layer) is LayerKVCache for layer in cache.layers):
-        kinds = sorted({type(layer).__name__ for layer in cache.layers})
+    scored = [layer for layer, p in zip(cache.layers, pressed_layers(cache)) if p]
+    # a pressed hybrid cache's full layers hold their survivors offset to the model's slot numbers
+    kinds = (LayerKVCache, PressedLayerKVCache, PackedLayerKVCache) if isinstance(cache, HybridKVCache) \
+        else (LayerKVCache,)
+    if cache.key_slots(cache.length + 1) is not None or not all(type(layer) in kinds for layer in scored):
+        kinds = sorted({type(layer).__name__ for layer in scored})
         raise ValueError(f"a press scores plain K/V layer caches in slot order; this cache has {', '.join(kinds)} "
                          "(decoupled/DBA and ring caches are not supported)")
 
@@ -173,14 +195,17 @@ def observing(model, cache: KVCache, press: PressConfig, decoding: bool = False)
                          "the whole context, from its first token")
     cfg = model.config
     inv_freq = rope_inv_freq(cfg).to(model.device) if cfg.positions == "rope" else None
-    layers = [LayerObservation(layer, press, cfg.n_heads, layer.length) for layer in cache.layers]
+    layers = [LayerObservation(layer, press, cfg.n_heads, cache.length) if p else None
+              for layer, p in zip(cache.layers, pressed_layers(cache))]
     for layer, obs in zip(cache.layers, layers):
-        layer.observer = obs
+        if obs is not None:
+            layer.observer = obs
     try:
         yield Observations(layers, press, inv_freq)
     finally:
-        for layer in cache.layers:
-            layer.observer = None
+        for layer, obs in zip(cache.layers, layers):
+            if obs is not None:
+                layer.observer = None
 
 
-__all__ = ["LayerObservation", "Observations", "check_cache", "observing", "window_of"]
+__all__ = ["LayerObservation", "Observations", "check_cache", "observing", "pressed_layers", "window_of"]

@@ -8,6 +8,12 @@ layer keeps its KVH * n_kept best scores over all heads together, so heads keep 
 Ties break towards the later slot (kvpress leaves them to torch.topk, whose order among equal
 values is unspecified).
 
+A hybrid cache (caramba.cache.hybrid) is scored in its full layers only (caramba.press.observe.
+pressed_layers): kept_masks gives None for each sliding layer (its ring is kept whole), and
+pyramidkv's pyramid runs over the full layers in depth order (layer 0 of the pyramid is the first
+full layer, the last full layer its top). A pressed hybrid cache (decoding-time compression after
+a press) is scored in the model's slot numbers: a row's slots are those its full layer still holds.
+
 Rows are scored alone: a row's real slots (the `valid` mask; rows are left-padded) are gathered in
 order, so a padded batch row keeps what the row alone keeps, and padding is never kept.
 """
@@ -16,11 +22,12 @@ from __future__ import annotations
 
 import torch
 
+from caramba.cache.evict import held_slots, slot_contents
 from caramba.cache.layer import KVCache
 from caramba.press.budget import n_kept, pyramid_budget
 from caramba.press.config import PressConfig
 from caramba.press.methods import Row
-from caramba.press.observe import LayerObservation, Observations, check_cache, window_of
+from caramba.press.observe import LayerObservation, Observations, check_cache, pressed_layers, window_of
 from caramba.press.spec import score, spec_of
 
 
@@ -85,8 +92,9 @@ def check_row(press: PressConfig, b: int, length: int, tail_real: bool) -> None:
 
 def kept_masks(cache: KVCache, observations: Observations | None, press: PressConfig,
                valid: torch.Tensor | None = None, target: int | None = None,
-               rows: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Per layer, [B, KVH, S] bool (True = keep) for the S = cache.length slots the context filled.
+               rows: torch.Tensor | None = None) -> list[torch.Tensor | None]:
+    """Per layer, [B, KVH, S] bool (True = keep) for the S = cache.length slots the context filled
+    (None: a hybrid cache's sliding layer, which a press keeps whole).
 
     observations: what `observing` collected over that prefill (None for knorm, keydiff and
     streaming_llm, which score the cache alone). valid [B, >= S]: True where a slot is a real
@@ -101,12 +109,22 @@ def kept_masks(cache: KVCache, observations: Observations | None, press: PressCo
     if scoring:
         _check_press(press, observations, cache, S)
         spec = spec_of(press.method)
-    masks = []
+    scored = pressed_layers(cache)
+    n_scored = sum(scored)
+    masks: list[torch.Tensor | None] = []
     for i, layer in enumerate(cache.layers):
-        keys, values = layer.contents(S)                                # dequantized, rotations undone
+        if not scored[i]:
+            masks.append(None)
+            continue
+        depth = sum(scored[:i])                                         # its place among the pressed layers
+        keys, values = slot_contents(layer, S)                          # dequantized, rotations undone
+        held = held_slots(layer, S)                                     # a pressed layer's (hybrid): its own
+        if held is not None and not bool((held == held[:, :1]).all()):
+            raise ValueError(f"layer {i} keeps different slots per KV head (press_adaptive, pyramidkv): a cache so "
+                             "pressed cannot be pressed again")
         out = torch.zeros(B, layer.n_kv_heads, S, dtype=torch.bool, device=keys.device)
         for b in range(B):
-            slots = valid[b].nonzero().flatten()
+            slots = (valid[b] if held is None else valid[b] & held[b, 0]).nonzero().flatten()
             if not scoring or not len(slots) or (rows is not None and not bool(rows[b])) or \
                     (target is not None and len(slots) <= target):
                 out[b][:, slots] = True
@@ -116,7 +134,7 @@ def kept_masks(cache: KVCache, observations: Observations | None, press: PressCo
             obs = observations[i] if observations is not None else None
             row = layer_row(obs, observations, b, slots, keys, values, press) if obs is not None else \
                 Row(keys[b][:, slots], values[b][:, slots], 0)
-            n = target if target is not None else spec.budget(i, len(cache.layers), len(slots), press)
+            n = target if target is not None else spec.budget(depth, n_scored, len(slots), press)
             if target is not None:
                 row.budget = n   # streaming_llm prunes to the count, not the ratio
             scores = score(row, press)
@@ -152,7 +170,7 @@ def _check_press(press: PressConfig, observations, cache: KVCache, S: int) -> No
                          f"{press.n_sink}: observe with the same press")
     if window_of(observations.press) != window_of(press):
         raise ValueError("the observations kept another window size than this press's: observe with the same press")
-    seen = {obs.length for obs in observations.layers}
+    seen = {obs.length for obs in observations.layers if obs is not None}
     if seen != {S}:
         raise ValueError(f"the observers saw {sorted(seen)} slots but the cache holds {S}: the whole context "
                          "must be prefilled inside `observing`, and nothing else")

@@ -155,7 +155,7 @@ def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidat
         if r.candidate.pressed:   # a press keeps a share of the context: its bytes per context token, measured
             row = rows[r.candidate.label]
             row["kept_fraction"] = r.kept_fraction()
-            row["bytes_per_token"] = round(row["bytes_per_token"] * row["kept_fraction"], 1)
+            pressed_bytes(row, row["kept_fraction"])
     if record.path is not None:   # every answer beside its sample (references, rule, question): checkable by eye
         about = {(x.task, x.length, x.index): x.describe(tok) for x in samples}
         record.write_json("answers.json", {r.candidate.label: [{**a, **about[a["task"], a["length"], a["index"]]}
@@ -166,6 +166,18 @@ def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidat
             "prefill": "own" if model.config.attention == "decoupled" else s.prefill,
             "generator_version": task_suite.GENERATOR_VERSION, "prompts_sha256": task_suite.samples_digest(samples),
             "context_prefill_s": context_s, "threads": sorted({n for n in results[0].threads if n is not None})}
+
+
+def pressed_bytes(row: dict, kept: float) -> None:
+    """A pressed candidate's bytes per context token (cache_bytes' row, updated): the share `kept`
+    of what it holds; a hybrid model's press keeps a share of its full layers only (kept is theirs:
+    DecodeState.kept_share), its sliding layers' rings stay whole."""
+    split = row.get("bytes_per_token_by_layer_type")
+    if split:
+        split["full"] = round(split["full"] * kept, 1)
+        row["bytes_per_token"] = round(split["sliding"] + split["full"], 1)
+    else:
+        row["bytes_per_token"] = round(row["bytes_per_token"] * kept, 1)
 
 
 def task_metrics(r: CandidateAnswers) -> dict:
