@@ -4,7 +4,7 @@ torch's CPU wheels run F.linear / matmul on fp32 through MKL's sgemm. On the AMD
 AVX-512) this was measured on, oneDNN's fp32 GEMM (torch.ops.mkldnn._linear_pointwise, the op
 torch.compile's CPU backend emits for linears, bundled with every torch that has mkldnn) ran
 SmolLM2-135M's projections 1.7-4x faster at every row count from 8 to 4096, one thread, alternated
-in one process (docs/decode-speed.md §9, "Prefill against HF transformers"): [4096, 576] x [576, 3072] in 80 ms
+in one process (docs/decode-speed-log.md §9, "Prefill against HF transformers"): [4096, 576] x [576, 3072] in 80 ms
 against 150 ms. It is the same fp32 arithmetic in another summation order: outputs agree to
 rounding (tests/tolerance.py), not bit for bit.
 

@@ -6,7 +6,7 @@ checkpoint's tensors are views of the safetensors file's memory map: page-cache 
 each) or in malloc's blocks (a quantized model's codes: 4 KiB pages too, transparent huge pages
 being "madvise" on most distributions). On the AMD EPYC Zen 5 (a KVM guest) the fp32 decode step
 ran 12% faster from a private anonymous mapping with MADV_HUGEPAGE than from the file's pages
-(docs/decode-speed.md §11): a hardware prefetcher stops at every 4 KiB page, and a TLB miss in a
+(docs/decode-speed-log.md §11): a hardware prefetcher stops at every 4 KiB page, and a TLB miss in a
 guest walks two page tables.
 
 `place(module)` copies every CPU parameter and buffer into one such mapping, storage by storage

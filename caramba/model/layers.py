@@ -86,8 +86,8 @@ class InputMajorLinear(nn.Module):
     """y = x @ weight_t, with the weight stored [in, out] (the transpose of nn.Linear's).
 
     For wide outputs (the gate|up projection, the vocabulary head) a batch-1 decode step
-    streams this layout markedly faster on CPU than nn.Linear's [out, in]; see README
-    Benchmarks. Narrow projections stay nn.Linear, which is as fast or faster there.
+    streams this layout markedly faster on CPU than nn.Linear's [out, in]; see docs/benchmarks.md,
+    the fp32 rows. Narrow projections stay nn.Linear, which is as fast or faster there.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
