@@ -41,7 +41,7 @@ class ModelSpec(SettingsModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["cpu", "cuda", "mps", "auto"] = "cpu"
     # fp32: the checkpoint's values; q8_0 / q4_0: llama.cpp's 8- / 4-bit blocks (any source); native:
-    # a GGUF's own Q4_1/Q8_0 blocks (same values as fp32); native_i16: those blocks times int16
+    # a GGUF's own blocks (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K; same values as fp32); native_i16: those times int16
     # activations (faster, logits up to ~1e-2 off). See caramba.model.quant.
     weights: Literal[quant.WEIGHT_KINDS] = "fp32"
 

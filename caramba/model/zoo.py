@@ -155,7 +155,8 @@ def inspect_source(source: str) -> ModelConfig:
 def load_model(source: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu", progress: bool = True,
                weights: str = "fp32") -> LoadedModel:
     """`weights`: fp32 (the checkpoint's values in `dtype`), q8_0 or q4_0 (llama.cpp's 8- and
-    4-bit blocks, any source), native (a GGUF's own Q4_1/Q8_0 blocks) or native_i16 (the same with
+    4-bit blocks, any source), native (a GGUF's own blocks where caramba has a kernel: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+    Q4_K, Q5_K, Q6_K; others dequantized, the record says which) or native_i16 (the same with
     int16 activations); see caramba.model.quant."""
     if dtype not in DTYPES:
         raise UserError(f"dtype '{dtype}' is not supported; use one of {', '.join(DTYPES)}")
@@ -204,7 +205,8 @@ def _quantize_weights(model: Transformer, weights: str, path: Path, device: torc
         raise ValueError(f"weights '{weights}' keeps a GGUF file's own blocks, but {path} is not a .gguf; "
                          "use weights q8_0 or q4_0 (they quantize any source) or fp32")
     elif not quant.native_from_gguf(model, gguf_loader.open_gguf(path), model.config, act=quant.NATIVE_ACT[weights]):
-        raise ValueError(f"weights '{weights}': {path.name} holds no Q4_1/Q8_0 projections to keep; use q8_0, q4_0 or fp32")
+        raise ValueError(f"weights '{weights}': {path.name} holds no projections in a block format caramba keeps "
+                         "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K); use q8_0, q4_0 or fp32")
     model.to(device)
 
 
