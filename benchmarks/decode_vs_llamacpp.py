@@ -18,8 +18,13 @@ sides alike; the table gives medians, with the load average before and after.
 --model gemma3-270m (or any .gguf) times another model: llama.cpp requantizes that file to F32 and
 Q8_0 (--allow-requantize, as for SmolLM2) and caramba loads it with weights fp32 / q8_0.
 
+K-quant files as model pages offer them: --formats Q4_K_M,Q6_K (or Q5_K_M) has llama-quantize make
+each from the F32 GGUF, and caramba runs that same file with weights native (its blocks as stored)
+and native_i16 (the same blocks, activations rounded to int16 codes: llama.cpp rounds them to 8 bits);
+--formats FILE runs the --model file as it is on both sides (Gemma 3 270M's Q4_K_M as shipped).
+
     .venv/bin/python benchmarks/decode_vs_llamacpp.py [--model smollm2-135m] [--threads 2] [--tokens 64] [--repeats 5]
-        [--formats F32,Q8_0,Q4_0,Q4_1] [--sdist FILE] [--no-llamacpp] [--torch-path] [--isa LEVELS]
+        [--formats F32,Q8_0,Q4_0,Q4_1,Q4_K_M,Q5_K_M,Q6_K,FILE] [--sdist FILE] [--no-llamacpp] [--torch-path] [--isa LEVELS]
         [--rows] [--cpu-time] [--llamacpp-isa native|avx2] [--json out.json]
 
 --isa avx2,avx512vnni times caramba's quantized products at each of these instruction set levels
@@ -96,6 +101,19 @@ def caramba_decode(step: Backend, prompt: torch.Tensor, tokens: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+def caramba_kinds(fmt: str) -> list[str]:
+    """The caramba runs timed against llama.cpp's `fmt`: weight kinds of the model, or for a K-quant
+    file, "native Q4_K_M": that file itself with weights native."""
+    if fmt in (*llamacpp.KQUANT_FILES, llamacpp.FILE):
+        return [f"native {fmt}", f"native_i16 {fmt}"]
+    return llamacpp.CARAMBA_WEIGHTS[fmt]
+
+
+def load_kind(kind: str, model: str, ggufs: dict[str, Path]):
+    weights, _, fmt = kind.partition(" ")
+    return load_model(str(ggufs[fmt]) if fmt else model, progress=False, weights=weights)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -123,9 +141,13 @@ def main() -> None:
     default_model = args.model == "smollm2-135m"
     formats = [f.strip() for f in (args.formats or ("F32,Q8_0,Q4_0,Q4_1" if default_model else "F32,Q8_0")).split(",")
                if f.strip()]
-    unknown = [f for f in formats if f not in llamacpp.CARAMBA_WEIGHTS]
+    known = [*llamacpp.CARAMBA_WEIGHTS, *llamacpp.KQUANT_FILES, llamacpp.FILE]
+    unknown = [f for f in formats if f not in known]
     if unknown:
-        ap.error(f"--formats: unknown {', '.join(unknown)}; use {', '.join(llamacpp.CARAMBA_WEIGHTS)}")
+        ap.error(f"--formats: unknown {', '.join(unknown)}; use {', '.join(known)}")
+    if args.no_llamacpp and any(f in (*llamacpp.KQUANT_FILES, llamacpp.FILE) for f in formats):
+        ap.error("--formats: K-quant and FILE runs need llama.cpp (its llama-quantize, the file's path); "
+                 "drop --no-llamacpp")
     torch.set_num_threads(args.threads)
     levels = [v.strip() for v in args.isa.split(",")] if args.isa else [None]
     bad = [v for v in levels if v is not None and v not in isa.LEVELS]
@@ -136,8 +158,8 @@ def main() -> None:
                                                                 isa=args.llamacpp_isa)
     source = None if default_model else resolve_source(args.model)
     ggufs = {} if tools is None else llamacpp.models(tools, formats, source)
-    kinds = [w for f in formats for w in llamacpp.CARAMBA_WEIGHTS[f]]
-    models = {w: load_model(args.model, progress=False, weights=w) for w in kinds}
+    kinds = [w for f in formats for w in caramba_kinds(f)]
+    models = {w: load_kind(w, args.model, ggufs) for w in kinds}
     rows_models = {}
     if args.rows:   # the same weights held row-major (fp32 has none to relayout)
         for w in kinds:
@@ -162,7 +184,7 @@ def main() -> None:
             caramba_decode(rows_steps[w], prompt, 4)
     for _ in range(args.repeats):
         for f in formats:
-            for w in llamacpp.CARAMBA_WEIGHTS[f]:
+            for w in caramba_kinds(f):
                 for v in levels:
                     if v is None:
                         rows[w]["caramba"].append(caramba_decode(steps[w], prompt, args.tokens))
@@ -205,7 +227,7 @@ def main() -> None:
     table = []
     for f in formats:
         lc = statistics.median(llama_runs[f]) if llama_runs[f] else None
-        for w in llamacpp.CARAMBA_WEIGHTS[f]:
+        for w in caramba_kinds(f):
             c = statistics.median(rows[w]["caramba"])
             ratio = f"{c / lc:.2f}x" if lc else "-"
             tp = f" {statistics.median(rows[w]['torch path']):.1f} |" if args.torch_path else ""

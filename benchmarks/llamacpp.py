@@ -126,6 +126,12 @@ def f32_model(tools: Tools, gguf: str | Path | None = None) -> Path:
 # llama.cpp weight format -> the caramba weight kinds timed against it
 CARAMBA_WEIGHTS = {"F32": ["fp32"], "Q8_0": ["q8_0"], "Q4_0": ["q4_0"], "Q4_1": ["native", "native_i16"]}
 LLAMA_FORMAT = {w: f for f, kinds in CARAMBA_WEIGHTS.items() for w in kinds}
+# K-quant mixes as model pages offer them: llama-quantize makes the file from the F32 GGUF, and
+# caramba runs that same file with weights native (every block kept as stored where it has a kernel).
+# A model whose rows are not a multiple of 256 (SmolLM2's 576) gets llama.cpp's fallbacks for those
+# tensors (Q5_0, Q5_1, Q8_0), as a downloaded file would.
+KQUANT_FILES = ("Q4_K_M", "Q5_K_M", "Q6_K")
+FILE = "FILE"   # the source GGUF as it is (Gemma 3's Q4_K_M as shipped): caramba weights native on it too
 
 
 def models(tools: Tools, formats: list[str], source: str | Path | None = None) -> dict[str, Path]:
@@ -135,7 +141,7 @@ def models(tools: Tools, formats: list[str], source: str | Path | None = None) -
     src = Path(source) if source is not None else embedded_gguf()
     out = {}
     for fmt in formats:
-        if fmt == "Q4_1" and source is None:
+        if (fmt == "Q4_1" and source is None) or fmt == FILE:
             out[fmt] = src
         elif fmt == "F32":
             out[fmt] = f32_model(tools, src)
@@ -143,7 +149,8 @@ def models(tools: Tools, formats: list[str], source: str | Path | None = None) -
             path = tools.root / "models" / f"{src.stem}.{fmt}.gguf"
             if not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
-                subprocess.run([str(tools.exe("llama-quantize")), "--allow-requantize", str(src), str(path), fmt],
+                origin = f32_model(tools, src) if fmt in KQUANT_FILES else src   # K-quants: from the F32 file
+                subprocess.run([str(tools.exe("llama-quantize")), "--allow-requantize", str(origin), str(path), fmt],
                                check=True, capture_output=True, text=True)
             out[fmt] = path
     return out

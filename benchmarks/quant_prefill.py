@@ -17,6 +17,9 @@ repetition per turn, the same threads) after each caramba prefill of that format
 fp32, Q8_0 beside q8_0, Q4_0 beside q4_0, Q4_1 beside native (benchmarks/llamacpp.py builds it
 once; never in CI). Its column is llama.cpp's tok/s and caramba's ratio to it.
 
+native@Q4_K_M (or @Q5_K_M, @Q6_K, @FILE: the --model file as it is) runs caramba's `native` on the
+K-quant file llama-quantize makes from the F32 GGUF, beside llama.cpp on the same file (--llamacpp).
+
     .venv/bin/python benchmarks/quant_prefill.py [--tokens 512,2048] [--threads 1] [--repeats 3]
         [--formats fp32,q8_0,q4_0,native] [--old] [--llamacpp [--sdist FILE] [--llamacpp-isa avx2]]
         [--json out.json]
@@ -54,6 +57,12 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def llama_format(kind: str) -> str:
+    """llama.cpp's weights beside caramba's `kind`: its format, or for "native@Q4_K_M" that file."""
+    weights, _, file = kind.partition("@")
+    return file or llamacpp.LLAMA_FORMAT[weights]
 
 
 @torch.inference_mode()
@@ -94,17 +103,22 @@ def main() -> None:
     default_model = args.model == "smollm2-135m"
     args.formats = args.formats or ("fp32,q8_0,q4_0,native" if default_model else "fp32,q8_0")
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    bad = [f for f in formats if f not in quant.WEIGHT_KINDS]
+    files = (*llamacpp.KQUANT_FILES, llamacpp.FILE)
+    bad = [f for f in formats if f.partition("@")[0] not in quant.WEIGHT_KINDS or f.partition("@")[2] not in ("", *files)]
     if bad or "fp32" not in formats:
-        ap.error(f"--formats: need fp32 and kinds of {', '.join(quant.WEIGHT_KINDS)} (got {args.formats})")
+        ap.error(f"--formats: need fp32 and kinds of {', '.join(quant.WEIGHT_KINDS)}, each optionally @ a file of "
+                 f"{', '.join(files)} (got {args.formats})")
+    if not args.llamacpp and any("@" in f for f in formats):
+        ap.error("--formats: kind@FILE runs need --llamacpp (llama-quantize makes the file)")
     lengths = [int(t) for t in args.tokens.split(",")]
     torch.set_num_threads(args.threads)
 
-    models = {w: load_model(args.model, progress=False, weights=w) for w in formats}
     tools = (llamacpp.build(["llama-bench", "llama-quantize"], args.sdist, isa=args.llamacpp_isa)
              if args.llamacpp else None)
     source = None if default_model else resolve_source(args.model)
-    ggufs = llamacpp.models(tools, sorted({llamacpp.LLAMA_FORMAT[w] for w in formats}), source) if tools else {}
+    ggufs = llamacpp.models(tools, sorted({llama_format(w) for w in formats}), source) if tools else {}
+    models = {w: load_model(str(ggufs[w.partition("@")[2]]) if "@" in w else args.model, progress=False,
+                            weights=w.partition("@")[0]) for w in formats}
     ids = corpus_ids(models["fp32"].tokenizer)
     variants = [(w, False) for w in formats] + [(w, True) for w in formats if args.old and w != "fp32"]
     name = {v: v[0] + (" (torch path)" if v[1] else "") for v in variants}
@@ -125,7 +139,7 @@ def main() -> None:
                 if r:
                     runs[v].append(got)
                 if tools and not old:
-                    tok_s = llama_prefill(tools, ggufs[llamacpp.LLAMA_FORMAT[w]], T, args.threads)
+                    tok_s = llama_prefill(tools, ggufs[llama_format(w)], T, args.threads)
                     if r:
                         llama[w].append(tok_s)
         results[T] = (runs, llama)
@@ -152,9 +166,9 @@ def main() -> None:
                     cells = " | |"
                 else:
                     lm = statistics.median(llama[v[0]])
-                    row.update(llamacpp_tok_s=llama[v[0]], llamacpp_format=llamacpp.LLAMA_FORMAT[v[0]],
+                    row.update(llamacpp_tok_s=llama[v[0]], llamacpp_format=llama_format(v[0]),
                                ratio_llamacpp=med[0] / lm)
-                    cells = f" {lm:.0f} ({llamacpp.LLAMA_FORMAT[v[0]]}) | {med[0] / lm:.2f}x |"
+                    cells = f" {lm:.0f} ({llama_format(v[0])}) | {med[0] / lm:.2f}x |"
             print(f"| {T} | {name[v]} | {med[0]:.0f} | {med[0] / base[0]:.2f}x | {med[1]:.0f} | {med[1] / base[1]:.2f}x |"
                   + cells)
             table.append(row)

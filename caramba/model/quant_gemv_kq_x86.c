@@ -7,9 +7,13 @@
    sums gathered into one vector by horizontal adds (exact), and then the header's fp32
    operations lane for lane: acc[b % 8] is lane b % 8 of one accumulator, so the products are the
    reference's bit for bit. A row's tail of fewer than eight blocks (Q5_0 / Q5_1 rows whose K is
-   not a multiple of 256) takes the reference's own step. */
+   not a multiple of 256: SmolLM2's 576, Gemma 3's 640) is one more group whose missing blocks are
+   zeros and whose lanes are blended in only where a block is (the reference's step there took
+   about as long as the row's other sixteen blocks). */
 
 #include "quant_gemv_kq.h"
+
+#include <string.h>
 
 #if HAVE_AVX2
 
@@ -35,14 +39,20 @@ static inline void kq_widen(__m256i q, int off, __m256i *w) {
 }
 
 /* Blocks b0 .. b0 + 7 of a row: codes w[2k], w[2k + 1] (block b0 + k's two halves, int16), the
-   factors fw, minimums mw and Q6_K's scales of the halves (kq_block's values, lane k each). */
-INLINE void kq_group(const int kind, const uint8_t *row, int b0, __m256i *w, __m256 *fw, __m256 *mw, __m256 *sclo,
-                     __m256 *schi) {
+   factors fw, minimums mw and Q6_K's scales of the halves (kq_block's values, lane k each). Q5_0 /
+   Q5_1 only: the first `cnt` blocks (a row's tail), the other lanes' codes and factors zeros. */
+INLINE void kq_group(const int kind, const uint8_t *row, int b0, const int cnt, __m256i *w, __m256 *fw, __m256 *mw,
+                     __m256 *sclo, __m256 *schi) {
     const __m256i low4 = _mm256_set1_epi8(15);
     if (kind == KQ_Q5_0 || kind == KQ_Q5_1) {
         const int at = kind == KQ_Q5_0 ? 2 : 4;
         float f[8], mn[8];
         for (int k = 0; k < 8; k++) {
+            if (k >= cnt) {
+                f[k] = mn[k] = 0.0f;
+                w[2 * k] = w[2 * k + 1] = _mm256_setzero_si256();
+                continue;
+            }
             const uint8_t *blk = row + (long)(b0 + k) * kq_block_bytes(kind);
             f[k] = fp16_to_fp32(kq_u16(blk));
             mn[k] = kind == KQ_Q5_1 ? fp16_to_fp32(kq_u16(blk + 2)) : 0.0f;
@@ -148,7 +158,7 @@ INLINE void kq_rows_x86(const int VNNI, const int kind, const int split, const v
             for (int b0 = 0; b0 < full; b0 += 8) {
                 __m256i w[16];
                 __m256 fw, mw = _mm256_setzero_ps(), sclo = _mm256_setzero_ps(), schi = _mm256_setzero_ps();
-                kq_group(kind, row, b0, w, &fw, &mw, &sclo, &schi);
+                kq_group(kind, row, b0, 8, w, &fw, &mw, &sclo, &schi);
                 for (int r = 0; r < rr; r++) {
                     const long at = (long)(r0 + r) * nb + b0;
                     const int16_t *a = (const int16_t *)xq + ((long)(r0 + r) * K + (long)b0 * QK) * P;
@@ -162,13 +172,32 @@ INLINE void kq_rows_x86(const int VNNI, const int kind, const int split, const v
                     if (zp) macc[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xs + at), macc[r]);
                 }
             }
+            if (full < nb) {   /* the tail (Q5_0 / Q5_1 rows: K = 576, 640), its own lanes; the others kept */
+                const int cnt = nb - full;
+                __m256i w[16];
+                __m256 fw, mw = _mm256_setzero_ps(), sclo = _mm256_setzero_ps(), schi = _mm256_setzero_ps();
+                kq_group(kind, row, full, cnt, w, &fw, &mw, &sclo, &schi);
+                const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(cnt),
+                                                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+                for (int r = 0; r < rr; r++) {
+                    /* the tail's activations, zero past the row: kq_values reads eight blocks */
+                    int16_t a[8 * QK * 2] = {0};
+                    float xdt[8] = {0}, xst[8] = {0};
+                    const long at = (long)(r0 + r) * nb + full;
+                    memcpy(a, (const int16_t *)xq + ((long)(r0 + r) * K + (long)full * QK) * P,
+                           sizeof(int16_t) * cnt * QK * P);
+                    memcpy(xdt, xd + at, sizeof(float) * cnt);
+                    if (zp) memcpy(xst, xs + at, sizeof(float) * cnt);
+                    const __m256 u = kq_values(VNNI, split, 0, w, a);
+                    acc[r] = _mm256_blendv_ps(acc[r], _mm256_fmadd_ps(u, _mm256_mul_ps(fw, _mm256_loadu_ps(xdt)), acc[r]),
+                                              live);
+                    if (zp) macc[r] = _mm256_blendv_ps(macc[r], _mm256_fmadd_ps(mw, _mm256_loadu_ps(xst), macc[r]), live);
+                }
+            }
             for (int r = 0; r < rr; r++) {
                 float a8[8], m8[8];
                 _mm256_storeu_ps(a8, acc[r]);
                 _mm256_storeu_ps(m8, macc[r]);
-                const long rn = (long)(r0 + r) * nb;
-                for (int b = full; b < nb; b++)
-                    kq_block_step(kind, split, row, b, (const int16_t *)xq + (long)(r0 + r) * K * P, xd + rn, xs + rn, a8, m8);
                 float o = kq_hsum8(a8);
                 if (zp) o = o + kq_hsum8(m8);
                 if (bias) o += bias[n];
@@ -185,7 +214,7 @@ INLINE void kq_dequantize_x86(const int kind, const uint8_t *row, int K, float *
     for (int b0 = 0; b0 < full; b0 += 8) {
         __m256i w[16];
         __m256 fwv, mwv = _mm256_setzero_ps(), sclov = _mm256_setzero_ps(), schiv = _mm256_setzero_ps();
-        kq_group(kind, row, b0, w, &fwv, &mwv, &sclov, &schiv);
+        kq_group(kind, row, b0, 8, w, &fwv, &mwv, &sclov, &schiv);
         float fw[8], mw[8], sclo[8], schi[8];
         _mm256_storeu_ps(fw, fwv);
         _mm256_storeu_ps(mw, mwv);
