@@ -12,7 +12,7 @@ def _autotune_cache(model, tokenizer, cache, batch_size):
     """cache_kind="auto" for a Generator given no resolver: caramba.autotune's choice. The package
     root wires it because the engine may not import the autotune (caramba.resolvers); imported on
     first use, as the autotune loads torch and the whole engine."""
-    from caramba.autotune.resolve import resolve_cache
+    from caramba.autotune.resolve import resolve_cache  # lazy: the autotune loads torch and the engine
 
     return resolve_cache(model, tokenizer, cache, batch_size)
 

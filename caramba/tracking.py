@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from caramba.bench.frontier import frontier_rows, plot_frontier
+from caramba.bench.report import pyplot, write_csv
 from caramba.manifest.schema import TrackingSettings, section_for
 
 EXTRA = "pip install 'caramba[tracking]'"
@@ -101,9 +103,6 @@ def frontier_files(run: Finished, where: Path) -> tuple[list[dict], list[Path]]:
     only where matplotlib is installed and the candidates share a quality metric); other modes: none."""
     if run.mode != "eval":
         return [], []
-    from caramba.bench.frontier import frontier_rows, plot_frontier
-    from caramba.bench.report import pyplot, write_csv
-
     rows = frontier_rows([(run.name, run.record)])
     if not rows:
         return [], []

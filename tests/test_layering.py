@@ -125,9 +125,7 @@ LAZY_MODULES = ("caramba.cli", "caramba.cli_bench", "caramba.cli_dba", "caramba.
 LAZY_MARK = "# lazy:"
 # Modules whose local imports predate the rule and belong to other work (issue 45): to be moved
 # to the top or marked by their owners. Shrinks only.
-NOT_YET_MARKED = ("caramba", "caramba.executors", "caramba.executors.pool", "caramba.infer.drafts",
-                  "caramba.infer.tasks", "caramba.model.dba_convert", "caramba.model.gguf_loader",
-                  "caramba.model.quant", "caramba.runners.eval", "caramba.tracking")
+NOT_YET_MARKED = ("caramba.infer.tasks", "caramba.runners.eval")
 
 
 def unmarked_local_imports(name: str, path: Path, known: set[str]) -> list[str]:

@@ -36,13 +36,13 @@ def make_executor(name: str, jobs: int | None, settings, ray_address: str | None
     """The executor for `caramba run --executor NAME`; `settings` is the manifest's executor: block."""
     require(name)
     if name == "ray":
-        from caramba.executors.ray import RayExecutor
+        from caramba.executors.ray import RayExecutor  # lazy: ray is an optional extra
 
         return RayExecutor(settings.ray, ray_address, jobs)
     if name == "slurm":
-        from caramba.executors.slurm import SlurmExecutor
+        from caramba.executors.slurm import SlurmExecutor  # lazy: submitit is an optional extra
 
         return SlurmExecutor(settings.slurm, jobs)
-    from caramba.executors.pool import PoolExecutor
+    from caramba.executors.pool import PoolExecutor  # lazy: only the executor a run chose
 
     return PoolExecutor(jobs or 1)

@@ -26,7 +26,7 @@ def core_shares(jobs: int) -> list[list[int]]:
 
 
 def _worker(cores: list[int], tasks, results) -> None:
-    from caramba.executors.signals import SIGNALS, stop_once
+    from caramba.executors.signals import SIGNALS, stop_once  # lazy: the worker process's own
 
     for signum in SIGNALS:   # a hang-up of the terminal, or the driver's terminate(), stops the run as Ctrl-C does
         signal.signal(signum, stop_once)
@@ -38,7 +38,7 @@ def _worker(cores: list[int], tasks, results) -> None:
             os.sched_setaffinity(0, cores)
         import torch
 
-        from caramba.executors.common import run_in_worker
+        from caramba.executors.common import run_in_worker  # lazy: the engine loads in the worker, not the driver
 
         torch.set_num_threads(len(cores))
         models: dict = {}

@@ -25,6 +25,7 @@ from caramba.infer.padding import left_pad
 from caramba.infer.state import DecodeState
 from caramba.model.backend import ThreadChoice, choose
 from caramba.model.layers import InputMajorLinear
+from caramba.model.quant import QK, QuantLinear
 from caramba.model.transformer import Transformer
 
 DRAFT_KINDS = ("model", "prompt_lookup", "self_int8", "layer_skip")
@@ -220,8 +221,6 @@ def _int8_input_major(layer: InputMajorLinear) -> nn.Module:
 def _int8(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     """weight [out, in] -> llama.cpp's q8_0 blocks multiplied with int8 activations by caramba's C
     kernel (caramba.model.quant.QuantLinear); a width that is not a multiple of 32 keeps fp32."""
-    from caramba.model.quant import QK, QuantLinear
-
     w = weight.detach().float()
     b = None if bias is None else bias.detach().float()
     if w.shape[1] % QK:

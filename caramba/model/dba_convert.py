@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from caramba.model.config import ModelConfig
+from caramba.model.native import save_native
 
 CALIBRATION_START = 2048   # default calibration: corpus tokens from here on (no eval window in the docs reaches them)
 DAMPING = 1e-4                     # of the mean input energy, added to E[x x^T] before the Cholesky
@@ -160,8 +161,6 @@ def convert_loaded(loaded, sem_dim: int, geo_dim: int, out, calibration: list[in
     `calibration` token ids (None: diagonal, from the norm weights), and write it as a caramba
     directory at `out` (atomically), loadable with load_model(out). on_step(phase, done, total)
     reports progress: "calibrate" (the forward pass), "layers" (the SVDs), "write"."""
-    from caramba.model.native import save_native
-
     step = on_step or (lambda phase, done, total: None)
     model = loaded.model
     check_dims(model.config, sem_dim, geo_dim)

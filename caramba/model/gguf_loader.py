@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from caramba.model.config import ModelConfig
+from caramba.model.config import ModelConfig, _gemma_fields
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 
@@ -98,8 +98,6 @@ def config_from_gguf(reader) -> ModelConfig:
 
 def _gemma3_config(reader, size, req, vocab: int, names: set[str]) -> ModelConfig:
     """Gemma 3 from its GGUF metadata, through the same fields as its config.json (ModelConfig.from_hf)."""
-    from caramba.model.config import _gemma_fields
-
     hf = {"vocab_size": vocab, "hidden_size": size("embedding_length"), "num_hidden_layers": size("block_count"),
           "num_attention_heads": size("attention.head_count"), "intermediate_size": size("feed_forward_length"),
           "num_key_value_heads": size("attention.head_count_kv", size("attention.head_count")),

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from caramba import gemm, kernels
-from caramba.model import quant_gemm
+from caramba.model import gguf_loader, quant_gemm
 
 WEIGHT_KINDS = ("fp32", "q8_0", "q4_0", "native", "native_i16")
 NATIVE_ACT = {"native": "f32", "native_i16": "i16"}   # the native kinds' activations
@@ -685,8 +685,6 @@ def native_from_gguf(model: nn.Module, reader, cfg, act: str = "f32") -> int:
     says what became of each GGUF tensor (kept: counts by type; as_q8_0: names held as exact Q8_0;
     dequantized: quantized tensors without a kernel here, by name, with their type; unquantized:
     float tensors, by name), for the run's record."""
-    from caramba.model import gguf_loader
-
     tensors = {t.name: t for t in reader.tensors}
     kernels = ("Q8_0", "Q4_1", "Q4_0", *(f.upper() for f in STORED))
     report: dict = {"kept": {}, "as_q8_0": [], "dequantized": {}, "unquantized": []}
