@@ -337,7 +337,9 @@ def test_per_channel_keys_pack_within_a_group_per_head():
     model = make_model(seed=3, n_layers=2, n_heads=4, n_kv_heads=2)
     model.fast_decode = False
     policy = CachePolicy.build("q4_1", "k=q4_1c", qblock=16, residual_len=4)
-    counts = [[[37, 5], [20, 21]], [[40, 9], [1, 33]]]
+    # rows whose widest heads differ by whole groups (16): their groups start where they do alone, so
+    # the layers pack (rows whose origins are not whole groups stay dense: test_press_padded)
+    counts = [[[37, 5], [20, 21]], [[40, 9], [1, 24]]]
     runs = {}
     for pack in (True, False):
         state, first = prefilled(model, B=2, S=40, room=24)
@@ -373,7 +375,7 @@ def test_a_reordered_packed_layer_holds_its_rows_where_they_went(spec):
     model.fast_decode = False
     policy = CachePolicy.build(spec.pop("default"), spec.pop("overrides", None), **spec)
     state, first = prefilled(model, B=2, S=40, room=24)
-    state.press(random_kept(2, 2, 2, 40, [[[37, 5], [20, 21]], [[40, 9], [1, 33]]], seed=8),
+    state.press(random_kept(2, 2, 2, 40, [[[37, 5], [20, 21]], [[40, 9], [1, 24]]], seed=8),   # origins: whole groups
                 model.new_cache(2, 1, policy))
     decode(state, first, 5)
     before = [layer.contents(layer.length) for layer in state.cache.layers]
@@ -392,7 +394,9 @@ def test_packed_kivi_keys_roll_back_into_a_completed_group_as_the_dense_layout(m
     (which leaves the refilling step to the torch path)."""
     model = make_model(seed=3, n_layers=2, n_heads=4, n_kv_heads=2)
     policy = CachePolicy.build("q4_1", "k=q4_1c", qblock=8, residual_len=2)
-    counts = [[[37, 5], [20, 21]], [[40, 9], [1, 33]]]
+    # rows whose widest heads differ by whole groups (16): their groups start where they do alone, so
+    # the layers pack (rows whose origins are not whole groups stay dense: test_press_padded)
+    counts = [[[37, 5], [20, 21]], [[40, 9], [1, 24]]]
     runs = {}
     for pack, fast in [(True, False), (False, False)] + [(True, True)] * (fast_decode.library() is not None):
         model.fast_decode = False
@@ -424,9 +428,11 @@ def test_a_pressed_context_cannot_be_rolled_back_into(model):
 # Ragged budgets over contexts longer than the C step's attention parts (64 slots), so a head's
 # holes cover whole parts, end inside one, or leave none: [layer][row][KV head] kept slots of a
 # 160-slot context whose row 1 has 20 slots of padding.
-RAGGED = {"per_layer": [[[150, 150], [90, 90]], [[70, 70], [40, 40]], [[20, 20], [130, 130]]],
-          "per_head": [[[150, 10], [3, 120]], [[64, 65], [1, 100]], [[128, 70], [66, 2]]],
-          "per_row": [[[100, 100], [60, 60]]] * 3}     # a uniform press, rows packed (ragged_rows)
+# The rows' widest heads differ by whole groups of the KIVI policy (16) in every layer: a row's groups
+# then start where they start alone and the layers pack (other origins stay dense: test_press_padded).
+RAGGED = {"per_layer": [[[150, 150], [86, 86]], [[70, 70], [38, 38]], [[20, 20], [132, 132]]],
+          "per_head": [[[150, 10], [3, 118]], [[64, 68], [1, 100]], [[128, 70], [64, 2]]],
+          "per_row": [[[100, 100], [52, 52]]] * 3}     # a uniform press, rows packed (ragged_rows)
 POLICIES = {"fp32": CachePolicy.build("fp32"), "q8_0": CachePolicy.build("q8_0"),
             "q4_0 residual_len=8": CachePolicy.build("q4_0", residual_len=8),
             "k=q4_1c,v=q4_1 qblock=16": CachePolicy.build("q4_1", "k=q4_1c", qblock=16)}    # KIVI

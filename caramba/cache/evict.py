@@ -112,10 +112,17 @@ def evict(source: KVCache, kept: Sequence[torch.Tensor | None], template: KVCach
         keys, values, valid = _gather(src, mask, S, w, dtype)
         first = w - counts[i]                                    # [B, KVH]: each head's first survivor
         align = alignment(tpl.k_cfg, tpl.v_cfg)
-        if not uniform and packs and bool((first >= align).any()):   # holes a packed store leaves out
+        # Each row's groups along tokens (per-channel keys) start at its widest head's first survivor,
+        # where they start when the row is pressed alone (slot 0 of its own widest layer). A packed
+        # store starts them at multiples of G for every row: a layer whose rows need other origins
+        # stays dense (set_origins), and the fused C step leaves it to the torch path.
+        origin = (w - counts[i].max(dim=-1, keepdim=True).values).expand_as(first)    # [B, KVH]
+        phased = bool((origin % align).any())
+        if not uniform and packs and bool((first >= align).any()) and not phased:   # holes a packed store leaves out
             layer = PackedLayerKVCache.build(tpl, B, w, room, first, width - w, align)
         else:
             layer = tpl.like(B, w + room)
+            layer.set_origins(origin if phased else None)
         layer.extend(keys, values)
         if not uniform and type(layer) is LayerKVCache:
             layer = PressedLayerKVCache.adopt(layer, width - w, None if bool(valid.all()) else valid)

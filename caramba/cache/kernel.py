@@ -95,8 +95,8 @@ def reads_zero_point(stream) -> bool:
     """Whether a zero-point stream's codes can go to key_scores_zp / value_mix_zp: 4- or 2-bit,
     per-token blocks, or per-channel keys (keys-major codes) in groups of a multiple of 16 tokens."""
     spec = stream.spec
-    if not (spec.zero_point and spec.bits in (2, 4)):
-        return False
+    if not (spec.zero_point and spec.bits in (2, 4)) or getattr(stream, "shift", None) is not None:
+        return False    # per-row group phases (ChannelQuantStream.set_origins): read through dequant
     return not spec.per_channel or (stream.keys_major and stream.G % 16 == 0)
 
 

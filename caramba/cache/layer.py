@@ -54,6 +54,15 @@ class StreamLayerCache:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
         self.length = n
 
+    def set_origins(self, first: torch.Tensor | None) -> None:
+        """Each row's (KV head's) first real slot, first [B] or [B, KVH] (None: 0): where a kind whose
+        quantization groups run along tokens (per-channel keys, caramba.cache.streams.
+        ChannelQuantStream.set_origins) starts a row's groups, so a row behind holes groups its
+        tokens as it does alone. Set on an empty layer; the other kinds ignore it."""
+        for s in self.streams:
+            if hasattr(s, "set_origins"):
+                s.set_origins(first)
+
     def reset(self) -> None:
         self.length = 0
         for s in self.streams:
@@ -281,6 +290,13 @@ class KVCache:
     def truncate(self, n: int) -> None:
         for layer in self.layers:
             layer.truncate(n)
+
+    def set_origins(self, first: torch.Tensor | None) -> None:
+        """Each row's first real slot [B] (StreamLayerCache.set_origins) on every layer that numbers
+        its slots as the model does (not a ring's, whose slot s lies at s % capacity)."""
+        for layer in self.layers:
+            if type(layer) is LayerKVCache:
+                layer.set_origins(first)
 
     def reset(self) -> None:
         for layer in self.layers:

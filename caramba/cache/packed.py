@@ -201,6 +201,8 @@ class PackedChannelStream(PackedQuantStream):
     what ChannelQuantStream does (groups quantized once complete, the ring holding the incomplete
     group and the residual window, a rollback refilling its group), per head in one store."""
 
+    shift = None                 # no per-head group phases here: evict leaves such a layer dense
+    _phase_rows: tuple = ()
     refills = ChannelQuantStream.refills
     note_written = ChannelQuantStream.note_written
     residual = ChannelQuantStream.residual

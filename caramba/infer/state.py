@@ -112,6 +112,10 @@ class DecodeState:
         which tokens are real (None: all). -> logits [B, T, V] ([B, 1, V] with last_only)."""
         self.pending = self.pending_mask = None   # whatever was pending is in this feed or dropped
         T = tokens.shape[1]
+        if self.cache.length == 0 and not self.ring:
+            # each row's groups of tokens (per-channel keys) start at its first real token, as alone
+            lead = None if mask is None else (~mask.bool()).long().cumprod(dim=1).sum(dim=1)
+            self.cache.set_origins(lead if lead is not None and bool(lead.any()) else None)
         if mask is None:
             # Out of place: positions may be a view of the old next_pos.
             positions = self.next_pos[:, None] if T == 1 else self.next_pos[:, None] + torch.arange(T, device=tokens.device)
@@ -214,6 +218,14 @@ class DecodeState:
         if self.slot_mask is None:
             return torch.ones(self.batch_size, L, dtype=torch.bool, device=self.next_pos.device)
         return self.slot_mask[:, :L].clone()
+
+    def row_origins(self) -> torch.Tensor | None:
+        """[B] each row's first real slot (the holes in front of it), None when every row starts at 0:
+        where a cache of per-channel keys starts the row's groups (KVCache.set_origins)."""
+        if self.slot_mask is None:
+            return None
+        lead = (~self.valid_slots()).long().cumprod(dim=1).sum(dim=1)
+        return lead if bool(lead.any()) else None
 
     def row_slots(self, row: int) -> torch.Tensor:
         """Cache slot indices [n] of a row's real tokens, in order (for inspecting the cache)."""

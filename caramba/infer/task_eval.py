@@ -227,6 +227,7 @@ def _shared_context(model, base: DecodeState, c: Candidate, slots: int, q_chunk:
                     ragged_rows=not c.press.decoding)
     else:
         state.cache = model.new_cache(B, slots, c.policy)
+        state.cache.set_origins(base.row_origins())   # per-channel keys: each row's groups from its first token
         store_context(base.cache, state.cache, model.dtype)
     return state
 

@@ -516,8 +516,9 @@ class CStep:
         layout = _cache_layout(cache)
         if layout is None or (layout.heads, layout.head_dim) != (model.config.n_kv_heads, model.config.head_dim) \
                 or cache.batch_size != B or any(s.refills(cache.length - off) for s, off in layout.channels) \
-                or T > 1 and layout.channels:      # a per-channel group is completed one token at a time
-            return False
+                or T > 1 and layout.channels \
+                or any(s.shift is not None for s, _ in layout.channels):   # a per-channel group is completed
+            return False   # one token at a time, at the same slot for every row (per-row phases: the torch path)
         return all(pair is None or _mask_fits(*pair, B, T, [w for w, s in zip(layout.wraps, self.plan.sliding)
                                                                 if s == local], cache.length)
                    for pair, local in zip(masks, (False, True)))
