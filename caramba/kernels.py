@@ -1,9 +1,15 @@
-"""Small C kernels built on first use with the system C compiler and loaded with ctypes.
+"""Small C kernels, loaded with ctypes: prebuilt at install time, else built here on first use.
 
-No build step at install and no torch headers, so a build takes about a second. Each library is
-cached under $CARAMBA_CACHE_DIR/kernels (default ~/.cache/caramba/kernels), keyed by its source,
-the compile command and this CPU's flags (-march=native code is only good on the CPU it was built
-for); the file appears atomically, so a concurrent build or reader never sees half a library.
+An installed caramba (`pip install .`, or a wheel) carries each library prebuilt in every
+instruction-set variant (caramba/kernel_build.py: the list of libraries and variants; setup.py
+builds them into caramba/_kernels), and `load` takes the highest variant this CPU can run whose
+source hash matches the sources beside it: no compiler needed at run time. A source tree used in
+place (an editable install), a stale prebuilt library, or a test build with its own flags compiles
+at run time instead with the system C compiler and -march=native (saying so once on stderr first,
+with a spinner on a terminal), cached under $CARAMBA_CACHE_DIR/kernels (default
+~/.cache/caramba/kernels), keyed by its source, the compile command and this CPU's flags
+(-march=native code is only good on the CPU it was built for); the file appears atomically, so a
+concurrent build or reader never sees half a library.
 
 Callers keep an eager path for when a library is unavailable: CARAMBA_KERNELS=0, no C compiler,
 or a failed build (one line on stderr says why, once per library: never silent, and not a Python
@@ -19,17 +25,17 @@ import ctypes
 import hashlib
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-# after the sources: the kernels call libm (lrintf, expf), which x86-64 inlines and aarch64 does
-# not; inside Python libm happens to be loaded already, but a library must name what it needs
-LIBS = ["-lm"]
+from caramba import kernel_build
+
+# the run-time build's command: kernel_build's shared flags with -march=native
+FLAGS = [*kernel_build.COMMON_FLAGS[:1], "-march=native", *kernel_build.COMMON_FLAGS[1:]]
+LIBS = kernel_build.LIBS
 
 
 def cpu_flags() -> str:
@@ -46,16 +52,52 @@ def kernel_dir() -> Path:
     return Path(os.environ.get("CARAMBA_CACHE_DIR", Path.home() / ".cache" / "caramba")) / "kernels"
 
 
-def _source_bytes(source: Path, seen: frozenset = frozenset()) -> bytes:
-    """The source and, recursively, the files it #includes "like_this.h" (paths relative to it): a
-    library is rebuilt when any of them changes."""
-    text = source.read_bytes()
-    parts = [text]
-    for name in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', text, re.M):
-        included = (source.parent / name.decode()).resolve()
-        if included.exists() and included not in seen:
-            parts.append(_source_bytes(included, seen | {source.resolve()}))
-    return b"".join(parts)
+_source_bytes = kernel_build.source_bytes
+
+
+# library name -> where its loaded copy came from: "prebuilt <variant>" or "built here" (for records
+# and tests; the status strings stay 'c')
+origin: dict[str, str] = {}
+
+
+def prebuilt_dir() -> Path:
+    return kernel_build.PACKAGE / kernel_build.PREBUILT_DIR
+
+
+def prebuilt(source: Path | list[Path], cpu: set[str] | None = None,
+             directory: Path | None = None) -> tuple[Path, str] | None:
+    """(path, variant name) of the best prebuilt library for `source` that this CPU (its
+    /proc/cpuinfo flags, or `cpu`) can run and whose source hash matches the sources as they are
+    now; None when there is none (a source tree used in place, or stale: the sources changed)."""
+    sources = _sources(source)
+    directory = directory or prebuilt_dir()
+    if not directory.is_dir():
+        return None
+    name, digest = sources[0].stem, kernel_build.source_hash(sources)
+    found = {}
+    for path in directory.glob(f"{name}-*-{digest}.so"):
+        found[path.name[len(name) + 1:-len(f"-{digest}.so")]] = path
+    cpu = kernel_build.cpu_features() if cpu is None else cpu
+    variant = kernel_build.choose(cpu, list(found))
+    return (found[variant.name], variant.name) if variant else None
+
+
+def _announce_build(sources: list[Path]):
+    """Says, before a run-time compile, that it is happening and roughly how long it takes: a rich
+    spinner (transient) on a terminal, a plain line otherwise. A context manager."""
+    import contextlib
+
+    seconds = 5 + 8 * len(sources)   # about 8 s a file on one core of a 2-core Xeon, -O3
+    text = f"caramba: building caramba's C kernels for this CPU, once: ~{seconds} s ({sources[0].stem})"
+    if sys.stderr.isatty():
+        try:
+            from rich.console import Console
+
+            return Console(stderr=True).status(text, spinner="dots")
+        except Exception:   # rich missing or broken: the plain line below
+            pass
+    print(text, file=sys.stderr, flush=True)
+    return contextlib.nullcontext()
 
 
 def _sources(source: Path | list[Path]) -> list[Path]:
@@ -72,17 +114,22 @@ def build(source: Path | list[Path], cc: str, flags: list[str] = FLAGS) -> Path:
     out_dir = kernel_dir()
     out = out_dir / f"{sources[0].stem}-{key}.so"
     if not out.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        try:
-            subprocess.run([cc, *flags, *map(str, sources), *LIBS, "-o", tmp], check=True, capture_output=True, text=True,
-                           timeout=600)   # a build took 130 s at load average 12
-            os.replace(tmp, out)   # atomic: a concurrent build or reader never sees half a library
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with _announce_build(sources):
+            _compile(cc, flags, sources, out_dir, out)
     return out
+
+
+def _compile(cc: str, flags: list[str], sources: list[Path], out_dir: Path, out: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *flags, *map(str, sources), *LIBS, "-o", tmp], check=True, capture_output=True, text=True,
+                       timeout=600)   # a build took 130 s at load average 12
+        os.replace(tmp, out)   # atomic: a concurrent build or reader never sees half a library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def load(source: Path | list[Path], signatures: dict[str, tuple[list, object]], purpose: str,
@@ -93,20 +140,35 @@ def load(source: Path | list[Path], signatures: dict[str, tuple[list, object]], 
     result (Library), so the line comes once per library and process."""
     if os.environ.get("CARAMBA_KERNELS", "1") == "0":
         return None, "off (CARAMBA_KERNELS=0)"
+    if flags == FLAGS:   # prebuilt only for the default flags: a test's -D build compiles here
+        found = prebuilt(source)
+        if found:
+            try:
+                lib = _bind(ctypes.CDLL(str(found[0])), signatures)
+                origin[_sources(source)[0].stem] = f"prebuilt {found[1]}"
+                return lib, "c"
+            except (OSError, AttributeError) as e:   # e.g. a missing libgomp: compile here instead
+                print(f"caramba: warning: prebuilt {found[0].name} did not load ({e}); building here",
+                      file=sys.stderr, flush=True)
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         status = "unavailable: no C compiler (cc)"
     else:
         try:
-            lib = ctypes.CDLL(str(build(source, cc, flags)))
-            for name, (argtypes, restype) in signatures.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = argtypes, restype
+            lib = _bind(ctypes.CDLL(str(build(source, cc, flags))), signatures)
+            origin[_sources(source)[0].stem] = "built here"
             return lib, "c"
         except (OSError, AttributeError, subprocess.SubprocessError) as e:
             status = f"unavailable: build failed ({_reason(e)})"
     print(f"caramba: warning: {purpose} through the slower eager path: kernels {status}", file=sys.stderr, flush=True)
     return None, status
+
+
+def _bind(lib: ctypes.CDLL, signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL:
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
 
 
 def _reason(e: Exception) -> str:

@@ -1,7 +1,8 @@
 """caramba installed the way users install it (issue 47): a wheel built from the tree carries every
-C source and header its kernels need, and the installed copy, imported from outside the checkout,
-builds and loads its C libraries in a fresh kernel cache (before, the headers were left out, every
-build failed and caramba ran its torch path 35x slower at q8_0 decode)."""
+C source and header its kernels need (before, the headers were left out, every build failed and
+caramba ran its torch path 35x slower at q8_0 decode) and its kernels prebuilt per instruction-set
+variant (setup.py, caramba/kernel_build.py); the installed copy, imported from outside the checkout
+with no C compiler anywhere, loads the prebuilt libraries for this CPU."""
 
 from __future__ import annotations
 
@@ -33,17 +34,45 @@ def _tree_copy(dest: Path) -> Path:
     return dest
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """A wheel built from the tree with pip and this venv's setuptools (no build isolation: no
-    download, so it works offline)."""
-    tree = _tree_copy(tmp_path_factory.mktemp("tree"))
-    out = tmp_path_factory.mktemp("wheel")
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                           "--wheel-dir", str(out), str(tree)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+def _build_wheel(tree: Path, out: Path, variants: str) -> Path:
+    """A wheel built with pip and this venv's setuptools (no build isolation: no download, so it
+    works offline); variants: CARAMBA_KERNEL_VARIANTS, the kernel variants setup.py builds."""
+    env = {**os.environ, "CARAMBA_KERNEL_VARIANTS": variants}
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
+                           "--wheel-dir", str(out), str(tree)], capture_output=True, text=True, timeout=1800,
+                          env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (found,) = out.glob("caramba-*.whl")
     return found
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """A wheel with no kernels prebuilt (CARAMBA_KERNEL_VARIANTS=none): seconds, for its file list."""
+    return _build_wheel(_tree_copy(tmp_path_factory.mktemp("tree")), tmp_path_factory.mktemp("wheel"), "none")
+
+
+def _cpu() -> set[str]:
+    from caramba import kernel_build
+
+    return kernel_build.cpu_features()
+
+
+def _variants_here() -> list[str]:
+    """The baseline variant and the best this CPU runs: two of them, so the test sees the choice
+    (every variant would take several times as long on CI's 2 cores)."""
+    from caramba import kernel_build
+
+    best = kernel_build.choose(_cpu(), [v.name for v in kernel_build.variants()])
+    if best is None:
+        pytest.skip(f"no kernel variants for {kernel_build.machine()}")
+    return list(dict.fromkeys([kernel_build.variants()[0].name, best.name]))
+
+
+@pytest.fixture(scope="module")
+def wheel_with_kernels(tmp_path_factory) -> Path:
+    return _build_wheel(_tree_copy(tmp_path_factory.mktemp("tree")), tmp_path_factory.mktemp("wheelk"),
+                        ",".join(_variants_here()))
 
 
 def test_the_wheel_carries_every_file_its_kernels_include(wheel):
@@ -65,30 +94,57 @@ def test_the_wheel_carries_every_file_its_kernels_include(wheel):
 
 CHECK = """
 import json, caramba
+from caramba import kernels
 from caramba.runs import kernel_status
 from caramba.model import isa
-print(json.dumps({"file": caramba.__file__, "kernels": kernel_status(), "isa": isa.kernel_isa()}))
+print(json.dumps({"file": caramba.__file__, "kernels": kernel_status(), "isa": isa.kernel_isa(),
+                  "origin": kernels.origin}))
 """
 
 
-@pytest.mark.integration   # builds every C library from scratch: about 2.5 minutes on 2 cores
-def test_the_installed_wheel_builds_and_loads_every_kernel(wheel, tmp_path):
-    """Installed with pip (non-editable, --no-deps: torch and the rest come from this venv) into a
-    directory, run from outside the checkout so the installed copy is the one imported."""
+def test_a_wheel_with_no_kernels_is_still_platform_tagged(wheel):
+    assert re.fullmatch(r"caramba-[^-]+-py3-none-(linux|macosx|win)_\w+\.whl", wheel.name), wheel.name
+    with zipfile.ZipFile(wheel) as z:
+        assert not [n for n in z.namelist() if n.endswith(".so")]
+
+
+@pytest.mark.integration   # builds 5 C libraries x 2 variants at wheel build: minutes on 2 cores
+def test_the_installed_wheel_loads_its_prebuilt_kernels_with_no_compiler(wheel_with_kernels, tmp_path):
+    """The wheel is platform-tagged and carries every library in each variant built, named by the
+    hash of the sources it ships; installed with pip (non-editable, --no-deps: torch and the rest
+    come from this venv) into a directory, run from outside the checkout with no C compiler (CC
+    points nowhere, PATH has no cc) so the installed copy is the one imported and nothing compiles."""
+    from caramba import kernel_build
+
+    wheel, variants = wheel_with_kernels, _variants_here()
+    assert re.fullmatch(r"caramba-[^-]+-py3-none-linux_\w+\.whl", wheel.name), wheel.name
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        (meta,) = [n for n in names if n.endswith(".dist-info/WHEEL")]
+        assert "Root-Is-Purelib: false" in z.read(meta).decode()
+    expected = {f"caramba/_kernels/{kernel_build.prebuilt_name(lib, v, kernel_build.source_hash(kernel_build.sources(lib)))}"
+                for lib in kernel_build.LIBRARIES for v in variants}
+    assert expected == {n for n in names if n.endswith(".so")}, sorted(names)
+
     target = tmp_path / "site"
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", str(target),
                            str(wheel)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    env = {**os.environ, "PYTHONPATH": str(target), "CARAMBA_CACHE_DIR": str(tmp_path / "cache")}
+    no_cc = tmp_path / "bin"
+    no_cc.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target), "CARAMBA_CACHE_DIR": str(tmp_path / "cache"),
+           "CC": "/nonexistent/cc", "PATH": str(no_cc)}
     env.pop("CARAMBA_KERNELS", None)
+    env.pop("CARAMBA_ISA", None)
     work = tmp_path / "elsewhere"
     work.mkdir()
     done = subprocess.run([sys.executable, "-c", CHECK], cwd=work, env=env, capture_output=True, text=True,
-                          timeout=1200)
+                          timeout=600)
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
     assert Path(got["file"]).resolve().is_relative_to(target.resolve()), got["file"]
     assert got["kernels"] == dict.fromkeys(got["kernels"], "c"), got["kernels"]
-    assert not got["isa"].startswith("eager") and "caramba: warning" not in done.stderr, done.stderr
-    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / "kernels").glob("*.so")) == \
-        ["decode_ops", "decode_step", "quant_attend", "quant_gemm", "quant_gemv"]
+    assert got["kernels"]["decode_step"] == "c"
+    assert got["origin"] == dict.fromkeys(kernel_build.LIBRARIES, f"prebuilt {variants[-1]}"), got["origin"]
+    assert not got["isa"].startswith("eager") and "caramba:" not in done.stderr, done.stderr
+    assert not list((tmp_path / "cache").glob("**/*.so"))   # nothing compiled at run time

@@ -5,6 +5,8 @@ switched off or cannot be built."""
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 import warnings
 
 import numpy as np
@@ -91,13 +93,16 @@ def test_switched_off_by_environment(fresh_library, monkeypatch):
 def test_a_failed_build_says_so_once_on_stderr_and_falls_back(fresh_library, monkeypatch, tmp_path, capfd):
     monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")           # a "compiler" that always fails
+    monkeypatch.setattr(kernels, "prebuilt_dir", lambda: tmp_path / "none")   # no installed copy to fall back on
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")         # a filter that would swallow a Python warning
         assert kernel.library() is None and kernel.library() is None
     assert kernel.status() == "unavailable: build failed (false exited with status 1)"
-    err = capfd.readouterr().err
-    assert err == ("caramba: warning: quantized KV caches decode through the slower eager path: "
-                   "kernels unavailable: build failed (false exited with status 1)\n")   # one line, once
+    err = capfd.readouterr().err.splitlines()
+    # the run-time build announced before it starts (a plain line: stderr is not a terminal), then why it failed
+    assert len(err) == 2 and err[0].startswith("caramba: building caramba's C kernels for this CPU, once: ~"), err
+    assert err[1] == ("caramba: warning: quantized KV caches decode through the slower eager path: "
+                      "kernels unavailable: build failed (false exited with status 1)")   # one line, once
     assert not list((tmp_path / "kernels").glob("*.so"))      # no half-built library left behind
 
 
@@ -285,3 +290,86 @@ def test_every_kernel_library_builds_where_a_compiler_is():
         pytest.skip("no C compiler, or CARAMBA_KERNELS=0: the eager paths are all there is")
     status = kernel_status()
     assert all(s == "c" for s in status.values()), status
+
+
+# ---- prebuilt libraries (issue 47: kernels built at install time, caramba/kernel_build.py) ----
+
+from caramba import kernel_build  # noqa: E402
+
+_HASWELL = {"sse4_2", "popcnt", "ssse3", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}
+_ALDER_LAKE = _HASWELL | {"avx_vnni"}
+_ZEN4 = _HASWELL | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni", "avx512_bf16"}
+_SAPPHIRE_RAPIDS = _ZEN4 | {"avx_vnni", "amx_tile", "amx_int8", "amx_bf16"}
+
+
+@pytest.mark.parametrize("cpu,expected", [
+    (set(), None), ({"sse4_2", "popcnt", "ssse3"}, "x86-64-v2"), (_HASWELL, "avx2"), (_ALDER_LAKE, "avxvnni"),
+    (_ZEN4, "avx512"), (_SAPPHIRE_RAPIDS, "amx")])
+def test_the_highest_variant_a_cpu_can_run_is_chosen(cpu, expected):
+    every = [v.name for v in kernel_build.variants("x86_64")]
+    got = kernel_build.choose(cpu, every, "x86_64")
+    assert (got.name if got else None) == expected
+    # among the variants present only: a wheel built with fewer variants still loads the best it has
+    assert kernel_build.choose(_SAPPHIRE_RAPIDS, ["x86-64-v2", "avx2"], "x86_64").name == "avx2"
+    assert kernel_build.choose(_HASWELL, ["avx512"], "x86_64") is None
+
+
+def test_arm_variants_follow_the_cpu_features():
+    every = [v.name for v in kernel_build.variants("aarch64")]
+    assert kernel_build.choose({"fp", "asimd"}, every, "aarch64").name == "armv8"
+    assert kernel_build.choose({"fp", "asimd", "asimddp", "asimdhp"}, every, "aarch64").name == "armv8.2-dotprod"
+
+
+def test_every_library_module_takes_its_sources_from_the_one_list():
+    from caramba.model import fast_decode, fused, quant, quant_gemm
+
+    assert {s[0].stem: s for s in (kernel.SOURCES, [fused.SOURCE], quant.SOURCES, fast_decode.SOURCES,
+                                   quant_gemm.SOURCES)} == \
+        {name: kernel_build.sources(name) for name in kernel_build.LIBRARIES}
+
+
+def _cpu() -> set[str]:
+    return kernel_build.cpu_features()
+
+
+def test_cpu_features_read_x86_flags_and_arm_features():
+    assert kernel_build.cpu_features("processor\t: 0\nflags\t\t: fpu sse4_2 avx2\n") == {"fpu", "sse4_2", "avx2"}
+    assert kernel_build.cpu_features("processor\t: 0\nFeatures\t: fp asimd asimddp\n") == {"fp", "asimd", "asimddp"}
+
+
+def test_a_prebuilt_library_loads_with_no_compiler_and_a_stale_one_is_ignored(monkeypatch, tmp_path, capfd):
+    """The best prebuilt variant whose source hash matches is loaded without a compiler; one built
+    from other sources (its hash differs) is ignored and the run-time build takes over."""
+    needs_kernels()
+    chosen = kernel_build.choose(_cpu(), [v.name for v in kernel_build.variants()])
+    if chosen is None:
+        pytest.skip(f"no prebuilt variant for {kernel_build.machine()}")
+    from caramba.model import fused
+
+    sources = kernel_build.sources("decode_ops")
+    digest = kernel_build.source_hash(sources)
+    baseline = kernel_build.variants()[0]
+    kernel_build.compile_variant(os.environ.get("CC") or shutil.which("cc") or "gcc", "decode_ops", baseline,
+                                 tmp_path)   # the baseline, really compiled
+    stale = tmp_path / kernel_build.prebuilt_name("decode_ops", chosen.name, "0" * 16)
+    stale.write_bytes(b"not a library")   # a higher variant, but stale: never opened
+    monkeypatch.setattr(kernels, "prebuilt_dir", lambda: tmp_path)
+    assert kernels.prebuilt(sources) == (tmp_path / kernel_build.prebuilt_name("decode_ops", baseline.name, digest),
+                                         baseline.name)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("CARAMBA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("CARAMBA_KERNELS", raising=False)
+    lib, status = kernels.load(sources, fused._SIGNATURES, "test")
+    assert lib is not None and status == "c" and kernels.origin["decode_ops"] == f"prebuilt {baseline.name}"
+    assert capfd.readouterr().err == ""   # nothing built, nothing said
+    # a test build with its own flags never takes the prebuilt copy: it compiles (and here cannot)
+    lib, status = kernels.load(sources, fused._SIGNATURES, "test", flags=[*kernels.FLAGS, "-DX"])
+    assert lib is None and status.startswith("unavailable: build failed"), status
+    # the sources changed since the install: the hash no longer matches, so the run-time build is tried
+    for path in tmp_path.glob(f"decode_ops-*-{digest}.so"):
+        path.rename(path.with_name(path.name.replace(digest, "f" * 16)))
+    assert kernels.prebuilt(sources) is None
+    lib, status = kernels.load(sources, fused._SIGNATURES, "test")
+    assert lib is None and status.startswith("unavailable: build failed"), status
+    assert "caramba: building caramba's C kernels for this CPU, once" in capfd.readouterr().err

@@ -13,18 +13,17 @@ autograd) and when they are unavailable: CARAMBA_KERNELS=0, no C compiler, or a 
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from caramba import kernels
+from caramba import kernel_build, kernels
 from caramba.cache.kinds import KindSpec, KVCacheKind, spec_of
 
-SOURCE = Path(__file__).with_name("quant_attend.c")   # the exported loops (it names the library)
-# with the levels' work items (the portable reference, the vector loops) and the model kernels' run-time
-# instruction set choice (cpu_isa.c: CARAMBA_ISA, caramba.model.isa.use_isa), compiled together
-SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in ("quant_attend_ref.c", "quant_attend_vec.c")),
-           Path(__file__).parents[1] / "model" / "cpu_isa.c"]
+# quant_attend.c, the exported loops (it names the library), with the levels' work items (the portable
+# reference, the vector loops) and the model kernels' run-time instruction set choice (cpu_isa.c:
+# CARAMBA_ISA, caramba.model.isa.use_isa), compiled together (the list: caramba.kernel_build.LIBRARIES)
+SOURCES = kernel_build.sources("quant_attend")
+SOURCE = SOURCES[0]
 FLAGS = kernels.FLAGS
 _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.c_long] * 2 + [ctypes.c_int] * 2
 # zero-point kinds: ... bits, group (0: per-token blocks), parameter row stride, threads

@@ -43,12 +43,11 @@ from __future__ import annotations
 
 import ctypes
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from caramba import kernels, threads
+from caramba import kernel_build, kernels, threads
 from caramba.cache.evict import PackedLayerKVCache, PressedKVCache, PressedLayerKVCache
 from caramba.cache.hybrid import HybridKVCache, SlidingLayerKVCache
 from caramba.cache.packed import PackedChannelStream, PackedFloatStream, PackedQuantStream
@@ -63,8 +62,7 @@ from caramba.model.step_abi import LayerPlan, Lin, StepArgs, Stream
 # the step (decode_step.c) and the files it calls, compiled together: each shares what the
 # others use through its header (decode_step.h, step_linear.h, kv_stream.h, decode_ops.h, quant_gemv.h,
 # cpu_isa.h); the quantized products' files are quant.SOURCES (cpu_isa.c among them)
-SOURCES = [*(Path(__file__).with_name(name) for name in
-             ("decode_step.c", "step_linear.c", "kv_stream.c", "decode_ops.c")), *quant.SOURCES]
+SOURCES = kernel_build.sources("decode_step")   # caramba.kernel_build.LIBRARIES: one list, setup.py's too
 MAX_ROWS = 16        # beyond this the torch path's GEMMs win
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {"decode_step": ([_P], _I), "step_linear": ([_P, _P, _I, _P, _I], _I), "step_abi_layout": ([_P], _I),

@@ -10,13 +10,12 @@ them off).
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from caramba import kernels
+from caramba import kernel_build, kernels
 
-SOURCE = Path(__file__).with_name("decode_ops.c")
+(SOURCE,) = kernel_build.sources("decode_ops")   # caramba.kernel_build.LIBRARIES
 MAX_ROWS = 16   # beyond this (prefill) torch's vectorized, threaded ops win
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {

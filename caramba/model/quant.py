@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from caramba import gemm, kernels
+from caramba import gemm, kernel_build, kernels
 from caramba.model import gguf_loader, quant_gemm
 
 WEIGHT_KINDS = ("fp32", "q8_0", "q4_0", "native", "native_i16")
@@ -59,9 +58,8 @@ KERNEL_ROWS = 16      # rows of activations up to which the GEMV kernels beat de
 # the products (quant_gemv.c: the exported functions and the dispatch; the portable reference; the
 # x86-64 and AArch64 kernels) and the instruction set choice they dispatch on, compiled together
 # (kernels.Library; the first names the library)
-SOURCES = [Path(__file__).with_name(name) for name in
-           ("quant_gemv.c", "quant_gemv_ref.c", "quant_gemv_x86.c", "quant_gemv_x86_x16.c", "quant_gemv_arm.c",
-            "quant_gemv_kq_ref.c", "quant_gemv_kq_x86.c", "quant_gemv_kq_arm.c", "cpu_isa.c")]
+# (the list: caramba.kernel_build.LIBRARIES, which setup.py prebuilds at install)
+SOURCES = kernel_build.sources("quant_gemv")
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "gemv_q8_0_q8": ([_P] * 4 + [_I] * 4, _I),

@@ -26,18 +26,17 @@ from __future__ import annotations
 
 import ctypes
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from caramba import kernels
+from caramba import kernel_build, kernels
 
 LEVELS = ("scalar", "avx2", "avxvnni", "avx512vnni", "amx")
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 INT8_FORMATS = ("q8_0", "q4_0")   # gemm_q8's weights (q4_1's minimums need the block sums of x: gemm_f32)
 # with cpu_isa.c: the CPU checks (AMX and the OS's permission) and fp16 conversion the decode kernels use
-SOURCES = [Path(__file__).with_name(name) for name in ("quant_gemm.c", "cpu_isa.c")]
+SOURCES = kernel_build.sources("quant_gemm")   # caramba.kernel_build.LIBRARIES
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "gemm_q8": ([_I, _P, _P, _I, _I, _P, _P, _I, _I, _P, _I], _I),
