@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -78,24 +79,49 @@ class BuildKernels(build_py):
         if not cc:
             _say("warning: no C compiler (cc): C kernels not prebuilt; caramba compiles them at run time if it can")
             return
-        jobs = [(name, v) for name in kb.LIBRARIES for v in variants]
-        _say(f"building {len(kb.LIBRARIES)} C kernel libraries x {len(variants)} variants "
-             f"({', '.join(v.name for v in variants)}) with {cc}, {os.cpu_count()} jobs")
+        package = HERE / "caramba"
+        unique = sorted({s for name in kb.LIBRARIES for s in kb.sources(name, package)},
+                        key=lambda s: -s.stat().st_size)   # the longest first: the pool stays busy to the end
+        _say(f"building {len(kb.LIBRARIES)} C kernel libraries ({len(unique)} source files) x {len(variants)} "
+             f"variants ({', '.join(v.name for v in variants)}) with {cc}, {os.cpu_count()} jobs")
         start = time.monotonic()
+        obj_dir = Path(tempfile.mkdtemp(prefix="caramba-kernels-"))
 
-        def one(job):
-            name, v = job
-            t = time.monotonic()
+        def failed(what: str, e: Exception) -> str:
+            err = (getattr(e, "stderr", "") or str(e)).strip().splitlines()
+            return f"warning: {what} not built: {err[0] if err else e}"
+
+        def compile_one(job):
+            source, v = job
             try:
-                kb.compile_variant(cc, name, v, out_dir, HERE / "caramba")
-                return f"built {name} [{v.name}] in {time.monotonic() - t:.0f} s"
+                return kb.compile_object(cc, source, v, obj_dir, package), None
             except (OSError, subprocess.SubprocessError) as e:
-                err = (getattr(e, "stderr", "") or str(e)).strip().splitlines()
-                return f"warning: {name} [{v.name}] not built: {err[0] if err else e}"
+                return None, failed(f"{source.name} [{v.name}]", e)
 
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            for line in pool.map(one, jobs):
-                _say(line)
+        def link_one(job):
+            name, v = job
+            objects = [objs.get((s, v.name)) for s in kb.sources(name, package)]
+            if any(o is None for o in objects):
+                return f"warning: {name} [{v.name}] not built: a source of it did not compile"
+            try:
+                kb.link_variant(cc, name, v, objects, out_dir, package)
+                return f"built {name} [{v.name}]"
+            except (OSError, subprocess.SubprocessError) as e:
+                return failed(f"{name} [{v.name}]", e)
+
+        try:
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                jobs = [(s, v) for v in variants for s in unique]
+                objs = {}
+                for (source, v), (obj, warning) in zip(jobs, pool.map(compile_one, jobs)):
+                    if warning:
+                        _say(warning)
+                    objs[(source, v.name)] = obj
+                _say(f"compiled {sum(o is not None for o in objs.values())} objects in {time.monotonic() - start:.0f} s")
+                for line in pool.map(link_one, [(name, v) for name in kb.LIBRARIES for v in variants]):
+                    _say(line)
+        finally:
+            shutil.rmtree(obj_dir, ignore_errors=True)
         _say(f"C kernels built in {time.monotonic() - start:.0f} s")
 
 

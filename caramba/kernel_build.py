@@ -143,3 +143,27 @@ def compile_variant(cc: str, name: str, variant: Variant, out_dir: Path, package
                    capture_output=True, text=True, timeout=1200)
     tmp.replace(out)
     return out
+
+
+def compile_object(cc: str, source: Path, variant: Variant, obj_dir: Path, package: Path = PACKAGE) -> Path:
+    """One source file in `variant` as an object under obj_dir (raises CalledProcessError with the
+    compiler's stderr). A library is its sources compiled one by one and linked (what one `cc` over
+    all of them does), so a file two libraries share (quant_gemv's, in decode_step) compiles once."""
+    obj = obj_dir / variant.name / source.relative_to(package).with_suffix(".o")
+    obj.parent.mkdir(parents=True, exist_ok=True)
+    flags = [f for f in COMMON_FLAGS if f != "-shared"]
+    subprocess.run([cc, *flags, *variant.flags, "-c", str(source), "-o", str(obj)], check=True, capture_output=True,
+                   text=True, timeout=1200)
+    return obj
+
+
+def link_variant(cc: str, name: str, variant: Variant, objects: list[Path], out_dir: Path,
+                 package: Path = PACKAGE) -> Path:
+    """Library `name` in `variant` from its sources' objects (compile_object), into out_dir."""
+    out = out_dir / prebuilt_name(name, variant.name, source_hash(sources(name, package)))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    subprocess.run([cc, "-shared", "-fopenmp", *map(str, objects), *LIBS, "-o", str(tmp)], check=True,
+                   capture_output=True, text=True, timeout=600)
+    tmp.replace(out)
+    return out
