@@ -145,7 +145,7 @@ def _report_frontier(source: Path, rows: list[dict], done: list[tuple[str, Path]
     if csv_file is not None:
         _write_csv(csv_file, front, err)
     if fmt == "json":
-        print(json_text({"runs": rows, "frontier": front}, indent=2))
+        print(json_text({"runs": rows, "frontier": front, "time": _eval_time(done)}, indent=2))
         return None
     keys = list(dict.fromkeys(k for r in rows for k in r["params"]))
     status = [{"run": r["run"], "status": r["status"], "mode": r["mode"], **{k: r["params"].get(k) for k in keys}}
@@ -157,10 +157,12 @@ def _report_frontier(source: Path, rows: list[dict], done: list[tuple[str, Path]
                for r in sorted(front, key=lambda r: (r["group"], r["bytes_per_token"], r["run"]))]
     title = (f"quality-cost frontier ({len(front)} candidates; * = Pareto-optimal by bytes/token and "
              f"{quality_key(front) or 'no common quality metric'})")
+    time_rows, time_title = _eval_time(done), "time budget (seconds; per candidate: its stores, questions, decode steps)"
     if fmt == "markdown":
         text = f"### caramba report: {source}\n\n" + markdown_table(status)
-        return text + (f"\n\n{title}\n\n" + markdown_table(ordered) if front else "")
-    for heading, table_rows in ((f"{source}: {len(rows)} run(s)", status), (title, ordered)):
+        text += f"\n\n{title}\n\n" + markdown_table(ordered) if front else ""
+        return text + (f"\n\n{time_title}\n\n" + markdown_table(time_rows) if time_rows else "")
+    for heading, table_rows in ((f"{source}: {len(rows)} run(s)", status), (title, ordered), (time_title, time_rows)):
         if not table_rows:
             continue
         table = Table(title=escape(heading), title_justify="left")
@@ -170,6 +172,13 @@ def _report_frontier(source: Path, rows: list[dict], done: list[tuple[str, Path]
             table.add_row(*(escape(_cell(v)) for v in r.values()))
         out.print(table)
     return None
+
+
+def _eval_time(done: list[tuple[str, Path]]) -> list[dict]:
+    """The eval records' time budget (caramba.runners.eval.time_rows): a row per run, one per candidate."""
+    from caramba.runners.eval import time_rows
+
+    return time_rows(done)
 
 
 def _cell(value) -> str:

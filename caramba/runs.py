@@ -71,6 +71,11 @@ def _umask() -> int:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write `text` to `path` so that readers see the old file or the whole new one, never a part."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """atomic_write_text's bytes: readers see the old file or the whole new one, never a part."""
     path = Path(path)
     try:
         fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -78,8 +83,8 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         raise type(e)(e.errno, e.strerror, str(path)) from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())   # mkstemp makes 0600; a record is as readable as log.txt
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, path)   # replaces a link at `path` itself, never what it points to

@@ -88,12 +88,53 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
     assert result["summary"]["q4r.tasks.niah_single.768"] == by["q4r"]["tasks"]["niah_single"]["768"]["score"]
     answers = json.loads((record / "answers.json").read_text())
     assert set(answers) == set(labels) and all(len(a) == 2 for a in answers.values())
+    # the time budget and the context store: computed this time, reused by a forced rerun
+    budget = tasks["time"]
+    assert budget["wall_s"] >= budget["context_prefill_s"] > 0 and budget["decode_s"] > 0
+    assert budget["contexts_computed"] == 1 and budget["contexts_reused"] == 0 and tasks["contexts"]["bad"] == []
+    assert all(c["time"]["decode_s"] > 0 and c["time"]["store_s"] >= 0 for c in result["candidates"])
+    assert not any(a["context_reused"] for a in answers["q4r"])
+    assert len(list((tmp_path / "runs" / ".context-cache").glob("*.safetensors"))) == 1   # both samples in one batch
+    report = invoke("report", manifest)
+    assert report.exit_code == 0 and "time budget" in report.output, report.output
+    timed = json.loads(invoke("report", manifest, "--format", "json").stdout)["time"]
+    assert [t["cache"] for t in timed] == ["(all)", *labels] and timed[0]["reused"] == 0
+    assert timed[0]["prefill_s"] == budget["context_prefill_s"] and timed[1]["decode_s"] == by[labels[0]]["time"]["decode_s"]
+    assert "time budget" in invoke("report", manifest, "--format", "markdown").stdout
+    assert invoke("run", manifest, "--force").exit_code == 0
+    rerun = json.loads((record / "result.json").read_text())
+    assert rerun["tasks"]["time"]["contexts_reused"] == 1 and rerun["tasks"]["contexts"]["computed"] == 0
+    entry = next((tmp_path / "runs" / ".context-cache").glob("*.safetensors")).stem
+    assert tasks["contexts"]["computed_keys"] == [entry] == rerun["tasks"]["contexts"]["reused_keys"]
+    assert all(a["context_reused"] for a in json.loads((record / "answers.json").read_text())["q4r"])
+    assert {c["label"]: c["tasks"] for c in rerun["candidates"]} == {c["label"]: c["tasks"] for c in result["candidates"]}
+    # a corrupted entry: found bad, recomputed, the same answers
+    stored = tmp_path / "runs" / ".context-cache" / f"{entry}.safetensors"
+    data = bytearray(stored.read_bytes())
+    data[-5] ^= 0xFF
+    stored.write_bytes(bytes(data))
+    assert invoke("run", manifest, "--force").exit_code == 0
+    healed = json.loads((record / "result.json").read_text())
+    assert healed["tasks"]["contexts"]["computed_keys"] == [entry] and healed["tasks"]["contexts"]["reused"] == 0
+    assert healed["tasks"]["contexts"]["bad"] == [f"{entry}.safetensors: checksum mismatch"]
+    assert {c["label"]: c["tasks"] for c in healed["candidates"]} == {c["label"]: c["tasks"] for c in result["candidates"]}
+    assert stored.read_bytes() != bytes(data)
     # a second run skips the record; --check holds the bounds
     again = invoke("run", manifest, "--check")
     assert again.exit_code == 0 and "skip" in again.output and "check ok" in again.output, again.output
     # a bound the result breaks fails the check, naming the metric
     broken = invoke("run", manifest, "--check", "--set", "targets.t.runs.kv.expect.metrics=['q4r.bytes_ratio > 0.9']")
     assert broken.exit_code != 0 and "q4r.bytes_ratio" in broken.output
+    # one more candidate in the manifest: every context reused, the others' answers unchanged
+    more = SECTION.replace("name: q4r}]", "name: q4r}, {cache_kind: q4_1, qblock: 8}]")
+    assert more != SECTION
+    added = invoke("run", eval_manifest(tmp_path, long_tiny, more), "--force")
+    assert added.exit_code == 0, added.output
+    grown = json.loads((record / "result.json").read_text())
+    assert grown["tasks"]["contexts"]["reused"] == 1 and grown["tasks"]["contexts"]["computed"] == 0
+    assert [c["label"] for c in grown["candidates"]] == ["q8_0_qblock_8", "q4r", "q4_1_qblock_8", "fp32"]
+    old_tasks = {c["label"]: c["tasks"] for c in result["candidates"]}
+    assert {c["label"]: c["tasks"] for c in grown["candidates"] if c["label"] in old_tasks} == old_tasks
 
 
 def test_same_prompts_for_every_candidate_and_reproducible_from_the_record(tmp_path, monkeypatch, long_tiny):
@@ -137,12 +178,15 @@ def test_bad_eval_settings_exit_2_before_anything_runs(tmp_path, monkeypatch, lo
     assert "Traceback" not in r.output and not (tmp_path / "runs" / "ev").exists()
 
 
-def test_cli_eval_runs_the_task_suite(long_tiny):
+def test_cli_eval_runs_the_task_suite(long_tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.chdir(tmp_path)
     r = invoke("eval", "--model", long_tiny, "--tasks", "niah_single", "--lengths", str(LENGTH), "--samples", "1",
                "--no-perplexity", "--cache-kind", "q8_0", "--qblock", "8", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert [c["label"] for c in out["candidates"]] == ["q8_0_qblock_8", "fp32"] and "perplexity" not in out
+    assert out["tasks"]["contexts"] is None and not list(tmp_path.rglob("*.safetensors"))   # keeps nothing
     assert invoke("eval", "--model", long_tiny, "--no-perplexity").exit_code == 2
     bad = invoke("eval", "--model", long_tiny, "--tasks", "nope", "--no-perplexity")
     assert bad.exit_code == 2 and "unknown task" in bad.output

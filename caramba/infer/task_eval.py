@@ -13,6 +13,18 @@ Every candidate answers exactly the same samples. Per sample:
    task's budget or an end-of-reply id) and scored as RULER scores it (`tasks.score`).
 The baseline answers last, from the cache that holds the context.
 
+Joined answers (join=True): the candidates' questions and decode steps for a batch run as one
+forward over every candidate's rows, each layer attending each candidate's rows through its own
+cache (caramba.infer.joined), up to JOIN_ROWS rows; a candidate with decoding-time compression
+answers alone, and where the fused C step would step each candidate (the CPU), fewer than
+JOIN_MIN_C caches answer one at a time. The answers are those of one candidate at a time (the
+tests hold them equal); a joined step's seconds are split equally among its candidates.
+
+The context store (caramba.infer.context_store): with `contexts`, a batch's shared prefill (the
+baseline's context KV, the rows' positions and padding, every press's kept masks) is read from
+the store when an entry holds it, verified, and written there when it is computed. Each answer
+says whether its context was reused; each candidate's `time()` where its seconds went.
+
 Scores per (task, length) come with a 95% Wilson interval over the samples: a mean of n
 per-sample scores in [0, 1] treated as a proportion, which, unlike the normal interval, does
 not collapse to zero width when every sample scored 1 (or 0).
@@ -21,6 +33,7 @@ not collapse to zero width when every sample scored 1 (or 0).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -31,14 +44,19 @@ import torch
 from caramba import threads
 from caramba.cache import CachePolicy, KVCache, LayerKVCache
 from caramba.cache.hybrid import SlidingLayerKVCache
+from caramba.infer import context_store
+from caramba.infer.context_store import ContextStore, model_identity
 from caramba.infer.padding import left_pad
 from caramba.infer.pressing import observing_all, prefill_pressed
 from caramba.infer.decoding_press import DecodingPress
 from caramba.infer.evaluate import require_finite
+from caramba.infer.joined import joinable, prefill_together, step_together
 from caramba.infer.state import DecodeState
 from caramba.model.backend import Backend, TorchStep, choose
+from caramba.model.fast_decode import MAX_ROWS
 from caramba.press import PressConfig, kept_masks
 from caramba.infer.tasks import TaskSample, score
+from caramba.version import __version__
 
 PREFILLS = ("shared", "own")
 
@@ -68,6 +86,7 @@ class Answer:
     prefill_s: float     # the candidate's own work before its first answer token (question; own: context)
     decode_s: float      # the answer's decode steps after the first token (a batch's: shared by its rows)
     steps: int           # decode steps this row took (tokens after the first)
+    context_reused: bool = False   # its context's prefill came from the context store (caramba.infer.context_store)
 
 
 @dataclass
@@ -77,6 +96,10 @@ class CandidateAnswers:
     answers: list[Answer] = field(default_factory=list)
     threads: list[int | None] = field(default_factory=list)   # CPU threads each batch ran on (None: a GPU)
     kept: list[float] = field(default_factory=list)   # per batch: the share of context tokens a press kept
+    store_s: float = 0.0      # seconds building its context (shared: stored in its kinds or pressed; own: prefilled)
+    question_s: float = 0.0   # seconds feeding its questions
+    decode_s: float = 0.0     # seconds of its answers' decode steps (a joined step's: split among its candidates)
+    joined: int = 0           # batches whose answers it decoded joined with other candidates' (caramba.infer.joined)
 
     def kept_fraction(self) -> float:
         """The share of context (layer, head, token) entries the cache kept: 1 without a press."""
@@ -102,8 +125,13 @@ class CandidateAnswers:
         press = self.candidate.press.describe() if self.candidate.press is not None and self.candidate.press.enabled else None
         return {"label": self.candidate.label, "policy": self.candidate.policy.describe(),
                 "window": self.candidate.window, "press": press, "kept_fraction": self.kept_fraction(),
-                "bytes_per_token": self.bytes_per_token,
+                "bytes_per_token": self.bytes_per_token, "time": self.time(),
                 "answers": [asdict(a) for a in self.answers]}
+
+    def time(self) -> dict:
+        """Where its seconds went: its context store, its questions, its answers' decode steps."""
+        return {"store_s": self.store_s, "question_s": self.question_s, "decode_s": self.decode_s,
+                "total_s": self.store_s + self.question_s + self.decode_s, "joined_batches": self.joined}
 
 
 def wilson(mean: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -131,14 +159,26 @@ def store_context(source: KVCache, target: KVCache, dtype: torch.dtype = torch.f
             dst.extend(*src.contents(n, dtype))
 
 
+# The most rows (candidates x samples) one joined answer step decodes (caramba.infer.joined); a
+# batch of samples this many rows or wider answers one candidate at a time.
+JOIN_ROWS = 32
+# The fewest candidates worth joining where each would step alone through the fused C step: the
+# joined step is the torch forward, which one C step per candidate beats for two (1.25x the time
+# at batch 2 on SmolLM2-135M, one thread) and loses to from four (0.76x; nine: 0.52x).
+JOIN_MIN_C = 4
+
+
 def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Sequence[Candidate],
                  baseline: Candidate, *, prefill: str = "shared", q_chunk: int | None = 512,
                  eos_ids: Sequence[int] = (), batch_size: int = 1,
-                 on_answer: Callable[[str, Answer], None] | None = None) -> tuple[list[CandidateAnswers], float]:
+                 on_answer: Callable[[str, Answer], None] | None = None, join: bool = True,
+                 contexts: ContextStore | None = None) -> tuple[list[CandidateAnswers], float]:
     """Every candidate's answers (the baseline's last) to every sample, and the seconds spent
     prefilling contexts through the baseline. Samples run `batch_size` at a time, left-padded:
     each row attends to its own tokens only (DecodeState's holes), so a row answers as it would
-    alone, up to float rounding. See the module doc for the protocol."""
+    alone, up to float rounding. join: the candidates' answers to a batch decoded together, up to
+    JOIN_ROWS rows a step (caramba.infer.joined; False: one candidate at a time). contexts: where
+    shared prefills are kept between runs (caramba.infer.context_store). See the module doc."""
     if prefill not in PREFILLS:
         raise ValueError(f"prefill={prefill!r}: choose one of {', '.join(PREFILLS)}")
     if batch_size < 1:
@@ -164,7 +204,7 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
         choice = threads.choose() if device.type == "cpu" else None
         with threads.applied(choice) if choice is not None else contextlib.nullcontext():
             context_s += _answer_group(model, tokenizer, group, results, baseline, prefill, q_chunk, stops, pad,
-                                       on_answer, backend)
+                                       on_answer, backend, join, contexts if prefill == "shared" else None)
         for result in results:
             result.threads.append(choice.used if choice is not None else None)
     for result in results:
@@ -175,28 +215,26 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
 
 def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[CandidateAnswers], baseline: Candidate,
                   prefill: str, q_chunk: int | None, stops: set[int], pad: int,
-                  on_answer: Callable[[str, Answer], None] | None, backend: Backend) -> float:
+                  on_answer: Callable[[str, Answer], None] | None, backend: Backend, join: bool,
+                  contexts: ContextStore | None) -> float:
     """One batch of samples through every cache; returns the seconds of its shared context prefill."""
     device = model.device
     context = left_pad([s.context_ids for s in group], pad, device=device)
     question = left_pad([s.question_ids for s in group], pad, device=device)
     slots = context[0].shape[1] + question[0].shape[1] + max(s.max_new_tokens for s in group)
-    base = DecodeState(model, model.new_cache(len(group), slots, baseline.policy), q_chunk, backend)
     # Shared: the candidates' presses watch the one context prefill (observers of equal presses are shared).
     presses = list(dict.fromkeys(r.candidate.press for r in results if r.candidate.pressed)) if prefill == "shared" else []
-    t0 = time.perf_counter()
-    # observed: the torch path, whose forwards call the presses' observers (the fused C step's do not)
-    observed = base.using(TorchStep(model)) if presses else contextlib.nullcontext()
-    with observing_all(model, base.cache, presses) as seen, observed:
-        _feed(base, *context, baseline.window)
-    context_s = time.perf_counter() - t0
-    for result in results:
+    base, kept, context_s, reused = _context(model, group, context, slots, baseline, presses, q_chunk, backend, pad,
+                                             contexts)
+
+    def build(result: CandidateAnswers) -> tuple[DecodeState, float]:
+        """A candidate's state holding the context, and the seconds that took (its store)."""
         c = result.candidate
         t0 = time.perf_counter()
         if c is baseline:
             state = base
         elif prefill == "shared":
-            state = _shared_context(model, base, c, slots, q_chunk, seen[presses.index(c.press)] if c.pressed else None)
+            state = _shared_context(model, base, c, slots, q_chunk, kept[presses.index(c.press)] if c.pressed else None)
         else:
             state = DecodeState(model, model.new_cache(len(group), slots, c.policy), q_chunk, backend)
             if c.pressed:
@@ -204,27 +242,169 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
                 prefill_pressed(state, context[0], None if bool(mask.all()) else mask, c.press)
             else:
                 _feed(state, *context, c.window)
+        spent = time.perf_counter() - t0
+        result.store_s += spent
         if c.pressed:
             result.kept.append(state.kept_share)
-        decoding = DecodingPress(state, c.press) if c.press is not None and c.press.decoding else None
-        for answer in _answer(state, tokenizer, group, question, c.window, stops, time.perf_counter() - t0, decoding,
-                              c.label):
+        return state, spent
+
+    def record(result: CandidateAnswers, answers: list[Answer]) -> None:
+        for answer in answers:
+            answer.context_reused = reused
             result.answers.append(answer)
             if on_answer is not None:
-                on_answer(c.label, answer)
+                on_answer(result.candidate.label, answer)
+
+    # Joined: the candidates whose answers can share a forward, a chunk of up to JOIN_ROWS rows at a time,
+    # the baseline (which the others' stores read) in the last; the rest one at a time, first.
+    per = JOIN_ROWS // len(group)
+    fewest = JOIN_MIN_C if backend.name == "c" else 2
+    joint = [r for r in results if join and per >= fewest and _joins(model, r.candidate)]
+    if len(joint) < fewest:
+        joint = []
+    solo = [r for r in results if all(r is not j for j in joint)]
+    last = [r for r in solo if r.candidate is baseline]
+    for result in [r for r in solo if r.candidate is not baseline]:
+        record(result, _answer_one(result, *build(result), tokenizer, group, question, stops))
+    for first in range(0, len(joint), per):
+        chunk = joint[first : first + per]
+        if len(chunk) < fewest:     # a short last chunk: one at a time
+            last = chunk + last
+            continue
+        built = [build(r) for r in chunk]
+        for result, answers in zip(chunk, _answer_joined(model, chunk, built, tokenizer, group, question, stops)):
+            record(result, answers)
+    for result in last:
+        record(result, _answer_one(result, *build(result), tokenizer, group, question, stops))
     return context_s
 
 
-def _shared_context(model, base: DecodeState, c: Candidate, slots: int, q_chunk: int | None, seen) -> DecodeState:
+def _joins(model, c: Candidate) -> bool:
+    """Whether a candidate's answers may decode joined with others': a standard-attention model
+    (caramba.infer.joined), no decoding-time compression (which presses its state between steps)."""
+    return joinable(model) and not (c.press is not None and c.press.enabled and c.press.decoding)
+
+
+# ---- the shared context: prefilled, or reused from the context store ---------------------------
+
+def _storable(model, baseline: Candidate) -> bool:
+    """Whether the baseline's context cache can be kept as it is: plain float layers, unrotated
+    (its values are its contents, restored bit for bit)."""
+    if model.config.hybrid or model.config.attention != "standard":
+        return False
+    probe = model.new_cache(1, 1, baseline.policy)
+    return type(probe) is KVCache and all(type(layer) is LayerKVCache and not layer.quantized
+                                          and layer.rotation is None and layer.v_rotation is None
+                                          for layer in probe.layers)
+
+
+def _prefill_path(backend: Backend, observed: bool, B: int, T: int, q_chunk: int | None) -> str:
+    """Which path the context prefill's forwards take: the fused C step only for a chunk of at most
+    its MAX_ROWS token rows (a short last chunk), and never while presses observe."""
+    sizes = [T] if q_chunk is None or T <= q_chunk else [min(q_chunk, T - a) for a in range(0, T, q_chunk)]
+    return "c" if backend.name == "c" and not observed and any(B * n <= MAX_ROWS for n in sizes) else "torch"
+
+
+def _context_key(model, contexts: ContextStore, group: Sequence[TaskSample], context: tuple, baseline: Candidate,
+                 q_chunk: int | None, path: str, pad: int) -> dict:
+    return {"format": context_store.FORMAT, "model": contexts.model or model_identity(model, ""),
+            "caramba": __version__, "torch": torch.__version__,
+            "contexts": [hashlib.sha256(str(list(s.context_ids)).encode()).hexdigest() for s in group],
+            "pad": pad, "width": int(context[0].shape[1]),
+            "baseline": {"policy": repr(baseline.policy), "window": baseline.window},
+            "q_chunk": q_chunk, "path": path}
+
+
+def _context(model, group: Sequence[TaskSample], context: tuple, slots: int, baseline: Candidate,
+             presses: list[PressConfig], q_chunk: int | None, backend: Backend, pad: int,
+             contexts: ContextStore | None) -> tuple[DecodeState, list, float, bool]:
+    """(the baseline's state holding the batch's context, each press's kept masks, seconds, whether
+    it came from the context store). A stored entry is used when it holds every press's masks;
+    otherwise the context is prefilled (watched by the presses) and the entry written."""
+    B, T = context[0].shape
+    key = None
+    if contexts is not None and contexts.enabled and _storable(model, baseline):
+        key = _context_key(model, contexts, group, context, baseline, q_chunk,
+                           _prefill_path(backend, bool(presses), B, T, q_chunk), pad)
+    want = [repr(p) for p in presses]
+    t0 = time.perf_counter()
+    stored: dict[str, list] = {}
+    if key is not None:
+        got = contexts.load(key)
+        if got is not None:
+            base, stored = _restore(model, *got, B, T, slots, baseline, q_chunk, backend)
+            if base is not None and all(w in stored for w in want):
+                contexts.reused += 1
+                contexts.reused_keys.append(contexts.path_of(key).stem)
+                contexts.load_s += time.perf_counter() - t0
+                return base, [stored[w] for w in want], time.perf_counter() - t0, True
+            if base is None:
+                contexts.bad.append(f"{contexts.path_of(key).name}: its tensors do not fit the batch")
+    base = DecodeState(model, model.new_cache(B, slots, baseline.policy), q_chunk, backend)
+    # observed: the torch path, whose forwards call the presses' observers (the fused C step's do not)
+    observed = base.using(TorchStep(model)) if presses else contextlib.nullcontext()
+    with observing_all(model, base.cache, presses) as seen, observed:
+        _feed(base, *context, baseline.window)
+    kept = [kept_masks(base.cache, s, p, base.valid_slots()) for s, p in zip(seen, presses)]
+    context_s = time.perf_counter() - t0
+    if key is not None:
+        contexts.computed += 1
+        contexts.computed_keys.append(contexts.path_of(key).stem)
+        t1 = time.perf_counter()
+        _save(contexts, key, base, {**stored, **dict(zip(want, kept))})
+        contexts.save_s += time.perf_counter() - t1
+    return base, kept, context_s, False
+
+
+def _save(contexts: ContextStore, key: dict, base: DecodeState, kept: dict[str, list]) -> None:
+    L = base.cache.length
+    tensors = {"next_pos": base.next_pos}
+    if base.slot_mask is not None:
+        tensors["slot_mask"] = base.slot_mask[:, :L]
+    for i, layer in enumerate(base.cache.layers):
+        tensors[f"k.{i}"], tensors[f"v.{i}"] = layer.k_stream.data[:, :, :L], layer.v_stream.data[:, :, :L]
+    names = list(kept)
+    for j, name in enumerate(names):
+        for i, mask in enumerate(kept[name]):
+            tensors[f"kept.{j}.{i}"] = mask
+    contexts.save(key, tensors, {"presses": names})
+
+
+def _restore(model, tensors: dict, extra: dict, B: int, T: int, slots: int, baseline: Candidate, q_chunk: int | None,
+             backend: Backend) -> tuple[DecodeState | None, dict[str, list]]:
+    """The stored context as a state (None when its tensors do not fit) and the presses' masks."""
+    cache = model.new_cache(B, slots, baseline.policy)
+    n = len(cache.layers)
+    try:
+        for i, layer in enumerate(cache.layers):
+            k, v = tensors[f"k.{i}"], tensors[f"v.{i}"]
+            if tuple(k.shape[:3]) != (B, layer.n_kv_heads, T) or k.dtype != layer.k_stream.data.dtype \
+                    or v.dtype != layer.v_stream.data.dtype:
+                return None, {}
+            layer.extend(k.to(model.device), v.to(model.device))
+        next_pos = tensors["next_pos"]
+        masks = {name: [tensors[f"kept.{j}.{i}"].to(model.device) for i in range(n)]
+                 for j, name in enumerate(extra.get("presses", []))}
+    except (KeyError, RuntimeError, ValueError):
+        return None, {}
+    state = DecodeState(model, cache, q_chunk, backend)
+    cache.window = baseline.window
+    state.next_pos = next_pos.to(model.device)
+    if "slot_mask" in tensors:
+        state.slot_mask = torch.zeros(B, cache.max_seq_len, dtype=torch.bool, device=model.device)
+        state.slot_mask[:, :T] = tensors["slot_mask"].to(model.device)
+    return state, masks
+
+
+def _shared_context(model, base: DecodeState, c: Candidate, slots: int, q_chunk: int | None, kept) -> DecodeState:
     """A candidate's state holding the baseline's context in its own kinds: stored whole, or
-    (with a press) only the survivors, chosen from the full-precision context."""
+    (with a press) only the survivors the press chose from the full-precision context (kept)."""
     B = base.batch_size
     state = DecodeState(model, base.cache, q_chunk, base.backend)
     state.next_pos = base.next_pos.clone()
     state.slot_mask = None if base.slot_mask is None else base.slot_mask.clone()
     if c.pressed:
-        state.press(kept_masks(base.cache, seen, c.press, base.valid_slots()), model.new_cache(B, 1, c.policy),
-                    ragged_rows=not c.press.decoding)
+        state.press(kept, model.new_cache(B, 1, c.policy), ragged_rows=not c.press.decoding)
     else:
         state.cache = model.new_cache(B, slots, c.policy)
         state.cache.set_origins(base.row_origins())   # per-channel keys: each row's groups from its first token
@@ -238,49 +418,143 @@ def _feed(state: DecodeState, tokens: torch.Tensor, mask: torch.Tensor, window: 
     return state.prefill(tokens, None if bool(mask.all()) else mask)
 
 
-@torch.inference_mode()
-def _answer(state: DecodeState, tokenizer, group: Sequence[TaskSample], question: tuple[torch.Tensor, torch.Tensor],
-            window: int | None, stops: set[int], spent: float, decoding: DecodingPress | None = None,
-            label: str = "") -> list[Answer]:
-    """Greedy: feed the questions, then one token per row until its end-of-reply id or budget; a
-    finished row's later slots are holes. The batch's seconds are shared equally among its rows.
-    decoding: the candidate's decoding-time compression (press_interval), stepped with the answer."""
-    B = len(group)
-    t0 = time.perf_counter()
-    logits = _feed(state, *question, window)
-    prefill_s = spent + time.perf_counter() - t0
-    outputs: list[list[int]] = [[] for _ in range(B)]
-    active = torch.ones(B, dtype=torch.bool, device=logits.device)
-    steps = [0] * B
-    t0 = time.perf_counter()
-    while True:
+# ---- answers --------------------------------------------------------------------------------
+
+class _Rows:
+    """One candidate's greedy answers to a batch, row by row: its outputs, which rows still run,
+    the decode steps each took."""
+
+    def __init__(self, group: Sequence[TaskSample], device) -> None:
+        self.group = group
+        self.outputs: list[list[int]] = [[] for _ in group]
+        self.active = torch.ones(len(group), dtype=torch.bool, device=device)
+        self.steps = [0] * len(group)
+
+    def take(self, logits: torch.Tensor, stops: set[int], label: str) -> torch.Tensor:
+        """The next token of every row from its logits [B, V]; rows reaching an end-of-reply id
+        or their budget stop."""
         # argmax of NaN logits is a token like any other: an answer from them would be scored as if real
-        require_finite(logits[active], f"candidate {label}, {group[0].task} at {group[0].length} tokens")
+        require_finite(logits[self.active], f"candidate {label}, {self.group[0].task} at {self.group[0].length} tokens")
         tokens = logits.argmax(dim=-1)
         for row, token in enumerate(tokens.tolist()):
-            if not active[row]:
+            if not self.active[row]:
                 continue
             if token in stops:
-                active[row] = False
+                self.active[row] = False
                 continue
-            outputs[row].append(token)
-            if len(outputs[row]) == group[row].max_new_tokens:
-                active[row] = False
+            self.outputs[row].append(token)
+            if len(self.outputs[row]) == self.group[row].max_new_tokens:
+                self.active[row] = False
             else:
-                steps[row] += 1
-        if not bool(active.any()):
+                self.steps[row] += 1
+        return tokens
+
+    @property
+    def running(self) -> bool:
+        return bool(self.active.any())
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        return None if bool(self.active.all()) else self.active
+
+    def answers(self, tokenizer, prefill_s: float, decode_s: float) -> list[Answer]:
+        """The batch's answers, scored; its seconds shared equally among its rows."""
+        B = len(self.group)
+        out = []
+        for sample, ids, n in zip(self.group, self.outputs, self.steps):
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            out.append(Answer(sample.task, sample.length, sample.index, ids, text,
+                              score(text, sample.answers, sample.metric), prefill_s / B, decode_s / B, n))
+        return out
+
+
+def _answer_one(result: CandidateAnswers, state: DecodeState, spent: float, tokenizer, group: Sequence[TaskSample],
+                question: tuple[torch.Tensor, torch.Tensor], stops: set[int]) -> list[Answer]:
+    """One candidate's answers alone, with its decoding-time compression if its press has it;
+    spent: the seconds its store took."""
+    c = result.candidate
+    decoding = DecodingPress(state, c.press) if c.press is not None and c.press.decoding else None
+    answers, question_s, decode_s = _answer(state, tokenizer, group, question, c.window, stops, spent, decoding,
+                                            c.label)
+    result.question_s += question_s
+    result.decode_s += decode_s
+    return answers
+
+
+@torch.inference_mode()
+def _answer(state: DecodeState, tokenizer, group: Sequence[TaskSample], question: tuple[torch.Tensor, torch.Tensor],
+            window: int | None, stops: set[int], spent: float = 0.0, decoding: DecodingPress | None = None,
+            label: str = "") -> tuple[list[Answer], float, float]:
+    """Greedy: feed the questions, then one token per row until its end-of-reply id or budget; a
+    finished row's later slots are holes. -> (answers, the questions' seconds, the decode steps').
+    spent: the candidate's seconds before its question (its store), in each answer's prefill_s.
+    decoding: the candidate's decoding-time compression (press_interval), stepped with the answer."""
+    t0 = time.perf_counter()
+    logits = _feed(state, *question, window)
+    question_s = time.perf_counter() - t0
+    rows = _Rows(group, logits.device)
+    t0 = time.perf_counter()
+    while True:
+        tokens = rows.take(logits, stops, label)
+        if not rows.running:
             break
         if decoding is not None:
             decoding.before_step()
-        logits = state.step(tokens, None if bool(active.all()) else active)
+        logits = state.step(tokens, rows.mask)
         if decoding is not None:
-            decoding.after_step(active)
+            decoding.after_step(rows.active)
     if decoding is not None:
         decoding.close()
     decode_s = time.perf_counter() - t0
-    answers = []
-    for sample, out, n in zip(group, outputs, steps):
-        text = tokenizer.decode(out, skip_special_tokens=True)
-        answers.append(Answer(sample.task, sample.length, sample.index, out, text, score(text, sample.answers, sample.metric),
-                              prefill_s / B, decode_s / B, n))
-    return answers
+    return rows.answers(tokenizer, spent + question_s, decode_s), question_s, decode_s
+
+
+@torch.inference_mode()
+def _answer_joined(model, results: list[CandidateAnswers], built: list[tuple[DecodeState, float]], tokenizer,
+                   group: Sequence[TaskSample], question: tuple[torch.Tensor, torch.Tensor],
+                   stops: set[int]) -> list[list[Answer]]:
+    """Several candidates' answers to one batch, joined (caramba.infer.joined): their questions in
+    one forward (each through its own cache; one chunk of q_chunk, else one at a time), then every
+    step decodes the rows of every candidate still answering in one forward (one still answering
+    alone steps alone). A joined forward's seconds are split equally among the candidates in it. built: each candidate's
+    state and its store's seconds."""
+    states = [state for state, _ in built]
+    n = len(states)
+    tokens, mask = question
+    t0 = time.perf_counter()
+    if all(s.q_chunk is None or tokens.shape[1] <= s.q_chunk for s in states):   # the questions, joined too
+        for result, state in zip(results, states):
+            state.cache.window = result.candidate.window
+        logits = prefill_together(model, states, tokens, None if bool(mask.all()) else mask)
+        question_s = [(time.perf_counter() - t0) / n] * n
+    else:
+        logits, question_s = [], []
+        for result, state in zip(results, states):
+            t0 = time.perf_counter()
+            logits.append(_feed(state, *question, result.candidate.window))
+            question_s.append(time.perf_counter() - t0)
+    rows = [_Rows(group, x.device) for x in logits]
+    decode_s = [0.0] * n
+    live = list(range(n))
+    while True:
+        t0 = time.perf_counter()
+        tokens = {i: rows[i].take(logits[i], stops, results[i].candidate.label) for i in live}
+        live = [i for i in live if rows[i].running]
+        if not live:
+            break
+        if len(live) == 1:
+            (i,) = live
+            out = [states[i].step(tokens[i], rows[i].mask)]
+        else:
+            out = step_together(model, [states[i] for i in live], [tokens[i] for i in live], [rows[i].mask for i in live])
+        dt = time.perf_counter() - t0
+        for i, x in zip(live, out):
+            logits[i] = x
+            decode_s[i] += dt / len(live)
+    out = []
+    for i, result in enumerate(results):
+        result.question_s += question_s[i]
+        result.decode_s += decode_s[i]
+        result.joined += 1
+        out.append(rows[i].answers(tokenizer, built[i][1] + question_s[i], decode_s[i]))
+    return out

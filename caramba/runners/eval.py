@@ -22,8 +22,9 @@ from caramba import threads
 from caramba.errors import UserError
 from caramba.progress import Steps
 from caramba.infer import tasks as task_suite
+from caramba.infer.context_store import ContextStore, model_identity
 from caramba.infer.evaluate import adds_bos, corpus_text, evaluate_cache, evaluate_chunks
-from caramba.infer.task_eval import Candidate, CandidateAnswers, answer_tasks
+from caramba.infer.task_eval import JOIN_ROWS, Candidate, CandidateAnswers, answer_tasks
 from caramba.manifest import ResolvedRun
 from caramba.manifest.schema import EvalSettings, PerplexitySettings, TaskSettings
 from caramba.model.zoo import LoadedModel, inspect_source
@@ -103,7 +104,10 @@ def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, reco
         if ppl_ids is not None:
             result["perplexity"] = _perplexity(model, settings.perplexity, *ppl_ids, candidates, baseline, rows, bar)
         if samples:
-            result["tasks"] = _tasks(model, tok, settings.tasks, samples, candidates, baseline, rows, record, bar)
+            contexts = ContextStore(record.root, model=model_identity(model, loaded.content_hash)) \
+                if record.path is not None else None     # `caramba eval` records nothing, keeps nothing
+            result["tasks"] = _tasks(model, tok, settings.tasks, samples, candidates, baseline, rows, record, bar,
+                                     contexts)
     base_bytes = rows[baseline.label]["bytes_per_token"]
     for row in rows.values():
         row["bytes_ratio"] = row["bytes_per_token"] / base_bytes
@@ -142,16 +146,19 @@ def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, c
 
 
 def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidate], baseline: Candidate,
-           rows: dict, record: RunDir, bar: Progress) -> dict:
+           rows: dict, record: RunDir, bar: Progress, contexts: ContextStore | None = None) -> dict:
     everyone = len(candidates) + 1
     progress = Steps(bar, f"tasks ({len(samples)} samples x {everyone} caches)", len(samples) * everyone)
     answered = lambda _label, _answer: progress.advance()   # noqa: E731
+    t0 = time.perf_counter()
     results, context_s = answer_tasks(model, tok, samples, candidates, baseline, prefill=s.prefill,
                                       q_chunk=s.q_chunk, eos_ids=list(tok.stop_token_ids), batch_size=s.batch_size,
-                                      on_answer=answered)
+                                      on_answer=answered, contexts=contexts)
+    wall_s = time.perf_counter() - t0
     progress.close()
     for r in results:
         rows[r.candidate.label].update(task_metrics(r))
+        rows[r.candidate.label]["time"] = r.time()
         if r.candidate.pressed:   # a press keeps a share of the context: its bytes per context token, measured
             row = rows[r.candidate.label]
             row["kept_fraction"] = r.kept_fraction()
@@ -165,7 +172,48 @@ def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidat
             # what ran: a decoupled (DBA) model's three streams have no shared-context copy, so "own"
             "prefill": "own" if model.config.attention == "decoupled" else s.prefill,
             "generator_version": task_suite.GENERATOR_VERSION, "prompts_sha256": task_suite.samples_digest(samples),
-            "context_prefill_s": context_s, "threads": sorted({n for n in results[0].threads if n is not None})}
+            "context_prefill_s": context_s, "threads": sorted({n for n in results[0].threads if n is not None}),
+            "contexts": contexts.summary() if contexts is not None and contexts.enabled else None,
+            "time": time_budget(results, context_s, wall_s, contexts)}
+
+
+def time_budget(results: list[CandidateAnswers], context_s: float, wall_s: float,
+                contexts: ContextStore | None) -> dict:
+    """Where the task answering's seconds went: the shared context prefills (reused ones: reading
+    them), writing the context store, every candidate's stores, questions and answers' decode
+    steps (per candidate in its row's `time`), and the wall time of it all."""
+    store = contexts if contexts is not None and contexts.enabled else None
+    return {"wall_s": wall_s, "context_prefill_s": context_s,
+            "context_save_s": store.save_s if store else 0.0,
+            "store_s": sum(r.store_s for r in results), "question_s": sum(r.question_s for r in results),
+            "decode_s": sum(r.decode_s for r in results),
+            "contexts_reused": store.reused if store else 0, "contexts_computed": store.computed if store else None}
+
+
+def time_rows(records: list[tuple[str, Any]]) -> list[dict]:
+    """`caramba report`'s time budget of finished eval records: per run its task answering's wall
+    time and shared prefill, per candidate its stores, questions and decode steps."""
+    import json
+
+    out = []
+    for name, path in records:
+        try:
+            result = json.loads((path / "result.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        budget = (result.get("tasks") or {}).get("time") if isinstance(result, dict) else None
+        if result.get("mode") != "eval" or not isinstance(budget, dict):
+            continue
+        out.append({"run": name, "cache": "(all)", "prefill_s": budget.get("context_prefill_s"),
+                    "store_s": budget.get("store_s"), "question_s": budget.get("question_s"),
+                    "decode_s": budget.get("decode_s"), "wall_s": budget.get("wall_s"),
+                    "reused": budget.get("contexts_reused")})
+        for c in result.get("candidates") or []:
+            t = c.get("time") or {}
+            out.append({"run": name, "cache": c.get("label"), "prefill_s": None, "store_s": t.get("store_s"),
+                        "question_s": t.get("question_s"), "decode_s": t.get("decode_s"), "wall_s": t.get("total_s"),
+                        "reused": None})
+    return out
 
 
 def pressed_bytes(row: dict, kept: float) -> None:
@@ -360,14 +408,20 @@ class EvalMode(Mode):
         return BASE_RECORD + caches * (8 * KIB + answers * (512 + 64 * 128))
 
     def workload(self, r: ResolvedRun) -> Workload:
-        """A batch of samples at a time: the baseline's cache and one candidate's (perplexity: every cache)."""
+        """A batch of samples at a time: the baseline's cache and the candidates' whose answers decode
+        joined (up to JOIN_ROWS rows; one candidate's when the batch is too wide to join);
+        perplexity: every cache."""
         s = r.run.settings
         lengths = [max(s.tasks.lengths) + 256] if s.tasks else []    # + the question and answer
         if s.perplexity:
             p = s.perplexity
             lengths.append(p.ctx if p.protocol == "chunks" else (p.max_tokens or 1024))
         field = f"{self.section}.tasks.lengths" if s.tasks else f"{self.section}.perplexity.max_tokens"
-        return Workload(max(lengths), 2 * s.tasks.batch_size if s.tasks else len(s.candidates) + 1, field, field)
+        if s.tasks:   # the joined candidates include the baseline
+            rows = s.tasks.batch_size * max(2, min(len(s.candidates) + 1, JOIN_ROWS // s.tasks.batch_size))
+        else:
+            rows = len(s.candidates) + 1
+        return Workload(max(lengths), rows, field, field)
 
     def metrics(self, result: dict[str, Any]) -> dict[str, Any]:
         """Each candidate's headline numbers (the frontier table has the rest)."""

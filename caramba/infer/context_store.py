@@ -1,0 +1,190 @@
+"""Prefilled contexts kept between eval runs: a content-addressed store of the baseline's context KV.
+
+An eval's most expensive shareable work is the shared prefill: every batch of samples has its
+context prefilled once through the baseline's cache, then stored in each candidate's kinds
+(caramba.infer.task_eval). A rerun, or the same samples with one more candidate, prefills the
+same tokens through the same model again. `ContextStore` keeps each prefill's result, the
+baseline cache's keys and values with the rows' positions and padding (and the kept masks of
+the presses that watched it), as one safetensors file under the runs directory:
+
+    runs/.context-cache/<sha256 of the key>.safetensors
+
+The key (`key_of`) is everything the prefill's result depends on: the model (its weights'
+sha256, dtype, device type, module types and formats, config), caramba's and torch's versions,
+the batch's context ids and padding id, the baseline's cache policy and window, the prefill's
+chunking and the path its forwards take (torch or the fused C step). Not the thread count.
+
+Entries are written atomically (caramba.runs.atomic_write_bytes) and hold their key and a
+sha256 of their tensors in the file's metadata; a read recomputes both. A file that does not
+parse, whose key is not the one asked for, or whose checksum does not match is a bad entry:
+it is removed and the prefill recomputed, never trusted. The store is bounded (`max_bytes`,
+default CARAMBA_CONTEXT_STORE_MB or 4096 MiB; 0 turns it off): after each write the least
+recently used entries (a hit touches its file) go until the rest fit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load, save as st_save
+
+from caramba.runs import atomic_write_bytes
+
+DIRNAME = ".context-cache"
+SUFFIX = ".safetensors"
+FORMAT = 1
+DEFAULT_MB = 4096
+ENV = "CARAMBA_CONTEXT_STORE_MB"
+
+
+def default_max_bytes() -> int:
+    """CARAMBA_CONTEXT_STORE_MB (0: no store) in bytes, or DEFAULT_MB."""
+    text = os.environ.get(ENV, "").strip()
+    try:
+        mb = float(text) if text else DEFAULT_MB
+    except ValueError:
+        raise ValueError(f"{ENV}={text!r}: give a size in MiB (0 turns the context store off)") from None
+    return max(0, int(mb * 2**20))
+
+
+def canonical(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def model_identity(model, content_hash: str) -> dict:
+    """What a model's prefill depends on besides its input: its weights' sha256 and how they are
+    held (dtype, device, each module's type and quantized format), and its config."""
+    modules = [(name, type(m).__name__, getattr(m, "fmt", None), getattr(m, "act", None), getattr(m, "layout", None))
+               for name, m in model.named_modules()]
+    config = asdict(model.config) if is_dataclass(model.config) else vars(model.config)
+    return {"sha256": content_hash, "dtype": str(model.dtype), "device": model.device.type,
+            "modules": hashlib.sha256(canonical(modules).encode()).hexdigest(),
+            "config": hashlib.sha256(canonical(config).encode()).hexdigest()}
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(canonical([name, str(t.dtype), list(t.shape)]).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """A safetensors file's __metadata__ (its header is an 8-byte length, then JSON)."""
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise ValueError("truncated header")
+    return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+
+
+class ContextStore:
+    """The store under a runs directory (see the module doc). model: the model's part of every
+    key (model_identity). `reused`, `computed`, `bad`, the keys (entry names, the sha256 of each
+    key) reused and computed, and the seconds count what this store's lookups found and cost,
+    for the record."""
+
+    def __init__(self, root: str | Path, max_bytes: int | None = None, model: dict | None = None) -> None:
+        self.dir = Path(root) / DIRNAME
+        self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
+        self.model = model
+        self.reused = self.computed = 0
+        self.load_s = self.save_s = 0.0   # reading and verifying the entries reused; writing new ones
+        self.bad: list[str] = []          # entries found bad and removed: "<file>: why"
+        self.reused_keys: list[str] = []      # the entries reused / (re)computed: their files' sha256 names
+        self.computed_keys: list[str] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def path_of(self, key: dict) -> Path:
+        return self.dir / (hashlib.sha256(canonical(key).encode()).hexdigest() + SUFFIX)
+
+    def load(self, key: dict) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """(tensors, extra metadata) of the entry for `key`, verified; None when there is none or
+        it was bad (then removed)."""
+        if not self.enabled:
+            return None
+        path = self.path_of(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            self._discard(path, f"unreadable ({e.strerror})")
+            return None
+        try:
+            meta = _metadata(data)
+            tensors = st_load(data)
+        except Exception as e:   # noqa: BLE001 - any parse failure is a corrupt entry
+            self._discard(path, f"corrupt ({type(e).__name__})")
+            return None
+        if meta.get("key") != canonical(key):
+            self._discard(path, "key mismatch")
+            return None
+        if meta.get("sha256") != tensors_digest(tensors):
+            self._discard(path, "checksum mismatch")
+            return None
+        try:
+            os.utime(path)       # recently used: the last to go
+        except OSError:
+            pass
+        return tensors, json.loads(meta.get("extra", "{}"))
+
+    def save(self, key: dict, tensors: dict[str, torch.Tensor], extra: dict | None = None) -> bool:
+        """Write the entry for `key` (atomically), then evict the least recently used entries
+        beyond max_bytes. False when it was not kept (store off, or larger than the bound)."""
+        if not self.enabled:
+            return False
+        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        meta = {"key": canonical(key), "sha256": tensors_digest(tensors), "format": str(FORMAT),
+                "extra": canonical(extra or {})}
+        data = st_save(tensors, metadata=meta)
+        if len(data) > self.max_bytes:
+            return False
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.path_of(key)
+        atomic_write_bytes(path, data)
+        self._evict(keep=path)
+        return True
+
+    def _evict(self, keep: Path) -> None:
+        entries = []
+        for p in self.dir.glob(f"*{SUFFIX}"):
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            entries.append((st.st_mtime, p != keep, st.st_size, p))
+        total = sum(e[2] for e in entries)
+        for _, _, size, p in sorted(entries):    # oldest first; the entry just written last
+            if total <= self.max_bytes:
+                break
+            if p == keep:
+                continue
+            p.unlink(missing_ok=True)
+            total -= size
+
+    def _discard(self, path: Path, why: str) -> None:
+        self.bad.append(f"{path.name}: {why}")
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+    def summary(self) -> dict:
+        return {"dir": str(self.dir), "reused": self.reused, "computed": self.computed, "bad": list(self.bad),
+                "reused_keys": list(self.reused_keys), "computed_keys": list(self.computed_keys),
+                "load_s": self.load_s, "save_s": self.save_s}
+
+
+__all__ = ["ContextStore", "DIRNAME", "canonical", "default_max_bytes", "model_identity", "tensors_digest"]
