@@ -300,6 +300,31 @@ def test_a_candidates_kinds_take_the_rings_as_a_shared_context_stores_them(model
         assert all(torch.equal(t, u) for t, u in zip([t for s in layer.streams for t in s.tensors()], saved))
 
 
+def test_pressed_hybrid_states_step_joined_as_alone(model):
+    """An eval's joined answering (caramba.infer.joined): pressed hybrid caches, uniform and packed,
+    beside an unpressed one, each attended under its own masks."""
+    from caramba.infer.joined import joinable, step_together
+
+    if model.config.attn_softcap is not None:    # Gemma 2: its candidates answer alone
+        assert not joinable(model)
+        return
+    ids, mask = prompt(2, 20, seed=1), padding([20, 14], 20)
+
+    def states():
+        out = [pressed(model, ids, mask, p, room=30) for p in (PRESSES[0], PRESSES[4])]
+        plain = DecodeState(model, model.new_cache(2, 50), backend=TorchStep(model))
+        return [s for s, _ in out] + [plain], [lg for _, lg in out] + [plain.prefill(ids, mask)]
+
+    (joined, logits), (alone, _) = states(), states()
+    tokens = [lg.argmax(-1) for lg in logits]
+    for _ in range(12):                                                        # past the rings' wrap
+        got = step_together(model, joined, tokens, [None] * 3)
+        want = [s.step(t) for s, t in zip(alone, tokens)]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, **tol.forward(w, model.config))
+        tokens = [w.argmax(-1) for w in want]
+
+
 def test_a_later_turns_chunk_reads_the_pressed_full_layers_and_the_rings(model):
     """A chunk longer than the rings' write-first span (a chat's next turn) after the press."""
     ids, mask = prompt(2, 40, seed=8), padding([40, 33], 40)
