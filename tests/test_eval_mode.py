@@ -311,9 +311,12 @@ def test_batched_answers_equal_one_sample_at_a_time(loaded):
     samples += task_suite.make_samples("niah_multivalue", 1100, 2, 1, loaded.tokenizer, chat=True)
     assert len({len(s.context_ids) for s in samples}) > 1 and len({len(s.question_ids) for s in samples}) > 1
     q8, fp32 = Candidate("q8", CachePolicy.build("q8_0", qblock=8)), Candidate("fp32", CachePolicy.build("fp32"))
+    # per-channel keys (KIVI, with a residual window): a padded question batch is cut into runs of one
+    # question length, since holes between a context and its question would shift the key groups
+    kivi = Candidate("kivi", CachePolicy.build(policy={"k": "q2_1c", "v": "q2_1"}, qblock=16, residual_len=8))
     eos = [int(loaded.tokenizer.eos_token_id)] if loaded.tokenizer.eos_token_id is not None else []
-    alone, _ = answer_tasks(loaded.model, loaded.tokenizer, samples, [q8], fp32, eos_ids=eos, batch_size=1)
-    batched, _ = answer_tasks(loaded.model, loaded.tokenizer, samples, [q8], fp32, eos_ids=eos, batch_size=4)
+    alone, _ = answer_tasks(loaded.model, loaded.tokenizer, samples, [q8, kivi], fp32, eos_ids=eos, batch_size=1)
+    batched, _ = answer_tasks(loaded.model, loaded.tokenizer, samples, [q8, kivi], fp32, eos_ids=eos, batch_size=4)
     for a, b in zip(alone, batched):
         assert [x.output_ids for x in a.answers] == [x.output_ids for x in b.answers]
         assert [x.steps for x in a.answers] == [x.steps for x in b.answers]

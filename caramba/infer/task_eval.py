@@ -198,19 +198,41 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
     # Batches of samples of similar length: a row shorter than its batch's longest is padding the
     # prefill computes anyway. The answers are put back in the samples' order at the end.
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].context_ids) + len(samples[i].question_ids))
+    per_channel = any(_per_channel(model, c) for c in [*candidates, baseline])
     for first in range(0, len(order), batch_size):
-        group = [samples[i] for i in order[first : first + batch_size]]
-        # The cores free now (caramba.threads), chosen per batch: a long eval outlives the load it began in.
-        choice = threads.choose() if device.type == "cpu" else None
-        with threads.applied(choice) if choice is not None else contextlib.nullcontext():
-            context_s += _answer_group(model, tokenizer, group, results, baseline, prefill, q_chunk, stops, pad,
-                                       on_answer, backend, join, contexts if prefill == "shared" else None)
-        for result in results:
-            result.threads.append(choice.used if choice is not None else None)
+        batch = [samples[i] for i in order[first : first + batch_size]]
+        for group in _equal_questions(batch) if per_channel else [batch]:
+            # The cores free now (caramba.threads), chosen per batch: a long eval outlives the load it began in.
+            choice = threads.choose() if device.type == "cpu" else None
+            with threads.applied(choice) if choice is not None else contextlib.nullcontext():
+                context_s += _answer_group(model, tokenizer, group, results, baseline, prefill, q_chunk, stops, pad,
+                                           on_answer, backend, join, contexts if prefill == "shared" else None)
+            for result in results:
+                result.threads.append(choice.used if choice is not None else None)
     for result in results:
         placed = dict(zip(order, result.answers))
         result.answers = [placed[i] for i in range(len(samples))]
     return results, context_s
+
+
+def _per_channel(model, c: Candidate) -> bool:
+    """Whether a candidate quantizes keys per channel (KIVI): its groups run along each row's tokens
+    from the row's first one, so the holes a left-padded question leaves after a shorter row's
+    context would shift them (the rows would answer unlike the same samples alone)."""
+    probe = model.new_cache(1, 1, c.policy)
+    return any(cfg.spec.per_channel for layer in probe.layers for cfg in getattr(layer, "configs", ()))
+
+
+def _equal_questions(batch: list[TaskSample]) -> list[list[TaskSample]]:
+    """A batch cut into runs of samples whose questions have one length (in order, so the answers
+    keep the samples' order): no holes between a row's context and its question."""
+    runs: list[list[TaskSample]] = []
+    for sample in batch:
+        if runs and len(runs[-1][-1].question_ids) == len(sample.question_ids):
+            runs[-1].append(sample)
+        else:
+            runs.append([sample])
+    return runs
 
 
 def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[CandidateAnswers], baseline: Candidate,
