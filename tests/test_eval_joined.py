@@ -84,12 +84,14 @@ def test_a_reused_context_answers_as_a_fresh_prefill(loaded, tmp_path):
     fresh = _run(loaded, samples, batch_size=2, join=False)
     store = _store(tmp_path, loaded)
     first = _run(loaded, samples, batch_size=2, contexts=store)
-    assert store.reused == 0 and store.computed == 2 and not store.bad
-    assert len(list((tmp_path / DIRNAME).glob("*.safetensors"))) == 2
+    # one entry per batch of contexts: batches of 2, cut where question lengths differ (per-channel candidates)
+    n = store.computed
+    assert store.reused == 0 and n >= 2 and not store.bad
+    assert len(list((tmp_path / DIRNAME).glob("*.safetensors"))) == n
     assert not any(a.context_reused for r in first for a in r.answers)
     again = _store(tmp_path, loaded)
     second = _run(loaded, samples, batch_size=2, contexts=again)
-    assert again.reused == 2 and again.computed == 0 and not again.bad
+    assert again.reused == n and again.computed == 0 and not again.bad
     assert sorted(again.reused_keys) == sorted(store.computed_keys) == sorted(
         p.stem for p in (tmp_path / DIRNAME).glob("*.safetensors")) and not again.computed_keys
     assert all(a.context_reused for r in second for a in r.answers)
@@ -98,17 +100,17 @@ def test_a_reused_context_answers_as_a_fresh_prefill(loaded, tmp_path):
     more = _store(tmp_path, loaded)
     extra = Candidate("q4_1", CachePolicy.build("q4_1", qblock=8))
     third = _run(loaded, samples, [*CANDIDATES, extra], batch_size=2, contexts=more)
-    assert more.reused == 2 and more.computed == 0
+    assert more.reused == n and more.computed == 0
     assert {k: v for k, v in _answers(third).items() if k != "q4_1"} == _answers(fresh)
     # a new press needs its observations: the context is prefilled again, the entry keeps both presses' masks
     knorm = Candidate("knorm", CachePolicy.build("fp32"), press=PressConfig(method="knorm", ratio=0.3))
     newpress = _store(tmp_path, loaded)
     _run(loaded, samples, [*CANDIDATES, knorm], batch_size=2, contexts=newpress)
-    assert newpress.computed == 2 and newpress.reused == 0
+    assert newpress.computed == n and newpress.reused == 0
     both = _store(tmp_path, loaded)
     _run(loaded, samples, [*CANDIDATES, knorm], batch_size=2, contexts=both)
     _run(loaded, samples, batch_size=2, contexts=both)
-    assert both.reused == 4 and both.computed == 0
+    assert both.reused == 2 * n and both.computed == 0
 
 
 def _corrupt(path, how: str) -> None:
