@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import caramba.cache.attend as attend  # noqa: E402
 from caramba.cache import kernel  # noqa: E402
 from caramba.cache import CachePolicy  # noqa: E402
-from caramba.infer.evaluate import corpus_ids  # noqa: E402
+from caramba.evaluation.evaluate import corpus_ids  # noqa: E402
 from caramba.model import fast_decode  # noqa: E402
 from caramba.model.backend import Backend, TorchStep, choose  # noqa: E402
 from caramba.model.quant import WEIGHT_KINDS  # noqa: E402

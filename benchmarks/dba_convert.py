@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from caramba.infer.evaluate import corpus_ids
+from caramba.evaluation.evaluate import corpus_ids
 from caramba.model.dba_convert import CALIBRATION_START, convert_state, input_moments
 from caramba.model.zoo import build_model, load_model
 

@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    from caramba.infer import tasks
+    from caramba.evaluation import tasks
     from caramba.model.zoo import load_model
     from caramba.runs import capture_env
 

@@ -10,7 +10,7 @@ A spec is `KIND [STREAM=KIND ...] [rotate_keys] [rotate_values] [residual_len=N]
 [fp16_prefix_layers=N] [k_qblock=N] [key_order=pairs]` (CachePolicy.build's arguments; k_qblock:
 the key stream's own qblock, standard attention only, where CachePolicy.build shares one; and one
 experiment).
-Prints one JSON object (the records of caramba.infer.evaluate.EvalResult) and a markdown table.
+Prints one JSON object (the records of caramba.evaluation.evaluate.EvalResult) and a markdown table.
 
 `key_order=pairs` is an experiment, not a cache setting: keys are stored in llama.cpp's channel
 order, each RoPE pair (i, i + D/2) of HF's half-split layout in adjacent channels (2i, 2i + 1), as
@@ -31,7 +31,7 @@ import torch
 from caramba.cache import CachePolicy
 from caramba.cache.kinds import KVCacheTensorConfig
 from caramba.cache.policy import ALL_STREAMS
-from caramba.infer.evaluate import adds_bos, corpus_text, evaluate_chunks
+from caramba.evaluation.evaluate import adds_bos, corpus_text, evaluate_chunks
 from caramba.model.zoo import load_model
 
 

@@ -119,7 +119,7 @@ def main() -> None:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from caramba.infer.tasks import make_samples
+    from caramba.evaluation.tasks import make_samples
     from caramba.model.zoo import load_model, resolve_source
     from caramba.runs import cpu_model
 

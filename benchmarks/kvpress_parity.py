@@ -11,7 +11,7 @@ dependency):
     /work/venvs/kvpress/bin/python benchmarks/kvpress_parity.py --out runs/kvpress_parity.json
 
 Both sides load SmolLM2-135M-Instruct from the same GGUF (HF: from_pretrained(gguf_file=...),
-caramba: its own reader), in fp32, and score the same eval contexts (caramba.infer.tasks, chat
+caramba: its own reader), in fp32, and score the same eval contexts (caramba.evaluation.tasks, chat
 prompts, context only: the question is never seen). kvpress prefills the context in one forward
 as its pipeline does and its own selection is captured: a ScorerPress's scores are recorded and
 its compress rule re-applied to them (the same tensor and the same topk call:
@@ -160,8 +160,8 @@ def answers_parity(model, tok, hf: dict, args) -> list[dict]:
     prefills and presses the context itself), with the time to the first answer token and the
     decode speed after the press on each side, in the same process."""
     from caramba.cache import CachePolicy
-    from caramba.infer.task_eval import Candidate, answer_tasks
-    from caramba.infer.tasks import make_samples
+    from caramba.evaluation.task_eval import Candidate, answer_tasks
+    from caramba.evaluation.tasks import make_samples
     from caramba.press import PressConfig
 
     samples = [s for n in [int(x) for x in args.answer_lengths.split(",")] for task in args.answer_tasks.split(",")
@@ -204,7 +204,7 @@ def answers_parity(model, tok, hf: dict, args) -> list[dict]:
 
 
 def _score(ids: list[int], sample, tok) -> float:
-    from caramba.infer.tasks import score
+    from caramba.evaluation.tasks import score
 
     return score(tok.decode(ids, skip_special_tokens=True), sample.answers)
 
@@ -231,7 +231,7 @@ def main() -> None:
 
     transformers.logging.disable_progress_bar()
 
-    from caramba.infer.tasks import make_samples
+    from caramba.evaluation.tasks import make_samples
     from caramba.model.zoo import load_model, resolve_source
     from caramba.runs import cpu_model
     from caramba.press import PressConfig, kept_masks, observing

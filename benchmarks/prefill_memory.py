@@ -43,7 +43,7 @@ def child(args: argparse.Namespace) -> None:
 
     from caramba.bench.measure import PeakMemory
     from caramba.infer import GenerateConfig, Generator
-    from caramba.infer.evaluate import corpus_ids
+    from caramba.evaluation.evaluate import corpus_ids
     from caramba.model.zoo import load_model
 
     torch.set_num_threads(args.threads)
@@ -80,7 +80,7 @@ def timing(args: argparse.Namespace, configs: list[tuple[int, int]]) -> dict:
     import torch
 
     from caramba.infer import GenerateConfig, Generator
-    from caramba.infer.evaluate import corpus_ids
+    from caramba.evaluation.evaluate import corpus_ids
     from caramba.model.zoo import load_model
 
     warnings.simplefilter("ignore")

@@ -49,7 +49,7 @@ def main() -> None:
 
     from caramba.cache import CachePolicy
     from caramba.cache.evict import evict, kept_counts
-    from caramba.infer import tasks
+    from caramba.evaluation import tasks
     from caramba.infer.state import DecodeState
     from caramba.model.backend import TorchStep
     from caramba.model.fast_decode import CStep, ThreadChoice

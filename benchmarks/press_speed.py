@@ -6,7 +6,7 @@
 A press written PRESS+dense (e.g. ada_snapkv@0.5+dense) runs with per-head ragged layers kept at
 their widest head's width instead of packed (caramba.cache.evict.PACK), to compare the layouts.
 
-The context is a real task context (caramba.infer.tasks, niah_single_essay, chat-formatted) of
+The context is a real task context (caramba.evaluation.tasks, niah_single_essay, chat-formatted) of
 `--context` model tokens. Each round runs every press once through the Generator, in rotated
 order so no press always goes first; per run: the time to the first token (prefill, scoring and
 eviction) and the median decode step after it. Medians over rounds, with each press's ratio to
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    from caramba.infer import tasks
+    from caramba.evaluation import tasks
     from caramba.model.zoo import load_model
     from caramba.runs import capture_env
 

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import llamacpp  # noqa: E402
-from caramba.infer.evaluate import corpus_ids  # noqa: E402
+from caramba.evaluation.evaluate import corpus_ids  # noqa: E402
 from caramba.model import isa, quant, quant_gemm  # noqa: E402
 from caramba.model.zoo import load_model, resolve_source  # noqa: E402
 

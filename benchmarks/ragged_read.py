@@ -52,7 +52,7 @@ def main() -> None:
     import torch
 
     import caramba.cache.evict as evict
-    from caramba.infer import tasks
+    from caramba.evaluation import tasks
     from caramba.infer.pressing import prefill_pressed
     from caramba.infer.state import DecodeState
     from caramba.model import fast_decode

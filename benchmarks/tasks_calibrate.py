@@ -1,4 +1,4 @@
-"""Calibrate the long-context tasks (caramba.infer.tasks) on the real model: fp32-cache scores.
+"""Calibrate the long-context tasks (caramba.evaluation.tasks) on the real model: fp32-cache scores.
 
 Each sample is answered as the eval runner answers it: the context prefilled, then the question,
 then greedy decoding up to the task's budget or an end-of-reply id; the answer is scored with
@@ -26,8 +26,8 @@ import torch
 
 from caramba.cache import CachePolicy
 from caramba.infer.state import DecodeState
-from caramba.infer import tasks
-from caramba.infer.tasks import DEFAULT_TASKS, make_samples, score
+from caramba.evaluation import tasks
+from caramba.evaluation.tasks import DEFAULT_TASKS, make_samples, score
 from caramba.model.zoo import load_model
 
 

@@ -15,7 +15,7 @@ from caramba.errors import UserError
 def convert(out_dir: Path, sem_dim: int, geo_dim: int, model: str, calib_text: Path | None, calib_tokens: int,
             force: bool, out: Console, err: Console) -> None:
     """Check the flags, convert, and print what was written and each cache kind's bytes per token."""
-    from caramba.infer.evaluate import corpus_ids
+    from caramba.evaluation.evaluate import corpus_ids
     from caramba.model.dba_convert import CALIBRATION_START, check_dims, convert_loaded
     from caramba.model.zoo import load_model
 

@@ -272,7 +272,7 @@ def test_the_pressed_text_gate_scores_the_masked_full_cache(loaded):
     import torch
     import torch.nn.functional as F
 
-    from caramba.infer.evaluate import corpus_ids, evaluate_cache
+    from caramba.evaluation.evaluate import corpus_ids, evaluate_cache
     from caramba.infer.state import DecodeState
     from caramba.press import PressConfig
     from test_evict import MaskedLayer

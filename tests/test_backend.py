@@ -45,7 +45,7 @@ def run_batched(model):
 
 
 def run_evaluate(model):
-    from caramba.infer.evaluate import evaluate_cache
+    from caramba.evaluation.evaluate import evaluate_cache
 
     ids = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(3)).tolist()
     return [r.ppl for r in evaluate_cache(model, ids, ["q8_0"], prompt_len=16)], None

@@ -248,8 +248,8 @@ def test_eval_answers_with_decoding_time_compression_equal_the_generator(loaded)
     the context and question fed (unpressed: press_ratio 0), then every 3 answer tokens the
     cache is pressed to 500; the tokens equal the Generator's over the same prompt."""
     from caramba.cache import CachePolicy
-    from caramba.infer import tasks as task_suite
-    from caramba.infer.task_eval import Candidate, answer_tasks
+    from caramba.evaluation import tasks as task_suite
+    from caramba.evaluation.task_eval import Candidate, answer_tasks
 
     [sample] = task_suite.make_samples("niah_single", LENGTH, 1, 0, loaded.tokenizer, chat=False)
     press = PressConfig(method="knorm", ratio=0.0, interval=3, target=500)

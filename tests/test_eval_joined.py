@@ -1,5 +1,5 @@
-"""The eval's answers joined across candidates (caramba.infer.joined) and its context store
-(caramba.infer.context_store): the same answers and scores as one candidate at a time and as a
+"""The eval's answers joined across candidates (caramba.evaluation.joined) and its context store
+(caramba.evaluation.context_store): the same answers and scores as one candidate at a time and as a
 fresh prefill; bad store entries recomputed, never trusted."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from caramba.cache import CachePolicy
-from caramba.infer import tasks as task_suite
-from caramba.infer.context_store import DIRNAME, ContextStore, model_identity
-from caramba.infer.task_eval import Candidate, answer_tasks
+from caramba.evaluation import tasks as task_suite
+from caramba.evaluation.context_store import DIRNAME, ContextStore, model_identity
+from caramba.evaluation.task_eval import Candidate, answer_tasks
 from caramba.model.zoo import load_model
 from caramba.press import PressConfig
 from test_eval_mode import LENGTH, long_tiny  # noqa: F401 - the fixture
@@ -190,7 +190,7 @@ def test_a_joined_step_is_each_states_own_step(hybrid):
     """step_together and prefill_together against each state fed alone through the torch path:
     left-padded rows, caches of different kinds (quantized, rotated, pressed), a hybrid model's
     rings; the same logits up to rounding, every state's bookkeeping the same."""
-    from caramba.infer.joined import prefill_together, step_together
+    from caramba.evaluation.joined import prefill_together, step_together
     from caramba.infer.pressing import prefill_pressed
     from caramba.infer.state import DecodeState
     from caramba.model.backend import TorchStep

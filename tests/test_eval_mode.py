@@ -1,4 +1,4 @@
-"""`mode: eval` end to end on a tiny model, and the task engine (caramba.infer.task_eval) under it:
+"""`mode: eval` end to end on a tiny model, and the task engine (caramba.evaluation.task_eval) under it:
 records, resume, sweeps, --check bounds, errors before anything runs, and the shared-prefill
 protocol against its definition."""
 
@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from caramba.cache import CachePolicy
 from caramba.cli import app
-from caramba.infer import tasks as task_suite
-from caramba.infer.task_eval import Candidate, answer_tasks, store_context, wilson
+from caramba.evaluation import tasks as task_suite
+from caramba.evaluation.task_eval import Candidate, answer_tasks, store_context, wilson
 from caramba.model.zoo import load_model
 from test_cli import invoke, write_tiny_model
 

@@ -12,7 +12,7 @@ import torch
 
 from caramba.cache import CachePolicy
 from caramba.cli import app
-from caramba.infer.evaluate import adds_bos, chunk_windows, corpus_text, evaluate_cache, evaluate_chunks
+from caramba.evaluation.evaluate import adds_bos, chunk_windows, corpus_text, evaluate_cache, evaluate_chunks
 from conftest import TINY, make_model
 from test_cli import write_tiny_model
 from typer.testing import CliRunner

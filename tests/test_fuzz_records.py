@@ -227,7 +227,7 @@ def test_logits_with_a_non_finite_value_are_never_scored(value, row, column, can
 
     import torch
 
-    from caramba.infer.evaluate import NonFiniteLogits, _Score
+    from caramba.evaluation.evaluate import NonFiniteLogits, _Score
 
     g = torch.Generator().manual_seed(row * 16 + column)
     logits = torch.randn(4, 16, generator=g)

@@ -124,7 +124,7 @@ def test_a_ring_refuses_kinds_that_need_slot_order(model):
 @pytest.mark.parametrize("n", [20, 60])   # before and after the rings wrap
 def test_a_shared_context_stored_into_another_hybrid_cache_continues_alike(model, n):
     """The eval's shared prefill (task_eval.store_context) copies a ring's slots in slot order."""
-    from caramba.infer.task_eval import store_context
+    from caramba.evaluation.task_eval import store_context
 
     ids = tokens(n + 5)
     source = model.new_cache(1, 128)

@@ -25,7 +25,7 @@ def pair(smollm2):
 
 @torch.inference_mode()
 def test_uncompressed_conversion_keeps_the_nll(pair):
-    from caramba.infer.evaluate import corpus_ids
+    from caramba.evaluation.evaluate import corpus_ids
 
     loaded, dba = pair
     ids = torch.tensor([corpus_ids(loaded.tokenizer)[:256]])
@@ -40,7 +40,7 @@ def test_uncompressed_conversion_keeps_the_nll(pair):
 @torch.inference_mode()
 def test_decoupled_cache_decode_equals_the_full_forward(pair):
     from caramba.cache import CachePolicy
-    from caramba.infer.evaluate import corpus_ids
+    from caramba.evaluation.evaluate import corpus_ids
 
     loaded, dba = pair
     ids = torch.tensor([corpus_ids(loaded.tokenizer)[:80]])

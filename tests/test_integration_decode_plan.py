@@ -14,7 +14,7 @@ pytestmark = SMOLLM2
 
 @pytest.fixture(scope="module")
 def prompt(smollm2):
-    from caramba.infer.evaluate import corpus_ids
+    from caramba.evaluation.evaluate import corpus_ids
 
     return corpus_ids(smollm2.tokenizer)[:1200]   # in auto's mid bucket: chunks of AUTO_CHUNK_MID (1024)
 

@@ -11,7 +11,7 @@ pytestmark = SMOLLM2
 
 
 def test_q8_0_cache_passes_the_kl_gate(smollm2):
-    from caramba.infer.evaluate import corpus_ids, evaluate_cache
+    from caramba.evaluation.evaluate import corpus_ids, evaluate_cache
 
     ids = corpus_ids(smollm2.tokenizer)[:448]
     (q8,) = evaluate_cache(smollm2.model, ids, ["q8_0"], "fp32", prompt_len=320)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from caramba.infer.tasks import make_samples, task_names
+from caramba.evaluation.tasks import make_samples, task_names
 from caramba.tokenizer import Tokenizer
 from conftest import SMOLLM2
 

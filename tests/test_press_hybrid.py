@@ -279,7 +279,7 @@ def test_decoding_time_compression_presses_the_full_layers_again_as_the_masked_r
 def test_a_candidates_kinds_take_the_rings_as_a_shared_context_stores_them(model):
     """The eval's shared prefill presses the baseline's cache into a candidate's kinds (a template):
     the full layers' survivors and the rings' slots re-stored in those kinds, the baseline untouched."""
-    from caramba.infer.task_eval import store_context
+    from caramba.evaluation.task_eval import store_context
 
     ids, mask = prompt(2, 40, seed=5), padding([40, 31], 40)
     press = PRESSES[0]
@@ -301,9 +301,9 @@ def test_a_candidates_kinds_take_the_rings_as_a_shared_context_stores_them(model
 
 
 def test_pressed_hybrid_states_step_joined_as_alone(model):
-    """An eval's joined answering (caramba.infer.joined): pressed hybrid caches, uniform and packed,
+    """An eval's joined answering (caramba.evaluation.joined): pressed hybrid caches, uniform and packed,
     beside an unpressed one, each attended under its own masks."""
-    from caramba.infer.joined import joinable, step_together
+    from caramba.evaluation.joined import joinable, step_together
 
     if model.config.attn_softcap is not None:    # Gemma 2: its candidates answer alone
         assert not joinable(model)

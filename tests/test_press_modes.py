@@ -12,8 +12,8 @@ import torch
 from caramba.infer import GenerateConfig, Generator, SpeculativeConfig
 from caramba.infer.speculative import SpeculativeGenerator
 from caramba.infer.state import DecodeState
-from caramba.infer.task_eval import Candidate, answer_tasks
-from caramba.infer import tasks as task_suite
+from caramba.evaluation.task_eval import Candidate, answer_tasks
+from caramba.evaluation import tasks as task_suite
 from caramba.cache import CachePolicy
 from caramba.model import fast_decode
 from caramba.options import OptionError

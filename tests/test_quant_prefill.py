@@ -299,7 +299,7 @@ def smollm2_model(weights: str):
 def test_smollm2_projections_agree_with_the_old_path_on_real_activations(smollm2, weights):
     """Every projection of the real model, fed the activations a 60-token prefill gives it (the
     old path's), agrees with the old path within the fp32 bound of its sum."""
-    from caramba.infer.evaluate import corpus_ids
+    from caramba.evaluation.evaluate import corpus_ids
 
     model = smollm2_model(weights)
     if weights == "native" and not quant_gemm.f32_available():
@@ -341,7 +341,7 @@ def test_smollm2_native_prefill_keeps_greedy_output(smollm2, weights):
     q8 rounding turns any change of fp32 summation order into whole q8 steps downstream, so even
     the old path against float64 sums of the same values agrees on only ~93 % of next-token
     argmaxes over 256 corpus positions; the test above checks their products layer by layer.)"""
-    from caramba.infer.evaluate import corpus_ids
+    from caramba.evaluation.evaluate import corpus_ids
 
     model = smollm2_model(weights)
     if not quant_gemm.f32_available():

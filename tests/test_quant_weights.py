@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as QT
 from caramba.errors import UserError
 from caramba.infer import GenerateConfig, Generator
 from caramba.infer.beam import beam_search
-from caramba.infer.evaluate import evaluate_cache
+from caramba.evaluation.evaluate import evaluate_cache
 from caramba.infer.speculative import SpeculativeConfig, SpeculativeGenerator
 from caramba.model import quant, zoo
 from caramba.model.state_dict import fuse_hf_state_dict
@@ -528,7 +528,7 @@ def test_cli_and_manifest_take_weights(tmp_path):
     from typer.testing import CliRunner
 
     from caramba.cli import app
-    from caramba.infer.evaluate import corpus_text
+    from caramba.evaluation.evaluate import corpus_text
     from caramba.manifest.schema import ModelSpec
     from test_cli import write_tiny_model
 

@@ -10,7 +10,7 @@ import json
 import pytest
 from test_eval_mode import LENGTH, eval_manifest, invoke, long_tiny  # noqa: F401  (fixture)
 
-from caramba.infer import tasks as task_suite
+from caramba.evaluation import tasks as task_suite
 from caramba.manifest.schema import TaskSettings
 from caramba.model.zoo import load_model
 from caramba.runners.eval import task_samples

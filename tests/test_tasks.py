@@ -1,4 +1,4 @@
-"""Long-context task generators and scoring (caramba.infer.tasks), on a byte-level tokenizer built
+"""Long-context task generators and scoring (caramba.evaluation.tasks), on a byte-level tokenizer built
 in memory (one token per byte, ChatML template): fast, and a real `tokenizers` pipeline."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from caramba.infer import tasks
-from caramba.infer.tasks import (DEFAULT_TASKS, GENERATOR_VERSION, TaskSample, make_samples, samples_digest, score,
+from caramba.evaluation import tasks
+from caramba.evaluation.tasks import (DEFAULT_TASKS, GENERATOR_VERSION, TaskSample, make_samples, samples_digest, score,
                                  string_match_all, string_match_part, task_names)
 from caramba.tokenizer import Tokenizer
 

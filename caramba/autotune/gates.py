@@ -1,7 +1,7 @@
 """Quality gates: what a candidate cache costs against the model dtype's full-precision cache.
 
 Two measurements, both on real text: teacher-forced scoring of the text through the cache
-(caramba.infer.evaluate: dNLL, PPL ratio, mean KL) and the needle in a haystack
+(caramba.evaluation.evaluate: dNLL, PPL ratio, mean KL) and the needle in a haystack
 (caramba.autotune.needle). The gates fail closed: a measurement that raises fails its candidate
 with the error as the reason, and a NaN fails every threshold it is compared with.
 """
@@ -15,7 +15,7 @@ from caramba.autotune.candidates import Candidate
 from caramba.autotune.needle import baseline_answer, build_haystack, needle_scores
 from caramba.cache import CachePolicy
 from caramba.infer.config import GateSettings
-from caramba.infer.evaluate import evaluate_cache
+from caramba.evaluation.evaluate import evaluate_cache
 
 @dataclass
 class GateResult:

@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 
 from caramba.cache import CachePolicy
-from caramba.infer.evaluate import evaluate_cache
+from caramba.evaluation.evaluate import evaluate_cache
 from caramba.infer.config import CacheConfig, GenerateConfig
 from caramba.infer.generate import Generator
 

@@ -33,7 +33,7 @@ from caramba.autotune.speed import measure_speed
 from caramba.cache import CachePolicy
 from caramba.errors import UserError
 from caramba.infer.config import AutoCacheConfig, CacheConfig, Composed
-from caramba.infer.evaluate import corpus_text
+from caramba.evaluation.evaluate import corpus_text
 from caramba.options import option
 from caramba.runs import cpu_model
 

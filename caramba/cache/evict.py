@@ -37,7 +37,7 @@ A hybrid cache (caramba.cache.hybrid: Gemma 2/3) is pressed in its full layers o
 None for a sliding layer): each full layer becomes a ragged layer as above, its slots offset by
 the context's length minus its width, so the model's slot numbers stay the rings' (HybridKVCache.
 pressed). The rings are copied as they are (in the template's sliding kinds where those differ:
-their slots re-stored, as caramba.infer.task_eval.store_context does), and the decoding state's
+their slots re-stored, as caramba.evaluation.task_eval.store_context does), and the decoding state's
 slot mask, in those same slot numbers, stays. A pressed hybrid cache can be pressed again
 (decoding-time compression): kept masks are in the model's slot numbers (held_slots,
 slot_contents: what a pressed layer holds, where the model numbers it), each full layer rebuilt

@@ -178,7 +178,7 @@ class LayerKVCache(StreamLayerCache):
 
     def contents(self, end: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of slots [0, end) as values [B, KVH, end, D], rotations undone: what another
-        cache stores in its own kind when it takes this one's context (caramba.infer.task_eval)."""
+        cache stores in its own kind when it takes this one's context (caramba.evaluation.task_eval)."""
         keys, values = self.k_stream.read(end, dtype), self.v_stream.read(end, dtype)
         if self.rotation is not None:
             keys = keys @ self.unrotation.to(dtype)

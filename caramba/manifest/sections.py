@@ -15,7 +15,7 @@ from caramba.autotune.select import AutotuneSettings
 from caramba.cache import KVCacheKind
 from caramba.infer.config import CacheConfig, DraftConfig, GenerateConfig, SpeculativeConfig
 from caramba.infer.plan import DecodePlan, parse_plan
-from caramba.infer.tasks import task_names
+from caramba.evaluation.tasks import task_names
 from caramba.manifest.base import (MAX_BATCH, Prompt, SettingsModel, engine_error, first_duplicate, option_fields,
                                    option_names)
 from caramba.options import only_with, options_of
@@ -221,7 +221,7 @@ EvalCandidate = create_model(
 
 
 class PerplexitySettings(SettingsModel):
-    """Scoring a text through each cache (caramba.infer.evaluate: the protocols of `caramba eval`)."""
+    """Scoring a text through each cache (caramba.evaluation.evaluate: the protocols of `caramba eval`)."""
 
     protocol: Literal["decode", "chunks"] = Field("decode", description="decode: prefill prompt_len tokens, then "
                                                   "score token by token; chunks: llama-perplexity's windows of ctx")
@@ -233,7 +233,7 @@ class PerplexitySettings(SettingsModel):
 
 
 class TaskSettings(SettingsModel):
-    """Long-context tasks (caramba.infer.tasks, RULER's generated categories), answered greedily."""
+    """Long-context tasks (caramba.evaluation.tasks, RULER's generated categories), answered greedily."""
 
     names: list[str] | None = Field(None, min_length=1, description="tasks to run (default: the whole suite)")
     lengths: list[Annotated[int, Field(ge=64)]] = Field([1024, 2048], min_length=1,

@@ -21,10 +21,10 @@ from rich.table import Table
 from caramba import threads
 from caramba.errors import UserError
 from caramba.progress import Steps
-from caramba.infer import tasks as task_suite
-from caramba.infer.context_store import ContextStore, model_identity
-from caramba.infer.evaluate import adds_bos, corpus_text, evaluate_cache, evaluate_chunks
-from caramba.infer.task_eval import JOIN_ROWS, Candidate, CandidateAnswers, answer_tasks
+from caramba.evaluation import tasks as task_suite
+from caramba.evaluation.context_store import ContextStore, model_identity
+from caramba.evaluation.evaluate import adds_bos, corpus_text, evaluate_cache, evaluate_chunks
+from caramba.evaluation.task_eval import JOIN_ROWS, Candidate, CandidateAnswers, answer_tasks
 from caramba.manifest import ResolvedRun
 from caramba.manifest.schema import EvalSettings, PerplexitySettings, TaskSettings
 from caramba.model.zoo import LoadedModel, inspect_source

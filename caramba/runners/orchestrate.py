@@ -21,7 +21,7 @@ import caramba
 from caramba.errors import RunError, UserError
 from caramba.expect import check as check_expect
 from caramba.expect import output_sha256
-from caramba.infer.tasks import GENERATOR_VERSION
+from caramba.evaluation.tasks import GENERATOR_VERSION
 from caramba.manifest import Manifest, ModelSpec, ResolvedRun, resolved_run_yaml, schema
 from caramba.model.zoo import LoadedModel, load_model
 from caramba.runners import registry

@@ -1,4 +1,4 @@
-"""Long-context task samples (caramba.infer.tasks) answered through candidate KV caches.
+"""Long-context task samples (caramba.evaluation.tasks) answered through candidate KV caches.
 
 Every candidate answers exactly the same samples. Per sample:
 1. The context (everything before the question) is prefilled once, in chunks of `q_chunk`
@@ -15,12 +15,12 @@ The baseline answers last, from the cache that holds the context.
 
 Joined answers (join=True): the candidates' questions and decode steps for a batch run as one
 forward over every candidate's rows, each layer attending each candidate's rows through its own
-cache (caramba.infer.joined), up to JOIN_ROWS rows; a candidate with decoding-time compression
+cache (caramba.evaluation.joined), up to JOIN_ROWS rows; a candidate with decoding-time compression
 answers alone, and where the fused C step would step each candidate (the CPU), fewer than
 JOIN_MIN_C caches answer one at a time. The answers are those of one candidate at a time (the
 tests hold them equal); a joined step's seconds are split equally among its candidates.
 
-The context store (caramba.infer.context_store): with `contexts`, a batch's shared prefill (the
+The context store (caramba.evaluation.context_store): with `contexts`, a batch's shared prefill (the
 baseline's context KV, the rows' positions and padding, every press's kept masks) is read from
 the store when an entry holds it, verified, and written there when it is computed. Each answer
 says whether its context was reused; each candidate's `time()` where its seconds went.
@@ -44,18 +44,18 @@ import torch
 from caramba import threads
 from caramba.cache import CachePolicy, KVCache, LayerKVCache
 from caramba.cache.hybrid import SlidingLayerKVCache
-from caramba.infer import context_store
-from caramba.infer.context_store import ContextStore, model_identity
+from caramba.evaluation import context_store
+from caramba.evaluation.context_store import ContextStore, model_identity
 from caramba.infer.padding import left_pad
 from caramba.infer.pressing import observing_all, prefill_pressed
 from caramba.infer.decoding_press import DecodingPress
-from caramba.infer.evaluate import require_finite
-from caramba.infer.joined import joinable, prefill_together, step_together
+from caramba.evaluation.evaluate import require_finite
+from caramba.evaluation.joined import joinable, prefill_together, step_together
 from caramba.infer.state import DecodeState
 from caramba.model.backend import Backend, TorchStep, choose
 from caramba.model.fast_decode import MAX_ROWS
 from caramba.press import PressConfig, kept_masks
-from caramba.infer.tasks import TaskSample, score
+from caramba.evaluation.tasks import TaskSample, score
 from caramba.version import __version__
 
 PREFILLS = ("shared", "own")
@@ -86,7 +86,7 @@ class Answer:
     prefill_s: float     # the candidate's own work before its first answer token (question; own: context)
     decode_s: float      # the answer's decode steps after the first token (a batch's: shared by its rows)
     steps: int           # decode steps this row took (tokens after the first)
-    context_reused: bool = False   # its context's prefill came from the context store (caramba.infer.context_store)
+    context_reused: bool = False   # its context's prefill came from the context store (caramba.evaluation.context_store)
 
 
 @dataclass
@@ -99,7 +99,7 @@ class CandidateAnswers:
     store_s: float = 0.0      # seconds building its context (shared: stored in its kinds or pressed; own: prefilled)
     question_s: float = 0.0   # seconds feeding its questions
     decode_s: float = 0.0     # seconds of its answers' decode steps (a joined step's: split among its candidates)
-    joined: int = 0           # batches whose answers it decoded joined with other candidates' (caramba.infer.joined)
+    joined: int = 0           # batches whose answers it decoded joined with other candidates' (caramba.evaluation.joined)
 
     def kept_fraction(self) -> float:
         """The share of context (layer, head, token) entries the cache kept: 1 without a press."""
@@ -159,7 +159,7 @@ def store_context(source: KVCache, target: KVCache, dtype: torch.dtype = torch.f
             dst.extend(*src.contents(n, dtype))
 
 
-# The most rows (candidates x samples) one joined answer step decodes (caramba.infer.joined); a
+# The most rows (candidates x samples) one joined answer step decodes (caramba.evaluation.joined); a
 # batch of samples this many rows or wider answers one candidate at a time.
 JOIN_ROWS = 32
 # The fewest candidates worth joining where each would step alone through the fused C step: the
@@ -177,8 +177,8 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
     prefilling contexts through the baseline. Samples run `batch_size` at a time, left-padded:
     each row attends to its own tokens only (DecodeState's holes), so a row answers as it would
     alone, up to float rounding. join: the candidates' answers to a batch decoded together, up to
-    JOIN_ROWS rows a step (caramba.infer.joined; False: one candidate at a time). contexts: where
-    shared prefills are kept between runs (caramba.infer.context_store). See the module doc."""
+    JOIN_ROWS rows a step (caramba.evaluation.joined; False: one candidate at a time). contexts: where
+    shared prefills are kept between runs (caramba.evaluation.context_store). See the module doc."""
     if prefill not in PREFILLS:
         raise ValueError(f"prefill={prefill!r}: choose one of {', '.join(PREFILLS)}")
     if batch_size < 1:
@@ -303,7 +303,7 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
 
 def _joins(model, c: Candidate) -> bool:
     """Whether a candidate's answers may decode joined with others': a standard-attention model
-    (caramba.infer.joined), no decoding-time compression (which presses its state between steps)."""
+    (caramba.evaluation.joined), no decoding-time compression (which presses its state between steps)."""
     return joinable(model) and not (c.press is not None and c.press.enabled and c.press.decoding)
 
 
@@ -535,7 +535,7 @@ def _answer(state: DecodeState, tokenizer, group: Sequence[TaskSample], question
 def _answer_joined(model, results: list[CandidateAnswers], built: list[tuple[DecodeState, float]], tokenizer,
                    group: Sequence[TaskSample], question: tuple[torch.Tensor, torch.Tensor],
                    stops: set[int]) -> list[list[Answer]]:
-    """Several candidates' answers to one batch, joined (caramba.infer.joined): their questions in
+    """Several candidates' answers to one batch, joined (caramba.evaluation.joined): their questions in
     one forward (each through its own cache; one chunk of q_chunk, else one at a time), then every
     step decodes the rows of every candidate still answering in one forward (one still answering
     alone steps alone). A joined forward's seconds are split equally among the candidates in it. built: each candidate's

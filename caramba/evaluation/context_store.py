@@ -2,7 +2,7 @@
 
 An eval's most expensive shareable work is the shared prefill: every batch of samples has its
 context prefilled once through the baseline's cache, then stored in each candidate's kinds
-(caramba.infer.task_eval). A rerun, or the same samples with one more candidate, prefills the
+(caramba.evaluation.task_eval). A rerun, or the same samples with one more candidate, prefills the
 same tokens through the same model again. `ContextStore` keeps each prefill's result, the
 baseline cache's keys and values with the rows' positions and padding (and the kept masks of
 the presses that watched it), as one safetensors file under the runs directory:

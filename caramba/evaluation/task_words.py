@@ -1,9 +1,9 @@
-"""The fixed English word lists the long-context tasks draw from (caramba.infer.tasks).
+"""The fixed English word lists the long-context tasks draw from (caramba.evaluation.tasks).
 
 RULER draws needle keys as "adjective-noun" pairs and common-words lists from the `wonderwords`
 package's lists; these are caramba's own, fixed in the source so that a task's text never depends
 on an installed package's version. Changing a list changes generated text: bump
-`caramba.infer.tasks.GENERATOR_VERSION` with it.
+`caramba.evaluation.tasks.GENERATOR_VERSION` with it.
 """
 
 from __future__ import annotations

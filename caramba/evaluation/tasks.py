@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from caramba.infer.task_words import ADJECTIVES, NOUNS, VERBS
+from caramba.evaluation.task_words import ADJECTIVES, NOUNS, VERBS
 
 GENERATOR_VERSION = 1   # bump when generated text would change
 
@@ -335,7 +335,7 @@ def _render(tokenizer, parts: _Parts, chat: bool) -> tuple[str, str]:
 
 
 def _essay_words(text_path: str | None) -> tuple[str, ...]:
-    from caramba.infer.evaluate import corpus_text
+    from caramba.evaluation.evaluate import corpus_text
 
     words = tuple(corpus_text(text_path).split())
     if len(words) < 50:
