@@ -1,4 +1,4 @@
-"""caramba's C kernel libraries built for aarch64 and called under qemu-aarch64 (tests/test_cross_arm.py).
+"""caramba's C kernel libraries built for aarch64 and called under qemu-aarch64 (tests/model/test_cross_arm.py).
 
 Each library is compiled with the cross compiler from the same sources and flags caramba.kernels
 uses, except the target: -march=native names this (x86) machine, so the ARM build asks for

@@ -5,7 +5,7 @@ canary directory outside runs/, a dangling link) and however its record's files 
 traceback, never block on a FIFO, never touch anything outside runs/, keep the other run's record,
 and leave nothing that makes a later run fail once the user's own entry is removed.
 
-Derandomized (a fixed seed, no example database), as tests/test_fuzz_manifest.py."""
+Derandomized (a fixed seed, no example database), as tests/manifest/test_fuzz_manifest.py."""
 
 from __future__ import annotations
 

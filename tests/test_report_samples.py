@@ -8,7 +8,7 @@ import hashlib
 import json
 
 import pytest
-from test_eval_mode import LENGTH, eval_manifest, invoke, long_tiny  # noqa: F401  (fixture)
+from test_eval import LENGTH, eval_manifest, invoke, long_tiny  # noqa: F401  (fixture)
 
 from caramba.evaluation import tasks as task_suite
 from caramba.manifest.schema import TaskSettings

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import write_manifest
 from test_cli import invoke, tiny_model  # noqa: F401  (fixture)
-from test_eval_mode import SECTION, eval_manifest, long_tiny  # noqa: F401  (fixture)
+from test_eval import SECTION, eval_manifest, long_tiny  # noqa: F401  (fixture)
 
 RUNS = """\
 - id: kv

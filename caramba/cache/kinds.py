@@ -24,7 +24,7 @@ How to add a quantized kind
    consecutive tokens of one channel (KIVI's keys; caramba.cache.streams.ChannelQuantStream).
    bits=4 kinds are packed two codes per byte (uint8 codes in [0, 15]), bits=2 four per byte;
    bits=8 kinds store one code per byte. `aliases` adds short names.
-2. tests/test_kv_quant.py: its kind lists come from this table (error bound for uniform kinds,
+2. tests/cache/test_kv_quant.py: its kind lists come from this table (error bound for uniform kinds,
    update, rollback, reorder, batches, byte accounting); pin a few of the new kind's codes in
    test_codes_match_reference_formulas.
 
@@ -38,7 +38,7 @@ branch in caramba/model/kv_stream.c; without one the step falls back to the torc
 
 The C kernels read this table from caramba/cache/kinds.h (ids, bits, offsets, code ranges,
 codebooks), which caramba/cache/kinds_c.py generates: after changing a row, run
-`python -m caramba.cache.kinds_c` (tests/test_kinds_header.py fails while the header is stale).
+`python -m caramba.cache.kinds_c` (tests/cache/test_kinds_header.py fails while the header is stale).
 """
 
 from __future__ import annotations

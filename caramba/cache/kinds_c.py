@@ -3,7 +3,7 @@
 The table is defined once, in Python; this module writes it out as C constants, so that
 quant_attend.c, kv_stream.c and fast_decode.py never keep a copy of their own (ids, bits, code
 ranges, offsets, codebooks). The header is checked in (a build needs no Python step);
-tests/test_kinds_header.py fails while it differs from `header()`. After changing a row:
+tests/cache/test_kinds_header.py fails while it differs from `header()`. After changing a row:
 
     python -m caramba.cache.kinds_c
 """

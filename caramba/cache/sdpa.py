@@ -12,7 +12,7 @@ last query, masked (the upper triangle of the block's diagonal, or the mask's ow
 softmax, then the probabilities times those values, both products through caramba.gemm.dense
 (oneDNN where it applies). Per layer, one thread, alternated: 3.5 against 6.7 ms at 512 tokens,
 39 against 64 ms at 2048 (docs/decode-speed-log.md §12). The same arithmetic in another order:
-outputs agree with SDPA's to rounding (tests/test_sdpa.py), not bit for bit.
+outputs agree with SDPA's to rounding (tests/cache/test_sdpa.py), not bit for bit.
 
 Everything else (ring buffers' storage order, a query that sees nothing, fewer queries than
 MIN_TOKENS, or than MIN_CHUNK after cached keys, other devices and dtypes, autograd,

@@ -1,5 +1,5 @@
 /* A software model of the AMX instructions quant_gemm.c issues, for a test build of it
-   (-DCARAMBA_AMX_EMULATE, tests/test_quant_prefill.py) that runs the amx level's packing, strides,
+   (-DCARAMBA_AMX_EMULATE, tests/model/test_quant_prefill.py) that runs the amx level's packing, strides,
    tile configurations and epilogues on an AVX-512 VNNI CPU without AMX. It is not a kernel (a
    tile product takes microseconds) and never part of a normal build.
 

@@ -18,7 +18,7 @@
 
    Every level's int32 block sums are exact, and every vector level sums them into the same lanes
    in the same order as avx2 (neon: its two 128-bit halves as avx2's one 256-bit vector), so their
-   outputs are bit-identical to avx2's (tests/test_isa.py, tests/test_cross_arm.py); the scalar
+   outputs are bit-identical to avx2's (tests/model/test_isa.py, tests/model/test_cross_arm.py); the scalar
    reference sums in another order (within fp32 rounding of them).
 
    CARAMBA_ISA=<level> asks for a level (tests, A/B timings); a level the CPU or the build lacks

@@ -1,5 +1,5 @@
 /* The fused decode step's arguments (decode_step.c), mirrored field for field by the ctypes
-   Structures of caramba.model.step_abi (tests/test_step_parts.py compares sizes and offsets
+   Structures of caramba.model.step_abi (tests/model/test_step_parts.py compares sizes and offsets
    through step_abi_layout). Every field is 8 bytes but the last four, two pairs of 4-byte fields,
    so the layout has no padding a mirror could get wrong. */
 

@@ -8,7 +8,7 @@ the machine lacks falls back to the best one below it in its family, never above
 slowest first: scalar (the portable reference), then x86-64's avx2, avxvnni, avx512, avx512vnni,
 or ARM's neon (AArch64: sdot where the build has the dot-product extension). A level of one family
 is never chosen on the other's machines: a wish for it runs at scalar. Every vector level's
-outputs are bit-identical to avx2's (neon's row-major products too: tests/test_cross_arm.py);
+outputs are bit-identical to avx2's (neon's row-major products too: tests/model/test_cross_arm.py);
 scalar differs by fp32 summation order only (quant_attend.c's: by where multiply-adds fuse).
 Quantized layers made at a level with a vector kernel for their format hold their codes
 row-interleaved (caramba.model.quant's layout 'x16': every format at avx512vnni, the q8

@@ -542,7 +542,7 @@ static void panel_amx(const int8_t *w, const float *wdp, const int8_t *xp, const
        c   = sum over the block and the three pieces of code * piece      (fp32, the tile's order)
        acc = fmaf(d[n,b], c, acc);  q4_1: acc = fmaf(min[n,b], sx[m,b], acc)
    with sx the block's fp32 sum of x (any order). The same bound as any fp32 dot product of
-   3K + 2K/32 terms (tests/test_quant_prefill.py); gemm_f32_ref is that arithmetic in C order.
+   3K + 2K/32 terms (tests/model/test_quant_prefill.py); gemm_f32_ref is that arithmetic in C order.
    Values below bf16's normal range (2^-126) in a piece count as zero (AMX's DAZ): an error below
    2^-126 per element. */
 

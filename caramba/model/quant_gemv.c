@@ -97,7 +97,7 @@ static kq_dequantize_fn *const KQ_DEQUANTIZE[ISA_LEVELS] = {X86_LEVELS(KQ_DEQUAN
 
 /* --- the activation codes (quant_gemv_ref.h's ACT_*) --------------------------------------------
 
-   Every level gives the same codes and scales (tests/test_isa.py). Rows m0 .. m1-1. */
+   Every level gives the same codes and scales (tests/model/test_isa.py). Rows m0 .. m1-1. */
 static void quantize_range(const float *x, int m0, int m1, int K, int mode, void *q, float *d) {
     const int nb = K / QK, width = mode == ACT_SPLIT ? 2 : 1;   /* codes per element */
     quantize_row_fn *const row = QUANTIZE_ROW[g_isa] ? QUANTIZE_ROW[g_isa] : quantize_row_ref;

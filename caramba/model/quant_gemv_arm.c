@@ -2,7 +2,7 @@
    quant_gemv_ref.c holds the reference it reproduces): 128-bit sdot (vdotq_s32) for the int8
    products where the build has the dot-product extension, else widening multiplies; vmull_s16 for
    the int16 ones. Every row-major format runs with avx2's lanes and order (quant_gemv_x86.c), so
-   its products are the x86 avx2 products bit for bit (tests/test_cross_arm.py); the row-
+   its products are the x86 avx2 products bit for bit (tests/model/test_cross_arm.py); the row-
    interleaved (x16) layout has kernels for the q8 activations in a +dotprod build (sdot by lane),
    bit-identical to the reference. Also the activation codes 4 at a time. */
 
@@ -55,7 +55,7 @@ HIDDEN void quantize_row_neon(const float *x, int nb, int mode, int8_t *q8, int1
    or odd accumulator by one fused multiply-add with the same factor; the factors, the minimums'
    lanes (block_factors' groups of 8 blocks, its masked tail and its scalar remainder), the sum of
    the two accumulators and hsum8's order are avx2's too. So a neon product is avx2's bit for bit
-   (tests/test_cross_arm.py compares them). */
+   (tests/model/test_cross_arm.py compares them). */
 
 /* The 4 int32 lanes of 16 int8 x int8 products, lane i summing bytes 4i..4i+3 (vpdpbusd's and
    maddubs/madd's lanes): sdot where the build has the dot-product extension, else widening

@@ -3,7 +3,7 @@
    32-blocks per step, their codes widened to int16 once, each block's int32 sums by widening
    multiply-adds (vmull_s16 / vmlal_s16) and an across-lanes add (exact), then the header's fp32
    operations with the eight lanes as two float32x4 halves (the same fused multiply-adds lane for
-   lane): the reference's products bit for bit (tests/test_cross_arm.py, under qemu). */
+   lane): the reference's products bit for bit (tests/model/test_cross_arm.py, under qemu). */
 
 #include "quant_gemv_kq.h"
 

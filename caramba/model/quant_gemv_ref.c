@@ -1,7 +1,7 @@
 /* The portable reference of the quantized products (quant_gemv.c): every loop one element at a
    time, in plain C. It is what the scalar level runs (cpu_isa.c: CARAMBA_ISA=scalar, or a CPU or
    build without a vector level), what a vector level falls back to for a format it has no kernel
-   for, and what tests hold every level against (tests/test_isa.py): each level's int32 block sums
+   for, and what tests hold every level against (tests/model/test_isa.py): each level's int32 block sums
    are exactly dot_*_ref's, and the X16 references make the vector kernels' FMAs lane by lane, so
    those agree bit for bit; the row-major fp32 sums here run in another order than the vector
    levels' (within fp32 rounding of them). Also the block formats' own quantization (the search

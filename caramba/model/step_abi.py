@@ -4,7 +4,7 @@ decode_step.c takes one StepArgs; its weights come as LayerPlans and a head Lin,
 Streams (each layer's K, then V). Field for field the C structs: every field 8 bytes but
 StepArgs' last six (eps and q_factor, floats; nthreads and gelu, int32s; softcap, a float, and an
 unused int32 that keeps the tail a whole 8 bytes), so neither side pads
-differently. tests/test_step_parts.py checks sizes and offsets against the compiler's
+differently. tests/model/test_step_parts.py checks sizes and offsets against the compiler's
 (step_abi_layout).
 """
 

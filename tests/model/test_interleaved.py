@@ -100,7 +100,7 @@ def test_the_default_layout_follows_the_kernels_level(level):
     assert lib.x16_vector(quant.Q4_0_Q8) == 0   # a row-major format is never x16's
     code = ("from caramba.model import quant; import torch; "
             "print(quant.QuantLinear.from_float(torch.randn(16, 64), fmt='q4_0').layout)")
-    env = {**os.environ, isa.ENV: "scalar", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, isa.ENV: "scalar", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert got.stdout.strip() == "rows"
 

@@ -108,7 +108,7 @@ def test_quickstart_manifest_end_to_end(tmp_path, monkeypatch, smollm2):
     from caramba.cli import app
 
     monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
-    manifest = os.path.join(os.path.dirname(__file__), "..", "manifests", "quickstart.yaml")
+    manifest = os.path.join(os.path.dirname(__file__), "..", "..", "manifests", "quickstart.yaml")
     result = CliRunner().invoke(app, ["run", manifest, "--run", "greedy"])
     assert result.exit_code == 0, result.output
     record = tmp_path / "runs" / "quickstart" / "hello" / "greedy"
@@ -125,7 +125,7 @@ def test_ci_check_manifest_still_holds(tmp_path, monkeypatch, smollm2):
     from caramba.cli import app
 
     monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
-    manifest = os.path.join(os.path.dirname(__file__), "..", "manifests", "ci-check.yaml")
+    manifest = os.path.join(os.path.dirname(__file__), "..", "..", "manifests", "ci-check.yaml")
     result = CliRunner().invoke(app, ["run", manifest, "--check"])
     assert result.exit_code == 0, result.output
     assert "check ok" in result.output

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from caramba.cli import app
 
 pytestmark = SMOLLM2
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PICK = "kv.cache_kind-q8_0.prompts-The*"   # both seeds of one cache kind and prompt set
 
 

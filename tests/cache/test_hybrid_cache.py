@@ -138,7 +138,7 @@ def test_a_shared_context_stored_into_another_hybrid_cache_continues_alike(model
 
 
 def test_a_press_on_a_hybrid_model_presses_its_full_layers_only(model):
-    """tests/test_press_hybrid.py has the rest: rings bit for bit, masks, decoding, the C step."""
+    """tests/press/test_press_hybrid.py has the rest: rings bit for bit, masks, decoding, the C step."""
     from caramba.infer.pressing import check_pressable, prefill_pressed
     from caramba.infer.state import DecodeState
     from caramba.press import PressConfig

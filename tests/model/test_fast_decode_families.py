@@ -5,7 +5,7 @@ hybrid sliding/full layers
 with their own masks and RoPE bases (Gemma 3), whose sliding layers keep rings (caramba.cache.hybrid)
 that the step reads and writes in storage order past their wraps; a RingKVCache (--local-window)
 past its wraps too. Tiny random caramba models (conftest), and tiny HF families against transformers
-(tests/test_new_families.py's): greedy tokens identical through the C path, Gemma 2 included."""
+(tests/model/test_new_families.py's): greedy tokens identical through the C path, Gemma 2 included."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from caramba.infer.pressing import press_masks
 from caramba.press import PressConfig
 from conftest import make_model
 from test_cli import invoke
-from test_eval_mode import LENGTH, eval_manifest, loaded, long_tiny  # noqa: F401 (fixtures)
+from test_eval import LENGTH, eval_manifest, loaded, long_tiny  # noqa: F401 (fixtures)
 from test_evict import decode, reference_state
 
 PROMPT = 40

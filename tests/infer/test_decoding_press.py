@@ -21,7 +21,7 @@ from caramba.options import OptionError
 from caramba.press import PressConfig
 from conftest import make_model
 from test_cli import invoke
-from test_eval_mode import LENGTH, loaded, long_tiny  # noqa: F401 (fixtures)
+from test_eval import LENGTH, loaded, long_tiny  # noqa: F401 (fixtures)
 from test_evict import MaskedLayer
 from test_press_modes import prompt
 

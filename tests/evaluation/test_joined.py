@@ -15,7 +15,7 @@ from caramba.evaluation.context_store import DIRNAME, ContextStore, model_identi
 from caramba.evaluation.task_eval import Candidate, answer_tasks
 from caramba.model.zoo import load_model
 from caramba.press import PressConfig
-from test_eval_mode import LENGTH, long_tiny  # noqa: F401 - the fixture
+from test_eval import LENGTH, long_tiny  # noqa: F401 - the fixture
 
 CANDIDATES = [
     Candidate("fp32", CachePolicy.build("fp32")),

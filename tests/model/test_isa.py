@@ -29,7 +29,7 @@ from conftest import make_model
 FEATURES = {"scalar": [], "avx2": ["avx2", "fma", "f16c"], "avxvnni": ["avx2", "fma", "f16c", "avx_vnni"],
             "avx512": ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"],
             "avx512vnni": ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"],
-            "neon": ["asimd", "asimddp"]}   # ARM's (its /proc/cpuinfo "Features"; tests/test_cross_arm.py runs it)
+            "neon": ["asimd", "asimddp"]}   # ARM's (its /proc/cpuinfo "Features"; tests/model/test_cross_arm.py runs it)
 U = 2.0 ** -24   # fp32's unit roundoff
 
 
@@ -269,7 +269,7 @@ def run_isa(env_value: str) -> subprocess.CompletedProcess:
     code = ("import warnings; warnings.simplefilter('always'); from caramba.model import isa, fast_decode; "
             "fast_decode.library(); print(isa.kernel_isa(), fast_decode.library().isa_name().decode())")
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[2])
 
 
 @pytest.mark.parametrize("asked", ["scalar", "avx2", "avx512vnni", "neon"])

@@ -765,7 +765,7 @@ def test_a_sliding_window_ring_takes_the_step_across_its_wraps(kind, taken):
     """`--local-window W` decodes through a ring of W + max_write slots. Until the ring first wraps
     its storage order is slot order; after, the step reads its storage under the window's mask
     (over storage order) and writes slot s at s % capacity (Stream.wrap). Logits equal the torch
-    path's all along, across the wrap (tests/test_fast_decode_families.py: for longer)."""
+    path's all along, across the wrap (tests/model/test_fast_decode_families.py: for longer)."""
     from caramba.cache.ring import RingKVCache
 
     model = make_model(seed=21)

@@ -24,7 +24,7 @@ from caramba.cli import app
 from caramba.executors.state import lock_held
 from caramba.runs import DONE, RunDir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SWEEP = """\
 - id: s
   mode: generate

@@ -308,7 +308,7 @@ def test_cache_kernels_on_arm_equal_the_dequantized_cache(arm_cache, kind):
 @pytest.mark.parametrize("fmt", list(quant.STORED))
 def test_stored_gguf_formats_on_arm_are_the_x86_reference_bit_for_bit(arm, arm_plain, build, fmt, act):
     """The stored GGUF formats (quant_gemv_kq.h: Q5_0 .. Q6_K) at neon and at ARM's scalar level give
-    the x86 reference's products bit for bit (tests/test_kquant.py's shapes: row tails, tiles of 1 to
+    the x86 reference's products bit for bit (tests/model/test_kquant.py's shapes: row tails, tiles of 1 to
     4 rows, 1 and 2 threads), so every level on either family does."""
     from test_kquant import activations, random_blocks, shapes
 
