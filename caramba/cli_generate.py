@@ -23,7 +23,7 @@ from rich.markup import escape
 from caramba.errors import UserError
 from caramba.infer.config import DRAFT_KINDS, DraftConfig, GenerateConfig, SpeculativeConfig, flat_paths
 from caramba.manifest.schema import option_fields
-from caramba.runs import json_text, kernel_status
+from caramba.runs import json_text, kernel_builds, kernel_status
 
 # The CLI's own spellings where a short one predates the derived flag (both work).
 ALIASES = {"stop_sequences": ["--stop"], "decode_q_chunk": ["--q-chunk"], "decode_local_window": ["--local-window"],
@@ -144,6 +144,7 @@ def generate(prompt: str, model: str, dtype: str, device: str, weights: str, see
                                               if getattr(loaded.model, "native_weights", None) is not None else {})},
                           "cache_kind": summary.get("cache_kind"), "cache_policy": summary.get("cache_policy"),
                           "cache_auto": summary.get("cache_auto"), "kernels": kernel_status(),
+                          "kernel_builds": kernel_builds(),
                           **({"speculative": speculative} if speculative else {})}))
         return
     if row.get("beams") is None:

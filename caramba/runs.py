@@ -40,7 +40,7 @@ try:
 except ImportError:  # Windows: no flock; runs are then not protected against a second process
     fcntl = None
 
-from caramba import threads
+from caramba import kernels, threads
 from caramba.errors import RunError
 from caramba.version import __version__
 
@@ -697,7 +697,16 @@ def capture_env(seed: int | None, device: str) -> dict[str, Any]:
     # every C library: 'c', or why its callers took the eager path (an install without the kernels is
     # 35x slower at q8_0 decode, so a record must say)
     env["kernels"] = kernel_status() if torch else None
+    # where each loaded library came from: "prebuilt <variant>" (the install's) or "built here"
+    env["kernel_builds"] = kernel_builds() if torch else None
     return env
+
+
+def kernel_builds() -> dict[str, str]:
+    """Each loaded C library's origin (caramba.kernels.origin): "prebuilt <variant>" from the
+    install (setup.py), or "built here" at run time (-march=native, an editable install)."""
+    kernel_status()   # loads every library, so each has an origin
+    return dict(sorted(kernels.origin.items()))
 
 
 def kernel_status() -> dict[str, str]:

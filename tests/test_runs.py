@@ -134,6 +134,10 @@ def test_capture_env_keys_and_json(tmp_path, monkeypatch):
     # every C library's status, by what it runs (an install without kernels must show in the record)
     assert set(env["kernels"]) == {"decode_step", "quant_weights", "quant_prefill", "kv_attention", "decode_ops"}
     assert env["kernels"]["decode_step"] == env["decode_step"]
+    # each loaded library says where it came from: this tree's run-time build, or an install's prebuilt variant
+    loaded = {name for name, status in env["kernels"].items() if status == "c"}
+    assert loaded and len(env["kernel_builds"]) >= len(loaded - {"decode_ops"})
+    assert all(o == "built here" or o.startswith("prebuilt ") for o in env["kernel_builds"].values()), env["kernel_builds"]
     assert all(s == "c" or s.startswith(("off", "unavailable")) for s in env["kernels"].values()), env["kernels"]
     assert env["caramba_version"] == caramba.__version__
     assert env["seed"] == 3
