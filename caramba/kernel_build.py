@@ -17,6 +17,7 @@ import hashlib
 import platform
 import re
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,15 +135,11 @@ def prebuilt_name(name: str, variant: str, digest: str) -> str:
 
 
 def compile_variant(cc: str, name: str, variant: Variant, out_dir: Path, package: Path = PACKAGE) -> Path:
-    """Build library `name` in `variant` into out_dir (raises CalledProcessError with the compiler's stderr)."""
-    srcs = sources(name, package)
-    out = out_dir / prebuilt_name(name, variant.name, source_hash(srcs))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    subprocess.run([cc, *COMMON_FLAGS, *variant.flags, *map(str, srcs), *LIBS, "-o", str(tmp)], check=True,
-                   capture_output=True, text=True, timeout=1200)
-    tmp.replace(out)
-    return out
+    """Build library `name` in `variant` into out_dir: its sources compiled (compile_object) and
+    linked (link_variant) in a scratch folder (raises CalledProcessError with the compiler's stderr)."""
+    with tempfile.TemporaryDirectory(prefix="caramba-kernels-") as scratch:
+        objects = [compile_object(cc, s, variant, Path(scratch), package) for s in sources(name, package)]
+        return link_variant(cc, name, variant, objects, out_dir, package)
 
 
 def compile_object(cc: str, source: Path, variant: Variant, obj_dir: Path, package: Path = PACKAGE) -> Path:

@@ -52,9 +52,6 @@ def kernel_dir() -> Path:
     return Path(os.environ.get("CARAMBA_CACHE_DIR", Path.home() / ".cache" / "caramba")) / "kernels"
 
 
-_source_bytes = kernel_build.source_bytes
-
-
 # library name -> where its loaded copy came from: "prebuilt <variant>" or "built here" (for records
 # and tests; the status strings stay 'c')
 origin: dict[str, str] = {}
@@ -109,7 +106,7 @@ def build(source: Path | list[Path], cc: str, flags: list[str] = FLAGS) -> Path:
     it), compiled once per (sources, command, CPU) and cached."""
     sources = _sources(source)
     command = [cc, *flags, *LIBS]
-    key = hashlib.sha256(b"".join(_source_bytes(s) for s in sources) + " ".join(command).encode()
+    key = hashlib.sha256(b"".join(kernel_build.source_bytes(s) for s in sources) + " ".join(command).encode()
                          + cpu_flags().encode() + platform.machine().encode()).hexdigest()[:16]
     out_dir = kernel_dir()
     out = out_dir / f"{sources[0].stem}-{key}.so"

@@ -114,8 +114,7 @@ class DecodeState:
         T = tokens.shape[1]
         if self.cache.length == 0 and not self.ring:
             # each row's groups of tokens (per-channel keys) start at its first real token, as alone
-            lead = None if mask is None else (~mask.bool()).long().cumprod(dim=1).sum(dim=1)
-            self.cache.set_origins(lead if lead is not None and bool(lead.any()) else None)
+            self.cache.set_origins(None if mask is None else _leading_holes(mask.bool()))
         if mask is None:
             # Out of place: positions may be a view of the old next_pos.
             positions = self.next_pos[:, None] if T == 1 else self.next_pos[:, None] + torch.arange(T, device=tokens.device)
@@ -222,10 +221,7 @@ class DecodeState:
     def row_origins(self) -> torch.Tensor | None:
         """[B] each row's first real slot (the holes in front of it), None when every row starts at 0:
         where a cache of per-channel keys starts the row's groups (KVCache.set_origins)."""
-        if self.slot_mask is None:
-            return None
-        lead = (~self.valid_slots()).long().cumprod(dim=1).sum(dim=1)
-        return lead if bool(lead.any()) else None
+        return None if self.slot_mask is None else _leading_holes(self.valid_slots())
 
     def row_slots(self, row: int) -> torch.Tensor:
         """Cache slot indices [n] of a row's real tokens, in order (for inspecting the cache)."""
@@ -245,6 +241,13 @@ class DecodeState:
             self.slot_mask[:, slots % self.slot_mask.shape[1]] = valid
         else:
             self.slot_mask[:, start : start + n] = valid
+
+
+def _leading_holes(real: torch.Tensor) -> torch.Tensor | None:
+    """[B] how many slots precede each row's first real one (real [B, S], True = a token), None when
+    no row has any."""
+    lead = (~real).long().cumprod(dim=1).sum(dim=1)
+    return lead if bool(lead.any()) else None
 
 
 __all__ = ["DecodeState"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import json
 import time
 from typing import Any
 
@@ -193,8 +194,6 @@ def time_budget(results: list[CandidateAnswers], context_s: float, wall_s: float
 def time_rows(records: list[tuple[str, Any]]) -> list[dict]:
     """`caramba report`'s time budget of finished eval records: per run its task answering's wall
     time and shared prefill, per candidate its stores, questions and decode steps."""
-    import json
-
     out = []
     for name, path in records:
         try:
