@@ -322,14 +322,14 @@ class StreamDecoder:
 
 
 def _open_gguf(path: Path):
-    import gguf  # loaded only when a GGUF is read: the CLI imports this module for every command
+    from caramba.model import gguf_loader   # the one parse of a file per process (and gguf loaded only now)
 
     if not path.is_file():
         raise UserError(f"{path}: no such file")
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises bare ValueError/struct errors on bad files
-        raise UserError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        return gguf_loader.open_gguf(path)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 class _GGUFMeta:

@@ -33,13 +33,55 @@ _GEMMA_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def open_gguf(path: Path):
-    import gguf
+# Parsed files by (path, device, inode, size, mtime): one process parses a file once (a first
+# `caramba generate` read the same GGUF three times: preflight, config, conversion).
+_READERS: dict[tuple, object] = {}
+_KEEP_READERS = 4
 
+
+def open_gguf(path: Path):
+    """ggml-org's reader of `path`, parsed once per process while the file is unchanged."""
     try:
-        return gguf.GGUFReader(str(path))
+        st = Path(path).stat()
+        key = (str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError as e:
+        raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    if key in _READERS:
+        _READERS[key] = _READERS.pop(key)   # most recently used last
+        return _READERS[key]
+    try:
+        reader = _reader_class()(str(path))
     except Exception as e:  # the reader raises bare ValueError/struct errors on bad files
         raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    _READERS[key] = reader
+    while len(_READERS) > _KEEP_READERS:
+        _READERS.pop(next(iter(_READERS)))
+    return reader
+
+
+_FAST_READER = None
+
+
+def _reader_class():
+    """gguf.GGUFReader reading through a plain ndarray view of its np.memmap: the reader slices
+    its data once per metadata value (two slices per vocabulary string), and a memmap slice pays
+    numpy's memmap bookkeeping each time: SmolLM2's 49k-token vocabulary took 2.3 s to parse, 0.75 s
+    this way. The same bytes (the view shares the mapping); tensors come back as plain arrays."""
+    global _FAST_READER
+    if _FAST_READER is None:
+        import gguf
+
+        class FastReader(gguf.GGUFReader):
+            @property
+            def data(self):
+                return self._mapped
+
+            @data.setter
+            def data(self, value):
+                self._mapped = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+        _FAST_READER = FastReader
+    return _FAST_READER
 
 
 def field(reader, key: str, default=None):

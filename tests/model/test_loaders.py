@@ -447,3 +447,23 @@ def test_build_model_casts_and_freezes():
         state = fuse_hf_state_dict(hf_state(hf), cfg)
         del state["norm.weight"]
         build_model(cfg, state, torch.float32, CPU)
+
+
+def test_open_gguf_reads_what_ggufs_own_reader_reads_and_parses_a_file_once(tmp_path):
+    import gguf
+    import os
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf_model("llama"), MIXED)
+    fast, plain = gguf_loader.open_gguf(path), gguf.GGUFReader(str(path))
+    assert list(fast.fields) == list(plain.fields)
+    for key in plain.fields:
+        assert fast.fields[key].contents() == plain.fields[key].contents(), key
+    assert [t.name for t in fast.tensors] == [t.name for t in plain.tensors]
+    for a, b in zip(fast.tensors, plain.tensors):
+        assert a.tensor_type == b.tensor_type and np.array_equal(a.data, b.data), a.name
+    assert gguf_loader.open_gguf(path) is fast            # parsed once while the file is unchanged
+    write_gguf(path, hf_model("llama", num_key_value_heads=1), MIXED)   # rewritten: read again
+    os.utime(path, ns=(1, 1))
+    again = gguf_loader.open_gguf(path)
+    assert again is not fast and gguf_loader.config_from_gguf(again).n_kv_heads == 1
