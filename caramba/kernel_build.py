@@ -79,19 +79,49 @@ def machine() -> str:
 
 
 def cpu_features(cpuinfo: str | None = None) -> set[str]:
-    """This CPU's feature flags: /proc/cpuinfo's "flags" line on x86-64, "Features" on AArch64
-    (empty where there is no /proc/cpuinfo: then no prebuilt variant is chosen, and caramba
-    compiles at run time)."""
+    """This CPU's feature flags: /proc/cpuinfo's "flags" line on x86-64, "Features" on AArch64;
+    on macOS sysctl's, in Linux's names (darwin_features). Empty where neither answers: then no
+    prebuilt variant is chosen, and caramba compiles at run time."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return set()
+            return darwin_features(_sysctl()) if platform.system() == "Darwin" else set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip().lower() in ("flags", "features"):
             return set(value.split())
     return set()
+
+
+# sysctl's names (lower case) for the flags VARIANTS need, where Linux names them otherwise
+_DARWIN_X86 = {"avx1.0": "avx", "sse4.1": "sse4_1", "sse4.2": "sse4_2", "avx512vnni": "avx512_vnni",
+               "avx512bf16": "avx512_bf16", "avxvnni": "avx_vnni"}
+_DARWIN_ARM = {"hw.optional.advsimd": "asimd", "hw.optional.neon": "asimd", "hw.optional.arm.feat_dotprod": "asimddp",
+               "hw.optional.arm.feat_fp16": "asimdhp", "hw.optional.neon_fp16": "asimdhp"}
+
+
+def darwin_features(sysctl: str) -> set[str]:
+    """Linux's flag names from `sysctl machdep.cpu hw.optional` output: an Intel Mac lists its CPUID
+    features upper-case in machdep.cpu.features / leaf7_features (AVX1.0, SSE4.2, AVX512VNNI); an
+    Apple Silicon Mac sets hw.optional.* to 1 (AdvSIMD, arm.FEAT_DotProd, arm.FEAT_FP16)."""
+    flags: set[str] = set()
+    for line in sysctl.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip().lower(), value.strip()
+        if key in ("machdep.cpu.features", "machdep.cpu.leaf7_features", "machdep.cpu.extfeatures"):
+            flags |= {_DARWIN_X86.get(f, f) for f in value.lower().split()}
+        elif key in _DARWIN_ARM and value == "1":
+            flags.add(_DARWIN_ARM[key])
+    return flags
+
+
+def _sysctl() -> str:
+    try:
+        return subprocess.run(["sysctl", "machdep.cpu", "hw.optional"], capture_output=True, text=True,
+                              timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def variants(arch: str | None = None) -> list[Variant]:

@@ -39,13 +39,16 @@ LIBS = kernel_build.LIBS
 
 
 def cpu_flags() -> str:
+    """/proc/cpuinfo's flags line (x86-64), else the features kernel_build reads (macOS's sysctl,
+    AArch64's Features), else the processor's name: part of a run-time build's key."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
                 return line
     except OSError:
         pass
-    return platform.processor()
+    features = kernel_build.cpu_features()
+    return "features " + " ".join(sorted(features)) if features else platform.processor()
 
 
 def kernel_dir() -> Path:

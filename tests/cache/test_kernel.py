@@ -337,6 +337,24 @@ def test_cpu_features_read_x86_flags_and_arm_features():
     assert kernel_build.cpu_features("processor\t: 0\nFeatures\t: fp asimd asimddp\n") == {"fp", "asimd", "asimddp"}
 
 
+def test_macos_sysctl_features_choose_the_variants_linux_flags_would():
+    intel = ("machdep.cpu.features: FPU VME SSE SSE2 SSE3 PCLMULQDQ SSSE3 FMA CX16 SSE4.1 SSE4.2 MOVBE POPCNT AES "
+             "AVX1.0 RDRAND F16C\nmachdep.cpu.leaf7_features: RDWRFSGS BMI1 AVX2 SMEP BMI2 ERMS AVX512F AVX512DQ "
+             "AVX512CD AVX512BW AVX512VL AVX512VNNI\nmachdep.cpu.brand_string: Intel(R) Xeon(R) W-3245\n")
+    every = [v.name for v in kernel_build.variants("x86_64")]
+    got = kernel_build.darwin_features(intel)
+    assert {"avx", "sse4_2", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "avx512_vnni"} <= got
+    # no AVX-512 BF16 on that Xeon: the AVX2 build, as Linux's flags of the same CPU would choose
+    assert kernel_build.choose(got, every, "x86_64").name == "avx2"
+    assert kernel_build.choose(got | {"avx512_bf16"}, every, "x86_64").name == "avx512"
+    apple = ("hw.optional.AdvSIMD: 1\nhw.optional.arm.FEAT_DotProd: 1\nhw.optional.arm.FEAT_FP16: 1\n"
+             "hw.optional.arm.FEAT_SME: 0\nhw.optional.floatingpoint: 1\n")
+    arm = [v.name for v in kernel_build.variants("aarch64")]
+    assert kernel_build.choose(kernel_build.darwin_features(apple), arm, "aarch64").name == "armv8.2-dotprod"
+    assert kernel_build.choose(kernel_build.darwin_features(apple.replace("DotProd: 1", "DotProd: 0")), arm,
+                               "aarch64").name == "armv8"
+
+
 def test_a_prebuilt_library_loads_with_no_compiler_and_a_stale_one_is_ignored(monkeypatch, tmp_path, capfd):
     """The best prebuilt variant whose source hash matches is loaded without a compiler; one built
     from other sources (its hash differs) is ignored and the run-time build takes over."""
