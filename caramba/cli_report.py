@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from caramba.bench.frontier import frontier_rows, plot_frontier, quality_key
+from caramba.bench.frontier import cost_key, frontier_rows, plot_frontier, quality_key
 from caramba.bench.report import (CELL_KEY, compare, flat_rows, markdown_table, pivot, plot_sweep, record_dirs,
                                   write_csv)
 from caramba.errors import UserError
@@ -151,11 +151,15 @@ def _report_frontier(source: Path, rows: list[dict], done: list[tuple[str, Path]
     status = [{"run": r["run"], "status": r["status"], "mode": r["mode"], **{k: r["params"].get(k) for k in keys}}
               for r in rows]
     lengths = list(dict.fromkeys(k for r in front for k in r if k.startswith("task_avg@")))
-    columns = ["run", "cache", "policy", *(["press"] if any(r.get("press") for r in front) else []), "bytes_per_token", "bytes_ratio", "task_avg", *lengths, "ppl_ratio", "kl_mean",
+    weighed = cost_key(front) == "bytes_at_context"   # candidates with their own weights: a weight-format study
+    columns = ["run", "cache", "policy", *(["press"] if any(r.get("press") for r in front) else []),
+               *(["weights", "weight_bytes", "bytes_at_context"] if weighed else []), "bytes_per_token", "bytes_ratio",
+               "task_avg", *lengths, "ppl_ratio", "kl_mean",
                "decode_tok_s", *(["bench_decode_tok_s"] if any("bench_decode_tok_s" in r for r in front) else [])]
     ordered = [{"pareto": "*" if r["pareto"] else "", **{c: r.get(c) for c in columns}}
-               for r in sorted(front, key=lambda r: (r["group"], r["bytes_per_token"], r["run"]))]
-    title = (f"quality-cost frontier ({len(front)} candidates; * = Pareto-optimal by bytes/token and "
+               for r in sorted(front, key=lambda r: (r["group"], r[cost_key(front)], r["run"]))]
+    title = (f"quality-cost frontier ({len(front)} candidates; * = Pareto-optimal by "
+             f"{'bytes held at the context (weights + cache)' if weighed else 'bytes/token'} and "
              f"{quality_key(front) or 'no common quality metric'})")
     time_rows, time_title = _eval_time(done), "time budget (seconds; per candidate: its stores, questions, decode steps)"
     if fmt == "markdown":

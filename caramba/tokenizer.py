@@ -322,7 +322,7 @@ class StreamDecoder:
 
 
 def _open_gguf(path: Path):
-    from caramba.model import gguf_loader   # the one parse of a file per process (and gguf loaded only now)
+    from caramba.model import gguf_loader   # lazy: torch and gguf load only when a GGUF is read (one parse per process)
 
     if not path.is_file():
         raise UserError(f"{path}: no such file")

@@ -8,6 +8,11 @@ bytes per token at a higher or equal quality, one of them strictly. Quality is t
 tasks, else the PPL ratio (lower is better). Speed is a second axis, never part of the
 frontier: the plot draws it as colour.
 
+Where the candidates of a group hold different weights (a weight-format study: eval candidates
+with their own `weights:` / `source:`), bytes per token of KV cache alone would hide what they
+save; the cost is then `bytes_at_context`, the bytes a candidate holds at the eval's context:
+its weights plus its cache.
+
 Decode speed comes from the eval's own answers (greedy steps at the tasks' context lengths);
 when the same manifest has decode-bench runs, a plain cache kind's bench figure (the median
 over its cells at the longest context) is added beside it.
@@ -42,6 +47,8 @@ def frontier_rows(records: list[tuple[str, Path]]) -> list[dict]:
             rows.append({"run": name, "group": group, "cache": c["label"], "policy": c.get("policy"), "press": c.get("press"),
                          "baseline": c["label"] == result.get("baseline"),
                          "bytes_per_token": c.get("bytes_per_token"), "bytes_ratio": c.get("bytes_ratio"),
+                         "weights": c.get("weights"), "weight_bytes": c.get("weight_bytes"),
+                         "bytes_at_context": c.get("bytes_at_context"),
                          "task_avg": c.get("task_avg"), "ppl_ratio": ppl.get("ppl_ratio"), "kl_mean": ppl.get("kl_mean"),
                          **by_length, "decode_tok_s": c.get("decode_tok_s")})
     for row in rows:
@@ -67,16 +74,25 @@ def quality_key(rows: list[dict]) -> str | None:
     return None
 
 
+def cost_key(rows: list[dict]) -> str:
+    """bytes_per_token (the KV cache's), or bytes_at_context (weights + cache at the eval's context)
+    when the rows hold different weights and every row says how many bytes those are."""
+    weights = {r.get("weight_bytes") for r in rows}
+    if len(weights) > 1 and all(isinstance(r.get("bytes_at_context"), (int, float)) for r in rows):
+        return "bytes_at_context"
+    return "bytes_per_token"
+
+
 def mark_pareto(rows: list[dict]) -> None:
-    key = quality_key(rows)
+    key, cost = quality_key(rows), cost_key(rows)
     sign = -1 if key == "ppl_ratio" else 1    # higher is better for the task average
     for r in rows:
         if key is None:
             r["pareto"] = None
             continue
         q = sign * r[key]
-        r["pareto"] = not any(o is not r and o["bytes_per_token"] <= r["bytes_per_token"] and sign * o[key] >= q
-                              and (o["bytes_per_token"] < r["bytes_per_token"] or sign * o[key] > q) for o in rows)
+        r["pareto"] = not any(o is not r and o[cost] <= r[cost] and sign * o[key] >= q
+                              and (o[cost] < r[cost] or sign * o[key] > q) for o in rows)
 
 
 def plot_frontier(path: Path, rows: list[dict]) -> Path:
@@ -86,22 +102,24 @@ def plot_frontier(path: Path, rows: list[dict]) -> Path:
     key = quality_key(rows)
     if key is None:
         raise ValueError("no quality metric common to every candidate (task_avg or ppl_ratio) to plot")
+    cost = cost_key(rows)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     speeds = [r.get("decode_tok_s") for r in rows]
     coloured = all(isinstance(s, (int, float)) for s in speeds)
-    points = ax.scatter([r["bytes_per_token"] for r in rows], [r[key] for r in rows], s=40, zorder=3,
+    points = ax.scatter([r[cost] for r in rows], [r[key] for r in rows], s=40, zorder=3,
                         c=speeds if coloured else "tab:blue", cmap="viridis")
     if coloured:
         fig.colorbar(points, ax=ax, label="decode tok/s (eval answers)")
     for i, group in enumerate(dict.fromkeys(r["group"] for r in rows)):
-        front = sorted((r for r in rows if r["group"] == group and r["pareto"]), key=lambda r: r["bytes_per_token"])
+        front = sorted((r for r in rows if r["group"] == group and r["pareto"]), key=lambda r: r[cost])
         runs = ", ".join(dict.fromkeys(r["run"] for r in rows if r["group"] == group))
-        ax.step([r["bytes_per_token"] for r in front], [r[key] for r in front], where="post", zorder=2,
+        ax.step([r[cost] for r in front], [r[key] for r in front], where="post", zorder=2,
                 color=f"C{(i + 3) % 10}", label=f"frontier: {runs}")
     for r in rows:
-        ax.annotate(r["cache"], (r["bytes_per_token"], r[key]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.annotate(r["cache"], (r[cost], r[key]), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("KV cache bytes per token (all layers)")
+    ax.set_xlabel("KV cache bytes per token (all layers)" if cost == "bytes_per_token" else
+                  "bytes held at the eval's context (weights + KV cache)")
     ax.set_ylabel({"task_avg": "task average (RULER-style tasks)", "ppl_ratio": "PPL ratio to baseline"}[key])
     return save_figure(fig, ax, path, dpi=130)
 

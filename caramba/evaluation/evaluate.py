@@ -25,6 +25,7 @@ from importlib.resources import files
 from pathlib import Path
 
 import math
+import time
 
 import torch
 
@@ -64,6 +65,8 @@ class EvalResult:
     protocol: str = "decode"    # "decode" (evaluate_cache) or "chunks" (evaluate_chunks)
     ppl_stderr: float | None = None           # chunks: llama.cpp's standard error of the PPL
     baseline_ppl_stderr: float | None = None
+    decode_tok_s: float | None = None         # decode: the candidate's scored steps per second (lockstep, 1 row)
+    baseline_decode_tok_s: float | None = None
 
     @property
     def dnll(self) -> float:
@@ -127,10 +130,13 @@ def evaluate_cache(
     prompt_len: int = 256,
     on_step: Callable[[int, int], None] | None = None,   # (done, total) after each decode step
     presses: Sequence[PressConfig | None] | None = None,
+    models: Sequence | None = None,
 ) -> list[EvalResult]:
     """Score ids[prompt_len:] with each candidate cache and the baseline, in lockstep.
     presses: per candidate, a press (caramba.press) on its cache: the prompt is its context,
-    pressed after its prefill; decoding-time compression runs through the scored steps."""
+    pressed after its prefill; decoding-time compression runs through the scored steps.
+    models: per candidate, the model it runs (other weights of `model`, the baseline's, with the
+    same tokenizer: a weight-format study); default `model` for all."""
     if len(ids) < prompt_len + 2:
         raise ValueError(f"the text has {len(ids)} tokens; prompt_len={prompt_len} needs at least {prompt_len + 2}")
     if prompt_len < 1:
@@ -139,11 +145,12 @@ def evaluate_cache(
     if len(presses) != len(candidates):
         raise ValueError(f"presses has {len(presses)} entries for {len(candidates)} candidates")
     policies = [CachePolicy.of(baseline)] + [CachePolicy.of(c) for c in candidates]
-    device = model.device
-    tokens = torch.tensor([list(ids)], device=device)
+    models = [model, *_per_candidate(models, model, len(candidates))]
+    tokens = torch.tensor([list(ids)], device=model.device)
     n = tokens.shape[1]
-    forward = choose(model)     # decode steps through the fused C step where it applies, as a Generator's
-    runs = [_Run(forward, model.new_cache(1, n, p), press) for p, press in zip(policies, [None, *presses])]
+    # decode steps through the fused C step where it applies, as a Generator's; one backend per model
+    forwards = {id(m): choose(m) for m in models}
+    runs = [_Run(forwards[id(m)], m.new_cache(1, n, p), press) for m, p, press in zip(models, policies, [None, *presses])]
     scores = [_Score(p.describe()) for p in policies]
     try:
         logits = [r.prefill(tokens[:, :prompt_len]) for r in runs]
@@ -153,13 +160,29 @@ def evaluate_cache(
             for s, lp in zip(scores, logp):
                 s.add(lp, logp[0], tokens[0, t : t + 1])
             if t + 1 < n:
-                logits = [r.step(tokens[:, t : t + 1]) for r in runs]
+                logits = [r.timed_step(tokens[:, t : t + 1]) for r in runs]
             if on_step is not None:
                 on_step(t - prompt_len + 1, total)
     finally:
         for r in runs:
             r.close()
-    return _results(model, policies, [r.cache for r in runs], scores, "decode")
+    results = _results(model, policies, [r.cache for r in runs], scores, "decode")
+    speeds = [r.steps / r.step_s if r.step_s > 0 else None for r in runs]
+    for result, speed in zip(results, speeds[1:]):
+        result.decode_tok_s, result.baseline_decode_tok_s = speed, speeds[0]
+    return results
+
+
+def _per_candidate(models: Sequence | None, model, n: int) -> list:
+    if models is None:
+        return [model] * n
+    if len(models) != n:
+        raise ValueError(f"models has {len(models)} entries for {n} candidates")
+    for m in models:
+        if m.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"a candidate's model has a vocabulary of {m.config.vocab_size} tokens, the "
+                             f"baseline's {model.config.vocab_size}: scoring needs the same tokenizer")
+    return list(models)
 
 
 class _Run:
@@ -171,6 +194,14 @@ class _Run:
         self.state = DecodeState(forward.model, cache, backend=forward) if self.press is not None else None
         self.decoding = DecodingPress(self.state, self.press) if self.press is not None and self.press.decoding else None
         self._cache = cache
+        self.steps, self.step_s = 0, 0.0   # scored decode steps and their seconds: the candidate's decode speed
+
+    def timed_step(self, token: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        logits = self.step(token)
+        self.step_s += time.perf_counter() - t0
+        self.steps += 1
+        return logits
 
     @property
     def cache(self):
@@ -245,9 +276,11 @@ def evaluate_chunks(
     bos: int | None = None,
     max_chunks: int | None = None,
     on_step: Callable[[int, int], None] | None = None,   # (done, total) after each window
+    models: Sequence | None = None,
 ) -> list[EvalResult]:
     """llama-perplexity's protocol (module doc): ids are the whole text's tokens (with the BOS the
-    tokenizer adds, if any; `bos` is then its id). Baseline and candidates see the same windows."""
+    tokenizer adds, if any; `bos` is then its id). Baseline and candidates see the same windows.
+    models: per candidate, the model it runs (as evaluate_cache's)."""
     if ctx < 4 or ctx % 2:
         raise ValueError(f"ctx={ctx} must be an even number >= 4 (windows are scored on their second half)")
     windows = chunk_windows(ids, ctx, bos)
@@ -256,17 +289,18 @@ def evaluate_chunks(
     if not windows:
         raise ValueError(f"the text has {len(ids)} tokens; ctx={ctx} needs at least {ctx} (one window)")
     policies = [CachePolicy.of(baseline)] + [CachePolicy.of(c) for c in candidates]
+    models = [model, *_per_candidate(models, model, len(candidates))]
     device = model.device
-    caches = [model.new_cache(1, ctx, p) for p in policies]
+    caches = [m.new_cache(1, ctx, p) for m, p in zip(models, policies)]
     scores = [_Score(p.describe()) for p in policies]
     first = ctx // 2
     for i, window in enumerate(windows):
         tokens = torch.tensor([window], device=device)
         targets = tokens[0, first + 1 :]
         base = None
-        for cache, s in zip(caches, scores):   # the baseline first; one candidate's rows held at a time
+        for m, cache, s in zip(models, caches, scores):   # the baseline first; one candidate's rows held at a time
             cache.reset()
-            logits = model(tokens, cache=cache)[0, first : ctx - 1]          # [ctx/2 - 1, V]
+            logits = m(tokens, cache=cache)[0, first : ctx - 1]          # [ctx/2 - 1, V]
             lp = torch.log_softmax(logits.float(), dim=-1)
             base = lp if base is None else base
             s.add(lp, base, targets)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, create_model, field_validator, model_validator
@@ -19,6 +20,7 @@ from caramba.evaluation.tasks import task_names
 from caramba.manifest.base import (MAX_BATCH, Prompt, SettingsModel, engine_error, first_duplicate, option_fields,
                                    option_names)
 from caramba.options import only_with, options_of
+from caramba.model import quant
 from caramba.press.config import PressConfig
 
 # A section's own settings that act only with another of them, as OptionInfo.needs is for the
@@ -193,13 +195,18 @@ class _CandidateSection(SettingsModel):
 
     @property
     def label(self) -> str:
-        """The given name, or the policy's short description as a metric-safe word (q4_0_rotate_keys)."""
+        """The given name, or the policy's short description as a metric-safe word (q4_0_rotate_keys;
+        an eval candidate's own weights after it: fp32_weights_q4_0, fp32_SmolLM2_Q6_K_native)."""
         if self.name is not None:
             return self.name
         policy, press = self.policy(), self.press_config()
         text = policy.describe(decoupled=bool({"k_sem", "k_geo"} & set(policy.named)))
         text += (f"_window{self.decode_local_window}" if self.decode_local_window else "")
-        return re.sub(r"\W+", "_", text + (f"_{press.describe()}" if press else "")).strip("_")
+        text += f"_{press.describe()}" if press else ""
+        source, weights = getattr(self, "source", None), getattr(self, "weights", None)
+        text += f"_{Path(source).stem}" if source else ""
+        text += (f"_{weights}" if source else f"_weights_{weights}") if weights else ""
+        return re.sub(r"\W+", "_", text).strip("_")
 
     @model_validator(mode="after")
     def _engine_accepts(self) -> Any:
@@ -217,7 +224,12 @@ EvalCandidate = create_model(
     "EvalCandidate", __base__=_CandidateSection, __module__=__name__,
     __doc__="One KV cache an eval scores: every cache setting a generate run takes, and a name.",
     **{name: _CACHE_OPTION_FIELDS[name] for name in CANDIDATE_CACHE_OPTIONS},
-    decode_local_window=option_fields(DecodePlan)["decode_local_window"])
+    decode_local_window=option_fields(DecodePlan)["decode_local_window"],
+    # A weight-format study: the candidate's own weights (a model beside the run's, same tokenizer).
+    source=(str | None, Field(None, description="another file of the run's model to load for this candidate (a "
+                                                "K-quant GGUF; the same tokenizer); default: the run's model.source")),
+    weights=(Literal[quant.WEIGHT_KINDS] | None, Field(None, description="this candidate's weight format "
+                                                                         "(as model.weights); default: the run's")))
 
 
 class PerplexitySettings(SettingsModel):
@@ -294,6 +306,9 @@ class EvalSettings(SettingsModel):
         if self.perplexity is not None and any(c.press_config() for c in self.candidates):
             raise ValueError("perplexity scores every cached token; a candidate with a press (KV eviction) is scored "
                              "on tasks only: drop perplexity: or the press")
+        if self.baseline.source is not None or self.baseline.weights is not None:
+            raise ValueError("baseline: the baseline runs the run's own model; set model.source / model.weights "
+                             "for it, and source: / weights: on the candidates that load other weights")
         if self.baseline.press_config() is not None:
             raise ValueError("baseline: the baseline is the reference every candidate is compared with; it takes no "
                              "press: give the press to a candidate")

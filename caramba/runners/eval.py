@@ -28,7 +28,8 @@ from caramba.evaluation.evaluate import adds_bos, corpus_text, evaluate_cache, e
 from caramba.evaluation.task_eval import JOIN_ROWS, Candidate, CandidateAnswers, answer_tasks
 from caramba.manifest import ResolvedRun
 from caramba.manifest.schema import EvalSettings, PerplexitySettings, TaskSettings
-from caramba.model.zoo import LoadedModel, inspect_source
+from caramba.model import quant
+from caramba.model.zoo import DTYPES, LoadedModel, inspect_source, load_model, resolve_source
 from caramba.runners.generate import check_pressable
 from caramba.runners.registry import BASE_RECORD, KIB, Mode, Workload, is_number, register
 from caramba.runs import RunDir
@@ -39,6 +40,48 @@ def candidates_of(settings: EvalSettings) -> tuple[list[Candidate], Candidate]:
     def build(c) -> Candidate:
         return Candidate(c.label, c.policy(), c.decode_local_window, c.press_config())
     return [build(c) for c in settings.candidates], build(settings.baseline)
+
+
+def candidate_models(loaded: LoadedModel, settings: EvalSettings) -> dict[str, LoadedModel]:
+    """Each candidate's model, by label: the run's, or for a candidate with its own `source:` /
+    `weights:` (a weight-format study) that file in that format, loaded once per (file, format)
+    with the run's dtype and device. Every one must share the run's tokenizer: the candidates are
+    scored on the same token ids."""
+    model = loaded.model
+    dtype = next(name for name, d in DTYPES.items() if d == model.dtype)
+    mine = (str(loaded.path.resolve()), model.weights)
+    loaded_by: dict[tuple[str, str], LoadedModel] = {mine: loaded}
+    out = {settings.baseline.label: loaded}
+    for i, c in enumerate(settings.candidates):
+        path = resolve_source(c.source) if c.source is not None else loaded.path
+        key = (str(path.resolve()), c.weights or model.weights)
+        if key not in loaded_by:
+            try:
+                other = load_model(str(path), dtype, model.device.type, progress=False, weights=key[1])
+            except UserError as e:
+                raise UserError(f"eval.candidates[{i}] ({c.label}): {e}") from None
+            if not same_vocabulary(other.tokenizer, loaded.tokenizer):
+                raise UserError(f"eval.candidates[{i}].source: {path} has another tokenizer than the run's model "
+                                f"{loaded.path.name}; a candidate's weights must be another file of the same model")
+            loaded_by[key] = other
+        out[c.label] = loaded_by[key]
+    return out
+
+
+def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
+    return a.vocab_size == b.vocab_size and a.backend.get_vocab(with_added_tokens=True) == \
+        b.backend.get_vocab(with_added_tokens=True)
+
+
+def weight_bytes(model) -> int:
+    """The bytes a model's weights hold in memory: every parameter and buffer, tied ones once
+    (fp32 weights count their input-major copies too: what the process holds)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type != "meta" and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
 
 
 def perplexity_ids(tokenizer, settings: PerplexitySettings) -> tuple[list[int], int | None]:
@@ -86,6 +129,7 @@ def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, reco
              console: Console) -> dict[str, Any]:
     model, tok = loaded.model, loaded.tokenizer
     candidates, baseline = candidates_of(settings)
+    models = candidate_models(loaded, settings)
     decoupled = model.config.attention == "decoupled"
     for c in [*candidates, baseline]:
         try:
@@ -98,20 +142,25 @@ def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, reco
         settings.perplexity.ctx if settings.perplexity is not None else 1
     rows = {c.label: {"label": c.label, "policy": c.policy.describe(decoupled), "window": c.window,
                       "press": c.press.describe() if c.press is not None and c.press.enabled else None,
-                      **cache_bytes(model, c.policy, context)}
+                      **cache_bytes(model, c.policy, context), **weights_row(models[c.label], context)}
             for c in [*candidates, baseline]}
     result: dict[str, Any] = {"mode": "eval", "baseline": baseline.label}
     with Progress(console=console, transient=True) as bar:
         if ppl_ids is not None:
-            result["perplexity"] = _perplexity(model, settings.perplexity, *ppl_ids, candidates, baseline, rows, bar)
+            result["perplexity"] = _perplexity(model, settings.perplexity, *ppl_ids, candidates, baseline, rows, bar,
+                                               [models[c.label].model for c in candidates])
         if samples:
             contexts = ContextStore(record.root, model=model_identity(model, loaded.content_hash)) \
                 if record.path is not None else None     # `caramba eval` records nothing, keeps nothing
             result["tasks"] = _tasks(model, tok, settings.tasks, samples, candidates, baseline, rows, record, bar,
-                                     contexts)
-    base_bytes = rows[baseline.label]["bytes_per_token"]
+                                     contexts, models)
+    base_bytes, base_weights = rows[baseline.label]["bytes_per_token"], rows[baseline.label]["weight_bytes"]
     for row in rows.values():
         row["bytes_ratio"] = row["bytes_per_token"] / base_bytes
+        row["weight_bytes_ratio"] = row["weight_bytes"] / base_weights
+        row["bytes_at_context"] = round(row["weight_bytes"] + row["bytes_per_token"] * row["bytes_context"])
+        if row.get("decode_tok_s") is None and (row.get("perplexity") or {}).get("decode_tok_s") is not None:
+            row["decode_tok_s"] = row["perplexity"]["decode_tok_s"]   # no tasks: the scored steps' speed
     result["candidates"] = list(rows.values())
     result["summary"] = summary(result["candidates"])
     console.print(results_table(result))
@@ -119,8 +168,15 @@ def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, reco
     return result
 
 
+def weights_row(loaded: LoadedModel, context: int) -> dict[str, Any]:
+    """A candidate's weights: their format, file (when not the run's), the bytes they hold, and
+    what the candidate holds at the eval's context (weights + KV cache: bytes_at_context, filled
+    in by run_eval once the cache's bytes per token are known)."""
+    return {"weights": loaded.model.weights, "source": str(loaded.path), "weight_bytes": weight_bytes(loaded.model)}
+
+
 def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, candidates: list[Candidate],
-                baseline: Candidate, rows: dict, bar: Progress) -> dict:
+                baseline: Candidate, rows: dict, bar: Progress, models: list | None = None) -> dict:
     chunks = s.protocol == "chunks"
     progress = Steps(bar, f"perplexity ({s.protocol})", len(ids) // s.ctx if chunks else len(ids) - s.prompt_len)
     step = lambda done, total: progress.update(done)   # noqa: E731
@@ -129,32 +185,34 @@ def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, c
     t0 = time.perf_counter()
     with threads.applied(choice) if choice is not None else contextlib.nullcontext():
         if chunks:
-            results = evaluate_chunks(model, ids, policies, baseline.policy, s.ctx, bos, on_step=step)
+            results = evaluate_chunks(model, ids, policies, baseline.policy, s.ctx, bos, on_step=step, models=models)
         else:
-            results = evaluate_cache(model, ids, policies, baseline.policy, s.prompt_len, on_step=step)
+            results = evaluate_cache(model, ids, policies, baseline.policy, s.prompt_len, on_step=step, models=models)
     seconds = time.perf_counter() - t0
     progress.close()
     for c, r in zip(candidates, results):
         rows[c.label]["perplexity"] = {k: v for k, v in r.to_dict().items() if k not in ("policy", "bytes_per_token",
-                                                                                      "protocol")}
+                                                                                      "protocol", "baseline_decode_tok_s")}
     r0 = results[0]
     rows[baseline.label]["perplexity"] = {"n_scored": r0.n_scored, "nll": r0.baseline_nll, "ppl": r0.baseline_ppl,
                                           "ppl_stderr": r0.baseline_ppl_stderr, "ppl_ratio": 1.0, "dnll": 0.0,
-                                          "kl_mean": 0.0, "kl_max": 0.0, "top1_agreement": 1.0}
+                                          "kl_mean": 0.0, "kl_max": 0.0, "top1_agreement": 1.0,
+                                          "decode_tok_s": r0.baseline_decode_tok_s}
     setup = {"ctx": s.ctx, "n_chunks": len(ids) // s.ctx, "bos": bos} if chunks else {"prompt_len": s.prompt_len}
     return {"protocol": s.protocol, "text": s.text or "caramba/data/corpus.txt", "n_tokens": len(ids), **setup,
             "seconds": seconds, "threads": choice.used if choice is not None else None}
 
 
 def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidate], baseline: Candidate,
-           rows: dict, record: RunDir, bar: Progress, contexts: ContextStore | None = None) -> dict:
+           rows: dict, record: RunDir, bar: Progress, contexts: ContextStore | None = None,
+           models: dict[str, LoadedModel] | None = None) -> dict:
     everyone = len(candidates) + 1
     progress = Steps(bar, f"tasks ({len(samples)} samples x {everyone} caches)", len(samples) * everyone)
     answered = lambda _label, _answer: progress.advance()   # noqa: E731
     t0 = time.perf_counter()
-    results, context_s = answer_tasks(model, tok, samples, candidates, baseline, prefill=s.prefill,
-                                      q_chunk=s.q_chunk, eos_ids=list(tok.stop_token_ids), batch_size=s.batch_size,
-                                      on_answer=answered, contexts=contexts)
+    results, context_s = answer_by_model(model, tok, samples, candidates, baseline, models or {}, contexts,
+                                         prefill=s.prefill, q_chunk=s.q_chunk, eos_ids=list(tok.stop_token_ids),
+                                         batch_size=s.batch_size, on_answer=answered)
     wall_s = time.perf_counter() - t0
     progress.close()
     for r in results:
@@ -176,6 +234,46 @@ def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidat
             "context_prefill_s": context_s, "threads": sorted({n for n in results[0].threads if n is not None}),
             "contexts": contexts.summary() if contexts is not None and contexts.enabled else None,
             "time": time_budget(results, context_s, wall_s, contexts)}
+
+
+def answer_by_model(model, tok, samples: list, candidates: list[Candidate], baseline: Candidate,
+                    models: dict[str, LoadedModel], contexts: ContextStore | None,
+                    **settings) -> tuple[list[CandidateAnswers], float]:
+    """answer_tasks for the candidates on the run's model, then for each other model (a candidate's
+    own weights) its candidates, with their contexts prefilled by that model through the baseline's
+    cache: a candidate of that model with the baseline's cache serves as its baseline, else one is
+    added and its answers dropped. Every context store entry is keyed by the model that computed it.
+    The baseline's answers come last, as answer_tasks gives them."""
+    groups: dict[int, list[Candidate]] = {}
+    for c in candidates:
+        groups.setdefault(id(models[c.label].model) if c.label in models else id(model), []).append(c)
+    results, context_s = [], 0.0
+    mine = groups.pop(id(model), [])
+    for group in groups.values():
+        other = models[group[0].label]
+        stand_in = next((c for c in group if c.policy == baseline.policy and c.window == baseline.window
+                         and not c.pressed), None)
+        base = stand_in or Candidate(f"{baseline.label}@{other.model.weights}", baseline.policy, baseline.window)
+        rest = [c for c in group if c is not stand_in]
+        with _keyed_by(contexts, other):
+            got, seconds = answer_tasks(other.model, tok, samples, rest, base, contexts=contexts, **settings)
+        results += [r for r in got if r.candidate is not base or stand_in is not None]
+        context_s += seconds
+    got, seconds = answer_tasks(model, tok, samples, mine, baseline, contexts=contexts, **settings)
+    return results + got, context_s + seconds
+
+
+@contextlib.contextmanager
+def _keyed_by(contexts: ContextStore | None, loaded: LoadedModel):
+    """The context store keyed by another model's identity for a while (its counts carry on)."""
+    if contexts is None:
+        yield
+        return
+    mine, contexts.model = contexts.model, model_identity(loaded.model, loaded.content_hash)
+    try:
+        yield
+    finally:
+        contexts.model = mine
 
 
 def time_budget(results: list[CandidateAnswers], context_s: float, wall_s: float,
@@ -270,7 +368,8 @@ def summary(rows: list[dict]) -> dict[str, float]:
 def results_table(result: dict) -> Table:
     rows = result["candidates"]
     table = Table(title=_title(result), title_justify="left")
-    columns = ["cache", "bytes/token", "vs baseline"]
+    weighed = len({row.get("weight_bytes") for row in rows}) > 1   # candidates with their own weights
+    columns = ["cache", *(["weights", "weights MB"] if weighed else []), "bytes/token", "vs baseline"]
     tasks = result.get("tasks")
     if tasks:
         columns += ["task avg", *(f"@{n}" for n in tasks["lengths"]), "decode tok/s"]
@@ -279,7 +378,8 @@ def results_table(result: dict) -> Table:
     for col in columns:
         table.add_column(col, justify="left" if col == "cache" else "right")
     for row in rows:
-        cells = [row["label"], str(row["bytes_per_token"]), f"{row['bytes_ratio']:.3f}"]
+        cells = [row["label"], *([row["weights"], f"{row['weight_bytes'] / 2**20:.1f}"] if weighed else []),
+                 str(row["bytes_per_token"]), f"{row['bytes_ratio']:.3f}"]
         if tasks:
             cells += [f"{row['task_avg']:.3f}", *(f"{row['task_avg_by_length'].get(str(n), float('nan')):.3f}"
                                                   for n in tasks["lengths"]),
@@ -346,6 +446,28 @@ def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked
         raise UserError(f"{where}: {e}") from None
 
 
+def check_candidate_weights(r: ResolvedRun, where: str, sources) -> None:
+    """A candidate's own weights (source:, weights:) load as the run's model would: the file is
+    there and whole, keeps blocks if the format is native, and has the run's tokenizer."""
+    for i, c in enumerate(r.run.eval.candidates):
+        if c.source is None and c.weights is None:
+            continue
+        field = f"{where}: eval.candidates[{i}]"
+        source = c.source if c.source is not None else r.model.source
+        try:
+            path = sources.path(source)
+            sources.config(source)
+            sources.check_weights(source)
+        except UserError as e:
+            raise UserError(f"{field}.source: {e}") from None
+        if (c.weights or r.model.weights) in quant.NATIVE_ACT and not path.is_file():
+            raise UserError(f"{field}.weights: '{c.weights or r.model.weights}' keeps a GGUF file's own blocks, but "
+                            f"{source!r} is not a .gguf; use weights q8_0 or q4_0 (they quantize any source) or fp32")
+        if c.source is not None and not same_vocabulary(sources.tokenizer(c.source), sources.tokenizer(r.model.source)):
+            raise UserError(f"{field}.source: {c.source!r} has another tokenizer than model.source "
+                            f"{r.model.source!r}; a candidate's weights must be another file of the same model")
+
+
 def _check_expect_names(r: ResolvedRun, where: str) -> None:
     """Each expect: bound on a candidate names a figure this eval will report (LABEL.KEY,
     LABEL.tasks.TASK.LENGTH): a typo is exit 2 now, not a failed check after the whole eval."""
@@ -396,6 +518,7 @@ class EvalMode(Mode):
 
     def preflight(self, r: ResolvedRun, where: str, sources) -> None:
         check_eval(r, where, sources.tokenizer(r.model.source), sources.seen, sources.config(r.model.source))
+        check_candidate_weights(r, where, sources)
 
     def uses_task_generator(self, r: ResolvedRun) -> bool:
         return r.run.eval.tasks is not None

@@ -231,3 +231,11 @@ def test_empty_file(tmp_path):
 def test_top_level_must_be_mapping(tmp_path):
     path = write(tmp_path, "- a\n- b\n")
     assert load_error(path).startswith(f"{path}:1: the top level must be a mapping")
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "manifests").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_manifest_validates(path):
+    from caramba.manifest import parse_manifest
+
+    m = parse_manifest(path.read_text(encoding="utf-8"), str(path))
+    assert m.targets and all(t.runs for t in m.targets if getattr(t, "runs", None) is not None)
