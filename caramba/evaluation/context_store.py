@@ -20,6 +20,9 @@ parse, whose key is not the one asked for, or whose checksum does not match is a
 it is removed and the prefill recomputed, never trusted. The store is bounded (`max_bytes`,
 default CARAMBA_CONTEXT_STORE_MB or 4096 MiB; 0 turns it off): after each write the least
 recently used entries (a hit touches its file) go until the rest fit.
+
+`EntryStore` is that machinery for any entry (keyed file names, verified reads, atomic writes,
+the bound); the answer store (caramba.evaluation.answer_store) keeps its JSON entries with it.
 """
 
 from __future__ import annotations
@@ -86,14 +89,18 @@ def _metadata(data: bytes) -> dict[str, str]:
     return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
 
 
-class ContextStore:
-    """The store under a runs directory (see the module doc). model: the model's part of every
-    key (model_identity). `reused`, `computed`, `bad`, the keys (entry names, the sha256 of each
-    key) reused and computed, and the seconds count what this store's lookups found and cost,
-    for the record."""
+class EntryStore:
+    """Entries named by the sha256 of their key in one directory (see the module doc): read
+    verified, written atomically, bounded with the least recently used out first. A subclass
+    says what an entry's bytes are (`_parse`, `_encode`); `model` is the model's part of every key
+    (model_identity). `reused`, `computed`, `bad`, the keys (entry names, the sha256 of each key)
+    reused and computed, and the seconds count what this store's lookups found and cost, for the
+    record."""
 
-    def __init__(self, root: str | Path, max_bytes: int | None = None, model: dict | None = None) -> None:
-        self.dir = Path(root) / DIRNAME
+    suffix = SUFFIX
+
+    def __init__(self, directory: Path, max_bytes: int | None = None, model: dict | None = None) -> None:
+        self.dir = directory
         self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
         self.model = model
         self.reused = self.computed = 0
@@ -107,11 +114,16 @@ class ContextStore:
         return self.max_bytes > 0
 
     def path_of(self, key: dict) -> Path:
-        return self.dir / (hashlib.sha256(canonical(key).encode()).hexdigest() + SUFFIX)
+        return self.dir / (hashlib.sha256(canonical(key).encode()).hexdigest() + self.suffix)
 
-    def load(self, key: dict) -> tuple[dict[str, torch.Tensor], dict] | None:
-        """(tensors, extra metadata) of the entry for `key`, verified; None when there is none or
-        it was bad (then removed)."""
+    def _parse(self, data: bytes) -> tuple[dict, object, str]:
+        """(the entry's metadata: its key and sha256, its payload, the payload's sha256 computed
+        now); raises on anything that does not parse."""
+        raise NotImplementedError
+
+    def _load(self, key: dict):
+        """The payload of the entry for `key`, verified; None when there is none or it was bad
+        (then removed)."""
         if not self.enabled:
             return None
         path = self.path_of(key)
@@ -123,32 +135,25 @@ class ContextStore:
             self._discard(path, f"unreadable ({e.strerror})")
             return None
         try:
-            meta = _metadata(data)
-            tensors = st_load(data)
+            meta, payload, digest = self._parse(data)
         except Exception as e:   # noqa: BLE001 - any parse failure is a corrupt entry
             self._discard(path, f"corrupt ({type(e).__name__})")
             return None
         if meta.get("key") != canonical(key):
             self._discard(path, "key mismatch")
             return None
-        if meta.get("sha256") != tensors_digest(tensors):
+        if meta.get("sha256") != digest:
             self._discard(path, "checksum mismatch")
             return None
         try:
             os.utime(path)       # recently used: the last to go
         except OSError:
             pass
-        return tensors, json.loads(meta.get("extra", "{}"))
+        return payload
 
-    def save(self, key: dict, tensors: dict[str, torch.Tensor], extra: dict | None = None) -> bool:
-        """Write the entry for `key` (atomically), then evict the least recently used entries
-        beyond max_bytes. False when it was not kept (store off, or larger than the bound)."""
-        if not self.enabled:
-            return False
-        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-        meta = {"key": canonical(key), "sha256": tensors_digest(tensors), "format": str(FORMAT),
-                "extra": canonical(extra or {})}
-        data = st_save(tensors, metadata=meta)
+    def _save(self, key: dict, data: bytes) -> bool:
+        """Write `data` as the entry for `key` (atomically), then evict the least recently used
+        entries beyond max_bytes. False when it was not kept (larger than the bound)."""
         if len(data) > self.max_bytes:
             return False
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -159,7 +164,7 @@ class ContextStore:
 
     def _evict(self, keep: Path) -> None:
         entries = []
-        for p in self.dir.glob(f"*{SUFFIX}"):
+        for p in self.dir.glob(f"*{self.suffix}"):
             try:
                 st = p.stat()
             except OSError:
@@ -187,4 +192,36 @@ class ContextStore:
                 "load_s": self.load_s, "save_s": self.save_s}
 
 
-__all__ = ["ContextStore", "DIRNAME", "canonical", "default_max_bytes", "model_identity", "tensors_digest"]
+class ContextStore(EntryStore):
+    """The prefilled contexts under a runs directory: safetensors files whose metadata holds the
+    key and the tensors' sha256."""
+
+    def __init__(self, root: str | Path, max_bytes: int | None = None, model: dict | None = None) -> None:
+        super().__init__(Path(root) / DIRNAME, max_bytes, model)
+
+    def _parse(self, data: bytes) -> tuple[dict, object, str]:
+        meta = _metadata(data)
+        tensors = st_load(data)
+        return meta, (tensors, meta), tensors_digest(tensors)
+
+    def load(self, key: dict) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """(tensors, extra metadata) of the entry for `key`, verified; None when there is none or
+        it was bad (then removed)."""
+        got = self._load(key)
+        if got is None:
+            return None
+        tensors, meta = got
+        return tensors, json.loads(meta.get("extra", "{}"))
+
+    def save(self, key: dict, tensors: dict[str, torch.Tensor], extra: dict | None = None) -> bool:
+        """Write the entry for `key` (atomically), then evict the least recently used entries
+        beyond max_bytes. False when it was not kept (store off, or larger than the bound)."""
+        if not self.enabled:
+            return False
+        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        meta = {"key": canonical(key), "sha256": tensors_digest(tensors), "format": str(FORMAT),
+                "extra": canonical(extra or {})}
+        return self._save(key, st_save(tensors, metadata=meta))
+
+
+__all__ = ["ContextStore", "DIRNAME", "EntryStore", "canonical", "default_max_bytes", "model_identity", "tensors_digest"]

@@ -22,8 +22,12 @@ tests hold them equal); a joined step's seconds are split equally among its cand
 
 The context store (caramba.evaluation.context_store): with `contexts`, a batch's shared prefill (the
 baseline's context KV, the rows' positions and padding, every press's kept masks) is read from
-the store when an entry holds it, verified, and written there when it is computed. Each answer
-says whether its context was reused; each candidate's `time()` where its seconds went.
+the store when an entry holds it, verified, and written there when it is computed. The answer
+store (caramba.evaluation.answer_store): with `answers`, a candidate whose answers to a batch are
+stored does not store, question or decode; the batch's context is prefilled (or read) only when
+some candidate still answers, and the joined path joins only those. Each answer says whether its
+context and it itself were reused; each candidate's `time()` where its seconds went now, and apart
+what its reused answers took when computed.
 
 Scores per (task, length) come with a 95% Wilson interval over the samples: a mean of n
 per-sample scores in [0, 1] treated as a proportion, which, unlike the normal interval, does
@@ -44,7 +48,8 @@ import torch
 from caramba import threads
 from caramba.cache import CachePolicy, KVCache, LayerKVCache
 from caramba.cache.hybrid import SlidingLayerKVCache
-from caramba.evaluation import context_store
+from caramba.evaluation import answer_store, context_store
+from caramba.evaluation.answer_store import AnswerStore
 from caramba.evaluation.context_store import ContextStore, model_identity
 from caramba.infer.padding import left_pad
 from caramba.infer.pressing import observing_all, prefill_pressed
@@ -87,6 +92,7 @@ class Answer:
     decode_s: float      # the answer's decode steps after the first token (a batch's: shared by its rows)
     steps: int           # decode steps this row took (tokens after the first)
     context_reused: bool = False   # its context's prefill came from the context store (caramba.evaluation.context_store)
+    answer_reused: bool = False    # read from the answer store (caramba.evaluation.answer_store): its timings are its first run's
 
 
 @dataclass
@@ -100,6 +106,8 @@ class CandidateAnswers:
     question_s: float = 0.0   # seconds feeding its questions
     decode_s: float = 0.0     # seconds of its answers' decode steps (a joined step's: split among its candidates)
     joined: int = 0           # batches whose answers it decoded joined with other candidates' (caramba.evaluation.joined)
+    answers_reused: int = 0   # answers read from the answer store: no seconds spent on them now
+    reused_s: float = 0.0     # the seconds those answers took when they were computed
 
     def kept_fraction(self) -> float:
         """The share of context (layer, head, token) entries the cache kept: 1 without a press."""
@@ -129,9 +137,12 @@ class CandidateAnswers:
                 "answers": [asdict(a) for a in self.answers]}
 
     def time(self) -> dict:
-        """Where its seconds went: its context store, its questions, its answers' decode steps."""
+        """Where its seconds went now: its context store, its questions, its answers' decode steps;
+        apart, the answers reused from the answer store and the seconds they took when computed."""
         return {"store_s": self.store_s, "question_s": self.question_s, "decode_s": self.decode_s,
-                "total_s": self.store_s + self.question_s + self.decode_s, "joined_batches": self.joined}
+                "total_s": self.store_s + self.question_s + self.decode_s, "joined_batches": self.joined,
+                "answers_reused": self.answers_reused, "answers_computed": len(self.answers) - self.answers_reused,
+                "reused_s": self.reused_s}
 
 
 def wilson(mean: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -172,13 +183,15 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
                  baseline: Candidate, *, prefill: str = "shared", q_chunk: int | None = 512,
                  eos_ids: Sequence[int] = (), batch_size: int = 1,
                  on_answer: Callable[[str, Answer], None] | None = None, join: bool = True,
-                 contexts: ContextStore | None = None) -> tuple[list[CandidateAnswers], float]:
+                 contexts: ContextStore | None = None,
+                 answers: AnswerStore | None = None) -> tuple[list[CandidateAnswers], float]:
     """Every candidate's answers (the baseline's last) to every sample, and the seconds spent
     prefilling contexts through the baseline. Samples run `batch_size` at a time, left-padded:
     each row attends to its own tokens only (DecodeState's holes), so a row answers as it would
     alone, up to float rounding. join: the candidates' answers to a batch decoded together, up to
     JOIN_ROWS rows a step (caramba.evaluation.joined; False: one candidate at a time). contexts: where
-    shared prefills are kept between runs (caramba.evaluation.context_store). See the module doc."""
+    shared prefills are kept between runs (caramba.evaluation.context_store); answers: where each
+    candidate's answers to each batch are (caramba.evaluation.answer_store). See the module doc."""
     if prefill not in PREFILLS:
         raise ValueError(f"prefill={prefill!r}: choose one of {', '.join(PREFILLS)}")
     if batch_size < 1:
@@ -206,7 +219,8 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
             choice = threads.choose() if device.type == "cpu" else None
             with threads.applied(choice) if choice is not None else contextlib.nullcontext():
                 context_s += _answer_group(model, tokenizer, group, results, baseline, prefill, q_chunk, stops, pad,
-                                           on_answer, backend, join, contexts if prefill == "shared" else None)
+                                           on_answer, backend, join, contexts if prefill == "shared" else None,
+                                           answers if answers is not None and answers.enabled else None)
             for result in results:
                 result.threads.append(choice.used if choice is not None else None)
     for result in results:
@@ -238,16 +252,44 @@ def _equal_questions(batch: list[TaskSample]) -> list[list[TaskSample]]:
 def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[CandidateAnswers], baseline: Candidate,
                   prefill: str, q_chunk: int | None, stops: set[int], pad: int,
                   on_answer: Callable[[str, Answer], None] | None, backend: Backend, join: bool,
-                  contexts: ContextStore | None) -> float:
-    """One batch of samples through every cache; returns the seconds of its shared context prefill."""
+                  contexts: ContextStore | None, answers: AnswerStore | None) -> float:
+    """One batch of samples through every cache whose answers the answer store does not hold;
+    returns the seconds of its shared context prefill (none when every answer was stored)."""
     device = model.device
     context = left_pad([s.context_ids for s in group], pad, device=device)
     question = left_pad([s.question_ids for s in group], pad, device=device)
     slots = context[0].shape[1] + question[0].shape[1] + max(s.max_new_tokens for s in group)
     # Shared: the candidates' presses watch the one context prefill (observers of equal presses are shared).
+    # Every candidate's, reused or not: the prefill (its path, its context store entry) is a fresh run's.
     presses = list(dict.fromkeys(r.candidate.press for r in results if r.candidate.pressed)) if prefill == "shared" else []
-    base, kept, context_s, reused = _context(model, group, context, slots, baseline, presses, q_chunk, backend, pad,
-                                             contexts)
+    path = _prefill_path(backend, bool(presses), *context[0].shape, q_chunk) if prefill == "shared" else None
+    joined = _joined_plan(model, results, len(group), backend, join)
+    keys = {id(r): _answer_key(model, answers, group, r.candidate, baseline, prefill, q_chunk, stops, pad, path,
+                               backend, j) for r, j in zip(results, joined)} if answers is not None else {}
+
+    def emit(result: CandidateAnswers, got: list[Answer]) -> None:
+        result.answers.extend(got)
+        if on_answer is not None:
+            for answer in got:
+                on_answer(result.candidate.label, answer)
+
+    todo = []
+    for result, j in zip(results, joined):
+        stored = _stored(answers, keys[id(result)], group, tokenizer) if answers is not None else None
+        if stored is None:
+            todo.append((result, j))
+            continue
+        result.answers_reused += len(stored["answers"])
+        result.reused_s += stored["store_s"] + stored["question_s"] + stored["decode_s"]
+        if result.candidate.pressed and stored["kept"] is not None:
+            result.kept.append(stored["kept"])
+        emit(result, stored["answers"])
+    # The baseline's context: for the candidates still answering from it (shared), or for its own answers.
+    if not (todo and (prefill == "shared" or any(r.candidate is baseline for r, _ in todo))):
+        base, kept, context_s, reused = None, [], 0.0, False
+    else:
+        base, kept, context_s, reused = _context(model, group, context, slots, baseline, presses, q_chunk, backend,
+                                                 pad, contexts)
 
     def build(result: CandidateAnswers) -> tuple[DecodeState, float]:
         """A candidate's state holding the context, and the seconds that took (its store)."""
@@ -270,35 +312,66 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
             result.kept.append(state.kept_share)
         return state, spent
 
-    def record(result: CandidateAnswers, answers: list[Answer]) -> None:
-        for answer in answers:
+    def record(result: CandidateAnswers, got: list[Answer], before: tuple[float, float, float], j: bool) -> None:
+        """Its answers, recorded and kept in the answer store (atomically: a crash loses no whole entry)."""
+        for answer in got:
             answer.context_reused = reused
-            result.answers.append(answer)
-            if on_answer is not None:
-                on_answer(result.candidate.label, answer)
+        emit(result, got)
+        if answers is None:
+            return
+        t0 = time.perf_counter()
+        store_s, question_s, decode_s = (now - then for now, then in zip(_seconds(result), before))
+        body = {"answers": [{k: v for k, v in asdict(a).items() if k != "answer_reused"} for a in got],
+                "store_s": store_s, "question_s": question_s, "decode_s": decode_s, "joined": j,
+                "kept": result.kept[-1] if result.candidate.pressed else None}
+        key = keys[id(result)]
+        answers.save(key, body)
+        answers.computed += 1
+        answers.computed_keys.append(answers.path_of(key).stem)
+        answers.save_s += time.perf_counter() - t0
 
-    # Joined: the candidates whose answers can share a forward, a chunk of up to JOIN_ROWS rows at a time,
+    def alone(result: CandidateAnswers) -> None:
+        before = _seconds(result)
+        record(result, _answer_one(result, *build(result), tokenizer, group, question, stops), before, False)
+
+    # The candidates still answering on the joined path, a chunk of up to JOIN_ROWS rows at a time,
     # the baseline (which the others' stores read) in the last; the rest one at a time, first.
+    together = [r for r, j in todo if j]
+    solo = [r for r, j in todo if not j]
+    for result in [r for r in solo if r.candidate is not baseline]:
+        alone(result)
     per = JOIN_ROWS // len(group)
+    for first in range(0, len(together), per):
+        chunk = together[first : first + per]
+        before = [_seconds(r) for r in chunk]
+        built = [build(r) for r in chunk]
+        for result, got, then in zip(chunk, _answer_joined(model, chunk, built, tokenizer, group, question, stops),
+                                     before):
+            record(result, got, then, True)
+    for result in [r for r in solo if r.candidate is baseline]:
+        alone(result)
+    return context_s
+
+
+def _joined_plan(model, results: list[CandidateAnswers], rows: int, backend: Backend, join: bool) -> list[bool]:
+    """Per candidate, whether it answers a batch of `rows` samples on the joined path: those whose
+    answers can share a forward, in chunks of up to JOIN_ROWS rows, when there are at least the
+    fewest worth joining (a short last chunk answers one at a time). Planned over every candidate,
+    reused ones included, so a candidate's path (part of its answers' key) does not depend on
+    which others the answer store holds."""
+    per = JOIN_ROWS // rows
     fewest = JOIN_MIN_C if backend.name == "c" else 2
     joint = [r for r in results if join and per >= fewest and _joins(model, r.candidate)]
     if len(joint) < fewest:
         joint = []
-    solo = [r for r in results if all(r is not j for j in joint)]
-    last = [r for r in solo if r.candidate is baseline]
-    for result in [r for r in solo if r.candidate is not baseline]:
-        record(result, _answer_one(result, *build(result), tokenizer, group, question, stops))
-    for first in range(0, len(joint), per):
-        chunk = joint[first : first + per]
-        if len(chunk) < fewest:     # a short last chunk: one at a time
-            last = chunk + last
-            continue
-        built = [build(r) for r in chunk]
-        for result, answers in zip(chunk, _answer_joined(model, chunk, built, tokenizer, group, question, stops)):
-            record(result, answers)
-    for result in last:
-        record(result, _answer_one(result, *build(result), tokenizer, group, question, stops))
-    return context_s
+    short = len(joint) % per if per else 0
+    if 0 < short < fewest:
+        joint = joint[: len(joint) - short]
+    return [any(r is j for j in joint) for r in results]
+
+
+def _seconds(result: CandidateAnswers) -> tuple[float, float, float]:
+    return result.store_s, result.question_s, result.decode_s
 
 
 def _joins(model, c: Candidate) -> bool:
@@ -331,10 +404,14 @@ def _context_key(model, contexts: ContextStore, group: Sequence[TaskSample], con
                  q_chunk: int | None, path: str, pad: int) -> dict:
     return {"format": context_store.FORMAT, "model": contexts.model or model_identity(model, ""),
             "caramba": __version__, "torch": torch.__version__,
-            "contexts": [hashlib.sha256(str(list(s.context_ids)).encode()).hexdigest() for s in group],
+            "contexts": [_ids_sha256(s.context_ids) for s in group],
             "pad": pad, "width": int(context[0].shape[1]),
             "baseline": {"policy": repr(baseline.policy), "window": baseline.window},
             "q_chunk": q_chunk, "path": path}
+
+
+def _ids_sha256(ids: Sequence[int]) -> str:
+    return hashlib.sha256(str(list(ids)).encode()).hexdigest()
 
 
 def _context(model, group: Sequence[TaskSample], context: tuple, slots: int, baseline: Candidate,
@@ -416,6 +493,52 @@ def _restore(model, tensors: dict, extra: dict, B: int, T: int, slots: int, base
         state.slot_mask = torch.zeros(B, cache.max_seq_len, dtype=torch.bool, device=model.device)
         state.slot_mask[:, :T] = tensors["slot_mask"].to(model.device)
     return state, masks
+
+
+# ---- a candidate's answers to a batch, reused from the answer store --------------------------
+
+def _answer_key(model, answers: AnswerStore, group: Sequence[TaskSample], c: Candidate, baseline: Candidate,
+                prefill: str, q_chunk: int | None, stops: set[int], pad: int, path: str | None, backend: Backend,
+                joined: bool) -> dict:
+    """What a candidate's answers to a batch depend on (caramba.evaluation.answer_store): not its
+    label, nor the samples' references and rule (a reused answer is scored again, `_stored`)."""
+    press = c.press if c.press is not None and c.press.enabled else None
+    return {"format": answer_store.FORMAT, "model": answers.model or model_identity(model, ""),
+            "caramba": __version__, "torch": torch.__version__,
+            "samples": [{"task": s.task, "length": s.length, "index": s.index, "context": _ids_sha256(s.context_ids),
+                         "question": _ids_sha256(s.question_ids), "max_new_tokens": s.max_new_tokens} for s in group],
+            "pad": pad, "eos": sorted(stops), "prefill": prefill, "q_chunk": q_chunk,
+            "candidate": {"baseline": c is baseline, "policy": repr(c.policy), "window": c.window,
+                          "press": repr(press) if press is not None else None},
+            # the shared context every candidate's store reads: the baseline's cache, prefilled on `path`
+            "baseline": {"policy": repr(baseline.policy), "window": baseline.window, "path": path},
+            "backend": backend.name, "joined": joined}
+
+
+def _stored(answers: AnswerStore, key: dict, group: Sequence[TaskSample], tokenizer) -> dict | None:
+    """The entry for `key` with its answers as Answers (flagged reused), or None. Each answer's
+    text and score are made again from its ids, by the tokenizer and the scoring rule of now."""
+    t0 = time.perf_counter()
+    body = answers.load(key)
+    if body is None:
+        return None
+    try:
+        got = [Answer(**{**a, "answer_reused": True}) for a in body["answers"]]
+        fits = [(a.task, a.length, a.index) for a in got] == [(s.task, s.length, s.index) for s in group]
+        fits = fits and "kept" in body and all(isinstance(body[k], (int, float))
+                                                for k in ("store_s", "question_s", "decode_s"))
+    except (KeyError, TypeError):
+        fits = False
+    if not fits:
+        answers.discard(key, "its answers do not fit the batch")
+        return None
+    for answer, sample in zip(got, group):
+        answer.text = tokenizer.decode(answer.output_ids, skip_special_tokens=True)
+        answer.score = score(answer.text, sample.answers, sample.metric)
+    answers.reused += 1
+    answers.reused_keys.append(answers.path_of(key).stem)
+    answers.load_s += time.perf_counter() - t0
+    return {**body, "answers": got}
 
 
 def _shared_context(model, base: DecodeState, c: Candidate, slots: int, q_chunk: int | None, kept) -> DecodeState:

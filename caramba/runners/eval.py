@@ -23,6 +23,7 @@ from caramba import threads
 from caramba.errors import UserError
 from caramba.progress import Steps
 from caramba.evaluation import tasks as task_suite
+from caramba.evaluation.answer_store import AnswerStore
 from caramba.evaluation.context_store import ContextStore, model_identity
 from caramba.evaluation.evaluate import adds_bos, corpus_text, evaluate_cache, evaluate_chunks
 from caramba.evaluation.task_eval import JOIN_ROWS, Candidate, CandidateAnswers, answer_tasks
@@ -209,8 +210,10 @@ def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidat
     everyone = len(candidates) + 1
     progress = Steps(bar, f"tasks ({len(samples)} samples x {everyone} caches)", len(samples) * everyone)
     answered = lambda _label, _answer: progress.advance()   # noqa: E731
+    # the answers beside the contexts, under the same bound: a new candidate costs only its own answers
+    answers = AnswerStore.beside(contexts) if contexts is not None and contexts.enabled else None
     t0 = time.perf_counter()
-    results, context_s = answer_by_model(model, tok, samples, candidates, baseline, models or {}, contexts,
+    results, context_s = answer_by_model(model, tok, samples, candidates, baseline, models or {}, contexts, answers,
                                          prefill=s.prefill, q_chunk=s.q_chunk, eos_ids=list(tok.stop_token_ids),
                                          batch_size=s.batch_size, on_answer=answered)
     wall_s = time.perf_counter() - t0
@@ -233,16 +236,20 @@ def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidat
             "generator_version": task_suite.GENERATOR_VERSION, "prompts_sha256": task_suite.samples_digest(samples),
             "context_prefill_s": context_s, "threads": sorted({n for n in results[0].threads if n is not None}),
             "contexts": contexts.summary() if contexts is not None and contexts.enabled else None,
+            "answer_store": {**answers.summary(), "candidates": {
+                r.candidate.label: {"reused": r.answers_reused, "computed": len(r.answers) - r.answers_reused}
+                for r in results}} if answers is not None else None,
             "time": time_budget(results, context_s, wall_s, contexts)}
 
 
 def answer_by_model(model, tok, samples: list, candidates: list[Candidate], baseline: Candidate,
-                    models: dict[str, LoadedModel], contexts: ContextStore | None,
+                    models: dict[str, LoadedModel], contexts: ContextStore | None, answers: AnswerStore | None,
                     **settings) -> tuple[list[CandidateAnswers], float]:
     """answer_tasks for the candidates on the run's model, then for each other model (a candidate's
     own weights) its candidates, with their contexts prefilled by that model through the baseline's
     cache: a candidate of that model with the baseline's cache serves as its baseline, else one is
-    added and its answers dropped. Every context store entry is keyed by the model that computed it.
+    added and its answers dropped. Every store entry (contexts, answers) is keyed by the model that
+    computed it.
     The baseline's answers come last, as answer_tasks gives them."""
     groups: dict[int, list[Candidate]] = {}
     for c in candidates:
@@ -255,43 +262,50 @@ def answer_by_model(model, tok, samples: list, candidates: list[Candidate], base
                          and not c.pressed), None)
         base = stand_in or Candidate(f"{baseline.label}@{other.model.weights}", baseline.policy, baseline.window)
         rest = [c for c in group if c is not stand_in]
-        with _keyed_by(contexts, other):
-            got, seconds = answer_tasks(other.model, tok, samples, rest, base, contexts=contexts, **settings)
+        with _keyed_by([contexts, answers], other):
+            got, seconds = answer_tasks(other.model, tok, samples, rest, base, contexts=contexts, answers=answers,
+                                        **settings)
         results += [r for r in got if r.candidate is not base or stand_in is not None]
         context_s += seconds
-    got, seconds = answer_tasks(model, tok, samples, mine, baseline, contexts=contexts, **settings)
+    got, seconds = answer_tasks(model, tok, samples, mine, baseline, contexts=contexts, answers=answers, **settings)
     return results + got, context_s + seconds
 
 
 @contextlib.contextmanager
-def _keyed_by(contexts: ContextStore | None, loaded: LoadedModel):
-    """The context store keyed by another model's identity for a while (its counts carry on)."""
-    if contexts is None:
-        yield
-        return
-    mine, contexts.model = contexts.model, model_identity(loaded.model, loaded.content_hash)
+def _keyed_by(stores: list, loaded: LoadedModel):
+    """The stores keyed by another model's identity for a while (their counts carry on)."""
+    stores = [s for s in stores if s is not None]
+    mine = [s.model for s in stores]
+    for store in stores:
+        store.model = model_identity(loaded.model, loaded.content_hash)
     try:
         yield
     finally:
-        contexts.model = mine
+        for store, model in zip(stores, mine):
+            store.model = model
 
 
 def time_budget(results: list[CandidateAnswers], context_s: float, wall_s: float,
                 contexts: ContextStore | None) -> dict:
     """Where the task answering's seconds went: the shared context prefills (reused ones: reading
     them), writing the context store, every candidate's stores, questions and answers' decode
-    steps (per candidate in its row's `time`), and the wall time of it all."""
+    steps (per candidate in its row's `time`), and the wall time of it all. Answers reused from the
+    answer store cost nothing now: counted apart, with the seconds they took when computed."""
     store = contexts if contexts is not None and contexts.enabled else None
     return {"wall_s": wall_s, "context_prefill_s": context_s,
             "context_save_s": store.save_s if store else 0.0,
             "store_s": sum(r.store_s for r in results), "question_s": sum(r.question_s for r in results),
             "decode_s": sum(r.decode_s for r in results),
-            "contexts_reused": store.reused if store else 0, "contexts_computed": store.computed if store else None}
+            "contexts_reused": store.reused if store else 0, "contexts_computed": store.computed if store else None,
+            "answers_reused": sum(r.answers_reused for r in results),
+            "answers_computed": sum(len(r.answers) - r.answers_reused for r in results),
+            "reused_s": sum(r.reused_s for r in results)}
 
 
 def time_rows(records: list[tuple[str, Any]]) -> list[dict]:
     """`caramba report`'s time budget of finished eval records: per run its task answering's wall
-    time and shared prefill, per candidate its stores, questions and decode steps."""
+    time and shared prefill, per candidate its stores, questions and decode steps; the contexts
+    and answers reused from the stores, and the seconds the reused answers took when computed."""
     out = []
     for name, path in records:
         try:
@@ -304,12 +318,14 @@ def time_rows(records: list[tuple[str, Any]]) -> list[dict]:
         out.append({"run": name, "cache": "(all)", "prefill_s": budget.get("context_prefill_s"),
                     "store_s": budget.get("store_s"), "question_s": budget.get("question_s"),
                     "decode_s": budget.get("decode_s"), "wall_s": budget.get("wall_s"),
-                    "reused": budget.get("contexts_reused")})
+                    "contexts_reused": budget.get("contexts_reused"), "answers_reused": budget.get("answers_reused"),
+                    "reused_s": budget.get("reused_s")})
         for c in result.get("candidates") or []:
             t = c.get("time") or {}
             out.append({"run": name, "cache": c.get("label"), "prefill_s": None, "store_s": t.get("store_s"),
                         "question_s": t.get("question_s"), "decode_s": t.get("decode_s"), "wall_s": t.get("total_s"),
-                        "reused": None})
+                        "contexts_reused": None, "answers_reused": t.get("answers_reused"),
+                        "reused_s": t.get("reused_s")})
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from caramba.cache import CachePolicy
 from caramba.cli import app
 from caramba.evaluation import tasks as task_suite
 from caramba.evaluation.task_eval import Candidate, answer_tasks, store_context, wilson
+from caramba.model.backend import choose
 from caramba.model.zoo import load_model
 from test_cli import invoke, write_tiny_model
 
@@ -61,7 +63,7 @@ SECTION = f"""\
 """
 
 
-def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkeypatch, long_tiny):
+def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkeypatch, long_tiny, loaded):
     monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
     manifest = eval_manifest(tmp_path, long_tiny, SECTION, extra="""\
         expect:
@@ -95,12 +97,30 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
     assert all(c["time"]["decode_s"] > 0 and c["time"]["store_s"] >= 0 for c in result["candidates"])
     assert not any(a["context_reused"] for a in answers["q4r"])
     assert len(list((tmp_path / "runs" / ".context-cache").glob("*.safetensors"))) == 1   # both samples in one batch
+    # the answer store: one entry per cache and batch, written as they were computed
+    stored_answers = tmp_path / "runs" / ".context-cache" / "answers"
+    assert len(list(stored_answers.glob("*.json"))) == 3 and tasks["answer_store"]["computed"] == 3
+    assert budget["answers_computed"] == 6 and budget["answers_reused"] == 0 and budget["reused_s"] == 0
+    assert tasks["answer_store"]["candidates"]["q4r"] == {"reused": 0, "computed": 2}
     report = invoke("report", manifest)
     assert report.exit_code == 0 and "time budget" in report.output, report.output
     timed = json.loads(invoke("report", manifest, "--format", "json").stdout)["time"]
-    assert [t["cache"] for t in timed] == ["(all)", *labels] and timed[0]["reused"] == 0
+    assert [t["cache"] for t in timed] == ["(all)", *labels] and timed[0]["contexts_reused"] == 0
     assert timed[0]["prefill_s"] == budget["context_prefill_s"] and timed[1]["decode_s"] == by[labels[0]]["time"]["decode_s"]
     assert "time budget" in invoke("report", manifest, "--format", "markdown").stdout
+    # a forced rerun: every answer from the answer store, so no context is needed; the same scores
+    assert invoke("run", manifest, "--force").exit_code == 0
+    same = json.loads((record / "result.json").read_text())
+    assert same["tasks"]["time"]["answers_reused"] == 6 and same["tasks"]["time"]["answers_computed"] == 0
+    assert same["tasks"]["time"]["contexts_reused"] == same["tasks"]["time"]["contexts_computed"] == 0
+    assert same["tasks"]["time"]["context_prefill_s"] == 0 and same["tasks"]["time"]["reused_s"] > 0
+    assert all(c["time"]["total_s"] == 0 and c["time"]["answers_reused"] == 2 for c in same["candidates"])
+    assert all(a["answer_reused"] for a in json.loads((record / "answers.json").read_text())["q4r"])
+    assert {c["label"]: c["tasks"] for c in same["candidates"]} == {c["label"]: c["tasks"] for c in result["candidates"]}
+    timed = json.loads(invoke("report", manifest, "--format", "json").stdout)["time"]
+    assert timed[0]["answers_reused"] == 6 and [t["answers_reused"] for t in timed[1:]] == [2, 2, 2]
+    # without the answers, the contexts: reused from the context store
+    shutil.rmtree(stored_answers)
     assert invoke("run", manifest, "--force").exit_code == 0
     rerun = json.loads((record / "result.json").read_text())
     assert rerun["tasks"]["time"]["contexts_reused"] == 1 and rerun["tasks"]["contexts"]["computed"] == 0
@@ -113,6 +133,7 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
     data = bytearray(stored.read_bytes())
     data[-5] ^= 0xFF
     stored.write_bytes(bytes(data))
+    shutil.rmtree(stored_answers)
     assert invoke("run", manifest, "--force").exit_code == 0
     healed = json.loads((record / "result.json").read_text())
     assert healed["tasks"]["contexts"]["computed_keys"] == [entry] and healed["tasks"]["contexts"]["reused"] == 0
@@ -125,16 +146,28 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
     # a bound the result breaks fails the check, naming the metric
     broken = invoke("run", manifest, "--check", "--set", "targets.t.runs.kv.expect.metrics=['q4r.bytes_ratio > 0.9']")
     assert broken.exit_code != 0 and "q4r.bytes_ratio" in broken.output
-    # one more candidate in the manifest: every context reused, the others' answers unchanged
+    # one more candidate in the manifest: every context reused, the others' answers unchanged; reused
+    # unless their path changed (on the C step 3 caches answer one at a time, 4 joined: JOIN_MIN_C)
     more = SECTION.replace("name: q4r}]", "name: q4r}, {cache_kind: q4_1, qblock: 8}]")
     assert more != SECTION
     added = invoke("run", eval_manifest(tmp_path, long_tiny, more), "--force")
     assert added.exit_code == 0, added.output
     grown = json.loads((record / "result.json").read_text())
     assert grown["tasks"]["contexts"]["reused"] == 1 and grown["tasks"]["contexts"]["computed"] == 0
+    old = {"reused": 0, "computed": 2} if choose(loaded.model).name == "c" else {"reused": 2, "computed": 0}
+    assert grown["tasks"]["answer_store"]["candidates"] == {
+        "q8_0_qblock_8": old, "q4r": old, "q4_1_qblock_8": {"reused": 0, "computed": 2}, "fp32": old}
     assert [c["label"] for c in grown["candidates"]] == ["q8_0_qblock_8", "q4r", "q4_1_qblock_8", "fp32"]
     old_tasks = {c["label"]: c["tasks"] for c in result["candidates"]}
     assert {c["label"]: c["tasks"] for c in grown["candidates"] if c["label"] in old_tasks} == old_tasks
+    # and one more: only it answers, on either path; the record says so
+    most = more.replace("{cache_kind: q4_1, qblock: 8}]", "{cache_kind: q4_1, qblock: 8}, {cache_kind: q4_0, qblock: 8}]")
+    assert invoke("run", eval_manifest(tmp_path, long_tiny, most), "--force").exit_code == 0
+    fifth = json.loads((record / "result.json").read_text())["tasks"]
+    assert fifth["answer_store"]["candidates"] == {**{c: {"reused": 2, "computed": 0} for c in grown["tasks"]["answer_store"]
+                                                      ["candidates"]}, "q4_0_qblock_8": {"reused": 0, "computed": 2}}
+    assert fifth["time"]["answers_reused"] == 8 and fifth["time"]["answers_computed"] == 2
+    assert fifth["answer_store"]["computed"] == 1 and fifth["answer_store"]["reused"] == 4
 
 
 def test_same_prompts_for_every_candidate_and_reproducible_from_the_record(tmp_path, monkeypatch, long_tiny):

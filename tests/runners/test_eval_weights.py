@@ -38,12 +38,21 @@ def test_weight_candidates_score_as_runs_of_their_own_model(tmp_path, monkeypatc
     assert by["q8_0_qblock_8_weights_q4_0"]["weight_bytes"] < by["fp32_weights_q8_0"]["weight_bytes"] \
         < by["fp32"]["weight_bytes"] == by["q4_0_qblock_8"]["weight_bytes"]
     assert by["fp32"]["weight_bytes_ratio"] == 1.0
+    # every answer computed: none taken from another model's entry in the answer store
+    assert result["tasks"]["time"]["answers_reused"] == 0
     for c in by.values():
         assert c["bytes_at_context"] == round(c["weight_bytes"] + c["bytes_per_token"] * c["bytes_context"])
         assert c["perplexity"]["decode_tok_s"] > 0
     assert by["fp32_weights_q8_0"]["perplexity"]["kl_mean"] > 0 and by["fp32_weights_q8_0"]["bytes_ratio"] == 1.0
-    # the report: the weights beside the caches, the frontier by what each holds at the context
+    # rerun: every answer from the answer store, each under the model that gave it, the same
     manifest = tmp_path / "e.yaml"
+    assert invoke("run", manifest, "--force").exit_code == 0
+    rerun, rerun_answers = _result(tmp_path)
+    assert rerun["tasks"]["time"]["answers_computed"] == 0 and rerun_answers == {
+        label: [{**a, "answer_reused": True} for a in got] for label, got in rerun_answers.items()}
+    assert {k: [a["text"] for a in v] for k, v in rerun_answers.items()} == \
+        {k: [a["text"] for a in v] for k, v in answers.items()}
+    # the report: the weights beside the caches, the frontier by what each holds at the context
     report = invoke("report", manifest)
     assert report.exit_code == 0 and "weights + cache" in report.output, report.output
     front = {r["cache"]: r for r in json.loads(invoke("report", manifest, "--format", "json").stdout)["frontier"]}
