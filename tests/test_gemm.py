@@ -39,6 +39,34 @@ def test_dense_agrees_with_f_linear(rows, bias, copy, monkeypatch):
 
 
 @needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_products_multiply_the_rounded_operands_and_return_fp32(bias):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 64, 96, generator=g)
+    w_t = torch.randn(96, 160, generator=g)
+    b = torch.randn(160, generator=g) if bias else None
+    with torch.inference_mode():
+        fp32 = gemm.dense(x, w_t.t(), b)
+        with gemm.bf16_products():
+            got = gemm.dense(x, w_t.t(), b)
+            again = gemm.dense(x[:, :32], w_t.t(), b)
+            assert len(gemm._bf16_weights) == 1        # the weight rounded once for the block
+        after = gemm.dense(x, w_t.t(), b)
+    assert gemm._bf16_weights is None and got.dtype == torch.float32 and got.shape == fp32.shape
+    # the product of the bf16-rounded operands, accumulated in fp32, written as bf16 (then the bias)
+    product = F.linear(x.bfloat16().float(), w_t.t().bfloat16().float())
+    want = product.bfloat16().float() + (b if bias else 0)
+    near = {"atol": tol.rounding(torch.float32, product, 96)["atol"] + tol.rounding(torch.bfloat16, product)["atol"],
+            "rtol": 0.0}
+    torch.testing.assert_close(got, want, **near)
+    torch.testing.assert_close(again, got[:, :32], **near)
+    # not fp32's: off by bf16's rounding of the inputs, and fp32 again after the block, bit for bit
+    assert (got - fp32).abs().max() > tol.rounding(torch.float32, want, 96)["atol"]
+    torch.testing.assert_close(got, fp32, **tol.rounding(torch.bfloat16, want, 2 * 96))
+    assert torch.equal(after, fp32)
+
+
+@needs_onednn
 def test_dense_takes_strided_rows():
     x = torch.randn(64, 2 * 96)[:, :96]                 # a split's half: rows not contiguous
     w = torch.randn(40, 96)

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from caramba import threads
+from caramba import gemm, threads
 from caramba.cache import CachePolicy, KVCache, LayerKVCache
 from caramba.cache.hybrid import SlidingLayerKVCache
 from caramba.evaluation import answer_store, context_store
@@ -64,6 +64,7 @@ from caramba.evaluation.tasks import TaskSample, score
 from caramba.version import __version__
 
 PREFILLS = ("shared", "own")
+PRECISIONS = ("fp32", "bf16")   # the shared context prefill's products (caramba.gemm.bf16_products)
 
 
 @dataclass(frozen=True)
@@ -183,17 +184,22 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
                  baseline: Candidate, *, prefill: str = "shared", q_chunk: int | None = 512,
                  eos_ids: Sequence[int] = (), batch_size: int = 1,
                  on_answer: Callable[[str, Answer], None] | None = None, join: bool = True,
-                 contexts: ContextStore | None = None,
-                 answers: AnswerStore | None = None) -> tuple[list[CandidateAnswers], float]:
+                 contexts: ContextStore | None = None, answers: AnswerStore | None = None,
+                 prefill_precision: str = "fp32") -> tuple[list[CandidateAnswers], float]:
     """Every candidate's answers (the baseline's last) to every sample, and the seconds spent
     prefilling contexts through the baseline. Samples run `batch_size` at a time, left-padded:
     each row attends to its own tokens only (DecodeState's holes), so a row answers as it would
     alone, up to float rounding. join: the candidates' answers to a batch decoded together, up to
     JOIN_ROWS rows a step (caramba.evaluation.joined; False: one candidate at a time). contexts: where
     shared prefills are kept between runs (caramba.evaluation.context_store); answers: where each
-    candidate's answers to each batch are (caramba.evaluation.answer_store). See the module doc."""
+    candidate's answers to each batch are (caramba.evaluation.answer_store). prefill_precision "bf16":
+    the shared context prefill's projections multiply in bfloat16 (caramba.gemm.bf16_products), on
+    the torch path. See the module doc."""
     if prefill not in PREFILLS:
         raise ValueError(f"prefill={prefill!r}: choose one of {', '.join(PREFILLS)}")
+    if prefill_precision not in PRECISIONS or (prefill_precision != "fp32" and prefill != "shared"):
+        raise ValueError(f"prefill_precision={prefill_precision!r}: choose one of {', '.join(PRECISIONS)} "
+                         "(bf16 with prefill='shared' only)")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     if prefill == "shared" and model.config.attention == "decoupled":
@@ -220,7 +226,8 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
             with threads.applied(choice) if choice is not None else contextlib.nullcontext():
                 context_s += _answer_group(model, tokenizer, group, results, baseline, prefill, q_chunk, stops, pad,
                                            on_answer, backend, join, contexts if prefill == "shared" else None,
-                                           answers if answers is not None and answers.enabled else None)
+                                           answers if answers is not None and answers.enabled else None,
+                                           prefill_precision)
             for result in results:
                 result.threads.append(choice.used if choice is not None else None)
     for result in results:
@@ -252,7 +259,7 @@ def _equal_questions(batch: list[TaskSample]) -> list[list[TaskSample]]:
 def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[CandidateAnswers], baseline: Candidate,
                   prefill: str, q_chunk: int | None, stops: set[int], pad: int,
                   on_answer: Callable[[str, Answer], None] | None, backend: Backend, join: bool,
-                  contexts: ContextStore | None, answers: AnswerStore | None) -> float:
+                  contexts: ContextStore | None, answers: AnswerStore | None, precision: str = "fp32") -> float:
     """One batch of samples through every cache whose answers the answer store does not hold;
     returns the seconds of its shared context prefill (none when every answer was stored)."""
     device = model.device
@@ -262,7 +269,7 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
     # Shared: the candidates' presses watch the one context prefill (observers of equal presses are shared).
     # Every candidate's, reused or not: the prefill (its path, its context store entry) is a fresh run's.
     presses = list(dict.fromkeys(r.candidate.press for r in results if r.candidate.pressed)) if prefill == "shared" else []
-    path = _prefill_path(backend, bool(presses), *context[0].shape, q_chunk) if prefill == "shared" else None
+    path = _prefill_path(backend, bool(presses), *context[0].shape, q_chunk, precision) if prefill == "shared" else None
     joined = _joined_plan(model, results, len(group), backend, join)
     keys = {id(r): _answer_key(model, answers, group, r.candidate, baseline, prefill, q_chunk, stops, pad, path,
                                backend, j) for r, j in zip(results, joined)} if answers is not None else {}
@@ -273,23 +280,13 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
             for answer in got:
                 on_answer(result.candidate.label, answer)
 
-    todo = []
-    for result, j in zip(results, joined):
-        stored = _stored(answers, keys[id(result)], group, tokenizer) if answers is not None else None
-        if stored is None:
-            todo.append((result, j))
-            continue
-        result.answers_reused += len(stored["answers"])
-        result.reused_s += stored["store_s"] + stored["question_s"] + stored["decode_s"]
-        if result.candidate.pressed and stored["kept"] is not None:
-            result.kept.append(stored["kept"])
-        emit(result, stored["answers"])
+    todo = _take_stored(results, joined, answers, keys, group, tokenizer, emit)
     # The baseline's context: for the candidates still answering from it (shared), or for its own answers.
     if not (todo and (prefill == "shared" or any(r.candidate is baseline for r, _ in todo))):
         base, kept, context_s, reused = None, [], 0.0, False
     else:
         base, kept, context_s, reused = _context(model, group, context, slots, baseline, presses, q_chunk, backend,
-                                                 pad, contexts)
+                                                 pad, contexts, precision)
 
     def build(result: CandidateAnswers) -> tuple[DecodeState, float]:
         """A candidate's state holding the context, and the seconds that took (its store)."""
@@ -353,6 +350,24 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
     return context_s
 
 
+def _take_stored(results: list[CandidateAnswers], joined: list[bool], answers: AnswerStore | None, keys: dict,
+                 group: Sequence[TaskSample], tokenizer, emit) -> list[tuple[CandidateAnswers, bool]]:
+    """The candidates' answers the answer store holds, emitted as reused; the (candidate, joined)
+    pairs still to answer."""
+    todo = []
+    for result, j in zip(results, joined):
+        stored = _stored(answers, keys[id(result)], group, tokenizer) if answers is not None else None
+        if stored is None:
+            todo.append((result, j))
+            continue
+        result.answers_reused += len(stored["answers"])
+        result.reused_s += stored["store_s"] + stored["question_s"] + stored["decode_s"]
+        if result.candidate.pressed and stored["kept"] is not None:
+            result.kept.append(stored["kept"])
+        emit(result, stored["answers"])
+    return todo
+
+
 def _joined_plan(model, results: list[CandidateAnswers], rows: int, backend: Backend, join: bool) -> list[bool]:
     """Per candidate, whether it answers a batch of `rows` samples on the joined path: those whose
     answers can share a forward, in chunks of up to JOIN_ROWS rows, when there are at least the
@@ -393,9 +408,13 @@ def _storable(model, baseline: Candidate) -> bool:
                                           for layer in probe.layers)
 
 
-def _prefill_path(backend: Backend, observed: bool, B: int, T: int, q_chunk: int | None) -> str:
+def _prefill_path(backend: Backend, observed: bool, B: int, T: int, q_chunk: int | None,
+                  precision: str = "fp32") -> str:
     """Which path the context prefill's forwards take: the fused C step only for a chunk of at most
-    its MAX_ROWS token rows (a short last chunk), and never while presses observe."""
+    its MAX_ROWS token rows (a short last chunk), and never while presses observe; bf16 products
+    on the torch path only ("torch+bf16": part of the stores' keys)."""
+    if precision == "bf16":
+        return "torch+bf16"
     sizes = [T] if q_chunk is None or T <= q_chunk else [min(q_chunk, T - a) for a in range(0, T, q_chunk)]
     return "c" if backend.name == "c" and not observed and any(B * n <= MAX_ROWS for n in sizes) else "torch"
 
@@ -416,15 +435,16 @@ def _ids_sha256(ids: Sequence[int]) -> str:
 
 def _context(model, group: Sequence[TaskSample], context: tuple, slots: int, baseline: Candidate,
              presses: list[PressConfig], q_chunk: int | None, backend: Backend, pad: int,
-             contexts: ContextStore | None) -> tuple[DecodeState, list, float, bool]:
+             contexts: ContextStore | None, precision: str = "fp32") -> tuple[DecodeState, list, float, bool]:
     """(the baseline's state holding the batch's context, each press's kept masks, seconds, whether
     it came from the context store). A stored entry is used when it holds every press's masks;
-    otherwise the context is prefilled (watched by the presses) and the entry written."""
+    otherwise the context is prefilled (watched by the presses; its projections in bf16 with
+    precision "bf16") and the entry written."""
     B, T = context[0].shape
     key = None
     if contexts is not None and contexts.enabled and _storable(model, baseline):
         key = _context_key(model, contexts, group, context, baseline, q_chunk,
-                           _prefill_path(backend, bool(presses), B, T, q_chunk), pad)
+                           _prefill_path(backend, bool(presses), B, T, q_chunk, precision), pad)
     want = [repr(p) for p in presses]
     t0 = time.perf_counter()
     stored: dict[str, list] = {}
@@ -440,9 +460,12 @@ def _context(model, group: Sequence[TaskSample], context: tuple, slots: int, bas
             if base is None:
                 contexts.bad.append(f"{contexts.path_of(key).name}: its tensors do not fit the batch")
     base = DecodeState(model, model.new_cache(B, slots, baseline.policy), q_chunk, backend)
-    # observed: the torch path, whose forwards call the presses' observers (the fused C step's do not)
-    observed = base.using(TorchStep(model)) if presses else contextlib.nullcontext()
-    with observing_all(model, base.cache, presses) as seen, observed:
+    # observed or bf16: the torch path, whose forwards call the presses' observers and caramba.gemm
+    # (the fused C step's do neither)
+    bf16 = precision == "bf16"
+    observed = base.using(TorchStep(model)) if presses or bf16 else contextlib.nullcontext()
+    with observing_all(model, base.cache, presses) as seen, observed, \
+            gemm.bf16_products() if bf16 else contextlib.nullcontext():
         _feed(base, *context, baseline.window)
     kept = [kept_masks(base.cache, s, p, base.valid_slots()) for s, p in zip(seen, presses)]
     context_s = time.perf_counter() - t0

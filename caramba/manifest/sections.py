@@ -257,6 +257,9 @@ class TaskSettings(SettingsModel):
     prefill: Literal["shared", "own"] = Field("shared", description="shared: the context is prefilled once and each "
                                               "candidate stores it in its kinds; own: each candidate prefills it")
     q_chunk: int = Field(512, ge=1, description="tokens per prefill forward")
+    prefill_precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="the shared context prefill's projections: fp32, or bf16 products (about twice as "
+                            "fast where the CPU has AVX-512 BF16 or AMX; answers may differ: docs/eval.md)")
     batch_size: int = Field(8, ge=1, description="samples answered together (left-padded rows; each answers as "
                                                  "it would alone, up to float rounding)")
 
@@ -280,6 +283,13 @@ class TaskSettings(SettingsModel):
         if len(set(lengths)) != len(lengths):
             raise ValueError("a context length is listed twice")
         return lengths
+
+    @model_validator(mode="after")
+    def _bf16_is_the_shared_prefills(self) -> TaskSettings:
+        if self.prefill_precision == "bf16" and self.prefill == "own":
+            raise ValueError("prefill_precision: bf16 applies to the shared context prefill; with prefill: own each "
+                             "candidate prefills as generate does (fp32): use prefill: shared or fp32")
+        return self
 
 
 class EvalSettings(SettingsModel):

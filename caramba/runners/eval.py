@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
-from caramba import threads
+from caramba import gemm, threads
 from caramba.errors import UserError
 from caramba.progress import Steps
 from caramba.evaluation import tasks as task_suite
@@ -30,7 +30,7 @@ from caramba.evaluation.task_eval import JOIN_ROWS, Candidate, CandidateAnswers,
 from caramba.manifest import ResolvedRun
 from caramba.manifest.schema import EvalSettings, PerplexitySettings, TaskSettings
 from caramba.model import quant
-from caramba.model.zoo import DTYPES, LoadedModel, inspect_source, load_model, resolve_source
+from caramba.model.zoo import DTYPES, LoadedModel, inspect_source, load_model, resolve_device, resolve_source
 from caramba.runners.generate import check_pressable
 from caramba.runners.registry import BASE_RECORD, KIB, Mode, Workload, is_number, register
 from caramba.runs import RunDir
@@ -215,7 +215,8 @@ def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidat
     t0 = time.perf_counter()
     results, context_s = answer_by_model(model, tok, samples, candidates, baseline, models or {}, contexts, answers,
                                          prefill=s.prefill, q_chunk=s.q_chunk, eos_ids=list(tok.stop_token_ids),
-                                         batch_size=s.batch_size, on_answer=answered)
+                                         batch_size=s.batch_size, on_answer=answered,
+                                         prefill_precision=s.prefill_precision)
     wall_s = time.perf_counter() - t0
     progress.close()
     for r in results:
@@ -231,6 +232,7 @@ def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidat
                                                                for a in r.to_dict()["answers"]] for r in results})
     return {"names": list(s.names or task_suite.DEFAULT_TASKS), "lengths": s.lengths, "samples": s.samples,
             "seed": s.seed, "chat": s.chat, "q_chunk": s.q_chunk, "batch_size": s.batch_size,
+            "prefill_precision": s.prefill_precision,
             # what ran: a decoupled (DBA) model's three streams have no shared-context copy, so "own"
             "prefill": "own" if model.config.attention == "decoupled" else s.prefill,
             "generator_version": task_suite.GENERATOR_VERSION, "prompts_sha256": task_suite.samples_digest(samples),
@@ -445,6 +447,11 @@ def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked
             raise UserError(f"{where}: eval.{field}: {e}") from None
         if c.press_config() is not None:
             check_pressable(c.press_config(), config, f"{where}: eval.candidates[{i}].press")
+    if s.tasks is not None and s.tasks.prefill_precision == "bf16" and r.model.device in ("cpu", "auto") \
+            and resolve_device(r.model.device).type == "cpu" and not gemm.bf16_native():
+        raise UserError(f"{where}: eval.tasks.prefill_precision: bf16 pays where the CPU multiplies bf16 natively "
+                        "(AVX-512 BF16 or AMX-BF16, with oneDNN); this one does not (it would run slower than "
+                        "fp32): use fp32")
     try:
         if s.tasks is not None:
             limit = config.max_position_embeddings

@@ -421,3 +421,50 @@ def test_cli_eval_press_adds_pressed_candidates_and_the_press_alone(long_tiny):
         assert bad.exit_code == 2 and message in bad.output and "Traceback" not in bad.output, bad.output
     help_text = CliRunner().invoke(app, ["eval", "--help"], env={"COLUMNS": "200"}).output
     assert "--press" in help_text and "METHOD@RATIO/INTERVAL:TARGET" in help_text
+
+
+@pytest.mark.skipif(not __import__("caramba.gemm").gemm.available(), reason="torch without oneDNN's linear")
+def test_bf16_prefill_rounds_the_shared_contexts_products_and_keys_them_apart(loaded, tmp_path):
+    """prefill_precision bf16: the baseline's context K/V come from bf16 products (off fp32's by bf16
+    rounding, not more), stored under their own key; the answers are scored as usual."""
+    import tolerance as tol
+    from safetensors.torch import load_file
+
+    from caramba.evaluation.context_store import DIRNAME, ContextStore, model_identity
+
+    fp32 = CachePolicy.build("fp32")
+    samples = _samples(loaded, 1)
+    store = ContextStore(tmp_path, model=model_identity(loaded.model, "tiny"))
+    kept = {}
+    for precision in ("fp32", "bf16"):
+        before = set((tmp_path / DIRNAME).glob("*.safetensors"))
+        results, _ = answer_tasks(loaded.model, loaded.tokenizer, samples, [], Candidate("fp32", fp32),
+                                  contexts=store, prefill_precision=precision)
+        assert all(a.output_ids for a in results[0].answers)
+        (entry,) = set((tmp_path / DIRNAME).glob("*.safetensors")) - before    # a new entry: keyed apart
+        kept[precision] = load_file(entry)
+    k32, k16 = kept["fp32"]["k.1"], kept["bf16"]["k.1"]
+    assert not torch.equal(k32, k16)
+    torch.testing.assert_close(k16, k32, **tol.forward(k32, loaded.model.config, torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16 with prefill='shared' only"):
+        answer_tasks(loaded.model, loaded.tokenizer, samples, [], Candidate("fp32", fp32), prefill="own",
+                     prefill_precision="bf16")
+
+
+def test_bf16_prefill_is_recorded_and_refused_where_the_cpu_lacks_bf16(tmp_path, monkeypatch, long_tiny):
+    from caramba import gemm
+
+    monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
+    section = f"          candidates: [{{cache_kind: q8_0}}]\n          tasks: {{names: [niah_single], " \
+              f"lengths: [{LENGTH}], samples: 1, prefill_precision: bf16}}\n"
+    monkeypatch.setattr(gemm, "bf16_native", lambda: False)
+    r = invoke("run", eval_manifest(tmp_path, long_tiny, section))
+    assert r.exit_code == 2 and "eval.tasks.prefill_precision" in r.output and "AVX-512 BF16" in r.output, r.output
+    assert not (tmp_path / "runs" / "ev").exists()
+    own = invoke("run", eval_manifest(tmp_path, long_tiny, section.replace("samples: 1,", "samples: 1, prefill: own,")))
+    assert own.exit_code == 2 and "prefill: shared" in own.output, own.output
+    monkeypatch.setattr(gemm, "bf16_native", lambda: True)
+    r = invoke("run", eval_manifest(tmp_path, long_tiny, section))
+    assert r.exit_code == 0, r.output
+    result = json.loads((tmp_path / "runs" / "ev" / "t" / "kv" / "result.json").read_text())
+    assert result["tasks"]["prefill_precision"] == "bf16"
