@@ -15,6 +15,12 @@ caramba/_kernels, in parallel, and caramba.kernels loads the best one the runnin
   whenever a source changes) and says so on stderr first.
 - CARAMBA_KERNEL_VARIANTS=name,name (e.g. "avx2,avx512") builds only those variants (tests, a
   quick local wheel); CARAMBA_KERNEL_VARIANTS=none builds none.
+- Cross build: CARAMBA_KERNEL_ARCH=<arch> with CC a cross compiler for it builds that architecture's
+  variants instead, and tags the wheel linux_<arch> (Linux only), e.g. an ARM64 wheel on x86-64:
+      CARAMBA_KERNEL_ARCH=aarch64 CC=aarch64-linux-gnu-gcc pip wheel . --no-deps --no-build-isolation -w dist
+  An architecture with no variants, no CC, or a CC whose `-dumpmachine` names another target is
+  refused (exit 1) before anything builds: a wheel tagged for one CPU with another's code would
+  install and then fail on every call.
 """
 
 from __future__ import annotations
@@ -53,6 +59,36 @@ def _kernel_build():
     return module
 
 
+def _target_arch(kb) -> str:
+    """The architecture the kernels are built for: this machine's, else CARAMBA_KERNEL_ARCH's (a
+    cross build: CC must be a Linux cross compiler for it); exits with the reason where it cannot be."""
+    arch = os.environ.get("CARAMBA_KERNEL_ARCH", "").strip() or kb.machine()
+    if arch == kb.machine():
+        return arch
+
+    def refuse(why: str):
+        raise SystemExit(f"caramba: cannot cross-build for CARAMBA_KERNEL_ARCH={arch}: {why}")
+
+    if not kb.variants(arch):
+        refuse(f"caramba/kernel_build.py has no variants for it (only for {', '.join(kb.VARIANTS)})")
+    if not sys.platform.startswith("linux"):
+        refuse("cross builds are Linux only (the wheel is tagged linux_<arch>)")
+    cc = os.environ.get("CC")
+    if not cc:
+        refuse(f"set CC to a cross compiler for it (e.g. CC={arch}-linux-gnu-gcc)")
+    try:   # the compiler's target triple, e.g. aarch64-linux-gnu: cheap, and catches CC=gcc
+        target = subprocess.run([cc, "-dumpmachine"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        refuse(f"CC={cc} does not run: {e}")
+    if target.split("-")[0] != arch or "linux" not in target:
+        refuse(f"CC={cc} compiles for {target or 'an unknown target'}, not {arch} Linux")
+    return arch
+
+
+KB = _kernel_build()
+KERNEL_ARCH = _target_arch(KB)   # checked first: a refused cross build fails before anything builds
+
+
 def _say(line: str) -> None:
     print(f"caramba: {line}", file=sys.stderr, flush=True)   # pip shows it with -v
 
@@ -66,14 +102,16 @@ class BuildKernels(build_py):
         self.build_kernels(Path(self.build_lib) / "caramba" / "_kernels")
 
     def build_kernels(self, out_dir: Path) -> None:
-        kb = _kernel_build()
+        kb = KB
+        # a previous build's libraries (another architecture, other variants) must not ship in this wheel
+        shutil.rmtree(out_dir, ignore_errors=True)
         wanted = os.environ.get("CARAMBA_KERNEL_VARIANTS", "").strip()
-        variants = kb.variants()
+        variants = kb.variants(KERNEL_ARCH)
         if wanted:
             variants = [v for v in variants if v.name in wanted.split(",")]
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if not variants:
-            _say(f"no C kernel variants to build for {kb.machine()} (CARAMBA_KERNEL_VARIANTS={wanted!r}): "
+            _say(f"no C kernel variants to build for {KERNEL_ARCH} (CARAMBA_KERNEL_VARIANTS={wanted!r}): "
                  "caramba compiles them at run time")
             return
         if not cc:
@@ -83,7 +121,7 @@ class BuildKernels(build_py):
         unique = sorted({s for name in kb.LIBRARIES for s in kb.sources(name, package)},
                         key=lambda s: -s.stat().st_size)   # the longest first: the pool stays busy to the end
         _say(f"building {len(kb.LIBRARIES)} C kernel libraries ({len(unique)} source files) x {len(variants)} "
-             f"variants ({', '.join(v.name for v in variants)}) with {cc}, {os.cpu_count()} jobs")
+             f"{KERNEL_ARCH} variants ({', '.join(v.name for v in variants)}) with {cc}, {os.cpu_count()} jobs")
         start = time.monotonic()
         obj_dir = Path(tempfile.mkdtemp(prefix="caramba-kernels-"))
 
@@ -135,7 +173,13 @@ class BinaryDistribution(Distribution):
 cmdclass = {"build_py": BuildKernels}
 if bdist_wheel is not None:
     class PlatformWheel(bdist_wheel):
-        """py3-none-<platform>: the libraries are plain C loaded with ctypes, not tied to a Python ABI."""
+        """py3-none-<platform>: the libraries are plain C loaded with ctypes, not tied to a Python ABI;
+        a cross build's platform is the target's (bdist_wheel's own --plat-name, unless given)."""
+
+        def finalize_options(self):
+            if KERNEL_ARCH != KB.machine() and not self.plat_name:
+                self.plat_name = f"linux_{KERNEL_ARCH}"
+            super().finalize_options()
 
         def get_tag(self):
             _, _, plat = super().get_tag()

@@ -34,10 +34,11 @@ def _tree_copy(dest: Path) -> Path:
     return dest
 
 
-def _build_wheel(tree: Path, out: Path, variants: str) -> Path:
+def _build_wheel(tree: Path, out: Path, variants: str, **env: str) -> Path:
     """A wheel built with pip and this venv's setuptools (no build isolation: no download, so it
-    works offline); variants: CARAMBA_KERNEL_VARIANTS, the kernel variants setup.py builds."""
-    env = {**os.environ, "CARAMBA_KERNEL_VARIANTS": variants}
+    works offline); variants: CARAMBA_KERNEL_VARIANTS, the kernel variants setup.py builds; env:
+    more of setup.py's environment (a cross build's CARAMBA_KERNEL_ARCH and CC)."""
+    env = {**os.environ, "CARAMBA_KERNEL_VARIANTS": variants, **env}
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
                            "--wheel-dir", str(out), str(tree)], capture_output=True, text=True, timeout=1800,
                           env=env)
@@ -106,6 +107,35 @@ def test_a_wheel_with_no_kernels_is_still_platform_tagged(wheel):
     assert re.fullmatch(r"caramba-[^-]+-py3-none-(linux|macosx|win)_\w+\.whl", wheel.name), wheel.name
     with zipfile.ZipFile(wheel) as z:
         assert not [n for n in z.namelist() if n.endswith(".so")]
+
+
+def test_a_cross_built_wheel_is_tagged_for_its_target(tmp_path):
+    """CARAMBA_KERNEL_ARCH=aarch64 with the cross compiler: the wheel is linux_aarch64, not this
+    machine's platform (its kernels: tests/model/test_cross_arm.py builds and runs each variant)."""
+    import cross_arch
+
+    if shutil.which(cross_arch.CC) is None:
+        pytest.skip(f"no {cross_arch.CC} (apt install gcc-aarch64-linux-gnu)")
+    wheel = _build_wheel(_tree_copy(tmp_path / "tree"), tmp_path / "wheel", "none", CARAMBA_KERNEL_ARCH="aarch64",
+                         CC=cross_arch.CC)
+    assert re.fullmatch(r"caramba-[^-]+-py3-none-linux_aarch64\.whl", wheel.name), wheel.name
+
+
+@pytest.mark.parametrize("case", ["no variants", "no CC", "CC for this machine"])
+def test_a_cross_build_setup_py_cannot_do_is_refused(case):
+    """No variants for the target, no CC, or a CC for another target (this machine's own cc): exit 1
+    with the reason, before anything builds (setup.py runs its check on load)."""
+    from caramba import kernel_build
+
+    other = next(arch for arch in kernel_build.VARIANTS if arch != kernel_build.machine())
+    arch, cc, says = {"no variants": ("riscv64", "cc", "has no variants"), "no CC": (other, "", "set CC"),
+                      "CC for this machine": (other, "cc", f"compiles for {kernel_build.machine()}")}[case]
+    if cc and shutil.which(cc) is None:
+        pytest.skip(f"no {cc}")
+    env = {**os.environ, "CARAMBA_KERNEL_ARCH": arch, "CC": cc}
+    done = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "caramba: cannot cross-build" in done.stderr and says in done.stderr, done.stderr
 
 
 @pytest.mark.integration   # builds 5 C libraries x 2 variants at wheel build: minutes on 2 cores

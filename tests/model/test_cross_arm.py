@@ -11,12 +11,18 @@ activation codes equal x86's; the int32 block sums are exact. At the portable le
 are within fp32 rounding of the exact product (test_isa's bound). The x16 layout's q8-activation
 formats have a neon kernel in a +dotprod build (sdot by lane), bit-identical to the x86
 reference; without the dot product, and for the int16 activations, x16 layers run the reference
-(and are made 'rows'). Only correctness is tested here: the emulator's
+(and are made 'rows'). The aarch64 variants a cross-built wheel carries (setup.py with
+CARAMBA_KERNEL_ARCH=aarch64: kernel_build.VARIANTS, built by kernel_build's compile_object +
+link_variant) are AArch64 ELFs that run at neon on the least CPU each is chosen for (armv8 on a
+Cortex-A72), their products avx2's bit for bit. Only correctness is tested here: the emulator's
 speed says nothing of an ARM CPU's. Skipped, naming the packages, where the cross compiler or the
 emulator is missing (CI installs neither).
 """
 
 from __future__ import annotations
+
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -24,6 +30,7 @@ import torch
 
 import cross_arch
 import tolerance as tol
+from caramba import kernel_build
 from caramba.cache import KVCacheKind, KVCacheTensorConfig, LayerKVCache
 from caramba.cache import kernel as cache_kernel
 from caramba.model import fast_decode, fused, isa, quant, quant_gemm
@@ -205,19 +212,25 @@ def test_neon_products_are_avx2s_bit_for_bit(arm, arm_plain, build, fmt, act, th
     so every row-major format's product on ARM is the x86 avx2 product bit for bit, for test_isa's
     shapes (1, 3, 18 and 49 blocks a row: the scalar, masked and whole minimum groups; odd N; tiles
     of 1 to 4 activation rows), with sdot or widening multiplies."""
-    lib_x86 = quant.library()
-    if lib_x86 is None or not isa.available("avx2"):
-        pytest.skip(f"weight kernels {quant.status()}" if lib_x86 is None else "this CPU lacks avx2 (the x86 side)")
     lib = arm if build == "dotprod" else arm_plain
     assert lib.call("isa_name", ret="s") == "neon"
     for M, N, K in SHAPES:
-        _, _, args = gemv_args(fmt, act, M, N, K)
-        got, want = np.zeros((M, N), np.float32), np.zeros((M, N), np.float32)
-        assert lib.call(GEMV[(fmt, act)], *args, got, M, N, K, threads) == 0
-        ptrs = [a.ctypes.data if isinstance(a, np.ndarray) else None for a in args]
-        with isa.use_isa("avx2"):
-            assert getattr(lib_x86, GEMV[(fmt, act)])(*ptrs, want.ctypes.data, M, N, K, threads) == 0
-        assert np.array_equal(got.view(np.int32), want.view(np.int32)), (M, N, K, np.abs(got - want).max())
+        assert_avx2s_product(lib, fmt, act, M, N, K, threads)
+
+
+def assert_avx2s_product(lib, fmt: str, act: str, M: int, N: int, K: int, threads: int) -> None:
+    """The emulated library's gemv_* product of test_isa's layer equals the x86 build's at avx2 bit
+    for bit (skips where the x86 side cannot run)."""
+    lib_x86 = quant.library()
+    if lib_x86 is None or not isa.available("avx2"):
+        pytest.skip(f"weight kernels {quant.status()}" if lib_x86 is None else "this CPU lacks avx2 (the x86 side)")
+    _, _, args = gemv_args(fmt, act, M, N, K)
+    got, want = np.zeros((M, N), np.float32), np.zeros((M, N), np.float32)
+    assert lib.call(GEMV[(fmt, act)], *args, got, M, N, K, threads) == 0
+    ptrs = [a.ctypes.data if isinstance(a, np.ndarray) else None for a in args]
+    with isa.use_isa("avx2"):
+        assert getattr(lib_x86, GEMV[(fmt, act)])(*ptrs, want.ctypes.data, M, N, K, threads) == 0
+    assert np.array_equal(got.view(np.int32), want.view(np.int32)), (fmt, act, M, N, K, np.abs(got - want).max())
 
 
 X16_Q8 = [("q8_0", "q8"), ("q4_0", "q8"), ("q4_1", "q8")]
@@ -329,3 +342,59 @@ def test_stored_gguf_formats_on_arm_are_the_x86_reference_bit_for_bit(arm, arm_p
             assert lib.call("gemv_kq", fid, x, raw, got, M, N, K, 1 + i % 2) == 0
             assert np.array_equal(got.view(np.int32), want.view(np.int32)), (name, M, N, K, np.abs(got - want).max())
         set_level(lib, "neon")
+
+
+EM_AARCH64 = 183    # the ELF header's e_machine for AArch64
+
+
+@pytest.fixture(scope="module")
+def arm_variants(tmp_path_factory):
+    """quant_gemv in each aarch64 variant a cross-built wheel carries (kernel_build.VARIANTS), built
+    as setup.py builds it (kernel_build.compile_variant: compile_object + link_variant, the variant's
+    -march) with the cross compiler: variant name -> library."""
+    where = tmp_path_factory.mktemp("aarch64-variants")
+
+    def build(v):
+        try:
+            return kernel_build.compile_variant(cross_arch.CC, "quant_gemv", v, where)
+        except subprocess.CalledProcessError as e:
+            return f"quant_gemv [{v.name}] did not build for aarch64:\n{e.stderr}"
+
+    with ThreadPoolExecutor() as pool:     # the variants side by side, a core each where there are two
+        built = dict(zip([v.name for v in kernel_build.variants("aarch64")],
+                         pool.map(build, kernel_build.variants("aarch64"))))
+    for result in built.values():
+        if isinstance(result, str):
+            pytest.fail(result)
+    return built
+
+
+# variant -> (the emulated CPU: the least one its kernel_build.Variant.needs allows, whether its
+# neon has the x16 kernel, which needs sdot: the dot-product variant's -march is in force)
+VARIANT_CPUS = {"armv8": ("cortex-a72", 0), "armv8.2-dotprod": ("neoverse-n1", 1)}
+
+
+def test_every_aarch64_variant_is_tested():
+    assert sorted(VARIANT_CPUS) == sorted(v.name for v in kernel_build.variants("aarch64"))
+
+
+@pytest.mark.parametrize("variant", VARIANT_CPUS)
+def test_the_aarch64_variants_setup_py_builds_run_and_equal_x86(arm_variants, variant):
+    """Each prebuilt variant of a cross-built wheel is an AArch64 ELF, named as caramba.kernels looks
+    it up, and runs on the least CPU it is chosen for (armv8 on a Cortex-A72, without the dot
+    product) at neon, its products equal to the x86 avx2 build's bit for bit."""
+    path = arm_variants[variant]
+    assert path.name == kernel_build.prebuilt_name("quant_gemv", variant,
+                                                   kernel_build.source_hash(kernel_build.sources("quant_gemv")))
+    header = path.read_bytes()[:20]
+    assert header[:4] == b"\x7fELF" and header[4] == 2, header           # a 64-bit ELF
+    assert int.from_bytes(header[18:20], "little") == EM_AARCH64, header
+    cpu, x16 = VARIANT_CPUS[variant]
+    lib = cross_arch.ArmLibrary.load(path, cpu)
+    try:
+        assert lib.call("isa_name", ret="s") == "neon"
+        assert lib.call("x16_vector", quant.Q4_0_Q8_X16) == x16
+        for fmt, act in FORMATS:      # every row-major format, at test_isa's largest shape, 2 threads
+            assert_avx2s_product(lib, fmt, act, *SHAPES[-1], 2)
+    finally:
+        lib.close()
