@@ -28,9 +28,13 @@ import hashlib
 import json
 from pathlib import Path
 
+import torch
+
 from caramba.evaluation.context_store import DIRNAME, EntryStore, canonical
+from caramba.version import __version__
 
 SUBDIR = "answers"
+PERPLEXITY_SUBDIR = "perplexity"   # per candidate, its perplexity scores (perplexity_key)
 SUFFIX = ".json"
 FORMAT = 1
 
@@ -44,13 +48,15 @@ class AnswerStore(EntryStore):
 
     suffix = SUFFIX
 
-    def __init__(self, root: str | Path, max_bytes: int | None = None, model: dict | None = None) -> None:
-        super().__init__(Path(root) / DIRNAME / SUBDIR, max_bytes, model)
+    def __init__(self, root: str | Path, max_bytes: int | None = None, model: dict | None = None,
+                 subdir: str = SUBDIR) -> None:
+        super().__init__(Path(root) / DIRNAME / subdir, max_bytes, model)
 
     @classmethod
-    def beside(cls, contexts: EntryStore) -> AnswerStore:
-        """The answer store next to a context store: its runs directory, bound and model."""
-        return cls(contexts.dir.parent, contexts.max_bytes, contexts.model)
+    def beside(cls, contexts: EntryStore, subdir: str = SUBDIR) -> AnswerStore:
+        """The answer store next to a context store: its runs directory, bound and model (subdir
+        PERPLEXITY_SUBDIR: the perplexity scores')."""
+        return cls(contexts.dir.parent, contexts.max_bytes, contexts.model, subdir)
 
     def _parse(self, data: bytes) -> tuple[dict, object, str]:
         entry = json.loads(data)
@@ -72,4 +78,16 @@ class AnswerStore(EntryStore):
         self._discard(self.path_of(key), why)
 
 
-__all__ = ["AnswerStore", "FORMAT", "SUBDIR"]
+def perplexity_key(model: dict, baseline_model: dict, ids: list[int], bos: int | None, setup: dict,
+                   baseline_policy, policy, backend: str) -> dict:
+    """What one candidate's perplexity scores depend on: its model and the baseline's (identities,
+    context_store.model_identity), the versions, the scored ids, the protocol's settings (`setup`:
+    protocol, prompt_len or ctx), both caches' policies and the decode path. Kept in the answer
+    store too: a rerun with one more candidate scores only it (and the baseline, in lockstep)."""
+    return {"kind": "perplexity", "format": FORMAT, "model": model, "baseline_model": baseline_model,
+            "caramba": __version__, "torch": torch.__version__,
+            "ids": hashlib.sha256(str(list(ids)).encode()).hexdigest(), "bos": bos, "setup": setup,
+            "baseline": repr(baseline_policy), "candidate": repr(policy), "backend": backend}
+
+
+__all__ = ["AnswerStore", "FORMAT", "PERPLEXITY_SUBDIR", "SUBDIR", "perplexity_key"]

@@ -12,6 +12,7 @@ import contextlib
 import difflib
 import json
 import time
+from dataclasses import asdict
 from typing import Any
 
 from rich.console import Console
@@ -23,13 +24,14 @@ from caramba import gemm, threads
 from caramba.errors import UserError
 from caramba.progress import Steps
 from caramba.evaluation import tasks as task_suite
-from caramba.evaluation.answer_store import AnswerStore
+from caramba.evaluation.answer_store import PERPLEXITY_SUBDIR, AnswerStore, perplexity_key
 from caramba.evaluation.context_store import ContextStore, model_identity
-from caramba.evaluation.evaluate import adds_bos, corpus_text, evaluate_cache, evaluate_chunks
+from caramba.evaluation.evaluate import EvalResult, adds_bos, corpus_text, evaluate_cache, evaluate_chunks
 from caramba.evaluation.task_eval import JOIN_ROWS, Candidate, CandidateAnswers, answer_tasks
 from caramba.manifest import ResolvedRun
 from caramba.manifest.schema import EvalSettings, PerplexitySettings, TaskSettings
 from caramba.model import quant
+from caramba.model.backend import choose
 from caramba.model.zoo import DTYPES, LoadedModel, inspect_source, load_model, resolve_device, resolve_source
 from caramba.runners.generate import check_pressable
 from caramba.runners.registry import BASE_RECORD, KIB, Mode, Workload, is_number, register
@@ -146,13 +148,15 @@ def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, reco
                       **cache_bytes(model, c.policy, context), **weights_row(models[c.label], context)}
             for c in [*candidates, baseline]}
     result: dict[str, Any] = {"mode": "eval", "baseline": baseline.label}
+    contexts = ContextStore(record.root, model=model_identity(model, loaded.content_hash)) \
+        if record.path is not None else None     # `caramba eval` records nothing, keeps nothing
     with Progress(console=console, transient=True) as bar:
         if ppl_ids is not None:
+            scores = AnswerStore.beside(contexts, PERPLEXITY_SUBDIR) if contexts is not None and contexts.enabled \
+                else None
             result["perplexity"] = _perplexity(model, settings.perplexity, *ppl_ids, candidates, baseline, rows, bar,
-                                               [models[c.label].model for c in candidates])
+                                               models, scores)
         if samples:
-            contexts = ContextStore(record.root, model=model_identity(model, loaded.content_hash)) \
-                if record.path is not None else None     # `caramba eval` records nothing, keeps nothing
             result["tasks"] = _tasks(model, tok, settings.tasks, samples, candidates, baseline, rows, record, bar,
                                      contexts, models)
     base_bytes, base_weights = rows[baseline.label]["bytes_per_token"], rows[baseline.label]["weight_bytes"]
@@ -177,20 +181,39 @@ def weights_row(loaded: LoadedModel, context: int) -> dict[str, Any]:
 
 
 def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, candidates: list[Candidate],
-                baseline: Candidate, rows: dict, bar: Progress, models: list | None = None) -> dict:
+                baseline: Candidate, rows: dict, bar: Progress, models: dict[str, LoadedModel] | None = None,
+                scores: AnswerStore | None = None) -> dict:
+    """Every candidate's perplexity scores against the baseline's; with `scores`, the ones kept from
+    an earlier run with the same ids, settings, models and caches are reused, and only the others
+    are scored (with the baseline, in lockstep), then kept."""
     chunks = s.protocol == "chunks"
-    progress = Steps(bar, f"perplexity ({s.protocol})", len(ids) // s.ctx if chunks else len(ids) - s.prompt_len)
-    step = lambda done, total: progress.update(done)   # noqa: E731
-    policies = [c.policy for c in candidates]
-    choice = threads.choose() if model.device.type == "cpu" else None   # the cores free now (caramba.threads)
-    t0 = time.perf_counter()
-    with threads.applied(choice) if choice is not None else contextlib.nullcontext():
-        if chunks:
-            results = evaluate_chunks(model, ids, policies, baseline.policy, s.ctx, bos, on_step=step, models=models)
-        else:
-            results = evaluate_cache(model, ids, policies, baseline.policy, s.prompt_len, on_step=step, models=models)
-    seconds = time.perf_counter() - t0
-    progress.close()
+    setup = {"ctx": s.ctx, "n_chunks": len(ids) // s.ctx, "bos": bos} if chunks else {"prompt_len": s.prompt_len}
+    model_of = lambda c: (models[c.label] if models and c.label in models else None)   # noqa: E731
+    keys = _perplexity_keys(model, s, ids, bos, candidates, baseline, model_of, scores) if scores is not None else {}
+    found = {c.label: scores.load(keys[c.label]) for c in candidates} if scores is not None else {}
+    todo = [c for c in candidates if found.get(c.label) is None]
+    seconds, choice = 0.0, None
+    if todo:
+        progress = Steps(bar, f"perplexity ({s.protocol})", len(ids) // s.ctx if chunks else len(ids) - s.prompt_len)
+        step = lambda done, total: progress.update(done)   # noqa: E731
+        policies = [c.policy for c in todo]
+        others = [model_of(c).model if model_of(c) else model for c in todo]
+        choice = threads.choose() if model.device.type == "cpu" else None   # the cores free now (caramba.threads)
+        t0 = time.perf_counter()
+        with threads.applied(choice) if choice is not None else contextlib.nullcontext():
+            if chunks:
+                computed = evaluate_chunks(model, ids, policies, baseline.policy, s.ctx, bos, on_step=step,
+                                           models=others)
+            else:
+                computed = evaluate_cache(model, ids, policies, baseline.policy, s.prompt_len, on_step=step,
+                                          models=others)
+        seconds = time.perf_counter() - t0
+        progress.close()
+        for c, r in zip(todo, computed):
+            found[c.label] = asdict(r)
+            if scores is not None:
+                scores.save(keys[c.label], found[c.label])
+    results = [EvalResult(**found[c.label]) for c in candidates]
     for c, r in zip(candidates, results):
         rows[c.label]["perplexity"] = {k: v for k, v in r.to_dict().items() if k not in ("policy", "bytes_per_token",
                                                                                       "protocol", "baseline_decode_tok_s")}
@@ -199,9 +222,25 @@ def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, c
                                           "ppl_stderr": r0.baseline_ppl_stderr, "ppl_ratio": 1.0, "dnll": 0.0,
                                           "kl_mean": 0.0, "kl_max": 0.0, "top1_agreement": 1.0,
                                           "decode_tok_s": r0.baseline_decode_tok_s}
-    setup = {"ctx": s.ctx, "n_chunks": len(ids) // s.ctx, "bos": bos} if chunks else {"prompt_len": s.prompt_len}
     return {"protocol": s.protocol, "text": s.text or "caramba/data/corpus.txt", "n_tokens": len(ids), **setup,
-            "seconds": seconds, "threads": choice.used if choice is not None else None}
+            "seconds": seconds, "threads": choice.used if choice is not None else None,
+            "reused": [c.label for c in candidates if c not in todo]}
+
+
+def _perplexity_keys(model, s: PerplexitySettings, ids: list[int], bos: int | None, candidates: list[Candidate],
+                     baseline: Candidate, model_of, scores: AnswerStore) -> dict[str, dict]:
+    """Each candidate's key in the answer store (answer_store.perplexity_key)."""
+    setup = {"protocol": s.protocol, **({"ctx": s.ctx} if s.protocol == "chunks" else {"prompt_len": s.prompt_len})}
+    mine, paths = scores.model, {}
+    out = {}
+    for c in candidates:
+        other = model_of(c)
+        m = other.model if other is not None else model
+        identity = model_identity(m, other.content_hash) if other is not None and m is not model else mine
+        if id(m) not in paths:   # decode steps take the fused C step where it applies (backend.choose)
+            paths[id(m)] = choose(m).name if s.protocol == "decode" else "torch"
+        out[c.label] = perplexity_key(identity, mine, ids, bos, setup, baseline.policy, c.policy, paths[id(m)])
+    return out
 
 
 def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidate], baseline: Candidate,

@@ -154,6 +154,10 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
     assert added.exit_code == 0, added.output
     grown = json.loads((record / "result.json").read_text())
     assert grown["tasks"]["contexts"]["reused"] == 1 and grown["tasks"]["contexts"]["computed"] == 0
+    # perplexity: the old candidates' scores kept, only the new one scored (with the baseline, in lockstep)
+    assert grown["perplexity"]["reused"] == ["q8_0_qblock_8", "q4r"] and grown["perplexity"]["seconds"] > 0
+    assert {c["label"]: c["perplexity"] for c in grown["candidates"] if c["label"] != "q4_1_qblock_8"} == \
+        {c["label"]: c["perplexity"] for c in result["candidates"]}
     old = {"reused": 0, "computed": 2} if choose(loaded.model).name == "c" else {"reused": 2, "computed": 0}
     assert grown["tasks"]["answer_store"]["candidates"] == {
         "q8_0_qblock_8": old, "q4r": old, "q4_1_qblock_8": {"reused": 0, "computed": 2}, "fp32": old}
@@ -168,6 +172,13 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
                                                       ["candidates"]}, "q4_0_qblock_8": {"reused": 0, "computed": 2}}
     assert fifth["time"]["answers_reused"] == 8 and fifth["time"]["answers_computed"] == 2
     assert fifth["answer_store"]["computed"] == 1 and fifth["answer_store"]["reused"] == 4
+    # a kept perplexity score that no longer verifies is scored again, never trusted
+    kept = tmp_path / "runs" / ".context-cache" / "perplexity"
+    for entry in kept.glob("*.json"):
+        entry.write_text(entry.read_text().replace('"nll":', '"nll": 1e9, "x":', 1))
+    assert invoke("run", eval_manifest(tmp_path, long_tiny, most), "--force").exit_code == 0
+    rescored = json.loads((record / "result.json").read_text())
+    assert rescored["perplexity"]["reused"] == [] and all(1e8 > c["perplexity"]["nll"] > 0 for c in rescored["candidates"])
 
 
 def test_same_prompts_for_every_candidate_and_reproducible_from_the_record(tmp_path, monkeypatch, long_tiny):
