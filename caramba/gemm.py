@@ -84,7 +84,7 @@ _bf16_weights: dict[tuple, torch.Tensor] | None = None
 
 @contextlib.contextmanager
 def bf16_products():
-    """Within: dense() multiplies its fp32 operands as bfloat16 (each weight rounded once, kept
+    """Within: dense() multiplies a projection's fp32 operands as bfloat16 (each weight rounded once, kept
     for the block; the activations per call; oneDNN accumulates in fp32 and writes bf16, as
     torch.autocast's products do) and returns fp32, the bias added in fp32. Half the fp32 GEMM's
     time where the CPU multiplies bf16 natively (AVX-512 BF16, AMX-BF16): [2048, 576] x [576, 3072]
@@ -113,15 +113,18 @@ def _bf16_weight(weight: torch.Tensor) -> torch.Tensor:
     return _bf16_weights[key]
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+          projection: bool = True) -> torch.Tensor:
     """F.linear(x, weight, bias): x [..., in], weight [out, in] (a transposed view of an
-    input-major [in, out] matrix is fine) -> [..., out]."""
+    input-major [in, out] matrix is fine) -> [..., out]. projection: `weight` is a model's weight
+    (rounded to bf16 once inside bf16_products); False for products of activations (attention's
+    scores and values), which stay fp32 there."""
     if not applies(x, weight) or (bias is not None and bias.dtype != torch.float32):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if not rows.is_contiguous():
         rows = rows.contiguous()
-    if _bf16_weights is not None:
+    if _bf16_weights is not None and projection:
         out = torch.ops.mkldnn._linear_pointwise(rows.to(torch.bfloat16), _bf16_weight(weight), None, "none",
                                                  [None], "").float()
         out = out if bias is None else out + bias

@@ -64,6 +64,9 @@ def test_bf16_products_multiply_the_rounded_operands_and_return_fp32(bias):
     assert (got - fp32).abs().max() > tol.rounding(torch.float32, want, 96)["atol"]
     torch.testing.assert_close(got, fp32, **tol.rounding(torch.bfloat16, want, 2 * 96))
     assert torch.equal(after, fp32)
+    # products of activations (attention's scores and values: projection=False) stay fp32 in the block
+    with torch.inference_mode(), gemm.bf16_products():
+        assert torch.equal(gemm.dense(x, w_t.t(), b, projection=False), fp32) and not gemm._bf16_weights
 
 
 @needs_onednn

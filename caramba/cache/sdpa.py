@@ -94,13 +94,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             for s0 in range(0, T, BLOCK):
                 s1 = min(T, s0 + BLOCK)
                 n, end = s1 - s0, P + s1                                    # the block sees keys [0, end)
-                scores = gemm.dense(heads[:, s0:s1].reshape(rep * n, D), keys[:end])   # [rep n, end]
+                scores = gemm.dense(heads[:, s0:s1].reshape(rep * n, D), keys[:end], projection=False)
                 if padded:   # the mask's own rows (they hide later slots too)
                     scores.view(rep, n, end).masked_fill_(~mask[b % mask.shape[0], 0, s0:s1, :end], float("-inf"))
                 else:
                     scores.view(rep, n, end)[:, :, P + s0:].masked_fill_(above[:n, :n], float("-inf"))
                 probs = torch.softmax(scores, dim=-1)
-                out[b, g * rep:(g + 1) * rep, s0:s1] = gemm.dense(probs, values[:end].t()).view(rep, n, Dv)
+                out[b, g * rep:(g + 1) * rep, s0:s1] = gemm.dense(probs, values[:end].t(),
+                                                                  projection=False).view(rep, n, Dv)
     return out
 
 
