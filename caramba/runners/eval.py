@@ -605,7 +605,10 @@ class EvalMode(Mode):
             rows = s.tasks.batch_size * max(2, min(len(s.candidates) + 1, JOIN_ROWS // s.tasks.batch_size))
         else:
             rows = len(s.candidates) + 1
-        return Workload(max(lengths), rows, field, field)
+        mine = (r.model.source, r.model.weights)   # candidates with their own weights: loaded beside the run's
+        extra = dict.fromkeys((c.source or r.model.source, c.weights or r.model.weights) for c in s.candidates
+                              if (c.source or r.model.source, c.weights or r.model.weights) != mine)
+        return Workload(max(lengths), rows, field, field, extra_models=tuple(extra))
 
     def metrics(self, result: dict[str, Any]) -> dict[str, Any]:
         """Each candidate's headline numbers (the frontier table has the rest)."""

@@ -47,6 +47,8 @@ class Workload:
     length_field: str
     weight_copies: int = 1
     max_seq_len: int | None = None
+    # other models held beside the run's, as (source, weights): an eval's candidates with their own weights
+    extra_models: tuple[tuple[str, str], ...] = ()
 
 
 class Mode(ABC):

@@ -132,11 +132,8 @@ def check_memory(runs: list[ResolvedRun], configs: dict | None = None, available
 def run_memory(r: ResolvedRun, configs: dict) -> dict[str, tuple[int, str]]:
     """{part: (bytes, the field that sizes it)} for the weights, KV cache and activations of `r`."""
     cfg = configs[r.model.source]
-    elem = _DTYPE_BYTES.get(r.model.dtype, 4)
     params, kv_per_token = _shape_costs(cfg, r.model.dtype)
-    weights = params * _WEIGHT_BYTES.get(r.model.weights, elem)
-    if r.model.weights in ("native", "native_i16"):
-        weights = params * 1.2   # a GGUF's own blocks: at most ~8.5 bits a weight, plus the fp32 norms
+    weights = _weight_bytes(params, r.model.weights, r.model.dtype)
     work = _mode(r).workload(r)
     length, batch, field, seq_field = work.length, work.rows, work.rows_field, work.length_field
     weights *= work.weight_copies
@@ -146,10 +143,20 @@ def run_memory(r: ResolvedRun, configs: dict) -> dict[str, tuple[int, str]]:
     sized_by = f"{seq_field} or {field}" if batch > 1 else seq_field   # at batch 1 the length is what to lower
     if r.draft is not None:   # a speculative run's draft model: its weights and its own cache beside the target's
         d_params, d_kv = _shape_costs(configs[r.draft.source], r.draft.dtype)
-        weights += d_params * _WEIGHT_BYTES.get(r.draft.weights, _DTYPE_BYTES.get(r.draft.dtype, 4))
+        weights += _weight_bytes(d_params, r.draft.weights, r.draft.dtype)
         kv += d_kv * batch * length
+    for source, kind in work.extra_models:   # held at once with the run's model (an eval's weight candidates)
+        if source not in configs:
+            configs[source] = inspect_source(source)
+        weights += _weight_bytes(_shape_costs(configs[source], r.model.dtype)[0], kind, r.model.dtype)
     return {"KV cache": (int(kv), sized_by), "weights": (int(weights), "model.dtype or model.weights"),
             "activations": (int(activations), sized_by)}
+
+
+def _weight_bytes(params: int, weights: str, dtype: str) -> float:
+    if weights in ("native", "native_i16"):
+        return params * 1.2   # a GGUF's own blocks: at most ~8.5 bits a weight, plus the fp32 norms
+    return params * _WEIGHT_BYTES.get(weights, _DTYPE_BYTES.get(dtype, 4))
 
 
 def _mode(r: ResolvedRun) -> registry.Mode:

@@ -100,3 +100,23 @@ def test_a_candidates_weights_must_share_the_runs_tokenizer_and_load(tmp_path, m
         assert r.exit_code == 2 and words in r.output, (bad, r.output)
     r = invoke("run", eval_manifest(tmp_path, long_tiny, section + "          baseline: {weights: q8_0}\n"))
     assert r.exit_code == 2 and "baseline" in r.output and "model.weights" in r.output, r.output
+
+
+def test_the_memory_preflight_counts_each_candidates_own_weights(tmp_path, long_tiny):
+    from caramba.errors import UserError
+    from caramba.manifest import parse_manifest
+    from caramba.model.zoo import inspect_source
+    from caramba.runners import resources
+
+    plain = eval_manifest(tmp_path, long_tiny, SECTION.replace("{weights: q8_0}, {weights: q4_0, cache_kind: q8_0, "
+                                                               "qblock: 8}, ", ""))
+    plain_run = next(parse_manifest(plain.read_text(), "p.yaml").iter_runs())
+    weighed_run = next(parse_manifest(eval_manifest(tmp_path, long_tiny, SECTION).read_text(), "w.yaml").iter_runs())
+    configs = {str(long_tiny): inspect_source(str(long_tiny))}
+    base = resources.run_memory(plain_run, configs)["weights"][0]
+    both = resources.run_memory(weighed_run, configs)["weights"][0]
+    assert both == pytest.approx(base * (1 + (34 / 32) / 4 + (18 / 32) / 4), rel=1e-6)   # + q8_0's and q4_0's copies
+    need = sum(v for v, _ in resources.run_memory(weighed_run, configs).values())
+    with pytest.raises(UserError, match="needs about .* more than the"):   # exit 2 before anything loads
+        resources.check_memory([weighed_run], configs, available=need - 1)
+    resources.check_memory([weighed_run], configs, available=need)
