@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from caramba.evaluation.context_store import DIRNAME, EntryStore, canonical
+from caramba.evaluation.context_store import DIRNAME, EntryStore, canonical, ids_sha256
 from caramba.version import __version__
 
 SUBDIR = "answers"
@@ -86,7 +86,7 @@ def perplexity_key(model: dict, baseline_model: dict, ids: list[int], bos: int |
     store too: a rerun with one more candidate scores only it (and the baseline, in lockstep)."""
     return {"kind": "perplexity", "format": FORMAT, "model": model, "baseline_model": baseline_model,
             "caramba": __version__, "torch": torch.__version__,
-            "ids": hashlib.sha256(str(list(ids)).encode()).hexdigest(), "bos": bos, "setup": setup,
+            "ids": ids_sha256(ids), "bos": bos, "setup": setup,
             "baseline": repr(baseline_policy), "candidate": repr(policy), "backend": backend}
 
 

@@ -27,6 +27,7 @@ the bound); the answer store (caramba.evaluation.answer_store) keeps its JSON en
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 import os
@@ -60,6 +61,11 @@ def canonical(obj) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
 
 
+def ids_sha256(ids) -> str:
+    """A token id sequence's sha256, as the stores' keys name ids."""
+    return hashlib.sha256(str(list(ids)).encode()).hexdigest()
+
+
 def model_identity(model, content_hash: str) -> dict:
     """What a model's prefill depends on besides its input: its weights' sha256 and how they are
     held (dtype, device, each module's type and quantized format), and its config."""
@@ -89,7 +95,7 @@ def _metadata(data: bytes) -> dict[str, str]:
     return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
 
 
-class EntryStore:
+class EntryStore(abc.ABC):
     """Entries named by the sha256 of their key in one directory (see the module doc): read
     verified, written atomically, bounded with the least recently used out first. A subclass
     says what an entry's bytes are (`_parse`, `_encode`); `model` is the model's part of every key
@@ -116,10 +122,10 @@ class EntryStore:
     def path_of(self, key: dict) -> Path:
         return self.dir / (hashlib.sha256(canonical(key).encode()).hexdigest() + self.suffix)
 
+    @abc.abstractmethod
     def _parse(self, data: bytes) -> tuple[dict, object, str]:
         """(the entry's metadata: its key and sha256, its payload, the payload's sha256 computed
-        now); raises on anything that does not parse."""
-        raise NotImplementedError
+        now); raises on anything that does not parse. Each store says what its entries are."""
 
     def _load(self, key: dict):
         """The payload of the entry for `key`, verified; None when there is none or it was bad
@@ -224,4 +230,4 @@ class ContextStore(EntryStore):
         return self._save(key, st_save(tensors, metadata=meta))
 
 
-__all__ = ["ContextStore", "DIRNAME", "EntryStore", "canonical", "default_max_bytes", "model_identity", "tensors_digest"]
+__all__ = ["ContextStore", "DIRNAME", "EntryStore", "canonical", "default_max_bytes", "ids_sha256", "model_identity", "tensors_digest"]

@@ -37,7 +37,6 @@ not collapse to zero width when every sample scored 1 (or 0).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -50,7 +49,7 @@ from caramba.cache import CachePolicy, KVCache, LayerKVCache
 from caramba.cache.hybrid import SlidingLayerKVCache
 from caramba.evaluation import answer_store, context_store
 from caramba.evaluation.answer_store import AnswerStore
-from caramba.evaluation.context_store import ContextStore, model_identity
+from caramba.evaluation.context_store import ContextStore, ids_sha256, model_identity
 from caramba.infer.padding import left_pad
 from caramba.infer.pressing import observing_all, prefill_pressed
 from caramba.infer.decoding_press import DecodingPress
@@ -423,14 +422,10 @@ def _context_key(model, contexts: ContextStore, group: Sequence[TaskSample], con
                  q_chunk: int | None, path: str, pad: int) -> dict:
     return {"format": context_store.FORMAT, "model": contexts.model or model_identity(model, ""),
             "caramba": __version__, "torch": torch.__version__,
-            "contexts": [_ids_sha256(s.context_ids) for s in group],
+            "contexts": [ids_sha256(s.context_ids) for s in group],
             "pad": pad, "width": int(context[0].shape[1]),
             "baseline": {"policy": repr(baseline.policy), "window": baseline.window},
             "q_chunk": q_chunk, "path": path}
-
-
-def _ids_sha256(ids: Sequence[int]) -> str:
-    return hashlib.sha256(str(list(ids)).encode()).hexdigest()
 
 
 def _context(model, group: Sequence[TaskSample], context: tuple, slots: int, baseline: Candidate,
@@ -528,8 +523,8 @@ def _answer_key(model, answers: AnswerStore, group: Sequence[TaskSample], c: Can
     press = c.press if c.press is not None and c.press.enabled else None
     return {"format": answer_store.FORMAT, "model": answers.model or model_identity(model, ""),
             "caramba": __version__, "torch": torch.__version__,
-            "samples": [{"task": s.task, "length": s.length, "index": s.index, "context": _ids_sha256(s.context_ids),
-                         "question": _ids_sha256(s.question_ids), "max_new_tokens": s.max_new_tokens} for s in group],
+            "samples": [{"task": s.task, "length": s.length, "index": s.index, "context": ids_sha256(s.context_ids),
+                         "question": ids_sha256(s.question_ids), "max_new_tokens": s.max_new_tokens} for s in group],
             "pad": pad, "eos": sorted(stops), "prefill": prefill, "q_chunk": q_chunk,
             "candidate": {"baseline": c is baseline, "policy": repr(c.policy), "window": c.window,
                           "press": repr(press) if press is not None else None},

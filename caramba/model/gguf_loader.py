@@ -11,6 +11,7 @@ and llama.cpp do.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,29 +60,24 @@ def open_gguf(path: Path):
     return reader
 
 
-_FAST_READER = None
-
-
+@functools.cache
 def _reader_class():
     """gguf.GGUFReader reading through a plain ndarray view of its np.memmap: the reader slices
     its data once per metadata value (two slices per vocabulary string), and a memmap slice pays
     numpy's memmap bookkeeping each time: SmolLM2's 49k-token vocabulary took 2.3 s to parse, 0.75 s
     this way. The same bytes (the view shares the mapping); tensors come back as plain arrays."""
-    global _FAST_READER
-    if _FAST_READER is None:
-        import gguf
+    import gguf
 
-        class FastReader(gguf.GGUFReader):
-            @property
-            def data(self):
-                return self._mapped
+    class FastReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._mapped
 
-            @data.setter
-            def data(self, value):
-                self._mapped = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+        @data.setter
+        def data(self, value):
+            self._mapped = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
-        _FAST_READER = FastReader
-    return _FAST_READER
+    return FastReader
 
 
 def field(reader, key: str, default=None):

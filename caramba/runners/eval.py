@@ -30,7 +30,6 @@ from caramba.evaluation.evaluate import EvalResult, adds_bos, corpus_text, evalu
 from caramba.evaluation.task_eval import JOIN_ROWS, Candidate, CandidateAnswers, answer_tasks
 from caramba.manifest import ResolvedRun
 from caramba.manifest.schema import EvalSettings, PerplexitySettings, TaskSettings
-from caramba.model import quant
 from caramba.model.backend import choose
 from caramba.model.zoo import DTYPES, LoadedModel, inspect_source, load_model, resolve_device, resolve_source
 from caramba.runners.generate import check_pressable
@@ -145,7 +144,7 @@ def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, reco
         settings.perplexity.ctx if settings.perplexity is not None else 1
     rows = {c.label: {"label": c.label, "policy": c.policy.describe(decoupled), "window": c.window,
                       "press": c.press.describe() if c.press is not None and c.press.enabled else None,
-                      **cache_bytes(model, c.policy, context), **weights_row(models[c.label], context)}
+                      **cache_bytes(model, c.policy, context), **weights_row(models[c.label])}
             for c in [*candidates, baseline]}
     result: dict[str, Any] = {"mode": "eval", "baseline": baseline.label}
     contexts = ContextStore(record.root, model=model_identity(model, loaded.content_hash)) \
@@ -173,23 +172,21 @@ def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, reco
     return result
 
 
-def weights_row(loaded: LoadedModel, context: int) -> dict[str, Any]:
-    """A candidate's weights: their format, file (when not the run's), the bytes they hold, and
-    what the candidate holds at the eval's context (weights + KV cache: bytes_at_context, filled
-    in by run_eval once the cache's bytes per token are known)."""
+def weights_row(loaded: LoadedModel) -> dict[str, Any]:
+    """A candidate's weights: their format, file and the bytes they hold (run_eval adds
+    bytes_at_context, weights + KV cache, once a pressed cache's bytes per token are known)."""
     return {"weights": loaded.model.weights, "source": str(loaded.path), "weight_bytes": weight_bytes(loaded.model)}
 
 
 def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, candidates: list[Candidate],
-                baseline: Candidate, rows: dict, bar: Progress, models: dict[str, LoadedModel] | None = None,
+                baseline: Candidate, rows: dict, bar: Progress, models: dict[str, LoadedModel],
                 scores: AnswerStore | None = None) -> dict:
     """Every candidate's perplexity scores against the baseline's; with `scores`, the ones kept from
     an earlier run with the same ids, settings, models and caches are reused, and only the others
     are scored (with the baseline, in lockstep), then kept."""
     chunks = s.protocol == "chunks"
     setup = {"ctx": s.ctx, "n_chunks": len(ids) // s.ctx, "bos": bos} if chunks else {"prompt_len": s.prompt_len}
-    model_of = lambda c: (models[c.label] if models and c.label in models else None)   # noqa: E731
-    keys = _perplexity_keys(model, s, ids, bos, candidates, baseline, model_of, scores) if scores is not None else {}
+    keys = _perplexity_keys(s, ids, bos, candidates, baseline, models, scores) if scores is not None else {}
     found = {c.label: scores.load(keys[c.label]) for c in candidates} if scores is not None else {}
     todo = [c for c in candidates if found.get(c.label) is None]
     seconds, choice = 0.0, None
@@ -197,7 +194,7 @@ def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, c
         progress = Steps(bar, f"perplexity ({s.protocol})", len(ids) // s.ctx if chunks else len(ids) - s.prompt_len)
         step = lambda done, total: progress.update(done)   # noqa: E731
         policies = [c.policy for c in todo]
-        others = [model_of(c).model if model_of(c) else model for c in todo]
+        others = [models[c.label].model for c in todo]
         choice = threads.choose() if model.device.type == "cpu" else None   # the cores free now (caramba.threads)
         t0 = time.perf_counter()
         with threads.applied(choice) if choice is not None else contextlib.nullcontext():
@@ -227,32 +224,32 @@ def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, c
             "reused": [c.label for c in candidates if c not in todo]}
 
 
-def _perplexity_keys(model, s: PerplexitySettings, ids: list[int], bos: int | None, candidates: list[Candidate],
-                     baseline: Candidate, model_of, scores: AnswerStore) -> dict[str, dict]:
+def _perplexity_keys(s: PerplexitySettings, ids: list[int], bos: int | None, candidates: list[Candidate],
+                     baseline: Candidate, models: dict[str, LoadedModel], scores: AnswerStore) -> dict[str, dict]:
     """Each candidate's key in the answer store (answer_store.perplexity_key)."""
     setup = {"protocol": s.protocol, **({"ctx": s.ctx} if s.protocol == "chunks" else {"prompt_len": s.prompt_len})}
-    mine, paths = scores.model, {}
+    mine, identities, paths = scores.model, {}, {}
     out = {}
     for c in candidates:
-        other = model_of(c)
-        m = other.model if other is not None else model
-        identity = model_identity(m, other.content_hash) if other is not None and m is not model else mine
-        if id(m) not in paths:   # decode steps take the fused C step where it applies (backend.choose)
-            paths[id(m)] = choose(m).name if s.protocol == "decode" else "torch"
-        out[c.label] = perplexity_key(identity, mine, ids, bos, setup, baseline.policy, c.policy, paths[id(m)])
+        m = models[c.label]
+        if id(m) not in identities:   # decode steps take the fused C step where it applies (backend.choose)
+            identities[id(m)] = model_identity(m.model, m.content_hash)
+            paths[id(m)] = choose(m.model).name if s.protocol == "decode" else "torch"
+        out[c.label] = perplexity_key(identities[id(m)], mine, ids, bos, setup, baseline.policy, c.policy,
+                                      paths[id(m)])
     return out
 
 
 def _tasks(model, tok, s: TaskSettings, samples: list, candidates: list[Candidate], baseline: Candidate,
-           rows: dict, record: RunDir, bar: Progress, contexts: ContextStore | None = None,
-           models: dict[str, LoadedModel] | None = None) -> dict:
+           rows: dict, record: RunDir, bar: Progress, contexts: ContextStore | None,
+           models: dict[str, LoadedModel]) -> dict:
     everyone = len(candidates) + 1
     progress = Steps(bar, f"tasks ({len(samples)} samples x {everyone} caches)", len(samples) * everyone)
     answered = lambda _label, _answer: progress.advance()   # noqa: E731
     # the answers beside the contexts, under the same bound: a new candidate costs only its own answers
     answers = AnswerStore.beside(contexts) if contexts is not None and contexts.enabled else None
     t0 = time.perf_counter()
-    results, context_s = answer_by_model(model, tok, samples, candidates, baseline, models or {}, contexts, answers,
+    results, context_s = answer_by_model(model, tok, samples, candidates, baseline, models, contexts, answers,
                                          prefill=s.prefill, q_chunk=s.q_chunk, eos_ids=list(tok.stop_token_ids),
                                          batch_size=s.batch_size, on_answer=answered,
                                          prefill_precision=s.prefill_precision)
@@ -294,7 +291,7 @@ def answer_by_model(model, tok, samples: list, candidates: list[Candidate], base
     The baseline's answers come last, as answer_tasks gives them."""
     groups: dict[int, list[Candidate]] = {}
     for c in candidates:
-        groups.setdefault(id(models[c.label].model) if c.label in models else id(model), []).append(c)
+        groups.setdefault(id(models[c.label].model), []).append(c)
     results, context_s = [], 0.0
     mine = groups.pop(id(model), [])
     for group in groups.values():
@@ -303,13 +300,19 @@ def answer_by_model(model, tok, samples: list, candidates: list[Candidate], base
                          and not c.pressed), None)
         base = stand_in or Candidate(f"{baseline.label}@{other.model.weights}", baseline.policy, baseline.window)
         rest = [c for c in group if c is not stand_in]
+        shown = settings if stand_in is not None or settings.get("on_answer") is None else {
+            **settings, "on_answer": _except(base.label, settings["on_answer"])}   # an added baseline is no cache shown
         with _keyed_by([contexts, answers], other):
             got, seconds = answer_tasks(other.model, tok, samples, rest, base, contexts=contexts, answers=answers,
-                                        **settings)
+                                        **shown)
         results += [r for r in got if r.candidate is not base or stand_in is not None]
         context_s += seconds
     got, seconds = answer_tasks(model, tok, samples, mine, baseline, contexts=contexts, answers=answers, **settings)
     return results + got, context_s + seconds
+
+
+def _except(label: str, on_answer):
+    return lambda who, answer: None if who == label else on_answer(who, answer)
 
 
 @contextlib.contextmanager
@@ -491,6 +494,11 @@ def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked
         raise UserError(f"{where}: eval.tasks.prefill_precision: bf16 pays where the CPU multiplies bf16 natively "
                         "(AVX-512 BF16 or AMX-BF16, with oneDNN); this one does not (it would run slower than "
                         "fp32): use fp32")
+    if s.tasks is not None and s.tasks.prefill_precision == "bf16" and \
+            any((c.weights or r.model.weights) != "fp32" for c in [*s.candidates, s.baseline]):
+        raise UserError(f"{where}: eval.tasks.prefill_precision: bf16 rounds fp32 weights' products; quantized "
+                        "weights (model.weights or a candidate's weights:) prefill through their own GEMM, where it "
+                        "would do nothing: use fp32, or fp32 weights")
     try:
         if s.tasks is not None:
             limit = config.max_position_embeddings
@@ -511,22 +519,22 @@ def check_eval(r: ResolvedRun, where: str, tok: Tokenizer | None = None, checked
 def check_candidate_weights(r: ResolvedRun, where: str, sources) -> None:
     """A candidate's own weights (source:, weights:) load as the run's model would: the file is
     there and whole, keeps blocks if the format is native, and has the run's tokenizer."""
+    from caramba.runners.preflight import check_native_source   # lazy: preflight imports the modes
+
     for i, c in enumerate(r.run.eval.candidates):
         if c.source is None and c.weights is None:
             continue
-        field = f"{where}: eval.candidates[{i}]"
+        field = f"eval.candidates[{i}]"
         source = c.source if c.source is not None else r.model.source
         try:
             path = sources.path(source)
             sources.config(source)
             sources.check_weights(source)
         except UserError as e:
-            raise UserError(f"{field}.source: {e}") from None
-        if (c.weights or r.model.weights) in quant.NATIVE_ACT and not path.is_file():
-            raise UserError(f"{field}.weights: '{c.weights or r.model.weights}' keeps a GGUF file's own blocks, but "
-                            f"{source!r} is not a .gguf; use weights q8_0 or q4_0 (they quantize any source) or fp32")
+            raise UserError(f"{where}: {field}.source: {e}") from None
+        check_native_source(c.weights or r.model.weights, path, source, where, field)
         if c.source is not None and not same_vocabulary(sources.tokenizer(c.source), sources.tokenizer(r.model.source)):
-            raise UserError(f"{field}.source: {c.source!r} has another tokenizer than model.source "
+            raise UserError(f"{where}: {field}.source: {c.source!r} has another tokenizer than model.source "
                             f"{r.model.source!r}; a candidate's weights must be another file of the same model")
 
 

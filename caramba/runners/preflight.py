@@ -63,10 +63,7 @@ def check_run(r: ResolvedRun, where: str, sources: Sources | None = None, device
                 devices.add(spec.device)
         except UserError as e:
             raise UserError(f"{where}: {field}: {e}") from None
-        if spec.weights in quant.NATIVE_ACT and not path.is_file():
-            raise UserError(f"{where}: {field}.weights: '{spec.weights}' keeps a GGUF file's own blocks, but "
-                            f"{field}.source {spec.source!r} is not a .gguf; use weights q8_0 or q4_0 (they "
-                            "quantize any source) or fp32")
+        check_native_source(spec.weights, path, spec.source, where, field)
         _check_vocabulary(spec.source, sources, where, field)
     mode = registry.get(r.run.mode)
     text = getattr(r.run.settings, "text", None)
@@ -79,6 +76,14 @@ def check_run(r: ResolvedRun, where: str, sources: Sources | None = None, device
             raise UserError(f"{where}: draft.source {r.draft.source!r} has a vocabulary of {draft.vocab_size} "
                             f"tokens, the model {target.vocab_size}; speculative decoding needs a draft with "
                             "the same tokenizer")
+
+
+def check_native_source(weights: str, path: Path, source: str, where: str, field: str) -> None:
+    """weights native / native_i16 keep a GGUF's own blocks: UserError naming `field` when the source is not a file."""
+    if weights in quant.NATIVE_ACT and not path.is_file():
+        raise UserError(f"{where}: {field}.weights: '{weights}' keeps a GGUF file's own blocks, but "
+                        f"{field}.source {source!r} is not a .gguf; use weights q8_0 or q4_0 (they "
+                        "quantize any source) or fp32")
 
 
 def check_text(path: str | Path, field: str) -> None:

@@ -475,6 +475,11 @@ def test_bf16_prefill_is_recorded_and_refused_where_the_cpu_lacks_bf16(tmp_path,
     own = invoke("run", eval_manifest(tmp_path, long_tiny, section.replace("samples: 1,", "samples: 1, prefill: own,")))
     assert own.exit_code == 2 and "prefill: shared" in own.output, own.output
     monkeypatch.setattr(gemm, "bf16_native", lambda: True)
+    quantized = invoke("run", eval_manifest(tmp_path, long_tiny, section.replace("{cache_kind: q8_0}",
+                                                                                 "{cache_kind: q8_0, weights: q8_0}")))
+    assert quantized.exit_code == 2 and "quantized weights" in quantized.output, quantized.output
+    assert not (tmp_path / "runs" / "ev").exists()
+    monkeypatch.setattr(gemm, "bf16_native", lambda: True)
     r = invoke("run", eval_manifest(tmp_path, long_tiny, section))
     assert r.exit_code == 0, r.output
     result = json.loads((tmp_path / "runs" / "ev" / "t" / "kv" / "result.json").read_text())
