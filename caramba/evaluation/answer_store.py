@@ -78,16 +78,24 @@ class AnswerStore(EntryStore):
         self._discard(self.path_of(key), why)
 
 
-def perplexity_key(model: dict, baseline_model: dict, ids: list[int], bos: int | None, setup: dict,
-                   baseline_policy, policy, backend: str) -> dict:
-    """What one candidate's perplexity scores depend on: its model and the baseline's (identities,
+def baseline_logits_key(baseline_model: dict, ids: list[int], bos: int | None, setup: dict, baseline_policy,
+                        backend: str) -> dict:
+    """What the baseline's logits over a perplexity text depend on: its model (identity,
     context_store.model_identity), the versions, the scored ids, the protocol's settings (`setup`:
-    protocol, prompt_len or ctx), both caches' policies and the decode path. Kept in the answer
-    store too: a rerun with one more candidate scores only it (and the baseline, in lockstep)."""
-    return {"kind": "perplexity", "format": FORMAT, "model": model, "baseline_model": baseline_model,
+    protocol, prompt_len or ctx), its cache's policy and its decode path. The logits themselves are
+    kept in the context store (tensors, caramba.evaluation.evaluate.BaselineLogits): a new
+    candidate is scored against them without running the baseline again."""
+    return {"kind": "perplexity-baseline", "format": FORMAT, "model": baseline_model,
             "caramba": __version__, "torch": torch.__version__,
-            "ids": ids_sha256(ids), "bos": bos, "setup": setup,
-            "baseline": repr(baseline_policy), "candidate": repr(policy), "backend": backend}
+            "ids": ids_sha256(ids), "bos": bos, "setup": setup, "baseline": repr(baseline_policy), "backend": backend}
 
 
-__all__ = ["AnswerStore", "FORMAT", "PERPLEXITY_SUBDIR", "SUBDIR", "perplexity_key"]
+def perplexity_key(model: dict, baseline: dict, policy, backend: str) -> dict:
+    """What one candidate's perplexity scores depend on: its model's identity, the baseline's logits
+    (their key, baseline_logits_key), its cache's policy and its decode path. Kept in the answer
+    store: a rerun with one more candidate scores only it."""
+    return {"kind": "perplexity", "format": FORMAT, "model": model, "baseline": baseline,
+            "candidate": repr(policy), "backend": backend}
+
+
+__all__ = ["AnswerStore", "FORMAT", "PERPLEXITY_SUBDIR", "SUBDIR", "baseline_logits_key", "perplexity_key"]

@@ -5,7 +5,7 @@ through the cache, exactly as generation does, and the logits predicting each ne
 scored: NLL/PPL of the text, and against the baseline cache (fp32 by default) the KL divergence
 KL(baseline || candidate) and how often the top-1 token agrees (llama.cpp's perplexity tool
 with --kl-divergence). The baseline and every candidate advance in lockstep, so no logits are
-stored.
+held beyond the step's.
 
 `evaluate_chunks` ("chunks", comparable with llama.cpp's `llama-perplexity -c CTX`): the text is
 split into non-overlapping windows of `ctx` tokens, each run as one forward through an empty
@@ -15,6 +15,12 @@ predict tokens ctx/2+1 .. ctx-1 (ctx/2 - 1 per window, as llama.cpp counts). Whe
 tokenizer adds BOS, the text is tokenized with it and the first token of every window is
 replaced by BOS. PPL comes with llama.cpp's standard error: PPL * the standard error of the
 mean NLL, sqrt((mean(nll^2) - mean(nll)^2) / (N - 1)).
+
+Both take the baseline's logits from an earlier run instead of running it (`baseline_logits`: a
+`BaselineLogits` that their `on_baseline` handed out): every scored position's row, in scoring
+order. They are the run's own float values, so the candidates' scores against them are the ones
+a lockstep run gives, bit for bit; a new candidate of a finished eval then costs its own steps
+alone (caramba.runners.eval keeps them in the context store).
 """
 
 from __future__ import annotations
@@ -80,6 +86,15 @@ class EvalResult:
         return {**asdict(self), "dnll": self.dnll, "ppl_ratio": self.ppl_ratio}
 
 
+@dataclass
+class BaselineLogits:
+    """The baseline's logits at every scored position, [N, V] in scoring order (decode: the
+    prefill's last row, then each step's; chunks: each window's scored rows), and the speed of its
+    scored decode steps when they ran."""
+    logits: torch.Tensor
+    decode_tok_s: float | None = None
+
+
 class NonFiniteLogits(ValueError):
     """A model's logits hold NaN or inf (float16 overflow, broken weights): every figure scored
     from them would be meaningless (argmax of NaN agrees, a NaN KL vanishes in max), so the
@@ -131,12 +146,16 @@ def evaluate_cache(
     on_step: Callable[[int, int], None] | None = None,   # (done, total) after each decode step
     presses: Sequence[PressConfig | None] | None = None,
     models: Sequence | None = None,
+    baseline_logits: BaselineLogits | None = None,
+    on_baseline: Callable[[BaselineLogits], None] | None = None,
 ) -> list[EvalResult]:
     """Score ids[prompt_len:] with each candidate cache and the baseline, in lockstep.
     presses: per candidate, a press (caramba.press) on its cache: the prompt is its context,
     pressed after its prefill; decoding-time compression runs through the scored steps.
     models: per candidate, the model it runs (other weights of `model`, the baseline's, with the
-    same tokenizer: a weight-format study); default `model` for all."""
+    same tokenizer: a weight-format study); default `model` for all.
+    baseline_logits: the baseline's from an earlier run of the same ids and settings, read instead
+    of running it; on_baseline: called with the baseline's logits once it has run (module doc)."""
     if len(ids) < prompt_len + 2:
         raise ValueError(f"the text has {len(ids)} tokens; prompt_len={prompt_len} needs at least {prompt_len + 2}")
     if prompt_len < 1:
@@ -150,12 +169,18 @@ def evaluate_cache(
     n = tokens.shape[1]
     # decode steps through the fused C step where it applies, as a Generator's; one backend per model
     forwards = {id(m): choose(m) for m in models}
-    runs = [_Run(forwards[id(m)], m.new_cache(1, n, p), press) for m, p, press in zip(models, policies, [None, *presses])]
+    replay = _Replay(baseline_logits, n - prompt_len, model) if baseline_logits is not None else None
+    runs = [_Run(forwards[id(m)], m.new_cache(1, n, p), press)
+            for m, p, press in list(zip(models, policies, [None, *presses]))[replay is not None:]]
+    runs = [replay, *runs] if replay is not None else runs
+    kept = [] if on_baseline is not None and replay is None else None
     scores = [_Score(p.describe()) for p in policies]
     try:
         logits = [r.prefill(tokens[:, :prompt_len]) for r in runs]
         total = n - prompt_len
         for t in range(prompt_len, n):
+            if kept is not None:
+                kept.append(logits[0].clone())   # a backend may hand out its own buffer, rewritten next step
             logp = [torch.log_softmax(x.float(), dim=-1) for x in logits]  # [1, V] each
             for s, lp in zip(scores, logp):
                 s.add(lp, logp[0], tokens[0, t : t + 1])
@@ -167,9 +192,11 @@ def evaluate_cache(
         for r in runs:
             r.close()
     results = _results(model, policies, [r.cache for r in runs], scores, "decode")
-    speeds = [r.steps / r.step_s if r.step_s > 0 else None for r in runs]
+    speeds = [r.speed for r in runs]
     for result, speed in zip(results, speeds[1:]):
         result.decode_tok_s, result.baseline_decode_tok_s = speed, speeds[0]
+    if kept is not None:
+        on_baseline(BaselineLogits(torch.cat(kept), speeds[0]))
     return results
 
 
@@ -204,6 +231,10 @@ class _Run:
         return logits
 
     @property
+    def speed(self) -> float | None:
+        return self.steps / self.step_s if self.step_s > 0 else None
+
+    @property
     def cache(self):
         return self.state.cache if self.state is not None else self._cache
 
@@ -227,6 +258,35 @@ class _Run:
     def close(self) -> None:
         if self.decoding is not None:
             self.decoding.close()
+
+
+class _Replay:
+    """The baseline's kept logits in its run's place: each call hands out the next scored row."""
+
+    cache = None
+
+    def __init__(self, kept: BaselineLogits, n_scored: int, model) -> None:
+        _check_kept(kept, n_scored, model)
+        self.rows, self.speed, self.at = kept.logits, kept.decode_tok_s, 0
+
+    def _next(self) -> torch.Tensor:
+        self.at += 1
+        return self.rows[self.at - 1 : self.at]
+
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._next()
+
+    def timed_step(self, token: torch.Tensor) -> torch.Tensor:
+        return self._next()
+
+    def close(self) -> None:
+        pass
+
+
+def _check_kept(kept: BaselineLogits, n_scored: int, model) -> None:
+    want = (n_scored, model.config.vocab_size)
+    if tuple(kept.logits.shape) != want:
+        raise ValueError(f"the baseline's kept logits are {tuple(kept.logits.shape)}, the scoring needs {want}")
 
 
 def _results(model, policies, caches, scores, protocol: str) -> list[EvalResult]:
@@ -277,10 +337,12 @@ def evaluate_chunks(
     max_chunks: int | None = None,
     on_step: Callable[[int, int], None] | None = None,   # (done, total) after each window
     models: Sequence | None = None,
+    baseline_logits: BaselineLogits | None = None,
+    on_baseline: Callable[[BaselineLogits], None] | None = None,
 ) -> list[EvalResult]:
     """llama-perplexity's protocol (module doc): ids are the whole text's tokens (with the BOS the
     tokenizer adds, if any; `bos` is then its id). Baseline and candidates see the same windows.
-    models: per candidate, the model it runs (as evaluate_cache's)."""
+    models, baseline_logits, on_baseline: as evaluate_cache's."""
     if ctx < 4 or ctx % 2:
         raise ValueError(f"ctx={ctx} must be an even number >= 4 (windows are scored on their second half)")
     windows = chunk_windows(ids, ctx, bos)
@@ -291,22 +353,33 @@ def evaluate_chunks(
     policies = [CachePolicy.of(baseline)] + [CachePolicy.of(c) for c in candidates]
     models = [model, *_per_candidate(models, model, len(candidates))]
     device = model.device
+    first = ctx // 2
+    per = ctx - 1 - first                                            # scored rows per window
+    if baseline_logits is not None:
+        _check_kept(baseline_logits, per * len(windows), model)
     caches = [m.new_cache(1, ctx, p) for m, p in zip(models, policies)]
     scores = [_Score(p.describe()) for p in policies]
-    first = ctx // 2
+    kept = [] if on_baseline is not None and baseline_logits is None else None
     for i, window in enumerate(windows):
         tokens = torch.tensor([window], device=device)
         targets = tokens[0, first + 1 :]
         base = None
-        for m, cache, s in zip(models, caches, scores):   # the baseline first; one candidate's rows held at a time
-            cache.reset()
-            logits = m(tokens, cache=cache)[0, first : ctx - 1]          # [ctx/2 - 1, V]
+        for j, (m, cache, s) in enumerate(zip(models, caches, scores)):   # the baseline first; one candidate's rows held at a time
+            if j == 0 and baseline_logits is not None:
+                logits = baseline_logits.logits[i * per : (i + 1) * per]
+            else:
+                cache.reset()
+                logits = m(tokens, cache=cache)[0, first : ctx - 1]          # [ctx/2 - 1, V]
+            if j == 0 and kept is not None:
+                kept.append(logits.clone())   # not a view holding the whole window's rows
             lp = torch.log_softmax(logits.float(), dim=-1)
             base = lp if base is None else base
             s.add(lp, base, targets)
         if on_step is not None:
             on_step(i + 1, len(windows))
+    if kept is not None:
+        on_baseline(BaselineLogits(torch.cat(kept)))
     return _results(model, policies, caches, scores, "chunks")
 
 
-__all__ = ["EvalResult", "NonFiniteLogits", "adds_bos", "chunk_windows", "corpus_ids", "corpus_text", "evaluate_cache", "evaluate_chunks", "require_finite"]
+__all__ = ["BaselineLogits", "EvalResult", "NonFiniteLogits", "adds_bos", "chunk_windows", "corpus_ids", "corpus_text", "evaluate_cache", "evaluate_chunks", "require_finite"]

@@ -24,9 +24,9 @@ from caramba import gemm, threads
 from caramba.errors import UserError
 from caramba.progress import Steps
 from caramba.evaluation import tasks as task_suite
-from caramba.evaluation.answer_store import PERPLEXITY_SUBDIR, AnswerStore, perplexity_key
+from caramba.evaluation.answer_store import PERPLEXITY_SUBDIR, AnswerStore, baseline_logits_key, perplexity_key
 from caramba.evaluation.context_store import ContextStore, model_identity
-from caramba.evaluation.evaluate import EvalResult, adds_bos, corpus_text, evaluate_cache, evaluate_chunks
+from caramba.evaluation.evaluate import BaselineLogits, EvalResult, adds_bos, corpus_text, evaluate_cache, evaluate_chunks
 from caramba.evaluation.task_eval import JOIN_ROWS, Candidate, CandidateAnswers, answer_tasks
 from caramba.manifest import ResolvedRun
 from caramba.manifest.schema import EvalSettings, PerplexitySettings, TaskSettings
@@ -154,7 +154,7 @@ def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, reco
             scores = AnswerStore.beside(contexts, PERPLEXITY_SUBDIR) if contexts is not None and contexts.enabled \
                 else None
             result["perplexity"] = _perplexity(model, settings.perplexity, *ppl_ids, candidates, baseline, rows, bar,
-                                               models, scores)
+                                               models, scores, contexts if scores is not None else None)
         if samples:
             result["tasks"] = _tasks(model, tok, settings.tasks, samples, candidates, baseline, rows, record, bar,
                                      contexts, models)
@@ -180,16 +180,17 @@ def weights_row(loaded: LoadedModel) -> dict[str, Any]:
 
 def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, candidates: list[Candidate],
                 baseline: Candidate, rows: dict, bar: Progress, models: dict[str, LoadedModel],
-                scores: AnswerStore | None = None) -> dict:
+                scores: AnswerStore | None = None, contexts: ContextStore | None = None) -> dict:
     """Every candidate's perplexity scores against the baseline's; with `scores`, the ones kept from
     an earlier run with the same ids, settings, models and caches are reused, and only the others
-    are scored (with the baseline, in lockstep), then kept."""
+    are scored; with `contexts`, against the baseline's logits kept there by an earlier run (then
+    the baseline does not run), or with the baseline in lockstep, its logits then kept."""
     chunks = s.protocol == "chunks"
     setup = {"ctx": s.ctx, "n_chunks": len(ids) // s.ctx, "bos": bos} if chunks else {"prompt_len": s.prompt_len}
     keys = _perplexity_keys(s, ids, bos, candidates, baseline, models, scores) if scores is not None else {}
     found = {c.label: scores.load(keys[c.label]) for c in candidates} if scores is not None else {}
     todo = [c for c in candidates if found.get(c.label) is None]
-    seconds, choice = 0.0, None
+    seconds, choice, logits_record = 0.0, None, None
     if todo:
         progress = Steps(bar, f"perplexity ({s.protocol})", len(ids) // s.ctx if chunks else len(ids) - s.prompt_len)
         step = lambda done, total: progress.update(done)   # noqa: E731
@@ -197,13 +198,14 @@ def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, c
         others = [models[c.label].model for c in todo]
         choice = threads.choose() if model.device.type == "cpu" else None   # the cores free now (caramba.threads)
         t0 = time.perf_counter()
+        kept, logits_record = _kept_baseline(model, s, ids, bos, baseline, keys, contexts)
         with threads.applied(choice) if choice is not None else contextlib.nullcontext():
             if chunks:
                 computed = evaluate_chunks(model, ids, policies, baseline.policy, s.ctx, bos, on_step=step,
-                                           models=others)
+                                           models=others, **kept)
             else:
                 computed = evaluate_cache(model, ids, policies, baseline.policy, s.prompt_len, on_step=step,
-                                          models=others)
+                                          models=others, **kept)
         seconds = time.perf_counter() - t0
         progress.close()
         for c, r in zip(todo, computed):
@@ -221,22 +223,53 @@ def _perplexity(model, s: PerplexitySettings, ids: list[int], bos: int | None, c
                                           "decode_tok_s": r0.baseline_decode_tok_s}
     return {"protocol": s.protocol, "text": s.text or "caramba/data/corpus.txt", "n_tokens": len(ids), **setup,
             "seconds": seconds, "threads": choice.used if choice is not None else None,
-            "reused": [c.label for c in candidates if c not in todo]}
+            "reused": [c.label for c in candidates if c not in todo], "baseline_logits": logits_record}
+
+
+def _kept_baseline(model, s: PerplexitySettings, ids: list[int], bos: int | None, baseline: Candidate,
+                   keys: dict[str, dict], contexts: ContextStore | None) -> tuple[dict, dict | None]:
+    """The baseline's logits from the context store (evaluate_cache's baseline_logits), or a hook
+    that keeps them once the baseline has run (its on_baseline), and what the record says of them.
+    Kept only while they take at most a quarter of the store's bound (the decode protocol's 512
+    scored tokens of SmolLM2: 96 MiB), so that they never push out most of the contexts."""
+    n_scored = len(ids) // s.ctx * (s.ctx // 2 - 1) if s.protocol == "chunks" else len(ids) - s.prompt_len
+    size = n_scored * model.config.vocab_size * 4
+    if contexts is None or not keys or size > contexts.max_bytes // 4:
+        return {}, None
+    store = ContextStore(contexts.dir.parent, contexts.max_bytes, contexts.model)   # its own counts, the same bound
+    key = next(iter(keys.values()))["baseline"]
+    t0 = time.perf_counter()
+    got = store.load(key)
+    record = {"entry": store.path_of(key).name, "reused": got is not None, "kept": False,
+              "load_s": time.perf_counter() - t0, "bad": store.bad}
+    if got is not None:
+        tensors, extra = got
+        return {"baseline_logits": BaselineLogits(tensors["logits"], extra.get("decode_tok_s"))}, record
+
+    def keep(b: BaselineLogits) -> None:
+        record["kept"] = store.save(key, {"logits": b.logits}, {"decode_tok_s": b.decode_tok_s})
+    return {"on_baseline": keep}, record
 
 
 def _perplexity_keys(s: PerplexitySettings, ids: list[int], bos: int | None, candidates: list[Candidate],
                      baseline: Candidate, models: dict[str, LoadedModel], scores: AnswerStore) -> dict[str, dict]:
-    """Each candidate's key in the answer store (answer_store.perplexity_key)."""
+    """Each candidate's key in the answer store (answer_store.perplexity_key), whose "baseline" is
+    the baseline's logits' key (baseline_logits_key)."""
     setup = {"protocol": s.protocol, **({"ctx": s.ctx} if s.protocol == "chunks" else {"prompt_len": s.prompt_len})}
-    mine, identities, paths = scores.model, {}, {}
+    held: dict[int, tuple[dict, str]] = {}   # per model: its identity and its decode path
+
+    def identity(m: LoadedModel) -> tuple[dict, str]:   # decode steps take the fused C step where it applies
+        if id(m) not in held:
+            held[id(m)] = (model_identity(m.model, m.content_hash),
+                           choose(m.model).name if s.protocol == "decode" else "torch")
+        return held[id(m)]
+
+    base_model, base_path = identity(models[baseline.label])
+    base = baseline_logits_key(base_model, ids, bos, setup, baseline.policy, base_path)
     out = {}
     for c in candidates:
-        m = models[c.label]
-        if id(m) not in identities:   # decode steps take the fused C step where it applies (backend.choose)
-            identities[id(m)] = model_identity(m.model, m.content_hash)
-            paths[id(m)] = choose(m.model).name if s.protocol == "decode" else "torch"
-        out[c.label] = perplexity_key(identities[id(m)], mine, ids, bos, setup, baseline.policy, c.policy,
-                                      paths[id(m)])
+        mine, path = identity(models[c.label])
+        out[c.label] = perplexity_key(mine, base, c.policy, path)
     return out
 
 

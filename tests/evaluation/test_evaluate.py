@@ -12,7 +12,9 @@ import torch
 
 from caramba.cache import CachePolicy
 from caramba.cli import app
-from caramba.evaluation.evaluate import adds_bos, chunk_windows, corpus_text, evaluate_cache, evaluate_chunks
+from caramba.evaluation import evaluate as evaluate_module
+from caramba.evaluation.evaluate import (BaselineLogits, adds_bos, chunk_windows, corpus_text, evaluate_cache,
+                                        evaluate_chunks)
 from conftest import TINY, make_model
 from test_cli import write_tiny_model
 from typer.testing import CliRunner
@@ -48,6 +50,42 @@ def test_quantized_candidates_are_ranked_by_their_error():
     assert q4.bytes_per_token < q8.bytes_per_token
     d = q8.to_dict()
     assert d["dnll"] == q8.nll - q8.baseline_nll and d["ppl_ratio"] == q8.ppl / q8.baseline_ppl
+
+
+TIMED = ("decode_tok_s", "baseline_decode_tok_s")   # the steps' measured speeds: the only fields a rerun changes
+
+
+def scores(result) -> dict:
+    return {k: v for k, v in result.to_dict().items() if k not in TIMED}
+
+
+@pytest.mark.parametrize("protocol", ["decode", "chunks"])
+def test_a_candidate_scored_against_kept_baseline_logits_equals_its_lockstep_score(protocol, monkeypatch):
+    """The baseline's logits handed out by one run and read back by the next (a new candidate of a
+    finished eval): the candidate's scores are bit for bit its lockstep run's, and the baseline
+    does not run again."""
+    model = make_model(std=0.1)
+    ids = text_ids(48, seed=2)
+    q8, q4 = CachePolicy.build("q8_0", qblock=8), CachePolicy.build("q4_0", qblock=8)
+    score = (lambda cands, **kw: evaluate_cache(model, ids, cands, prompt_len=16, **kw)) if protocol == "decode" \
+        else (lambda cands, **kw: evaluate_chunks(model, ids, cands, ctx=16, **kw))
+    handed: list[BaselineLogits] = []
+    both = score([q8, q4], on_baseline=handed.append)
+    (kept,) = handed
+    n_scored = 32 if protocol == "decode" else 3 * 7
+    assert kept.logits.shape == (n_scored, V) and kept.logits.dtype == torch.float32
+    assert (kept.decode_tok_s is not None) == (protocol == "decode")
+    built = []
+    monkeypatch.setattr(evaluate_module._Run, "close", lambda self: built.append(self))  # each cache run, once
+    (alone,) = score([q4], baseline_logits=kept, on_baseline=handed.append)
+    assert scores(alone) == scores(both[1]) and len(handed) == 1        # nothing handed out again
+    if protocol == "decode":
+        assert len(built) == 1 and alone.baseline_decode_tok_s == kept.decode_tok_s   # only the candidate ran
+    # the kept rows are what it is scored against: other logits, other scores
+    (other,) = score([q4], baseline_logits=BaselineLogits(kept.logits.flip(0)))
+    assert other.kl_mean != alone.kl_mean and other.baseline_nll != alone.baseline_nll
+    with pytest.raises(ValueError, match="kept logits are"):
+        score([q4], baseline_logits=BaselineLogits(kept.logits[1:]))
 
 
 def test_too_short_text_is_an_error():

@@ -96,7 +96,9 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
     assert budget["contexts_computed"] == 1 and budget["contexts_reused"] == 0 and tasks["contexts"]["bad"] == []
     assert all(c["time"]["decode_s"] > 0 and c["time"]["store_s"] >= 0 for c in result["candidates"])
     assert not any(a["context_reused"] for a in answers["q4r"])
-    assert len(list((tmp_path / "runs" / ".context-cache").glob("*.safetensors"))) == 1   # both samples in one batch
+    logits_entry = result["perplexity"]["baseline_logits"]["entry"]   # the baseline's perplexity logits beside them
+    contexts_kept = [p.name for p in (tmp_path / "runs" / ".context-cache").glob("*.safetensors") if p.name != logits_entry]
+    assert len(contexts_kept) == 1 == len(tasks["contexts"]["computed_keys"])   # both samples in one batch
     # the answer store: one entry per cache and batch, written as they were computed
     stored_answers = tmp_path / "runs" / ".context-cache" / "answers"
     assert len(list(stored_answers.glob("*.json"))) == 3 and tasks["answer_store"]["computed"] == 3
@@ -124,7 +126,7 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
     assert invoke("run", manifest, "--force").exit_code == 0
     rerun = json.loads((record / "result.json").read_text())
     assert rerun["tasks"]["time"]["contexts_reused"] == 1 and rerun["tasks"]["contexts"]["computed"] == 0
-    entry = next((tmp_path / "runs" / ".context-cache").glob("*.safetensors")).stem
+    entry = contexts_kept[0].removesuffix(".safetensors")
     assert tasks["contexts"]["computed_keys"] == [entry] == rerun["tasks"]["contexts"]["reused_keys"]
     assert all(a["context_reused"] for a in json.loads((record / "answers.json").read_text())["q4r"])
     assert {c["label"]: c["tasks"] for c in rerun["candidates"]} == {c["label"]: c["tasks"] for c in result["candidates"]}
@@ -154,8 +156,13 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
     assert added.exit_code == 0, added.output
     grown = json.loads((record / "result.json").read_text())
     assert grown["tasks"]["contexts"]["reused"] == 1 and grown["tasks"]["contexts"]["computed"] == 0
-    # perplexity: the old candidates' scores kept, only the new one scored (with the baseline, in lockstep)
+    # perplexity: the old candidates' scores kept, only the new one scored, against the baseline's
+    # logits kept by the first run (the baseline does not run again)
     assert grown["perplexity"]["reused"] == ["q8_0_qblock_8", "q4r"] and grown["perplexity"]["seconds"] > 0
+    assert result["perplexity"]["baseline_logits"] | {"load_s": 0} == {"entry": logits_entry, "reused": False,
+                                                                       "kept": True, "load_s": 0, "bad": []}
+    assert grown["perplexity"]["baseline_logits"] | {"load_s": 0} == {"entry": logits_entry, "reused": True,
+                                                                      "kept": False, "load_s": 0, "bad": []}
     assert {c["label"]: c["perplexity"] for c in grown["candidates"] if c["label"] != "q4_1_qblock_8"} == \
         {c["label"]: c["perplexity"] for c in result["candidates"]}
     old = {"reused": 0, "computed": 2} if choose(loaded.model).name == "c" else {"reused": 2, "computed": 0}
@@ -179,6 +186,22 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
     assert invoke("run", eval_manifest(tmp_path, long_tiny, most), "--force").exit_code == 0
     rescored = json.loads((record / "result.json").read_text())
     assert rescored["perplexity"]["reused"] == [] and all(1e8 > c["perplexity"]["nll"] > 0 for c in rescored["candidates"])
+    # against the kept baseline logits, the scores the first run's lockstep gave, bit for bit
+    assert rescored["perplexity"]["baseline_logits"]["reused"]
+    untimed = lambda run: {c["label"]: {k: v for k, v in c["perplexity"].items() if k != "decode_tok_s"}  # noqa: E731
+                           for c in run["candidates"] if c["label"] in ("q8_0_qblock_8", "q4r")}
+    assert untimed(rescored) == untimed(result)
+    # kept baseline logits that no longer verify: found bad, the baseline run again and its logits kept anew
+    logits_file = tmp_path / "runs" / ".context-cache" / logits_entry
+    data = bytearray(logits_file.read_bytes())
+    data[-3] ^= 0xFF
+    logits_file.write_bytes(bytes(data))
+    for entry in kept.glob("*.json"):
+        entry.unlink()
+    assert invoke("run", eval_manifest(tmp_path, long_tiny, most), "--force").exit_code == 0
+    healed = json.loads((record / "result.json").read_text())["perplexity"]["baseline_logits"]
+    assert healed["bad"] == [f"{logits_entry}: checksum mismatch"] and not healed["reused"] and healed["kept"]
+    assert logits_file.read_bytes() != bytes(data)
 
 
 def test_same_prompts_for_every_candidate_and_reproducible_from_the_record(tmp_path, monkeypatch, long_tiny):
