@@ -161,7 +161,8 @@ def _report_frontier(source: Path, rows: list[dict], done: list[tuple[str, Path]
     title = (f"quality-cost frontier ({len(front)} candidates; * = Pareto-optimal by "
              f"{'bytes held at the context (weights + cache)' if weighed else 'bytes/token'} and "
              f"{quality_key(front) or 'no common quality metric'})")
-    time_rows, time_title = _eval_time(done), "time budget (seconds; per candidate: its stores, questions, decode steps)"
+    time_rows, time_title = _eval_time(done), ("time budget (seconds; (perplexity): its scoring; per candidate: "
+                                             "its stores, questions, decode steps)")
     if fmt == "markdown":
         text = f"### caramba report: {source}\n\n" + markdown_table(status)
         text += f"\n\n{title}\n\n" + markdown_table(ordered) if front else ""

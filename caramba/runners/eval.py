@@ -380,17 +380,25 @@ def time_budget(results: list[CandidateAnswers], context_s: float, wall_s: float
 
 
 def time_rows(records: list[tuple[str, Any]]) -> list[dict]:
-    """`caramba report`'s time budget of finished eval records: per run its task answering's wall
-    time and shared prefill, per candidate its stores, questions and decode steps; the contexts
-    and answers reused from the stores, and the seconds the reused answers took when computed."""
+    """`caramba report`'s time budget of finished eval records: per run the perplexity scoring's
+    wall time (row "(perplexity)"), its task answering's wall time and shared prefill, per candidate
+    its stores, questions and decode steps; the contexts and answers reused from the stores, and
+    the seconds the reused answers took when computed."""
     out = []
     for name, path in records:
         try:
             result = json.loads((path / "result.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        budget = (result.get("tasks") or {}).get("time") if isinstance(result, dict) else None
-        if result.get("mode") != "eval" or not isinstance(budget, dict):
+        if not isinstance(result, dict) or result.get("mode") != "eval":
+            continue
+        ppl = result.get("perplexity")
+        if isinstance(ppl, dict):
+            out.append({"run": name, "cache": "(perplexity)", "prefill_s": None, "store_s": None, "question_s": None,
+                        "decode_s": None, "wall_s": ppl.get("seconds"), "contexts_reused": None,
+                        "answers_reused": None, "reused_s": None})
+        budget = (result.get("tasks") or {}).get("time")
+        if not isinstance(budget, dict):
             continue
         out.append({"run": name, "cache": "(all)", "prefill_s": budget.get("context_prefill_s"),
                     "store_s": budget.get("store_s"), "question_s": budget.get("question_s"),

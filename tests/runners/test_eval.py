@@ -107,7 +107,9 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
     report = invoke("report", manifest)
     assert report.exit_code == 0 and "time budget" in report.output, report.output
     timed = json.loads(invoke("report", manifest, "--format", "json").stdout)["time"]
-    assert [t["cache"] for t in timed] == ["(all)", *labels] and timed[0]["contexts_reused"] == 0
+    assert [t["cache"] for t in timed] == ["(perplexity)", "(all)", *labels] and timed[1]["contexts_reused"] == 0
+    assert timed[0]["wall_s"] == result["perplexity"]["seconds"] > 0
+    timed = timed[1:]
     assert timed[0]["prefill_s"] == budget["context_prefill_s"] and timed[1]["decode_s"] == by[labels[0]]["time"]["decode_s"]
     assert "time budget" in invoke("report", manifest, "--format", "markdown").stdout
     # a forced rerun: every answer from the answer store, so no context is needed; the same scores
@@ -119,7 +121,7 @@ def test_eval_run_records_every_candidate_then_skips_and_checks(tmp_path, monkey
     assert all(c["time"]["total_s"] == 0 and c["time"]["answers_reused"] == 2 for c in same["candidates"])
     assert all(a["answer_reused"] for a in json.loads((record / "answers.json").read_text())["q4r"])
     assert {c["label"]: c["tasks"] for c in same["candidates"]} == {c["label"]: c["tasks"] for c in result["candidates"]}
-    timed = json.loads(invoke("report", manifest, "--format", "json").stdout)["time"]
+    timed = json.loads(invoke("report", manifest, "--format", "json").stdout)["time"][1:]
     assert timed[0]["answers_reused"] == 6 and [t["answers_reused"] for t in timed[1:]] == [2, 2, 2]
     # without the answers, the contexts: reused from the context store
     shutil.rmtree(stored_answers)
