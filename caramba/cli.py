@@ -6,20 +6,23 @@ short message on stderr; set CARAMBA_DEBUG=1 to see the traceback of an unexpect
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
 from contextlib import contextmanager
+from functools import cached_property
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand
+from typer.models import CommandInfo
 
 from caramba.cli_dba import cache_bytes_per_token as _cache_bytes_per_token  # noqa: F401  (tests use the old name)
-from caramba.cli_eval import candidate_default, candidate_option
 from caramba.errors import CarambaError, UserError
 from caramba.runs import json_text
 
@@ -62,6 +65,49 @@ def _load(manifest: Path, overrides: list[str]):
     from caramba.manifest import load_manifest
 
     return load_manifest(manifest, overrides)
+
+
+class _DerivedFlags(TyperCommand):
+    """A command whose flags are derived from the engine's option definitions (generate's from
+    GenerateConfig, eval's from CacheConfig), which import torch (~2 s): `caramba --help` lists it
+    by its help alone, and the whole command is built (`build`) when it parses its arguments, to
+    run or to print its own --help, or is asked for its flags."""
+
+    build: Callable[[], TyperCommand]
+
+    @cached_property
+    def whole(self) -> TyperCommand:
+        return self.build()
+
+    @property
+    def params(self) -> list:
+        return self.whole.params
+
+    @params.setter
+    def params(self, value: list) -> None:   # the stand-in's own (none): the whole command's replace them
+        pass
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        return self.whole.make_context(info_name, args, parent, **extra)
+
+
+def _command_with_derived_flags(name: str, signature: Callable[[], inspect.Signature]):
+    """app.command(name) for a function taking its derived flags as **kwargs: signature() gives
+    its whole signature (importing the engine), called only when the command is built."""
+    def register(function):
+        def build() -> TyperCommand:
+            def command(**kwargs):
+                return function(**kwargs)
+
+            command.__signature__ = signature()
+            info = CommandInfo(name, callback=command, help=inspect.getdoc(function))
+            return typer.main.get_command_from_info(info, pretty_exceptions_short=app.pretty_exceptions_short,
+                                                    rich_markup_mode=app.rich_markup_mode)
+
+        stand_in = type(f"{function.__name__}_command", (_DerivedFlags,), {"build": staticmethod(build)})
+        app.command(name, cls=stand_in, help=inspect.getdoc(function))(lambda: None)   # never run: whole's is
+        return function
+    return register
 
 
 # The model options every command that loads a model shares.
@@ -296,6 +342,14 @@ def validate(
                   + escape(", ".join(f"{r.target}/{r.run.id}" for r in runs)))
 
 
+def _generate_signature() -> inspect.Signature:
+    # lazy: the flags come from GenerateConfig, which imports torch (~2 s); `caramba --help` needs none of it
+    from caramba.cli_generate import signature
+
+    return signature(WeightsOption.__metadata__[0].help)
+
+
+@_command_with_derived_flags("generate", _generate_signature)
 def _generate(prompt: str, model: str, dtype: str, device: str, weights: str, seed: Optional[int], chat: bool, system: Optional[str],
               as_json: bool, speculative: Optional[str], draft: Optional[str], overrides: Optional[list[str]],
               **options) -> None:
@@ -310,16 +364,6 @@ def _generate(prompt: str, model: str, dtype: str, device: str, weights: str, se
 
         generate(prompt, model, dtype, device, weights, seed, chat, system, as_json, speculative, draft, overrides or [],
                  options, out, err)
-
-
-def _register_generate() -> None:
-    from caramba.cli_generate import signature
-
-    _generate.__signature__ = signature(WeightsOption.__metadata__[0].help)
-    app.command("generate")(_generate)
-
-
-_register_generate()
 
 
 @app.command()
@@ -435,7 +479,18 @@ def convert_dba(
         convert(out_dir, sem_dim, geo_dim, model, calib_text, calib_tokens, force, out, err)
 
 
-@app.command("eval")
+def _eval_signature() -> inspect.Signature:
+    """eval_cache's flags with the candidates' shared cache settings after --press."""
+    # lazy: those flags come from CacheConfig, which imports torch (~2 s); `caramba --help` needs none of it
+    from caramba.cli_eval import candidate_params
+
+    params = [p.replace(kind=p.KEYWORD_ONLY) for p in inspect.signature(eval_cache, eval_str=True).parameters.values()
+              if p.kind != p.VAR_KEYWORD]
+    at = [p.name for p in params].index("press") + 1
+    return inspect.Signature(params[:at] + candidate_params() + params[at:])
+
+
+@_command_with_derived_flags("eval", _eval_signature)
 def eval_cache(
     text: Annotated[Optional[Path], typer.Option(help="Text file to score (default: caramba's bundled corpus).")] = None,
     model: ModelOption = "smollm2-135m",
@@ -449,12 +504,6 @@ def eval_cache(
         "--press", help="A KV press as candidates too: on every candidate's kind and alone on the baseline's; "
                         "METHOD@RATIO (snapkv@0.5, ada_tova@0.25) or METHOD@RATIO/INTERVAL:TARGET (decoding-time "
                         "compression, knorm@0/64:512); repeatable; needs --tasks (docs/kv-cache.md#presses).")] = None,
-    qblock: Annotated[int, candidate_option("qblock")] = candidate_default("qblock"),
-    residual_len: Annotated[int, candidate_option("residual_len")] = candidate_default("residual_len"),
-    rotate_keys: Annotated[bool, candidate_option("rotate_keys")] = candidate_default("rotate_keys"),
-    rotate_values: Annotated[bool, candidate_option("rotate_values")] = candidate_default("rotate_values"),
-    cache_fp16_prefix_layers: Annotated[int, candidate_option("cache_fp16_prefix_layers")] = \
-        candidate_default("cache_fp16_prefix_layers"),
     perplexity: Annotated[bool, typer.Option("--perplexity/--no-perplexity",
                                              help="Score the text's perplexity (--protocol).")] = True,
     protocol: Annotated[str, typer.Option(help="decode: prefill --prompt-len tokens, then score token by token "
@@ -471,6 +520,7 @@ def eval_cache(
     seed: Annotated[int, typer.Option(min=0, help="Seed of the task samples.")] = 0,
     overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field below the run, e.g. eval.tasks.prefill=own.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    **shared,   # the cache settings every candidate shares (--qblock, ...): _eval_signature
 ) -> None:
     """Score candidate KV caches against a baseline cache: a text's NLL/PPL, KL(baseline ||
     candidate) and top-1 agreement, and with --tasks the long-context task suite (RULER's
@@ -483,10 +533,9 @@ def eval_cache(
     `--press snapkv@0.5` adds each candidate pressed and the press alone (the task's context is
     pressed before its question)."""
     with _errors_as_exit_codes():
-        from caramba.cli_eval import eval_command
+        from caramba.cli_eval import SHARED_CACHE_OPTIONS, eval_command
 
-        shared = dict(qblock=qblock, residual_len=residual_len, rotate_keys=rotate_keys, rotate_values=rotate_values,
-                      cache_fp16_prefix_layers=cache_fp16_prefix_layers)
+        shared = {name: shared[name] for name in SHARED_CACHE_OPTIONS}   # in one order, whatever order they were typed in
         eval_command({"source": model, "dtype": dtype, "device": device, "weights": weights}, text, cache_kind or [],
                      cache_policy or [], baseline, shared, presses=press or [], perplexity=perplexity, protocol=protocol, ctx=ctx,
                      prompt_len=prompt_len, max_tokens=max_tokens, tasks=tasks, lengths=lengths, samples=samples,

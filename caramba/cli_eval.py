@@ -9,6 +9,7 @@ printed. A manifest with `mode: eval` does the same and keeps a record.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +32,18 @@ def _cache_option(name: str):
     return next(o for o in options_of(CacheConfig) if o.name == name)
 
 
-def candidate_option(name: str) -> typer.models.OptionInfo:
-    """`caramba eval`'s flag for a cache setting its candidates share, from CacheConfig's one
-    definition: its help and lower bound (the rest is checked by CacheConfig itself)."""
-    opt = _cache_option(name)
-    decls = [f"--{name.replace('_', '-')}"] if opt.type is bool else []
-    help = opt.info.help[:1].upper() + opt.info.help[1:]
-    return typer.Option(*decls, min=opt.info.ge, help=f"{help} (every candidate).")
-
-
-def candidate_default(name: str):
-    return _cache_option(name).default()
+def candidate_params() -> list[inspect.Parameter]:
+    """`caramba eval`'s flags for the cache settings its candidates share, from CacheConfig's one
+    definition: their help, lower bound and default (the rest is checked by CacheConfig itself)."""
+    params = []
+    for name in SHARED_CACHE_OPTIONS:
+        opt = _cache_option(name)
+        decls = [f"--{name.replace('_', '-')}"] if opt.type is bool else []
+        help = opt.info.help[:1].upper() + opt.info.help[1:]
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=opt.type,
+                                        default=typer.Option(opt.default(), *decls, min=opt.info.ge,
+                                                             help=f"{help} (every candidate).")))
+    return params
 
 
 def eval_command(model: dict[str, str], text: Path | None, kinds: list[str], policies: list[str], baseline: str,

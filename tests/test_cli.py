@@ -4,6 +4,8 @@ without tracebacks, run records, skip/force, interrupted runs."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -223,6 +225,22 @@ def test_interrupted_run_keeps_completed_runs_and_leaves_no_done(env, monkeypatc
 def test_validate(env):
     r = invoke("validate", env[0])
     assert r.exit_code == 0 and "t/greedy" in r.output and "t/sampled" in r.output
+
+
+@pytest.mark.parametrize("args, shown", [(["--help"], "Usage"), (["run", "--help"], "Usage"), (["plans", "--help"], "Usage"),
+                                         (["plans", "list", "--plan-path", "{tmp}/plans.json"], "0 plan(s)")])
+def test_help_imports_no_torch(args, shown, tmp_path):
+    """`caramba --help` answers in a fraction of a second: the CLI imports torch, numpy and the
+    engine (~2 s) only in the commands that run them, and builds generate's and eval's flags
+    (derived from the engine's options) only when one of those runs or shows its own --help; the
+    plan store's commands need none of it either."""
+    args = [a.format(tmp=tmp_path) for a in args]
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "caramba", *args], capture_output=True,
+                          text=True, timeout=120)
+    imported = {line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert done.returncode == 0 and shown in done.stdout, done.stdout + done.stderr
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "numpy")}
+    assert not {m for m in imported if m.startswith(("caramba.infer", "caramba.cache", "caramba.model", "caramba.manifest"))}
 
 
 def test_generate_json(tiny_model):
