@@ -169,11 +169,11 @@ def evaluate_cache(
     n = tokens.shape[1]
     # decode steps through the fused C step where it applies, as a Generator's; one backend per model
     forwards = {id(m): choose(m) for m in models}
-    replay = _Replay(baseline_logits, n - prompt_len, model) if baseline_logits is not None else None
-    runs = [_Run(forwards[id(m)], m.new_cache(1, n, p), press)
-            for m, p, press in list(zip(models, policies, [None, *presses]))[replay is not None:]]
-    runs = [replay, *runs] if replay is not None else runs
-    kept = [] if on_baseline is not None and replay is None else None
+    base = _Replay(baseline_logits, n - prompt_len, model) if baseline_logits is not None \
+        else _Run(forwards[id(model)], model.new_cache(1, n, policies[0]), None)
+    runs = [base, *(_Run(forwards[id(m)], m.new_cache(1, n, p), press)
+                    for m, p, press in zip(models[1:], policies[1:], presses))]
+    kept = [] if on_baseline is not None and baseline_logits is None else None
     scores = [_Score(p.describe()) for p in policies]
     try:
         logits = [r.prefill(tokens[:, :prompt_len]) for r in runs]
