@@ -80,7 +80,7 @@ def main() -> None:
                 for name, (N, K) in SHAPES.items():
                     lin = QuantLinear.from_float(torch.randn(N, K), fmt=fmt, act="q8")
                     lin.relayout(args.layout)
-                    xq, xd = quant.quantize_rows_q8(torch.randn(rows, K))
+                    xq, xd = quant.quantize_rows_codes(torch.randn(rows, K), "q8")
                     outs = {k: torch.empty(rows, N) for k in libs}
                     times: dict[str, list[float]] = {k: [] for k in libs}
                     for _ in range(args.repeats):

@@ -41,7 +41,7 @@ def variants(M: int, N: int, K: int) -> dict:
     for fmt in ("q8_0", "q4_0"):
         lin = QuantLinear.from_float(w, fmt=fmt, act="q8")
         if quant_gemm.runs(fmt):
-            xq, xd = quant.quantize_rows_q8(x)
+            xq, xd = quant.quantize_rows_codes(x, "q8")
             qs, d = lin.row_major()[:2]
             out[fmt] = lambda fmt=fmt, xq=xq, xd=xd, qs=qs, d=d: quant_gemm.gemm(fmt, xq, xd, qs, d, N)
         out[f"{fmt} layer"] = lambda lin=lin: lin(x)

@@ -28,7 +28,9 @@ back through row_major(). There is one copy of the weights either way.
 
 QuantLinear calls the C kernels for batch-1 decode and other small row counts (<= KERNEL_ROWS) on
 the CPU; prefill and larger batches multiply the codes in caramba.model.quant_gemm (an int8 GEMM
-on AMX/VNNI for q8 activations, on AVX2 for q4_0's; AMX-BF16 for fp32 ones) where the CPU has one; other devices,
+on AMX/VNNI for q8 activations, on AVX2 for q4_0's; an int16 GEMM on AVX-512 VNNI for
+native_i16's int16 codes, every format including the stored ones, quant_gemm_i16.c; AMX-BF16 for fp32 ones) where
+the CPU has one; other devices,
 other CPUs and a missing kernel library take the eager path (dequantize, then matmul). All
 multiply the same values: where the kernels round activations
 (q8 for q8_0 and q4_0, int16 for native_i16) the eager path rounds them by the same rule
@@ -334,16 +336,18 @@ def q8_0_from_blocks(fmt: str, parts: dict[str, torch.Tensor]) -> dict[str, torc
 
 # --- the layer ------------------------------------------------------------------------------------
 
-def quantize_rows_q8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """rows [M, K] fp32 contiguous -> (q8 codes int8 [M, K], scales fp32 [M, K/32]) by the decode
-    kernels' rule (quant_gemv.c), or None without their library."""
+def quantize_rows_codes(rows: torch.Tensor, act: str = "q8") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """rows [M, K] fp32 contiguous -> (codes [M, K], scales fp32 [M, K/32]) by the decode kernels'
+    rule (quant_gemv.c's quantize_activations_q8 / _i16): int8 q8 codes for act 'q8', int16 ones
+    for 'i16'; None without their library."""
     qlib = library()
     if qlib is None:
         return None
     M, K = rows.shape
-    xq = torch.empty(M, K, dtype=torch.int8)
+    xq = torch.empty(M, K, dtype=torch.int8 if act == "q8" else torch.int16)
     xd = torch.empty(M, K // QK)
-    qlib.quantize_activations_q8(rows.data_ptr(), M, K, xq.data_ptr(), xd.data_ptr())
+    fn = qlib.quantize_activations_q8 if act == "q8" else qlib.quantize_activations_i16
+    fn(rows.data_ptr(), M, K, xq.data_ptr(), xd.data_ptr())
     return xq, xd
 
 
@@ -360,7 +364,8 @@ class QuantLinear(nn.Module):
 
     fmt 'q5_0', 'q5_1', 'q4_k', 'q5_k' or 'q6_k' (STORED) holds a GGUF tensor's own blocks, scales and
     all, as qs uint8 [N, row bytes] (d and m None), always row-major, with 'f32' or 'i16' activations
-    (quant_gemv_kq.h); prefill dequantizes them a tile at a time (no GEMM reads them).
+    (quant_gemv_kq.h); prefill multiplies them in the int16 GEMM ('i16', where the level has it:
+    quant_gemm_i16.c), else dequantizes them a tile at a time.
 
     qs, d and m come row-major ([N, K or K/2], [N, K/32]); `layout` is how the layer holds them
     ('rows', or 'x16': row-interleaved for the decode kernels; None: default_layout). `row_major()`
@@ -543,7 +548,8 @@ class QuantLinear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(torch.float32)
         if rows.is_cpu and not (rows.requires_grad and torch.is_grad_enabled()):
-            # Prefill-sized: the codes in an int8 GEMM (q8 activations) or AMX-BF16 (fp32) where the CPU has one
+            # Prefill-sized: the codes in an int8 GEMM (q8 activations), an int16 one (i16) or AMX-BF16
+            # (fp32) where the CPU has one
             y = self._gemm(rows.contiguous())
             if y is not None:
                 return y.to(x.dtype).view(*shape[:-1], self.out_features)
@@ -558,31 +564,42 @@ class QuantLinear(nn.Module):
 
     def _gemm(self, rows: torch.Tensor) -> torch.Tensor | None:
         """rows [M, K] fp32 (contiguous, CPU) times this layer's weight^T (+ bias) in caramba.model.quant_gemm,
-        or None where no GEMM here applies (no library, no int8 level for q8 activations, no AMX-BF16
-        for fp32 or int16 ones): forward then dequantizes and calls torch."""
-        if not self.c_readable() or self.fmt in STORED:   # no GEMM reads them: dequantized tiles
+        or None where no GEMM here applies (no library, no int8 level for q8 activations, no
+        avx512vnni level for int16 ones, no AMX-BF16 for fp32 ones): forward then dequantizes and
+        calls torch."""
+        if not self.c_readable():
             return None
         lib = quant_gemm.library()
         if lib is None:
+            return None
+        out = self._codes_product(lib, rows)
+        if out is not None and self.bias is not None:
+            out += self.bias
+        return out
+
+    def _codes_product(self, lib: ctypes.CDLL, rows: torch.Tensor) -> torch.Tensor | None:
+        """_gemm's product, bias aside: the GEMM that multiplies this layer's codes with rows."""
+        # int16 codes (native_i16) in the int16 GEMM, any format, where the level has it (AMX
+        # machines keep AMX-BF16 for q8_0 / q4_1 below: which is faster there is not measured)
+        if self.act == "i16" and quant_gemm.i16_runs(self.fmt) and (self.fmt in STORED or not lib.gemm_f32_available()):
+            q = quantize_rows_codes(rows, "i16")
+            return None if q is None else quant_gemm.gemm_i16(self.fmt, *q, self.qs, self.d, self.m, self.out_features,
+                                                              x16=self.layout == "x16")
+        if self.fmt in STORED:   # no other GEMM reads them: dequantized tiles
             return None
         int8 = self.act == "q8" and self.fmt in quant_gemm.INT8_FORMATS
         if not (lib.gemm_q8_runs(quant_gemm.FORMATS[self.fmt]) if int8 else lib.gemm_f32_available()):
             return None
         if int8:   # the int8 GEMM reads either layout in place
-            q = quantize_rows_q8(rows)
-            if q is None:
-                return None
-            out = quant_gemm.gemm(self.fmt, *q, self.qs, self.d, self.out_features, x16=self.layout == "x16")
-        else:
-            # AMX-BF16 reads row-major codes: an x16 layer's are made for the call (one weight's
-            # bytes, freed after; a prompt's rows outweigh the copy by far)
-            qs, d, m = self.row_major()
-            if self.act != "f32":   # q4_1 with q8 or int16 codes: the values those kernels multiply
-                rows = round_activations(rows, self.act).contiguous()
-            out = quant_gemm.gemm_f32(self.fmt, rows, qs, d, m, self.out_features)
-        if self.bias is not None:
-            out += self.bias
-        return out
+            q = quantize_rows_codes(rows, "q8")
+            return None if q is None else quant_gemm.gemm(self.fmt, *q, self.qs, self.d, self.out_features,
+                                                          x16=self.layout == "x16")
+        # AMX-BF16 reads row-major codes: an x16 layer's are made for the call (one weight's
+        # bytes, freed after; a prompt's rows outweigh the copy by far)
+        qs, d, m = self.row_major()
+        if self.act != "f32":   # q4_1 with q8 or int16 codes: the values those kernels multiply
+            rows = round_activations(rows, self.act).contiguous()
+        return quant_gemm.gemm_f32(self.fmt, rows, qs, d, m, self.out_features)
 
     def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, M: int) -> torch.Tensor:
         N, K = self.out_features, self.in_features

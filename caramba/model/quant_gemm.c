@@ -40,6 +40,7 @@
 #include <math.h>
 
 #include "cpu_isa.h"   /* fp16_to_fp32, isa_amx (cpu_isa.c, compiled into this library too) */
+#include "quant_gemm.h"   /* the levels, shared with quant_gemm_i16.c */
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -131,7 +132,6 @@ void gemm_q8_ref(int fmt, const int8_t *xq, const float *xd, int M, int K, const
 
 /* --- run-time level ----------------------------------------------------------------------------- */
 
-enum { LVL_SCALAR = 0, LVL_AVX2 = 1, LVL_AVXVNNI = 2, LVL_VNNI = 3, LVL_AMX = 4, LVL_COUNT = 5 };
 static const char *const LVL_NAMES[LVL_COUNT] = {"scalar", "avx2", "avxvnni", "avx512vnni", "amx"};
 
 static int level_usable(int level) {
@@ -185,6 +185,8 @@ __attribute__((constructor)) static void gemm_level_init(void) {
 }
 
 const char *gemm_isa_name(void) { return LVL_NAMES[g_level]; }
+
+HIDDEN int gemm_level(void) { return g_level; }
 
 int gemm_isa_available(const char *name) {
     for (int level = 0; level < LVL_COUNT; level++)

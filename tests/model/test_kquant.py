@@ -206,7 +206,7 @@ def test_quantlinear_runs_the_kernel_for_decode_and_dequantizes_for_prefill(fmt)
             y = lin(x)
             assert torch.equal(y, gemv(fmt, act, raw, x) + lin.bias)
             assert torch.equal(lin(x[1:2]), y[1:2])       # a row's product never depends on its batch
-            long = activations(40, K, 13)                  # prefill: dequantized tiles, torch's GEMM
+            long = activations(40, K, 13)                  # prefill: the int16 GEMM (i16) or dequantized tiles
             if act == "i16":   # the int16 codes' values, as the decode kernel multiplies
                 long = quant.round_activations(long, "i16")
             want = long.double() @ W.double().T + lin.bias.double()

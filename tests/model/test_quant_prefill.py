@@ -118,7 +118,7 @@ def test_int8_levels_are_the_reference_bit_for_bit(level, fmt, M, K, N):
     """Every vector level multiplies both formats, with the same bits as the reference."""
     assert quant_gemm.runs(fmt), f"{level} leaves {fmt} to torch's path"
     lin = layer(fmt, "q8", N, K, seed=M + N)
-    xq, xd = quant.quantize_rows_q8(activations(M, K, seed=K))
+    xq, xd = quant.quantize_rows_codes(activations(M, K, seed=K), "q8")
     ref = quant_gemm.gemm(fmt, xq, xd, *lin.row_major()[:2], N, reference=True)
     for threads in (1, 2):
         assert torch.equal(quant_gemm.gemm(fmt, xq, xd, *lin.row_major()[:2], N, threads=threads), ref)
@@ -130,7 +130,7 @@ def test_int8_levels_read_x16_weights_in_place(level, fmt, M, K, N):
     """An x16 layer's codes and scales, read where they lie (no row-major copy), give the bits of
     the row-major reference; so does the reference reading them x16."""
     lin = layer(fmt, "q8", N, K, seed=M + N)
-    xq, xd = quant.quantize_rows_q8(activations(M, K, seed=K))
+    xq, xd = quant.quantize_rows_codes(activations(M, K, seed=K), "q8")
     ref = quant_gemm.gemm(fmt, xq, xd, *lin.row_major()[:2], N, reference=True)
     lin.relayout("x16")
     assert torch.equal(quant_gemm.gemm(fmt, xq, xd, lin.qs, lin.d, N, reference=True, x16=True), ref)
@@ -161,7 +161,7 @@ def test_int8_reference_is_dequantize_then_matmul_within_fp32_rounding(fmt, M, K
     needs_library()
     lin = layer(fmt, "q8", N, K, seed=M * N)
     x = activations(M, K, seed=M)
-    xq, xd = quant.quantize_rows_q8(x)
+    xq, xd = quant.quantize_rows_codes(x, "q8")
     assert torch.equal(xq.float() * xd.repeat_interleave(32, 1), quant.round_activations(x, "q8"))   # the same codes
     got = quant_gemm.gemm(fmt, xq, xd, *lin.row_major()[:2], N, reference=True)
     expected = old_path(lin, x)
@@ -181,7 +181,7 @@ def test_quantlinear_prefill_takes_the_gemm(fmt, T):
     got = lin(x)
     assert got.shape == (1, T, 45)
     if quant_gemm.runs(fmt):
-        xq, xd = quant.quantize_rows_q8(x[0])
+        xq, xd = quant.quantize_rows_codes(x[0], "q8")
         assert torch.equal(got[0], quant_gemm.gemm(fmt, xq, xd, *lin.row_major()[:2], 45) + lin.bias)
     with quant_gemm.use_level("scalar"):
         old = lin(x)
@@ -295,7 +295,7 @@ def smollm2_model(weights: str):
     return load_model("smollm2-135m", "float32", "cpu", progress=False, weights=weights).model
 
 
-@pytest.mark.parametrize("weights", [pytest.param(w, marks=SMOLLM2) for w in ("q8_0", "q4_0", "native")])
+@pytest.mark.parametrize("weights", [pytest.param(w, marks=SMOLLM2) for w in ("q8_0", "q4_0", "native", "native_i16")])
 def test_smollm2_projections_agree_with_the_old_path_on_real_activations(smollm2, weights):
     """Every projection of the real model, fed the activations a 60-token prefill gives it (the
     old path's), agrees with the old path within the fp32 bound of its sum."""
@@ -304,6 +304,8 @@ def test_smollm2_projections_agree_with_the_old_path_on_real_activations(smollm2
     model = smollm2_model(weights)
     if weights == "native" and not quant_gemm.f32_available():
         pytest.skip("no AMX-BF16 here: native's prefill is the old path")
+    if weights == "native_i16" and not (quant_gemm.i16_runs("q4_1") or quant_gemm.f32_available()):
+        pytest.skip(f"no int16 GEMM at {quant_gemm.level()}: native_i16's prefill is the old path")
     inputs = {}
 
     def keep(mod, args, out):
@@ -332,6 +334,23 @@ def test_smollm2_projections_agree_with_the_old_path_on_real_activations(smollm2
         assert ((got - old).abs() <= limit).all()
         checked += 1
     assert checked >= 4 * model.config.n_layers
+
+
+@pytest.mark.parametrize("weights", [pytest.param("native_i16", marks=SMOLLM2)])
+def test_smollm2_native_i16_prefill_keeps_greedy_output(smollm2, weights):
+    """native_i16 (int16 activation codes) through the int16 GEMM (quant_gemm_i16.c): greedy
+    output after a 60-token prompt is the old path's (the same rounded activations and weights,
+    summed in another fp32 order). Not compared with fp32's: the int16 rounding moves logits by
+    up to ~1e-2 (quant.py), enough to flip near ties."""
+    from caramba.evaluation.evaluate import corpus_ids
+
+    model = smollm2_model(weights)
+    if not quant_gemm.i16_runs("q4_1"):
+        pytest.skip(f"no int16 GEMM at {quant_gemm.level()}: native_i16's prefill is the old path")
+    prompt = corpus_ids(smollm2.tokenizer)[:60]
+    new = greedy(model, prompt, 16)
+    with quant_gemm.use_level("scalar"):
+        assert greedy(model, prompt, 16) == new
 
 
 @pytest.mark.parametrize("weights", [pytest.param("native", marks=SMOLLM2)])

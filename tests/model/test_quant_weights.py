@@ -450,7 +450,7 @@ def test_portable_kernels_equal_the_native_ones(monkeypatch, tmp_path):
 
 
 def test_activation_codes_are_the_reference_rule_bit_for_bit(monkeypatch, tmp_path):
-    """The q8 activations (quantize_rows_q8, AVX2 and portable builds): scale amax / 127 and codes
+    """The q8 activations (quantize_rows_codes, AVX2 and portable builds): scale amax / 127 and codes
     x / scale rounded to nearest even, exactly, on values with ties (half-integer multiples of the
     scale), zeros and all-zero blocks."""
     needs_kernels()
@@ -634,4 +634,6 @@ def quant_gemm_runs(lin: QuantLinear) -> bool:
         return False
     if lin.act == "q8" and lin.fmt in quant_gemm.INT8_FORMATS:
         return lib.gemm_isa_name() != b"scalar"
+    if lin.act == "i16" and quant_gemm.i16_runs(lin.fmt):
+        return True
     return bool(lib.gemm_f32_available())
