@@ -162,3 +162,40 @@ def test_a_prefill_takes_the_blocked_path_and_decodes_as_before(tiny, monkeypatc
     torch.testing.assert_close(got, want, **bound)
     torch.testing.assert_close(cached, want, **bound)
     torch.testing.assert_close(chunks, want, **bound)
+
+
+def test_transposed_keys_reach_sdpa_with_contiguous_rows(monkeypatch):
+    """Keys read back transposed (a keys-major q8_0 stream's codes, converted): SDPA gets them
+    (and values alike) with their last dim contiguous, which its fused CPU kernel needs (else it
+    falls back to its math path), and the output is the contiguous keys' bit for bit."""
+    q, k, v = torch.randn(2, 6, 40, 16), torch.randn(2, 2, 16, 120).transpose(-1, -2), torch.randn(2, 2, 120, 16)
+    mask = torch.rand(2, 1, 40, 120) > 0.3
+    mask[..., 0] = True
+    strides = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: strides.append((k.stride(-1), v.stride(-1))) or real(q, k, v, **kw))
+    got = sdpa.attention(q, k, v, mask, False)
+    assert strides == [(1, 1)] and k.stride(-1) != 1
+    assert torch.equal(got, sdpa.attention(q, k.contiguous(), v, mask, False))
+
+
+def test_a_quantized_caches_question_hands_sdpa_contiguous_keys(monkeypatch):
+    """A question over a quantized cache (more than CHUNKED_MAX_T tokens: its keys and values read
+    back whole) reaches SDPA with contiguous rows, whatever layout the stream keeps its codes in."""
+    from caramba.cache import LayerKVCache
+    from caramba.cache.kinds import KVCacheTensorConfig
+    from caramba.cache.layer import CHUNKED_MAX_T
+
+    cfg = KVCacheTensorConfig("q8_0", 32, 0)
+    layer = LayerKVCache(2, 128, 64, 64, cfg, cfg, torch.device("cpu"), 2)
+    layer.extend(torch.randn(2, 2, 60, 32), torch.randn(2, 2, 60, 32))
+    assert layer.k_stream.keys_major
+    T = CHUNKED_MAX_T + 4
+    strides = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: strides.append((k.stride(-1), v.stride(-1))) or real(q, k, v, **kw))
+    mask = torch.ones(2, 1, T, 60 + T, dtype=torch.bool).tril(60)
+    layer.attend(torch.randn(2, 4, T, 32), torch.randn(2, 2, T, 32), torch.randn(2, 2, T, 32), mask, False)
+    assert strides == [(1, 1)]
