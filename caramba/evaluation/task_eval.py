@@ -17,8 +17,12 @@ Joined answers (join=True): the candidates' questions and decode steps for a bat
 forward over every candidate's rows, each layer attending each candidate's rows through its own
 cache (caramba.evaluation.joined), up to JOIN_ROWS rows; a candidate with decoding-time compression
 answers alone, and where the fused C step would step each candidate (the CPU), fewer than
-JOIN_MIN_C caches answer one at a time. The answers are those of one candidate at a time (the
-tests hold them equal); a joined step's seconds are split equally among its candidates.
+JOIN_MIN_C caches answer one at a time. The decode steps join across batches too: the joined
+candidates' questioned states of consecutive batches wait in a wave (up to JOIN_ROWS rows) and
+decode together, so a candidate left answering alone (the one added to a finished frontier, the
+others' answers stored) still steps its batches side by side. The answers are those of one
+candidate at a time (the tests hold them equal); a joined step's seconds are split equally among
+its candidates.
 
 The context store (caramba.evaluation.context_store): with `contexts`, a batch's shared prefill (the
 baseline's context KV, the rows' positions and padding, every press's kept masks) is read from
@@ -170,8 +174,9 @@ def store_context(source: KVCache, target: KVCache, dtype: torch.dtype = torch.f
             dst.extend(*src.contents(n, dtype))
 
 
-# The most rows (candidates x samples) one joined answer step decodes (caramba.evaluation.joined); a
-# batch of samples this many rows or wider answers one candidate at a time.
+# The most rows (candidates x samples, of one batch or of a wave of them) one joined answer step
+# decodes (caramba.evaluation.joined); a batch of samples this many rows or wider answers one
+# candidate at a time.
 JOIN_ROWS = 32
 # The fewest candidates worth joining where each would step alone through the fused C step: the
 # joined step is the torch forward, which one C step per candidate beats for two (1.25x the time
@@ -217,6 +222,7 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
     # prefill computes anyway. The answers are put back in the samples' order at the end.
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].context_ids) + len(samples[i].question_ids))
     per_channel = any(_per_channel(model, c) for c in [*candidates, baseline])
+    wave = _Wave(model, tokenizer, stops)
     for first in range(0, len(order), batch_size):
         batch = [samples[i] for i in order[first : first + batch_size]]
         for group in _equal_questions(batch) if per_channel else [batch]:
@@ -226,12 +232,17 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
                 context_s += _answer_group(model, tokenizer, group, results, baseline, prefill, q_chunk, stops, pad,
                                            on_answer, backend, join, contexts if prefill == "shared" else None,
                                            answers if answers is not None and answers.enabled else None,
-                                           prefill_precision)
+                                           prefill_precision, wave)
             for result in results:
                 result.threads.append(choice.used if choice is not None else None)
-    for result in results:
-        placed = dict(zip(order, result.answers))
-        result.answers = [placed[i] for i in range(len(samples))]
+    choice = threads.choose() if device.type == "cpu" and wave.pending else None
+    with threads.applied(choice) if choice is not None else contextlib.nullcontext():
+        wave.flush()
+    for result in results:   # the samples' order (a wave's answers arrive after later batches' stored ones)
+        placed: dict[tuple, list[Answer]] = {}
+        for a in result.answers:
+            placed.setdefault((a.task, a.length, a.index), []).append(a)
+        result.answers = [placed[(s.task, s.length, s.index)].pop(0) for s in samples]
     return results, context_s
 
 
@@ -258,9 +269,11 @@ def _equal_questions(batch: list[TaskSample]) -> list[list[TaskSample]]:
 def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[CandidateAnswers], baseline: Candidate,
                   prefill: str, q_chunk: int | None, stops: set[int], pad: int,
                   on_answer: Callable[[str, Answer], None] | None, backend: Backend, join: bool,
-                  contexts: ContextStore | None, answers: AnswerStore | None, precision: str = "fp32") -> float:
+                  contexts: ContextStore | None, answers: AnswerStore | None, precision: str = "fp32",
+                  wave: _Wave | None = None) -> float:
     """One batch of samples through every cache whose answers the answer store does not hold;
-    returns the seconds of its shared context prefill (none when every answer was stored)."""
+    returns the seconds of its shared context prefill (none when every answer was stored). The
+    joined candidates' answers are questioned here and decoded in `wave` with other batches'."""
     device = model.device
     context = left_pad([s.context_ids for s in group], pad, device=device)
     question = left_pad([s.question_ids for s in group], pad, device=device)
@@ -308,18 +321,20 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
             result.kept.append(state.kept_share)
         return state, spent
 
-    def record(result: CandidateAnswers, got: list[Answer], before: tuple[float, float, float], j: bool) -> None:
-        """Its answers, recorded and kept in the answer store (atomically: a crash loses no whole entry)."""
+    def record(result: CandidateAnswers, got: list[Answer], seconds: tuple[float, float, float], j: bool,
+               kept: float | None) -> None:
+        """Its answers, recorded and kept in the answer store (atomically: a crash loses no whole entry);
+        seconds: what they took (store, question, decode); kept: its press's share kept of this batch."""
         for answer in got:
             answer.context_reused = reused
         emit(result, got)
         if answers is None:
             return
         t0 = time.perf_counter()
-        store_s, question_s, decode_s = (now - then for now, then in zip(_seconds(result), before))
+        store_s, question_s, decode_s = seconds
         body = {"answers": [{k: v for k, v in asdict(a).items() if k != "answer_reused"} for a in got],
                 "store_s": store_s, "question_s": question_s, "decode_s": decode_s, "joined": j,
-                "kept": result.kept[-1] if result.candidate.pressed else None}
+                "kept": kept if result.candidate.pressed else None}
         key = keys[id(result)]
         answers.save(key, body)
         answers.computed += 1
@@ -328,7 +343,10 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
 
     def alone(result: CandidateAnswers) -> None:
         before = _seconds(result)
-        record(result, _answer_one(result, *build(result), tokenizer, group, question, stops), before, False)
+        state, spent = build(result)
+        kept = state.kept_share
+        got = _answer_one(result, state, spent, tokenizer, group, question, stops)
+        record(result, got, tuple(now - then for now, then in zip(_seconds(result), before)), False, kept)
 
     # The candidates still answering on the joined path, a chunk of up to JOIN_ROWS rows at a time,
     # the baseline (which the others' stores read) in the last; the rest one at a time, first.
@@ -336,14 +354,11 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
     solo = [r for r, j in todo if not j]
     for result in [r for r in solo if r.candidate is not baseline]:
         alone(result)
+    wave = _Wave(model, tokenizer, stops) if wave is None else wave
     per = JOIN_ROWS // len(group)
     for first in range(0, len(together), per):
         chunk = together[first : first + per]
-        before = [_seconds(r) for r in chunk]
-        built = [build(r) for r in chunk]
-        for result, got, then in zip(chunk, _answer_joined(model, chunk, built, tokenizer, group, question, stops),
-                                     before):
-            record(result, got, then, True)
+        wave.add(_questioned(model, chunk, [build(r) for r in chunk], group, question, record))
     for result in [r for r in solo if r.candidate is baseline]:
         alone(result)
     return context_s
@@ -672,20 +687,63 @@ def _answer(state: DecodeState, tokenizer, group: Sequence[TaskSample], question
     return rows.answers(tokenizer, spent + question_s, decode_s), question_s, decode_s
 
 
+@dataclass
+class _Pending:
+    """One candidate's answers to one batch, its questions fed, waiting for its wave's decode steps."""
+
+    result: CandidateAnswers
+    state: DecodeState
+    group: Sequence[TaskSample]
+    logits: torch.Tensor                 # [B, V] after its question (then after its last step)
+    store_s: float
+    question_s: float
+    done: Callable                       # _answer_group's record(result, answers, seconds, joined, kept)
+    kept: float | None = None            # its press's share kept (the state's, as built)
+    decode_s: float = 0.0
+    rows: _Rows | None = None
+
+
+class _Wave:
+    """Joined answers of consecutive batches decoded together: every candidate's rows of every batch
+    in it, up to JOIN_ROWS, step as one forward per token (caramba.evaluation.joined). A candidate
+    that is the only one left answering a batch (the one new candidate of a finished frontier)
+    thus still decodes its batches side by side, not one batch at a time."""
+
+    def __init__(self, model, tokenizer, stops: set[int]) -> None:
+        self.model, self.tokenizer, self.stops = model, tokenizer, stops
+        self.pending: list[_Pending] = []
+
+    def add(self, entries: list[_Pending]) -> None:
+        rows = sum(len(p.group) for p in [*self.pending, *entries])
+        if self.pending and rows > JOIN_ROWS:
+            self.flush()
+        self.pending += entries
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        _decode_joined(self.model, pending, self.stops)
+        for p in pending:
+            result = p.result
+            result.question_s += p.question_s
+            result.decode_s += p.decode_s
+            result.joined += 1
+            got = p.rows.answers(self.tokenizer, p.store_s + p.question_s, p.decode_s)
+            p.done(result, got, (p.store_s, p.question_s, p.decode_s), True, p.kept)
+
+
 @torch.inference_mode()
-def _answer_joined(model, results: list[CandidateAnswers], built: list[tuple[DecodeState, float]], tokenizer,
-                   group: Sequence[TaskSample], question: tuple[torch.Tensor, torch.Tensor],
-                   stops: set[int]) -> list[list[Answer]]:
-    """Several candidates' answers to one batch, joined (caramba.evaluation.joined): their questions in
-    one forward (each through its own cache; one chunk of q_chunk, else one at a time), then every
-    step decodes the rows of every candidate still answering in one forward (one still answering
-    alone steps alone). A joined forward's seconds are split equally among the candidates in it. built: each candidate's
-    state and its store's seconds."""
+def _questioned(model, results: list[CandidateAnswers], built: list[tuple[DecodeState, float]],
+                group: Sequence[TaskSample], question: tuple[torch.Tensor, torch.Tensor], done: Callable) -> list[_Pending]:
+    """Several candidates' questions to one batch fed, joined (one forward, each through its own
+    cache) when they are one chunk of q_chunk, else one at a time; a joined forward's seconds split
+    equally among them. built: each candidate's state and its store's seconds."""
     states = [state for state, _ in built]
     n = len(states)
     tokens, mask = question
     t0 = time.perf_counter()
-    if all(s.q_chunk is None or tokens.shape[1] <= s.q_chunk for s in states):   # the questions, joined too
+    if all(s.q_chunk is None or tokens.shape[1] <= s.q_chunk for s in states):
         for result, state in zip(results, states):
             state.cache.window = result.candidate.window
         logits = prefill_together(model, states, tokens, None if bool(mask.all()) else mask)
@@ -696,28 +754,31 @@ def _answer_joined(model, results: list[CandidateAnswers], built: list[tuple[Dec
             t0 = time.perf_counter()
             logits.append(_feed(state, *question, result.candidate.window))
             question_s.append(time.perf_counter() - t0)
-    rows = [_Rows(group, x.device) for x in logits]
-    decode_s = [0.0] * n
-    live = list(range(n))
+    return [_Pending(r, state, group, x, spent, q, done, state.kept_share)
+            for r, (state, spent), x, q in zip(results, built, logits, question_s)]
+
+
+@torch.inference_mode()
+def _decode_joined(model, pending: list[_Pending], stops: set[int]) -> None:
+    """Greedy answers of every pending entry: each step decodes the rows of every entry still
+    answering in one forward (one still answering alone steps alone); a step's seconds are split
+    equally among the entries in it."""
+    for p in pending:
+        p.rows = _Rows(p.group, p.logits.device)
+    live = list(range(len(pending)))
     while True:
         t0 = time.perf_counter()
-        tokens = {i: rows[i].take(logits[i], stops, results[i].candidate.label) for i in live}
-        live = [i for i in live if rows[i].running]
+        tokens = {i: pending[i].rows.take(pending[i].logits, stops, pending[i].result.candidate.label) for i in live}
+        live = [i for i in live if pending[i].rows.running]
         if not live:
             break
         if len(live) == 1:
             (i,) = live
-            out = [states[i].step(tokens[i], rows[i].mask)]
+            out = [pending[i].state.step(tokens[i], pending[i].rows.mask)]
         else:
-            out = step_together(model, [states[i] for i in live], [tokens[i] for i in live], [rows[i].mask for i in live])
+            out = step_together(model, [pending[i].state for i in live], [tokens[i] for i in live],
+                                [pending[i].rows.mask for i in live])
         dt = time.perf_counter() - t0
         for i, x in zip(live, out):
-            logits[i] = x
-            decode_s[i] += dt / len(live)
-    out = []
-    for i, result in enumerate(results):
-        result.question_s += question_s[i]
-        result.decode_s += decode_s[i]
-        result.joined += 1
-        out.append(rows[i].answers(tokenizer, built[i][1] + question_s[i], decode_s[i]))
-    return out
+            pending[i].logits = x
+            pending[i].decode_s += dt / len(live)

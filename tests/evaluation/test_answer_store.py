@@ -43,7 +43,7 @@ def _entries(tmp_path) -> list:
 def answering(monkeypatch):
     """The labels of the candidates that answered (alone or joined), one per batch they answered."""
     calls: list[str] = []
-    one, joined = task_eval._answer_one, task_eval._answer_joined
+    one, joined = task_eval._answer_one, task_eval._questioned
 
     def answer_one(result, *args, **kw):
         calls.append(result.candidate.label)
@@ -54,7 +54,7 @@ def answering(monkeypatch):
         return joined(model, results, *args, **kw)
 
     monkeypatch.setattr(task_eval, "_answer_one", answer_one)
-    monkeypatch.setattr(task_eval, "_answer_joined", answer_joined)
+    monkeypatch.setattr(task_eval, "_questioned", answer_joined)
     return calls
 
 
@@ -90,6 +90,26 @@ def test_stored_answers_are_a_fresh_runs_and_one_more_candidate_answers_alone(lo
     answering.clear()
     third, context_s = _run(loaded, samples, [*SOME, EXTRA], store=_stores(tmp_path, loaded))
     assert answering == [] and context_s == 0 and _answers(third) == _answers(fresh)
+
+
+def test_one_new_candidate_decodes_its_batches_side_by_side(loaded, tmp_path, monkeypatch):   # noqa: F811
+    """The one candidate left answering (every other's answers stored) decodes the batches of a wave
+    together: its rows of different batches step in one forward, and answer as in a fresh run."""
+    samples = _samples(loaded)
+    fresh, _ = _run(loaded, samples, [*SOME, EXTRA])
+    _run(loaded, samples, store=_stores(tmp_path, loaded))
+    widths: list[int] = []
+    step = task_eval.step_together
+
+    def counting(model, states, *args):
+        widths.append(len(states))
+        return step(model, states, *args)
+
+    monkeypatch.setattr(task_eval, "step_together", counting)
+    again, _ = _run(loaded, samples, [*SOME, EXTRA], store=_stores(tmp_path, loaded))
+    assert widths and max(widths) >= 2          # states of different batches, all the new candidate's
+    assert _answers(again) == _answers(fresh)
+    assert all(a.answer_reused == (r.candidate is not EXTRA) for r in again for a in r.answers)
 
 
 def test_with_own_prefills_only_the_new_candidate_prefills(loaded, tmp_path, answering, monkeypatch):   # noqa: F811
