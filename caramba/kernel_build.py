@@ -42,7 +42,7 @@ LIBRARIES: dict[str, list[str]] = {
     "decode_ops": ["model/decode_ops.c"],
     "quant_gemm": ["model/quant_gemm.c", "model/quant_gemm_i16.c", "model/cpu_isa.c"],
     "quant_attend": ["cache/quant_attend.c", "cache/quant_attend_ref.c", "cache/quant_attend_vec.c",
-                     "model/cpu_isa.c"],
+                     "model/kv_stream.c", "model/cpu_isa.c"],
 }
 
 

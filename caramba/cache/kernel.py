@@ -35,9 +35,11 @@ ISA_SIGNATURES = {"isa_name": ([], ctypes.c_char_p), "isa_set": ([ctypes.c_char_
                   "isa_amx": ([], ctypes.c_int)}
 
 # library(): the loaded kernels, or None (see the module doc).
+_QUANTIZE_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                  ctypes.c_void_p, ctypes.c_int]
 library = kernels.Library(SOURCES, {"key_scores": (_ARGS, None), "value_mix": (_ARGS, None),
                                     "key_scores_zp": (_ZP_ARGS, None), "value_mix_zp": (_ZP_ARGS, None),
-                                    **ISA_SIGNATURES},
+                                    "quantize_rows": (_QUANTIZE_ARGS, ctypes.c_long), **ISA_SIGNATURES},
                           "quantized KV caches decode")
 
 
@@ -50,6 +52,26 @@ def usable(x: torch.Tensor) -> bool:
     """Whether the kernels can serve queries / weights x (fp32 on the CPU, no autograd)."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad
             and library() is not None)
+
+
+def quantize_rows(x: torch.Tensor, spec: KindSpec, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """caramba.cache.quant.quantize's (codes, parameters) of x [..., D] computed in C (kv_stream.c's
+    quantizers, the fused decode step's: the same bits, tests hold them equal), or None where it
+    does not apply: not fp32 on the CPU, a kind the step has no quantizer for, or a non-finite
+    element (torch's arithmetic decides what NaN and inf become)."""
+    D = x.shape[-1]
+    if not usable(x) or spec.step is None or not spec.quantized or spec.per_channel or D > 512 \
+            or D % block or (D * spec.bits) % 8 or x.numel() == 0:
+        return None
+    rows = x.numel() // D
+    x = x.contiguous()
+    codes = torch.empty(*x.shape[:-1], D * spec.bits // 8, dtype=torch.uint8)
+    params = torch.empty(*x.shape[:-1], D // block * spec.params, dtype=torch.float16)
+    bad = library().quantize_rows(spec.step, x.data_ptr(), rows, D, block, codes.data_ptr(), params.data_ptr(),
+                                  torch.get_num_threads())
+    if bad:
+        return None
+    return (codes if spec.packed else codes.view(spec.dtype)), params
 
 
 def _heads(codes: torch.Tensor) -> tuple[int, int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from caramba.cache import kernel
 from caramba.cache.kinds import KindSpec, KVCacheKind, spec_of
 
 NF4_CODEBOOK = KVCacheKind.NF4.spec.levels   # float32 [16], ascending
@@ -31,6 +32,13 @@ def quantize(x: torch.Tensor, kind: KVCacheKind | KindSpec | str, block: int) ->
     spec = spec_of(kind)
     if not spec.quantized:
         raise ValueError(f"{spec.name} is not a quantized kind")
+    fast = kernel.quantize_rows(x, spec, block)     # fp32 on the CPU: the C quantizers, bit for bit
+    return fast if fast is not None else quantize_reference(x, spec, block)
+
+
+def quantize_reference(x: torch.Tensor, kind: KVCacheKind | KindSpec | str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize in torch's ops: the reference the C quantizers are held to, and every device's path."""
+    spec = spec_of(kind)
     codes, params = _block_codes(x.float().unflatten(-1, (-1, block)), spec)   # [..., nb, block], [..., nb * p]
     codes = codes.flatten(-2)
     return (pack_codes(codes, spec.bits) if spec.packed else codes), params

@@ -186,6 +186,31 @@ static inline uint8_t pack_byte(int bits, const uint8_t *u, int D, int i) {
     return b;
 }
 
+/* Rows x [rows, D] -> packed codes [rows, D bits / 8] (pack_byte's layout) and parameters
+   [rows, D/qb * p], laid out as caramba.cache.quant.quantize's: its fast path on the CPU (the
+   cache's store of a whole context), the rows split between threads (their bits do not depend on
+   it). Returns how many rows hold a non-finite element: their codes are left unwritten, and the
+   caller quantizes the tensor on torch's path, whose NaN and inf go where torch's arithmetic puts them. */
+long quantize_rows(int kind, const float *x, long rows, int D, int qb, uint8_t *codes, uint16_t *par, int nthreads) {
+    const int np = (kv_zero_point(kind) ? 2 : 1) * (D / qb), bits = kv_bits(kind), fw = D * bits / 8;
+    long bad = 0;
+    if (D > 512) return rows;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : bad)
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * D;
+        int finite = 1;
+        for (int i = 0; i < D; i++) finite &= isfinite(xr[i]) != 0;
+        if (!finite) {
+            bad++;
+            continue;
+        }
+        uint8_t u[512];
+        quantize_vector(kind, xr, D, qb, u, par + r * np);
+        for (int i = 0; i < fw; i++) codes[r * fw + i] = pack_byte(bits, u, D, i);
+    }
+    return bad;
+}
+
 /* The (bits, field) pairs a loop is specialized for: the shift and mask become constants. */
 #define FIELD_CASES(X) X(8, 0) X(4, 0) X(4, 1) X(2, 0) X(2, 1) X(2, 2) X(2, 3)
 #define NF4_CASES(X) X(4, 0) X(4, 1)     /* nf4's fields: codebook levels, cases 64 + bits * 4 + f */

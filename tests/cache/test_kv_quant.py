@@ -747,3 +747,35 @@ def test_rotate_values_is_an_option_of_the_config_the_cli_and_plans():
     model = make_model(seed=3)
     out = Generator(model, cfg.replace(max_new_tokens=5, temperature=0.0)).run([[1, 2, 3]])
     assert len(out.sequences[0]) == 5
+
+
+@pytest.mark.parametrize("kind", [k.value for k in KVCacheKind if k.spec.quantized and not k.spec.per_channel])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_quantize_on_the_cpu_is_the_torch_reference_bit_for_bit(kind, threads, monkeypatch):
+    """quantize's C fast path (kv_stream.c's quantize_rows, a whole context's store) gives the torch
+    reference's codes and parameters bit for bit: block-boundary ties, zeros, fp16 subnormal scales,
+    values near the fp16 range, a strided input, any thread count; a tensor with a NaN or inf takes
+    the reference's path (the same bits as the reference, NaN where it puts NaN)."""
+    from caramba.cache import kernel
+    from caramba.cache.quant import quantize_reference
+    from test_fast_decode import quantizer_inputs
+
+    if kernel.status() != "c":
+        pytest.skip(f"no C kernels here: {kernel.status()}")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    spec = KVCacheKind(kind).spec
+    x = quantizer_inputs(spec)                                   # [rows, 32]
+    wide = torch.randn(2, 3, 40, 64) * torch.logspace(-6, 4, 40)[:, None]
+    for xs, block in ((x, 32), (x, 8), (wide, 32), (wide.transpose(1, 2), 16)):
+        fast = kernel.quantize_rows(xs, spec, block)
+        assert fast is not None, (kind, block)
+        ref = quantize_reference(xs, spec, block)
+        assert fast[0].dtype == ref[0].dtype and torch.equal(fast[0], ref[0]), (kind, block)
+        assert torch.equal(fast[1].view(torch.int16), ref[1].view(torch.int16)), (kind, block)
+        assert all(torch.equal(a, b) for a, b in zip(quantize(xs, spec, block), ref))
+    for bad in (float("nan"), float("inf")):
+        y = wide.clone()
+        y[1, 2, 7, 5] = bad
+        assert kernel.quantize_rows(y, spec, 32) is None
+        got, ref = quantize(y, spec, 32), quantize_reference(y, spec, 32)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1].isnan(), ref[1].isnan())

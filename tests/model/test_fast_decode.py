@@ -527,9 +527,12 @@ def quantizer_inputs(spec) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", KV_KINDS)
 def test_the_steps_quantizers_are_caramba_quantizers_bit_for_bit(kind, lib=None):
-    """decode_step.c's quantizers (quantize_kv: what the step writes) against caramba.cache.quant."""
+    """decode_step.c's quantizers (quantize_kv: what the step writes) against caramba.cache.quant's
+    torch reference (quantize itself takes these quantizers on the CPU: test_kv_quant holds it to
+    the reference too)."""
     from caramba.cache.kinds import spec_of
-    from caramba.cache.quant import quantize, quantize_channels, unpack_codes
+    from caramba.cache.quant import quantize_channels, unpack_codes
+    from caramba.cache.quant import quantize_reference as quantize
 
     lib = lib or fast_decode.library()
     spec = spec_of(kind)
