@@ -178,6 +178,9 @@ def store_context(source: KVCache, target: KVCache, dtype: torch.dtype = torch.f
 # decodes (caramba.evaluation.joined); a batch of samples this many rows or wider answers one
 # candidate at a time.
 JOIN_ROWS = 32
+# The most cache bytes a wave holds waiting (its states' caches): a lone fp32 candidate's 32 batches
+# of 8k-token contexts would otherwise hold ~12 GB at once on SmolLM2-135M.
+WAVE_BYTES = 2 << 30
 # The fewest candidates worth joining where each would step alone through the fused C step: the
 # joined step is the torch forward, which one C step per candidate beats for two (1.25x the time
 # at batch 2 on SmolLM2-135M, one thread) and loses to from four (0.76x; nine: 0.52x).
@@ -269,8 +272,7 @@ def _equal_questions(batch: list[TaskSample]) -> list[list[TaskSample]]:
 def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[CandidateAnswers], baseline: Candidate,
                   prefill: str, q_chunk: int | None, stops: set[int], pad: int,
                   on_answer: Callable[[str, Answer], None] | None, backend: Backend, join: bool,
-                  contexts: ContextStore | None, answers: AnswerStore | None, precision: str = "fp32",
-                  wave: _Wave | None = None) -> float:
+                  contexts: ContextStore | None, answers: AnswerStore | None, precision: str, wave: _Wave) -> float:
     """One batch of samples through every cache whose answers the answer store does not hold;
     returns the seconds of its shared context prefill (none when every answer was stored). The
     joined candidates' answers are questioned here and decoded in `wave` with other batches'."""
@@ -354,7 +356,6 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
     solo = [r for r, j in todo if not j]
     for result in [r for r in solo if r.candidate is not baseline]:
         alone(result)
-    wave = _Wave(model, tokenizer, stops) if wave is None else wave
     per = JOIN_ROWS // len(group)
     for first in range(0, len(together), per):
         chunk = together[first : first + per]
@@ -714,8 +715,9 @@ class _Wave:
         self.pending: list[_Pending] = []
 
     def add(self, entries: list[_Pending]) -> None:
-        rows = sum(len(p.group) for p in [*self.pending, *entries])
-        if self.pending and rows > JOIN_ROWS:
+        held = [*self.pending, *entries]
+        if self.pending and (sum(len(p.group) for p in held) > JOIN_ROWS
+                             or sum(p.state.cache.nbytes for p in held) > WAVE_BYTES):
             self.flush()
         self.pending += entries
 

@@ -92,9 +92,13 @@ def test_stored_answers_are_a_fresh_runs_and_one_more_candidate_answers_alone(lo
     assert answering == [] and context_s == 0 and _answers(third) == _answers(fresh)
 
 
-def test_one_new_candidate_decodes_its_batches_side_by_side(loaded, tmp_path, monkeypatch):   # noqa: F811
+@pytest.mark.parametrize("bound", ["rows", "bytes"])
+def test_one_new_candidate_decodes_its_batches_side_by_side(loaded, tmp_path, monkeypatch, bound):   # noqa: F811
     """The one candidate left answering (every other's answers stored) decodes the batches of a wave
-    together: its rows of different batches step in one forward, and answer as in a fresh run."""
+    together: its rows of different batches step in one forward, and answer as in a fresh run. A
+    wave holds at most WAVE_BYTES of caches: with none to spare each batch decodes alone."""
+    if bound == "bytes":
+        monkeypatch.setattr(task_eval, "WAVE_BYTES", 1)
     samples = _samples(loaded)
     fresh, _ = _run(loaded, samples, [*SOME, EXTRA])
     _run(loaded, samples, store=_stores(tmp_path, loaded))
@@ -107,7 +111,10 @@ def test_one_new_candidate_decodes_its_batches_side_by_side(loaded, tmp_path, mo
 
     monkeypatch.setattr(task_eval, "step_together", counting)
     again, _ = _run(loaded, samples, [*SOME, EXTRA], store=_stores(tmp_path, loaded))
-    assert widths and max(widths) >= 2          # states of different batches, all the new candidate's
+    if bound == "rows":
+        assert widths and max(widths) >= 2      # states of different batches, all the new candidate's
+    else:
+        assert not widths                       # one batch a wave: the new candidate's steps alone
     assert _answers(again) == _answers(fresh)
     assert all(a.answer_reused == (r.candidate is not EXTRA) for r in again for a in r.answers)
 
