@@ -13,11 +13,14 @@
 
 /* Several token rows (a batch) make the fp32 products compute-bound rather than read-bound, so
    they go through register tiles: each weight element loaded once feeds up to TR rows' sums held
-   in registers (8 accumulators: 2 weight rows x 4 token rows, or 16 columns x 4 token rows). */
+   in registers (8 accumulators: 2 weight rows x 4 token rows, or 16 columns x 4 token rows; at
+   the avx512 levels, whose 32 vector registers hold twice as many, up to TR512 rows). */
 #define TR 4
+#define TR512 8
+#define PF_ROWS 4   /* rows_f32_batch_avx512's prefetch distance, in weight rows */
 
 /* out[0][r], out[1][r] = weight rows w0, w1 . token rows x + r K for r < RR: the reference. */
-static void rows_tile_ref(int RR, const float *w0, const float *w1, const float *x, int K, float out[2][TR]) {
+static void rows_tile_ref(int RR, const float *w0, const float *w1, const float *x, int K, float out[2][TR512]) {
     for (int r = 0; r < RR; r++) {
         out[0][r] = dot_f32_ref(w0, x + (long)r * K, K);
         out[1][r] = dot_f32_ref(w1, x + (long)r * K, K);
@@ -28,29 +31,36 @@ static void rows_tile_ref(int RR, const float *w0, const float *w1, const float 
 /* The same, 8 k at a time for every token row. With several token rows the loop computes long
    enough per byte that the hardware prefetcher falls behind: prefetching the next pair two rows
    ahead took a batch-8 product over the head's shape from ~14 to ~8.4 ms (2 threads, quiet; /tmp
-   microbenchmark). */
-INLINE void rows_tile_avx2(const int RR, const float *w0, const float *w1, const float *x, int K, float out[2][TR]) {
-    __m256 a[TR], b[TR];
-    for (int r = 0; r < RR; r++) a[r] = b[r] = _mm256_setzero_ps();
+   microbenchmark). L2: the avx512 levels' (rows_f32_batch_avx512) prefetch, PF_ROWS rows ahead
+   into L2 rather than L1 (prefetcht1). A row's arithmetic does not depend on RR. */
+INLINE void rows_tile_avx2(const int RR, const float *w0, const float *w1, const float *x, int K, float out[2][TR512],
+                           const int L2) {
+    __m256 a[TR512], b[TR512];
+    _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) a[r] = b[r] = _mm256_setzero_ps();
     int k = 0;
     for (; k + 8 <= K; k += 8) {
         const __m256 u = _mm256_loadu_ps(w0 + k), v = _mm256_loadu_ps(w1 + k);
         if ((k & 15) == 0) {   /* the thread's next row pair, a line at a time (prefetches never fault) */
-            _mm_prefetch((const char *)(w0 + 2L * K + k), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w1 + 2L * K + k), _MM_HINT_T0);
+            if (L2) {
+                _mm_prefetch((const char *)(w0 + PF_ROWS * (long)K + k), _MM_HINT_T1);
+                _mm_prefetch((const char *)(w1 + PF_ROWS * (long)K + k), _MM_HINT_T1);
+            } else {
+                _mm_prefetch((const char *)(w0 + 2L * K + k), _MM_HINT_T0);
+                _mm_prefetch((const char *)(w1 + 2L * K + k), _MM_HINT_T0);
+            }
         }
-        for (int r = 0; r < RR; r++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) {
             __m256 xv = _mm256_loadu_ps(x + (long)r * K + k);
             __asm__("" : "+x"(xv));   /* one load for both weight rows (see cols_band_avx2) */
             a[r] = _mm256_fmadd_ps(u, xv, a[r]);
             b[r] = _mm256_fmadd_ps(v, xv, b[r]);
         }
     }
-    for (int r = 0; r < RR; r++) {
+    _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) {
         float s0 = hsum8(a[r]), s1 = hsum8(b[r]);
-        for (int kk = k; kk < K; kk++) {
-            s0 += w0[kk] * x[(long)r * K + kk];
-            s1 += w1[kk] * x[(long)r * K + kk];
+        for (int kk = k; kk < K; kk++) {   /* fused, as every copy of the loop compiles the same */
+            s0 = fmaf(w0[kk], x[(long)r * K + kk], s0);
+            s1 = fmaf(w1[kk], x[(long)r * K + kk], s1);
         }
         out[0][r] = s0;
         out[1][r] = s1;
@@ -60,19 +70,156 @@ INLINE void rows_tile_avx2(const int RR, const float *w0, const float *w1, const
 #define TILE_ROWS(X) X(1) X(2) X(3) X(4)
 #endif
 
+#if HAVE_AVX512
+#define UNROLL _Pragma("GCC unroll 8")
+/* rows_f32_batch at the avx512 levels: tiles of 2 weight rows x up to TR512 token rows (16
+   accumulators of 8 lanes, which AVX-512's 32 registers hold with the weight and token vectors),
+   the token rows in ceil(M / TR512) tiles as even as can be (9 rows: 5 + 4, where avx2 takes
+   4 + 4 + 1), and the next rows prefetched PF_ROWS ahead into L2. The same arithmetic per row
+   as avx2's tile, so avx2's bits. On a Zen 4 EPYC (one thread, 9 token rows, SmolLM2-135M's
+   qkv and o projections over its 30 layers, weights from DRAM; /tmp microbenchmark, CPU time,
+   a shared machine) ~4.0 and ~2.4 ms against avx2's ~6.1 and ~3.4 ms; most of it the prefetch
+   into L2: into L1 (prefetcht0, two rows ahead) the same tiles took ~5.6 and ~3.1 ms. A tile
+   of 16-lane vectors (then a reduction per output) was slower (~6.5 and ~3.9 ms): the Zen 4's
+   FMA units are 256 bits wide and a 512-bit FMA takes both (~115 GFLOP/s a core either way).
+   The down projection (K = 1536) goes by blocks of k: rows_blocked_avx512. */
+#define TILE_ROWS512(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
+
+/* rows_tile_avx2 over k in [k0, k1) (k0 a multiple of ROWS_KB), its 8-lane sums taken from and
+   left in part (2 RR vectors) between the blocks: the same arithmetic, so the same bits. */
+#define ROWS_KB 512      /* k a block (a multiple of 8) */
+#define ROWS_L1X 6144    /* a tile's token rows (floats) past which they go by blocks */
+#define ROWS_GROUP 32    /* weight row pairs a pass over the blocks */
+INLINE void rows_part_avx2(const int RR, const float *w0, const float *w1, const float *x, int K, int k0, int k1,
+                           float *part, float out[2][TR512]) {
+    __m256 a[TR512], b[TR512];
+    UNROLL for (int r = 0; r < RR; r++) {
+        a[r] = k0 ? _mm256_loadu_ps(part + 16 * r) : _mm256_setzero_ps();
+        b[r] = k0 ? _mm256_loadu_ps(part + 16 * r + 8) : _mm256_setzero_ps();
+    }
+    int k = k0;
+    for (; k + 8 <= k1; k += 8) {
+        const __m256 u = _mm256_loadu_ps(w0 + k), v = _mm256_loadu_ps(w1 + k);
+        if ((k & 15) == 0) {
+            _mm_prefetch((const char *)(w0 + PF_ROWS * (long)K + k), _MM_HINT_T1);
+            _mm_prefetch((const char *)(w1 + PF_ROWS * (long)K + k), _MM_HINT_T1);
+        }
+        UNROLL for (int r = 0; r < RR; r++) {
+            __m256 xv = _mm256_loadu_ps(x + (long)r * K + k);
+            __asm__("" : "+x"(xv));
+            a[r] = _mm256_fmadd_ps(u, xv, a[r]);
+            b[r] = _mm256_fmadd_ps(v, xv, b[r]);
+        }
+    }
+    if (k1 < K) {
+        UNROLL for (int r = 0; r < RR; r++) {
+            _mm256_storeu_ps(part + 16 * r, a[r]);
+            _mm256_storeu_ps(part + 16 * r + 8, b[r]);
+        }
+        return;
+    }
+    UNROLL for (int r = 0; r < RR; r++) {
+        float s0 = hsum8(a[r]), s1 = hsum8(b[r]);
+        for (int kk = k; kk < K; kk++) {   /* fused, as every copy of the loop compiles the same */
+            s0 = fmaf(w0[kk], x[(long)r * K + kk], s0);
+            s1 = fmaf(w1[kk], x[(long)r * K + kk], s1);
+        }
+        out[0][r] = s0;
+        out[1][r] = s1;
+    }
+}
+
+/* Where a tile's token rows outgrow L1 (over ROWS_L1X floats: the down projection's K = 1536
+   from 5 rows, 30 KiB) the loop waited on L2 for them; so each thread takes its weight row pairs
+   ROWS_GROUP at a time through blocks of k, a block of x staying in L1. SmolLM2-135M's down
+   projection at 9 rows (as above): ~6.5 ms against ~10-11 unblocked; at 2 and 4 rows, where
+   the rows fit, the blocks were slower (~6.0 and ~5.8 ms against ~4.3 and ~4.7), as for K = 576
+   (~3.7 against ~2.5 ms for qkv at 4 rows). part: the thread's own, at least 16 ROWS_GROUP M
+   floats. */
+static void rows_blocked_avx512(const float *w, const float *x, int M, int N, int K, float *y, const float *bias,
+                                float *part) {
+    const int tiles = (M + TR512 - 1) / TR512, pairs = (N + 1) / 2, nt = omp_get_num_threads(),
+              t = omp_get_thread_num();
+    const int p0 = (int)((long)pairs * t / nt), p1 = (int)((long)pairs * (t + 1) / nt);
+    for (int g0 = p0; g0 < p1; g0 += ROWS_GROUP) {
+        const int g1 = p1 - g0 < ROWS_GROUP ? p1 : g0 + ROWS_GROUP;
+        for (int k0 = 0; k0 < K; k0 += ROWS_KB) {
+            const int k1 = K - k0 < ROWS_KB ? K : k0 + ROWS_KB;
+            for (int np = g0; np < g1; np++) {
+                const int n0 = 2 * np, n1 = n0 + 1 < N ? n0 + 1 : n0;
+                for (int tt = 0, r0 = 0; tt < tiles; tt++) {
+                    const int rr = (M - r0 + tiles - tt - 1) / (tiles - tt);
+                    float out[2][TR512];
+                    const float *xr = x + (long)r0 * K;
+                    float *pt = part + ((long)(np - g0) * M + r0) * 16;
+                    switch (rr) {
+#define ROWS_CASE(RR) case RR: rows_part_avx2(RR, w + (long)n0 * K, w + (long)n1 * K, xr, K, k0, k1, pt, out); break;
+                        TILE_ROWS512(ROWS_CASE)
+#undef ROWS_CASE
+                    }
+                    if (k1 == K)
+                        for (int r = 0; r < rr; r++) {
+                            y[(long)(r0 + r) * N + n0] = out[0][r] + (bias ? bias[n0] : 0.0f);
+                            y[(long)(r0 + r) * N + n1] = out[1][r] + (bias ? bias[n1] : 0.0f);
+                        }
+                    r0 += rr;
+                }
+            }
+        }
+    }
+#pragma omp barrier
+}
+
+static void rows_f32_batch_avx512(const float *w, const float *x, int M, int N, int K, float *y, const float *bias,
+                                  float *part) {
+    const int tiles = (M + TR512 - 1) / TR512;
+    if (K > ROWS_KB && (M + tiles - 1) / tiles * K > ROWS_L1X) {
+        rows_blocked_avx512(w, x, M, N, K, y, bias, part);
+        return;
+    }
+#pragma omp for schedule(static)
+    for (int np = 0; np < (N + 1) / 2; np++) {
+        const int n0 = 2 * np, n1 = n0 + 1 < N ? n0 + 1 : n0;
+        for (int t = 0, r0 = 0; t < tiles; t++) {
+            const int rr = (M - r0 + tiles - t - 1) / (tiles - t);
+            float out[2][TR512];
+            const float *xr = x + (long)r0 * K;
+            switch (rr) {
+#define ROWS_CASE(RR) case RR: rows_tile_avx2(RR, w + (long)n0 * K, w + (long)n1 * K, xr, K, out, 1); break;
+                TILE_ROWS512(ROWS_CASE)
+#undef ROWS_CASE
+            }
+            for (int r = 0; r < rr; r++) {
+                y[(long)(r0 + r) * N + n0] = out[0][r] + (bias ? bias[n0] : 0.0f);
+                y[(long)(r0 + r) * N + n1] = out[1][r] + (bias ? bias[n1] : 0.0f);
+            }
+            r0 += rr;
+        }
+    }
+}
+#endif
+
 /* fp32 [N, K] weights times M >= 2 token rows, weight rows two at a time. */
-static void rows_f32_batch(const float *w, const float *x, int M, int N, int K, float *y, const float *bias) {
+static void rows_f32_batch(const float *w, const float *x, int M, int N, int K, float *y, const float *bias,
+                           float *part) {
+    (void)part;
+#if HAVE_AVX512
+    if (g_isa >= ISA_AVX512) {
+        rows_f32_batch_avx512(w, x, M, N, K, y, bias, part);
+        return;
+    }
+#endif
 #pragma omp for schedule(static)
     for (int np = 0; np < (N + 1) / 2; np++) {
         const int n0 = 2 * np, n1 = n0 + 1 < N ? n0 + 1 : n0;
         for (int r0 = 0; r0 < M; r0 += TR) {
             const int rr = M - r0 < TR ? M - r0 : TR;
-            float out[2][TR];
+            float out[2][TR512];
             const float *xr = x + (long)r0 * K;
 #if HAVE_AVX2
             if (g_isa >= ISA_AVX2)
                 switch (rr) {
-#define ROWS_CASE(RR) case RR: rows_tile_avx2(RR, w + (long)n0 * K, w + (long)n1 * K, xr, K, out); break;
+#define ROWS_CASE(RR) case RR: rows_tile_avx2(RR, w + (long)n0 * K, w + (long)n1 * K, xr, K, out, 0); break;
                     TILE_ROWS(ROWS_CASE)
 #undef ROWS_CASE
                 }
@@ -213,13 +360,127 @@ INLINE void cols_row(const int W512, const float *w, long ldw, const float *x, i
 #undef QUAD_F
 #endif
 
+#if HAVE_AVX512
+/* Several token rows at the avx512 levels: register tiles of RR token rows x CV vectors of 16
+   columns, each column's sum held in registers over a block of COLS_KB k (cols_band_avx2 adds
+   every quad's partial sum into memory: at 9 rows that loop was bound by its traffic with L2),
+   then stored in y and taken up again for the next block. A column's arithmetic is
+   cols_band_avx2's lane for lane (per four k: x0 w0, then three fused multiply-adds, with zeros
+   past K, then one add into a sum started at zero; then the bias, or zero), so the same bits at
+   every level above the scalar and for a row alone or in a batch. The last vector takes the
+   columns left (mask). A thread walks COLS_CB columns (whole lines of each weight row) through
+   every block of k; the first row tile prefetches the next block (of k, or after the last one
+   the next columns' first), half a row (COLS_CB / 2 columns) a quad, into L2: the hardware
+   prefetcher does not follow a tile's lines, which lie a whole weight row apart, and prefetches
+   into L1 (prefetcht0) fill its miss buffers while the loop computes (the loads then wait: with
+   them w13 took ~30 ms below). On a Zen 4 EPYC (one thread, 9 token rows, SmolLM2-135M's
+   gate|up over its 30 layers and its head, weights from DRAM; /tmp microbenchmark, CPU time, a
+   shared machine) ~14.8 and ~9.5 ms against avx2's band loop's ~23.5 and ~12.5 ms; blocks of 32
+   or 128 k, 512 columns, or tiles of 6 x 2, 4 x 3 or 8 x 1 vectors were no faster. */
+#define COLS_KB 64   /* k a block (a multiple of 4) */
+#define COLS_CB 256  /* columns a pass over the blocks: 8 tiles of 16 COLS_CV (the prefetch's walk) */
+#define COLS_RT 8    /* token rows a tile */
+#define COLS_CV 2    /* column vectors a tile */
+INLINE void cols_tile_avx512(const int RR, const int CV, const float *w, long ldw, const float *xt, int k0, int k1,
+                             int K, float *y, long ldy, const float *bias, __mmask16 last, const float *pf,
+                             int pfq) {
+    __m512 acc[COLS_RT][COLS_CV];
+    UNROLL for (int r = 0; r < RR; r++)
+        UNROLL for (int j = 0; j < CV; j++) {
+            const __mmask16 m = j == CV - 1 ? last : 0xffff;
+            acc[r][j] = k0 ? _mm512_maskz_loadu_ps(m, y + (long)r * ldy + 16 * j) : _mm512_setzero_ps();
+        }
+    const float *restrict w0 = w + (long)k0 * ldw;
+    for (int k = k0; k < k1; k += 4, w0 += 4 * ldw, xt += 4 * RR) {
+        const int kn = k1 - k;   /* past K (the last quad): zeros in xt, and the rows of w0 again */
+        const float *w1 = w0 + (kn > 1 ? ldw : 0), *w2 = w0 + (kn > 2 ? 2 * ldw : 0), *w3 = w0 + (kn > 3 ? 3 * ldw : 0);
+        if (pf) {   /* half a row of the next block a quad, in memory order */
+            const int h = pfq + (k - k0) / 4;
+            const float *p = pf + (long)(h >> 1) * ldw + (h & 1) * (COLS_CB / 2);
+            UNROLL for (int i = 0; i < COLS_CB / 32; i++) _mm_prefetch((const char *)(p + 16 * i), _MM_HINT_T1);
+        }
+        UNROLL for (int j = 0; j < CV; j++) {
+            const __mmask16 m = j == CV - 1 ? last : 0xffff;
+            const __m512 u0 = _mm512_maskz_loadu_ps(m, w0 + 16 * j), u1 = _mm512_maskz_loadu_ps(m, w1 + 16 * j),
+                         u2 = _mm512_maskz_loadu_ps(m, w2 + 16 * j), u3 = _mm512_maskz_loadu_ps(m, w3 + 16 * j);
+            UNROLL for (int r = 0; r < RR; r++) {
+                const __m512 q = _mm512_fmadd_ps(_mm512_set1_ps(xt[3 * RR + r]), u3,
+                                 _mm512_fmadd_ps(_mm512_set1_ps(xt[2 * RR + r]), u2,
+                                 _mm512_fmadd_ps(_mm512_set1_ps(xt[RR + r]), u1, _mm512_mul_ps(_mm512_set1_ps(xt[r]), u0))));
+                acc[r][j] = _mm512_add_ps(acc[r][j], q);
+            }
+        }
+    }
+    UNROLL for (int j = 0; j < CV; j++) {
+        const __mmask16 m = j == CV - 1 ? last : 0xffff;
+        const __m512 bv = k1 == K && bias ? _mm512_maskz_loadu_ps(m, bias + 16 * j) : _mm512_setzero_ps();
+        UNROLL for (int r = 0; r < RR; r++)
+            _mm512_mask_storeu_ps(y + (long)r * ldy + 16 * j, m, k1 < K ? acc[r][j] : _mm512_add_ps(acc[r][j], bv));
+    }
+}
+
+#define TILE_COLS_ROWS(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
+
+/* cols_f32_batch at the avx512 levels (M >= 2): COLS_CB columns at a time split between the
+   threads, straight into y; the token rows in ceil(M / COLS_RT) tiles as even as can be, each
+   tile's part of a block of x copied k-major (xt: its rr values of each k together, zeros past K
+   to the quad), so that a quad's broadcasts come from one pointer. xt: the thread's own, at
+   least M COLS_KB floats. */
+static void cols_f32_batch_avx512(const float *w, const float *x, int M, int N, int K, float *y, const float *bias,
+                                  float *xt) {
+    const int tw = 16 * COLS_CV, blocks = (N + COLS_CB - 1) / COLS_CB, rtiles = (M + COLS_RT - 1) / COLS_RT;
+#pragma omp for schedule(static)
+    for (int b = 0; b < blocks; b++) {
+        const int cb0 = b * COLS_CB, cb1 = N - cb0 < COLS_CB ? N : cb0 + COLS_CB;
+        for (int k0 = 0; k0 < K; k0 += COLS_KB) {
+            const int k1 = K - k0 < COLS_KB ? K : k0 + COLS_KB, kq = (k1 - k0 + 3) / 4 * 4;
+            for (int rt = 0, r0 = 0; rt < rtiles; rt++) {   /* the tiles' parts of x, k-major */
+                const int rr = (M - r0 + rtiles - rt - 1) / (rtiles - rt);
+                float *t = xt + (long)r0 * kq;
+                for (int k = 0; k < kq; k++)
+                    for (int r = 0; r < rr; r++) t[k * rr + r] = k0 + k < K ? x[(long)(r0 + r) * K + k0 + k] : 0.0f;
+                r0 += rr;
+            }
+            for (int c0 = cb0; c0 < cb1; c0 += tw) {
+                const int cw = cb1 - c0 < tw ? cb1 - c0 : tw, cv = (cw + 15) / 16;
+                const __mmask16 last = (__mmask16)(cw % 16 ? (1u << (cw % 16)) - 1 : 0xffff);
+                const float *bb = bias ? bias + c0 : NULL;
+                /* the next block, a row at a time (its rows pfq / 2 on in this tile): that of k, else
+                   the next columns' first (past the weights: prefetches never fault) */
+                const float *pf = k1 < K ? w + (long)k1 * N + cb0 : w + cb0 + COLS_CB;
+                const int pfq = (c0 - cb0) / tw * (COLS_KB / 4);
+                for (int rt = 0, r0 = 0; rt < rtiles; rt++) {
+                    const int rr = (M - r0 + rtiles - rt - 1) / (rtiles - rt);
+                    const float *t = xt + (long)r0 * kq, *p = rt == 0 ? pf : NULL;
+                    float *yr = y + (long)r0 * N + c0;
+                    if (cv == COLS_CV)
+                        switch (rr) {
+#define COLS_CASE(RR) case RR: cols_tile_avx512(RR, COLS_CV, w + c0, N, t, k0, k1, K, yr, N, bb, last, p, pfq); break;
+                            TILE_COLS_ROWS(COLS_CASE)
+#undef COLS_CASE
+                        }
+                    else
+                        switch (rr) {
+#define COLS_CASE(RR) case RR: cols_tile_avx512(RR, 1, w + c0, N, t, k0, k1, K, yr, N, bb, last, p, pfq); break;
+                            TILE_COLS_ROWS(COLS_CASE)
+#undef COLS_CASE
+                        }
+                    r0 += rr;
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* fp32 [K, N] (input-major) weights times M token rows. Each thread takes bands of whole columns
    and sums them over every k, streaming the band's part of each weight row (at most COLS_CHUNK
    columns), into its own [M, band] sums (L1/L2-resident, rows a band apart; summing in y itself,
    whose rows lie a vocabulary apart, took a batch-8 step from 39 to 55 ms), then copies them
    out. A column's sum never depends on the thread count; splitting k between the threads, as
    before, moved fp32 models' logits by ~4e-5 when ThreadChoice changed the count. cols: shared
-   [threads, M, COLS_CHUNK]. */
+   [threads, M, COLS_CHUNK] (at the avx512 levels each thread's part holds its k-major copies of
+   x: cols_f32_batch_avx512). */
 static void cols_f32_batch(const float *w, const float *x, int M, int N, int K, float *y, const float *bias,
                            float *cols) {
     const int nt = omp_get_num_threads();
@@ -234,6 +495,12 @@ static void cols_f32_batch(const float *w, const float *x, int M, int N, int K, 
             else cols_row(0, w + c0, N, x, K, y + c0, w_);
             for (int c = 0; c < w_; c++) y[c0 + c] += bias ? bias[c0 + c] : 0.0f;
         }
+        return;
+    }
+#endif
+#if HAVE_AVX512
+    if (g_isa >= ISA_AVX512) {   /* M >= 2 */
+        cols_f32_batch_avx512(w, x, M, N, K, y, bias, cols + (size_t)omp_get_thread_num() * M * COLS_CHUNK);
         return;
     }
 #endif
@@ -265,7 +532,7 @@ HIDDEN void linear(const Lin *L, const float *x, int M, float *y, const Act *a, 
         return;
     }
     if (L->fmt == F32_ROWS && M > 1) {
-        rows_f32_batch((const float *)L->w, x, M, N, K, y, L->bias);
+        rows_f32_batch((const float *)L->w, x, M, N, K, y, L->bias, cols + (size_t)omp_get_thread_num() * M * COLS_CHUNK);
         return;
     }
     if (L->fmt == F32_ROWS) {

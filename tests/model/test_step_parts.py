@@ -83,6 +83,47 @@ def test_fp32_products_at_each_level_are_the_exact_product_within_rounding(lib, 
         assert torch.equal(got["avx512"], got["avx2"])
 
 
+# (N, K): odd N (with a bias) and not, under and over a column block (256) and a k block (64), K
+# off the 16s and each remainder of the quads; K = 1100 takes the row tiles through blocks of k
+# (step_linear.c's ROWS_KB, ROWS_L1X: from 6 rows a tile) in groups of 32 row pairs, and a tail
+TILE_SHAPES = [(301, 133), (37, 70), (9, 67), (530, 64), (16, 20), (151, 1100)]
+
+
+@pytest.mark.parametrize("fmt", ["rows", "cols"])
+@pytest.mark.parametrize("N,K", TILE_SHAPES)
+def test_avx512_batch_tiles_for_every_row_count(lib, fmt, N, K):
+    """The avx512 levels' batch loops (rows: tiles of 2 weight rows x up to 8 token rows, whole or
+    by blocks of k; cols: register tiles of up to 8 token rows x 32 columns over blocks of 64 k
+    and 256 columns) for
+    M = 2..33, so every split into tiles and every tail: within K u sum|w x| of the float64
+    product, the scalar reference within twice that; the same bits at 1 and 2 threads, as the avx2
+    level's (the same arithmetic per output), and (cols) a row's bits alone."""
+    if isa.resolve("avx512") != "avx512":
+        pytest.skip("no avx512 level here")
+    g = torch.Generator().manual_seed(N * K)
+    w = torch.randn(N, K, generator=g)
+    rows = torch.randn(33, K, generator=g)
+    bias = torch.randn(N, generator=g) if N % 2 else None
+    f = fast_decode.F32_ROWS if fmt == "rows" else fast_decode.F32_COLS
+    weights = w if fmt == "rows" else w.T.contiguous()
+    for M in range(2, 34):
+        x = rows[:M]
+        exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        bound = (K + 1) * U * (x.double().abs() @ w.double().abs().T + (0 if bias is None else bias.double().abs()))
+        with isa.use_isa("scalar"):
+            ref = product(lib, f, weights, x, bias)
+        with isa.use_isa("avx2"):
+            avx2 = product(lib, f, weights, x, bias)
+        with isa.use_isa("avx512"):
+            got = product(lib, f, weights, x, bias)
+            assert ((got.double() - exact).abs() <= bound).all(), (M, float((got.double() - exact).abs().max()))
+            assert ((got.double() - ref.double()).abs() <= 2 * bound).all(), M
+            assert torch.equal(product(lib, f, weights, x, bias, 2), got), M
+            assert torch.equal(got, avx2), M
+            if fmt == "cols":
+                assert torch.equal(product(lib, f, weights, x[M - 1:], bias), got[M - 1:]), M
+
+
 @pytest.mark.parametrize("name", ["fp32", "q4_1 qblock=8", "k=q4_1c,v=q4_1 qblock=4", "nf4 qblock=4 residual_len=3",
                                   "q4_0l rotated"])
 @pytest.mark.parametrize("batch", [1, 3])
