@@ -11,9 +11,14 @@ rotated, pressed, packed); only the forward is shared.
 Each state's bookkeeping (its positions, its slot mask's new slot, its rows' `next_pos`) is
 DecodeState.step's own: the states are stepped through a `_Collect` backend that records the
 forward each would have run instead of running it, and the forwards recorded are then run
-together. The joined forward is the model's torch forward (the fused C step reads one cache of
-one layout); a row's logits are those of stepping its state alone through the torch path, up to
-float rounding of the batched products (a greedy answer far from a tie is the same token).
+together. A decode step (`step_together`) whose states all step through the fused C step
+(caramba.model.fast_decode.CStep) runs as one joined C call when it takes every state's cache
+(CStep.step_joined: decode_step.c's decode_step_joined, each cache a segment, up to
+fast_decode.JOIN_MAX_ROWS rows, JOIN_MEAN_ROWS a cache): the projections, MLP and head run once
+over all the rows and each layer's attention per cache, as the C step reads it alone. Otherwise,
+and for the questions (`prefill_together`), the joined forward is the model's torch forward. A
+row's logits are those of stepping its state alone, up to float rounding of the batched products
+(a greedy answer far from a tie is the same token).
 """
 
 from __future__ import annotations
@@ -119,7 +124,8 @@ def step_together(model, states: Sequence[DecodeState], tokens: Sequence[torch.T
                   masks: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
     """DecodeState.step(tokens[i], masks[i]) of every state, as one forward -> each state's
     next-token logits [B_i, V]. Each state's caches and bookkeeping end as its own step leaves them."""
-    return _together(model, [lambda s=s, t=t, m=m: s.step(t, m) for s, t, m in zip(states, tokens, masks)], states)
+    return _together(model, [lambda s=s, t=t, m=m: s.step(t, m) for s, t, m in zip(states, tokens, masks)], states,
+                     steps=True)
 
 
 @torch.inference_mode()
@@ -134,14 +140,21 @@ def prefill_together(model, states: Sequence[DecodeState], tokens: torch.Tensor,
     return _together(model, [lambda s=s: s.prefill(tokens, mask) for s in states], states)
 
 
-def _together(model, feeds: list, states: Sequence[DecodeState]) -> list[torch.Tensor]:
-    """Run each state's feed through a _Collect backend, then the forwards collected as one."""
+def _together(model, feeds: list, states: Sequence[DecodeState], steps: bool = False) -> list[torch.Tensor]:
+    """Run each state's feed through a _Collect backend, then the forwards collected as one: one
+    joined C step where every state steps through the fused C step (steps: a decode token each) and
+    it takes them all, else the torch forward."""
     calls = []
     for feed, state in zip(feeds, states):
         collect = _Collect(model.config.vocab_size)
         with state.using(collect):
             feed()
         calls.append(collect.call)
+    backend = states[0].backend
+    if steps and all(getattr(s.backend, "name", None) == "c" and s.backend.model is model for s in states):
+        logits = backend.step_joined(calls)
+        if logits is not None:
+            return logits
     ids = torch.cat([c[0] for c in calls], dim=0)
     positions = torch.cat([c[1] for c in calls], dim=0)
     cache = JoinedKVCache([c[2] for c in calls], [c[3] for c in calls])

@@ -61,7 +61,7 @@ from caramba.evaluation.evaluate import require_finite
 from caramba.evaluation.joined import joinable, prefill_together, step_together
 from caramba.infer.state import DecodeState
 from caramba.model.backend import Backend, TorchStep, choose
-from caramba.model.fast_decode import MAX_ROWS
+from caramba.model.fast_decode import JOIN_MAX_ROWS, JOIN_MEAN_ROWS, MAX_ROWS
 from caramba.press import PressConfig, kept_masks
 from caramba.evaluation.tasks import TaskSample, score
 from caramba.version import __version__
@@ -181,9 +181,12 @@ JOIN_ROWS = 32
 # The most cache bytes a wave holds waiting (its states' caches): a lone fp32 candidate's 32 batches
 # of 8k-token contexts would otherwise hold ~12 GB at once on SmolLM2-135M.
 WAVE_BYTES = 2 << 30
-# The fewest candidates worth joining where each would step alone through the fused C step: the
-# joined step is the torch forward, which one C step per candidate beats for two (1.25x the time
-# at batch 2 on SmolLM2-135M, one thread) and loses to from four (0.76x; nine: 0.52x).
+# The fewest candidates worth joining where each would step alone through the fused C step and the
+# joined step is the torch forward (more than JOIN_MEAN_ROWS rows a cache): one C step per candidate
+# beat it for two (1.25x the time at batch 2 on SmolLM2-135M, one thread) and lost to it from four
+# (0.76x; nine: 0.52x). Where the joined C step takes the rows (fast_decode.step_joined: up to
+# JOIN_MEAN_ROWS a cache, JOIN_MAX_ROWS in all) two join: 0.88x one C step each at one row a cache,
+# 0.68x at two (1024-token contexts, one thread).
 JOIN_MIN_C = 4
 
 
@@ -356,10 +359,11 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
     solo = [r for r, j in todo if not j]
     for result in [r for r in solo if r.candidate is not baseline]:
         alone(result)
-    per = JOIN_ROWS // len(group)
+    limit = _join_rows(backend, len(group))
+    per = limit // len(group)
     for first in range(0, len(together), per):
         chunk = together[first : first + per]
-        wave.add(_questioned(model, chunk, [build(r) for r in chunk], group, question, record))
+        wave.add(_questioned(model, chunk, [build(r) for r in chunk], group, question, record), limit)
     for result in [r for r in solo if r.candidate is baseline]:
         alone(result)
     return context_s
@@ -389,8 +393,8 @@ def _joined_plan(model, results: list[CandidateAnswers], rows: int, backend: Bac
     fewest worth joining (a short last chunk answers one at a time). Planned over every candidate,
     reused ones included, so a candidate's path (part of its answers' key) does not depend on
     which others the answer store holds."""
-    per = JOIN_ROWS // rows
-    fewest = JOIN_MIN_C if backend.name == "c" else 2
+    per = _join_rows(backend, rows) // rows
+    fewest = JOIN_MIN_C if backend.name == "c" and rows > JOIN_MEAN_ROWS else 2
     joint = [r for r in results if join and per >= fewest and _joins(model, r.candidate)]
     if len(joint) < fewest:
         joint = []
@@ -398,6 +402,12 @@ def _joined_plan(model, results: list[CandidateAnswers], rows: int, backend: Bac
     if 0 < short < fewest:
         joint = joint[: len(joint) - short]
     return [any(r is j for j in joint) for r in results]
+
+
+def _join_rows(backend: Backend, rows: int) -> int:
+    """The most rows one joined step of batches of `rows` rows a candidate takes: the joined C
+    step's (fast_decode.step_joined) where it takes them, else the torch forward's JOIN_ROWS."""
+    return JOIN_MAX_ROWS if backend.name == "c" and rows <= JOIN_MEAN_ROWS else JOIN_ROWS
 
 
 def _seconds(result: CandidateAnswers) -> tuple[float, float, float]:
@@ -714,9 +724,10 @@ class _Wave:
         self.model, self.tokenizer, self.stops = model, tokenizer, stops
         self.pending: list[_Pending] = []
 
-    def add(self, entries: list[_Pending]) -> None:
+    def add(self, entries: list[_Pending], rows: int = JOIN_ROWS) -> None:
+        """Entries joining the wave; rows: the most rows a step of them takes (_join_rows)."""
         held = [*self.pending, *entries]
-        if self.pending and (sum(len(p.group) for p in held) > JOIN_ROWS
+        if self.pending and (sum(len(p.group) for p in held) > rows
                              or sum(p.state.cache.nbytes for p in held) > WAVE_BYTES):
             self.flush()
         self.pending += entries

@@ -77,7 +77,15 @@
    combine_partials, mlp (output projection, residual, norm, SwiGLU, down projection) and head.
    Arguments come as one StepArgs (decode_step.h, mirrored by caramba.model.step_abi). Each loop
    with SIMD code has a portable reference (*_ref) that the scalar instruction set level
-   (cpu_isa.c: CARAMBA_ISA=scalar, or a build without AVX2) runs and tests compare against. */
+   (cpu_isa.c: CARAMBA_ISA=scalar, or a build without AVX2) runs and tests compare against.
+
+   A joined step (decode_step_joined: caramba.evaluation.joined's candidates, each answering from
+   its own cache) takes several StepArgs, segments of one model: the projections, MLP and head run
+   once over all their rows (the weights are read once, which is most of a step), and each layer's
+   attention runs segment by segment, each a step of its own cache (its streams, slot, masks and
+   rotary positions), every thread taking its run of every segment's parts. decode_step is the
+   one-segment case: the same arithmetic, so a joined step's rows get the bits of one step over a
+   single cache holding them all. */
 
 #include "decode_step.h"
 #include "decode_ops.h"
@@ -101,6 +109,11 @@ typedef struct {
     size_t part_w, chan_n;
     /* shared: projection outputs, attention partials [parts, M, heads, D + 2], column sums */
     float *qkv, *proj, *gu, *part, *cols;
+    /* a joined step's segments (decode_step_joined; one: decode_step) and where each one's partials
+       start in part (floats; [nseg + 1]) */
+    const StepArgs *segs;
+    int nseg;
+    const size_t *part_at;
     /* this thread's parts [p0, p1) and slots [s0, s1), n = s1 - s0 */
     int p0, p1, s0, s1, n;
     /* private: residual stream, normed input, roped q, new k and v as stored, attention output, MLP
@@ -181,16 +194,15 @@ static const float *qk_normed(Step *s, const float *row) {
     return s->qkn;
 }
 
-/* The attention's inputs: h = rms_norm(x); q|k|v = h W_qkv^T; q and k QK-normed where the layer
-   has it, roped (with the layer's tables), then rotated as the cache stores keys; v rotated as it
-   stores values; the new k and v's codes, and the new k and v as the torch path reads them back
-   (kn, vn). Then a per-channel key group the new token completes is quantized into the cache
-   before anyone reads it (the loop's implicit barrier). */
+/* The attention's inputs from q|k|v = h W_qkv^T (a segment's rows: its own streams and positions):
+   q and k QK-normed where the layer has it, roped (with the layer's tables), then rotated as the
+   cache stores keys; v rotated as it stores values; the new k and v's codes, and the new k and v as
+   the torch path reads them back (kn, vn). Then a per-channel key group the new token completes is
+   quantized into the cache before anyone reads it (the loop's implicit barrier). */
 static void attention_inputs(Step *s) {
     const StepArgs *a = s->a;
     const Stream *ks = s->ks, *vs = s->vs;
     const int M = s->M, D = s->D, q_w = s->q_w, n_kv = s->n_kv;
-    linear(&s->lp->qkv, pre_norm(s, s->lp->attn_norm), M, s->qkv, &s->codes, s->cols);
     for (int r = 0; r < M; r++) {
         const float *row = s->qkv + (long)r * s->qkv_w, *qk = qk_normed(s, row);
         const float *c = s->cos + a->positions[r] * D, *sn = s->ssin + a->positions[r] * D;
@@ -557,13 +569,37 @@ static void enter_layer(Step *s, int l) {
     s->kgroup = s->kchan && s->L % ks->block == 0 && s->L / ks->block <= s->S / ks->block;
 }
 
+/* Segment i of the step (its rows from row0 on) as a step of its own: its arguments (streams, slot,
+   masks, positions), its rows of the shared and private buffers, its partials. */
+static Step segment(const Step *s, int i, int row0) {
+    Step g = *s;
+    const long kv = (long)row0 * s->n_kv * s->D;
+    g.a = s->segs + i, g.M = (int)g.a->M, g.T = (int)g.a->T, g.slot0 = (int)g.a->slot;
+    g.qkv += (long)row0 * s->qkv_w, g.q += (long)row0 * s->q_w, g.att += (long)row0 * s->q_w;
+    g.k += kv, g.v += kv, g.kn += kv, g.vn += kv, g.ku += kv, g.vu += kv, g.kpar += kv, g.vpar += kv;
+    g.part = s->part + s->part_at[i];
+    return g;
+}
+
+/* The projections run once over every segment's rows (the weights read once); the attention per
+   segment, each over its own cache. Every thread walks the segments in the same order, so the
+   per-channel groups' worksharing loops and the barrier line up. */
 static void layer(Step *s, int l) {
-    enter_layer(s, l);
-    attention_inputs(s);
-    attend(s);
+    const LayerPlan *lp = s->lp = s->a->layers + l;
+    linear(&lp->qkv, pre_norm(s, lp->attn_norm), s->M, s->qkv, &s->codes, s->cols);
+    for (int i = 0, row0 = 0; i < s->nseg; row0 += (int)s->segs[i++].M) {
+        Step g = segment(s, i, row0);
+        enter_layer(&g, l);
+        attention_inputs(&g);
+        attend(&g);
+    }
 #pragma omp barrier
-    store_new_tokens(s);
-    combine_partials(s);
+    for (int i = 0, row0 = 0; i < s->nseg; row0 += (int)s->segs[i++].M) {
+        Step g = segment(s, i, row0);
+        enter_layer(&g, l);
+        store_new_tokens(&g);
+        combine_partials(&g);
+    }
     mlp(s);
 }
 
@@ -582,32 +618,66 @@ static int layer_slots_ok(const StepArgs *a, const Stream *st, const Stream *key
     return 1;
 }
 
-/* The step's shapes from its arguments; 2 for shapes or streams it does not take. */
-static int step_shapes(const StepArgs *a, Step *s) {
+/* A segment's streams checked; the most parts its layers have (partmax), the largest per-channel
+   group and its scratch into s (the largest over the segments). 2 for streams it does not take. */
+static int segment_streams(const StepArgs *a, Step *s, int *partmax) {
+    *partmax = 1;
+    for (int i = 0; i < 2 * a->n_layers; i++) {
+        const Stream *st = a->streams + i;
+        if (!stream_ok(st, s->D, i % 2 == 0) || (a->T > 1 && kv_per_channel((int)st->kind))) return 2;   /* groups: one token a step */
+        if (!layer_slots_ok(a, st, i % 2 ? st - 1 : st)) return 2;
+        const int L = (int)(st->wrap && a->slot + a->T > st->wrap ? st->wrap : a->slot - st->offset + a->T);
+        const int np = (L + ATT_PART - 1) / ATT_PART;
+        *partmax = np > *partmax ? np : *partmax;
+        if (kv_per_channel((int)st->kind)) {
+            s->gmax = st->block > s->gmax ? (int)st->block : s->gmax;
+            s->chan_n = channel_scratch(s->rep, s->D);
+        }
+    }
+    return 0;
+}
+
+/* Whether segment b shares segment a's model (weights, shapes, tables, settings) and, joined with
+   others, is one token a row whose logits follow the rows before it (at a's plus `rows` rows). */
+static int same_model(const StepArgs *a, const StepArgs *b, int joined, long rows) {
+    if (b->n_layers != a->n_layers || b->layers != a->layers || b->head != a->head || b->final_norm != a->final_norm
+        || b->dim != a->dim || b->n_heads != a->n_heads || b->n_kv != a->n_kv || b->head_dim != a->head_dim
+        || b->hidden != a->hidden || b->cos != a->cos || b->ssin != a->ssin || b->cos_local != a->cos_local
+        || b->ssin_local != a->ssin_local || b->eps != a->eps || b->q_factor != a->q_factor || b->gelu != a->gelu
+        || b->softcap != a->softcap)
+        return 0;
+    return !joined || (b->T == 1 && b->logits == a->logits + rows * a->head->N);
+}
+
+/* The step's shapes from its segments' arguments (the model's: the first's) and where each
+   segment's partials start (part_at [nseg + 1]); 2 for shapes or streams it does not take. */
+static int step_shapes(const StepArgs *segs, int nseg, Step *s, size_t *part_at) {
+    const StepArgs *a = segs;
     memset(s, 0, sizeof *s);
-    s->a = a;
-    s->M = (int)a->M, s->T = (int)a->T, s->dim = (int)a->dim, s->n_heads = (int)a->n_heads, s->n_kv = (int)a->n_kv;
+    s->a = a, s->segs = segs, s->nseg = nseg, s->part_at = part_at;
+    s->T = (int)a->T, s->dim = (int)a->dim, s->n_heads = (int)a->n_heads, s->n_kv = (int)a->n_kv;
     s->D = (int)a->head_dim, s->hidden = (int)a->hidden, s->slot0 = (int)a->slot;
-    if (s->D > 512 || s->n_kv < 1 || s->n_heads / s->n_kv > 64 || s->T < 1 || s->M % s->T
-        || a->slot < 0 || a->slot + a->T > a->max_seq) return 2;
+    if (s->D > 512 || s->n_kv < 1 || s->n_heads / s->n_kv > 64) return 2;
     s->rep = s->n_heads / s->n_kv, s->q_w = s->n_heads * s->D;
     s->qkv_w = (s->n_heads + 2 * s->n_kv) * s->D, s->kmax = s->dim > s->hidden ? s->dim : s->hidden;
     s->scale = 1.0f / sqrtf((float)s->D) * a->q_factor;   /* q_factor 1: the same bits */
     s->softcap = a->softcap;
     s->part_w = (size_t)s->D + 2, s->partmax = 1;
     s->gmax = 1;   /* the largest per-channel group: complete_group's scratch */
-    for (int i = 0; i < 2 * a->n_layers; i++) {
-        const Stream *st = a->streams + i;
-        if (!stream_ok(st, s->D, i % 2 == 0) || (s->T > 1 && kv_per_channel((int)st->kind))) return 2;   /* groups: one token a step */
-        if (!layer_slots_ok(a, st, i % 2 ? st - 1 : st)) return 2;
-        const int L = (int)(st->wrap && a->slot + a->T > st->wrap ? st->wrap : a->slot - st->offset + a->T);
-        const int np = (L + ATT_PART - 1) / ATT_PART;
-        s->partmax = np > s->partmax ? np : s->partmax;
-        if (kv_per_channel((int)st->kind)) {
-            s->gmax = st->block > s->gmax ? (int)st->block : s->gmax;
-            s->chan_n = channel_scratch(s->rep, s->D);
-        }
+    part_at[0] = 0;
+    long M = 0;
+    for (int i = 0; i < nseg; i++) {
+        const StepArgs *b = segs + i;
+        int pm;
+        if (!same_model(a, b, nseg > 1, M) || b->T < 1 || b->M < 0 || b->M % b->T || b->slot < 0
+            || b->slot + b->T > b->max_seq || segment_streams(b, s, &pm))
+            return 2;
+        part_at[i + 1] = part_at[i] + (size_t)pm * b->M * s->n_heads * s->part_w;
+        s->partmax = pm > s->partmax ? pm : s->partmax;
+        M += b->M;
     }
+    if (M > 1 << 20) return 2;
+    s->M = (int)M;
     return 0;
 }
 
@@ -640,30 +710,31 @@ static void *thread_scratch(Step *s) {
     return pv;
 }
 
-int decode_step(const StepArgs *a) {
-    Step shape;
-    if (step_shapes(a, &shape)) return 2;
-    const int M = shape.M, nthreads = a->nthreads > 0 ? a->nthreads : 1;
-    /* shared: projection outputs, attention partials [parts, M, heads, D + 2], column sums */
-    const size_t shared = (size_t)M * (shape.qkv_w + shape.dim + 2 * shape.hidden)
-                          + (size_t)shape.partmax * M * shape.n_heads * shape.part_w
+/* The step over its shapes: shared buffers, then one parallel region. */
+static int run_step(Step *shape) {
+    const StepArgs *a = shape->a;
+    const int M = shape->M, nthreads = a->nthreads > 0 ? a->nthreads : 1;
+    /* shared: projection outputs, attention partials (each segment's [parts, M, heads, D + 2]),
+       column sums */
+    const size_t shared = (size_t)M * (shape->qkv_w + shape->dim + 2 * shape->hidden) + shape->part_at[shape->nseg]
                           + (size_t)nthreads * M * COLS_CHUNK;
     float *sh = malloc(sizeof(float) * shared);
     if (!sh) return 1;
-    shape.qkv = sh, shape.proj = sh + (size_t)M * shape.qkv_w, shape.gu = shape.proj + (size_t)M * shape.dim;
-    shape.part = shape.gu + (size_t)M * 2 * shape.hidden;
-    shape.cols = shape.part + (size_t)shape.partmax * M * shape.n_heads * shape.part_w;
+    shape->qkv = sh, shape->proj = sh + (size_t)M * shape->qkv_w, shape->gu = shape->proj + (size_t)M * shape->dim;
+    shape->part = shape->gu + (size_t)M * 2 * shape->hidden;
+    shape->cols = shape->part + shape->part_at[shape->nseg];
     int failed = 0;
 
 #pragma omp parallel num_threads(nthreads)
     {
-        Step s = shape;
+        Step s = *shape;
         void *pv = thread_scratch(&s);
 #pragma omp atomic
         failed += pv == NULL;
 #pragma omp barrier
         if (!failed) {
-            memcpy(s.x, a->x, sizeof(float) * (size_t)M * s.dim);
+            for (int i = 0, row0 = 0; i < s.nseg; row0 += (int)s.segs[i++].M)
+                memcpy(s.x + (size_t)row0 * s.dim, s.segs[i].x, sizeof(float) * (size_t)s.segs[i].M * s.dim);
             for (int l = 0; l < a->n_layers; l++) layer(&s, l);
             head(&s);
         }
@@ -671,6 +742,21 @@ int decode_step(const StepArgs *a) {
     }
     free(sh);
     return failed ? 1 : 0;
+}
+
+int decode_step_joined(const StepArgs *segs, int nseg) {
+    if (nseg < 1) return 2;
+    size_t few[17], *part_at = nseg < 17 ? few : malloc(sizeof(size_t) * ((size_t)nseg + 1));
+    if (!part_at) return 1;
+    Step shape;
+    int rc = step_shapes(segs, nseg, &shape, part_at);
+    if (!rc) rc = run_step(&shape);
+    if (part_at != few) free(part_at);
+    return rc;
+}
+
+int decode_step(const StepArgs *a) {
+    return decode_step_joined(a, 1);
 }
 
 /* The structs' layout, for caramba.model.step_abi's test: sizes of Lin, LayerPlan, Stream and

@@ -68,4 +68,14 @@ typedef struct {
    written then. */
 int decode_step(const StepArgs *args);
 
+/* One decode step for the rows of several caches of one model (caramba.evaluation.joined): segs[i]
+   is a step of its own cache (streams, max_seq, slot, positions, masks, x, M rows), and the model's
+   fields (layers, head, final_norm, shapes, rotary tables, eps, q_factor, gelu, softcap) agree
+   between them; nthreads and last_only are the first's. The projections, MLP and head run once
+   over every segment's rows, one after another; each layer's attention runs per segment over its
+   own cache. With more than one segment every T is 1 and the logits lie one after another (segs[i]
+   .logits follows segs[i - 1]'s M rows: one [sum M, vocab] array). One segment: decode_step. Returns
+   decode_step's codes (2 also for segments that disagree on the model). */
+int decode_step_joined(const StepArgs *segs, int nseg);
+
 #endif

@@ -33,6 +33,13 @@ The thread count starts from torch's, which a Generator sets from the cores free
 (caramba.threads), and adapts to a busy machine (ThreadChoice, owned by the CStep;
 `CStep(model, ThreadChoice(fixed=n))` or CARAMBA_THREADS=n pins it).
 
+A joined step (`CStep.step_joined`, `step_joined`: caramba.evaluation.joined's candidates) takes one
+decode token for the rows of several caches in one call (decode_step.c's decode_step_joined): each
+cache a segment with its own streams, slot, masks and positions, checked as `applies` checks a
+single step, up to JOIN_MAX_ROWS rows in all (JOIN_MEAN_ROWS a cache); the projections, MLP and
+head run once over all the rows. Its logits are each cache's own step's up to the rounding of a
+product over more rows (bit for bit one step of a single cache holding the same rows).
+
 A ragged press's PressedKVCache (caramba.cache.evict: per-layer and per-head budgets) is read
 too: each layer its own width, each head only its run of survivors, in place, from a dense layer
 or a packed one (caramba.cache.packed: each Stream gets the store's size and each row and head's
@@ -64,8 +71,14 @@ from caramba.model.step_abi import LayerPlan, Lin, StepArgs, Stream
 # cpu_isa.h); the quantized products' files are quant.SOURCES (cpu_isa.c among them)
 SOURCES = kernel_build.sources("decode_step")   # caramba.kernel_build.LIBRARIES: one list, setup.py's too
 MAX_ROWS = 16        # beyond this the torch path's GEMMs win
+# A joined step (step_joined) takes up to JOIN_MAX_ROWS rows in all, JOIN_MEAN_ROWS a cache on average:
+# beyond, the torch join's GEMMs and batched attention win (SmolLM2-135M, one thread, mixed kinds,
+# joined C / torch join: 24 caches of 1 row 0.76-0.98 from 512 to 2048 context, 9 of 2 0.79-1.03,
+# 4 of 4 0.94-1.18, 8 of 4 1.11-1.16)
+JOIN_MAX_ROWS, JOIN_MEAN_ROWS = 24, 2
 _P, _I = ctypes.c_void_p, ctypes.c_int
-_SIGNATURES = {"decode_step": ([_P], _I), "step_linear": ([_P, _P, _I, _P, _I], _I), "step_abi_layout": ([_P], _I),
+_SIGNATURES = {"decode_step": ([_P], _I), "decode_step_joined": ([_P, _I], _I),
+               "step_linear": ([_P, _P, _I, _P, _I], _I), "step_abi_layout": ([_P], _I),
                "quantize_kv": ([_I, _P, _I, _I, _I, _P, _P], None), "kv_nf4_tables": ([_P, _P], None),
                **quant.ISA_SIGNATURES}
 library = kernels.Library(SOURCES, _SIGNATURES, "decode steps run through torch's ops")
@@ -386,6 +399,44 @@ def _rope_table(model, positions: torch.Tensor, local: bool = False):
     return table
 
 
+def _step_args(model, plan: _Plan, cache: KVCache, x: torch.Tensor, logits: torch.Tensor, positions: torch.Tensor,
+               masks: tuple, T: int, last_only: bool, tables: tuple, threads: int) -> tuple[StepArgs, list]:
+    """decode_step.c's StepArgs of one cache's rows (x [M, dim], logits, positions [M] int64,
+    masks contiguous or None, tables: the rotary tables, the local ones or None) and what they point
+    into that the caller does not hold (the cache's Streams). The cache's streams are noted written
+    (_stream_table): the step must follow."""
+    cfg = model.config
+    slot, (table, local), (mask, mask_local) = cache.length, tables, masks
+    streams = _stream_table(cache._fast_decode_layout, slot, T)     # as CStep.applies just found it
+    q_factor = model.layers[0].attn.q_factor
+    args = StepArgs(
+        n_layers=cfg.n_layers, layers=ctypes.addressof(plan.layers), head=ctypes.addressof(plan.head),
+        final_norm=model.norm.weight.data_ptr(), streams=ctypes.addressof(streams), x=x.data_ptr(),
+        logits=logits.data_ptr(), M=x.shape[0], T=T, last_only=int(last_only), dim=cfg.dim, n_heads=cfg.n_heads,
+        n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden=cfg.intermediate_size,
+        max_seq=slot + T if type(cache) is RingKVCache else cache.max_seq_len, slot=slot,
+        positions=positions.data_ptr(), mask=None if mask is None else mask.data_ptr(),
+        mask_local=None if mask_local is None else mask_local.data_ptr(), cos=table.cos.data_ptr(),
+        ssin=table.sin.data_ptr(), cos_local=None if local is None else local.cos.data_ptr(),
+        ssin_local=None if local is None else local.sin.data_ptr(), eps=cfg.norm_eps,
+        q_factor=1.0 if q_factor is None else q_factor, nthreads=threads, gelu=int(cfg.mlp == "geglu"),
+        softcap=cfg.attn_softcap or 0.0)
+    return args, [streams]
+
+
+def _tables(model, positions: torch.Tensor) -> tuple:
+    """The rotary tables (and the sliding layers' own, or None) covering the positions."""
+    local = _rope_table(model, positions, local=True) if model.config.rope_local_theta is not None else None
+    return _rope_table(model, positions), local
+
+
+def _check(failed: int) -> None:
+    if failed == 1:
+        raise MemoryError("the fused decode step could not allocate its scratch")
+    if failed:
+        raise ValueError(f"decode_step.c refused the shapes (code {failed}); CStep.applies should have")
+
+
 def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVCache,
          masks: tuple, last_only: bool = False, *, plan: _Plan, choice: ThreadChoice) -> torch.Tensor:
     """logits [B, T, vocab] ([B, 1, vocab] with last_only) of T new tokens per row, their K and V
@@ -399,36 +450,50 @@ def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVC
     if positions is None:
         positions = torch.arange(slot, slot + T).expand(B, T)
     positions = positions.reshape(B * T).to(torch.int64).contiguous()
-    table = _rope_table(model, positions)
-    local = _rope_table(model, positions, local=True) if cfg.rope_local_theta is not None else None
     x = model.embed_tokens(tokens).reshape(B * T, cfg.dim).contiguous()   # read only
     logits = torch.empty(B, 1 if last_only else T, cfg.vocab_size)
-    mask, mask_local = (None if m is None else m.contiguous() for m in masks)
-    streams = _stream_table(cache._fast_decode_layout, slot, T)     # as CStep.applies just found it
+    masks = tuple(None if m is None else m.contiguous() for m in masks)
     threads = choice.next(B * T)
-    q_factor = model.layers[0].attn.q_factor
-    args = StepArgs(
-        n_layers=cfg.n_layers, layers=ctypes.addressof(plan.layers), head=ctypes.addressof(plan.head),
-        final_norm=model.norm.weight.data_ptr(), streams=ctypes.addressof(streams), x=x.data_ptr(),
-        logits=logits.data_ptr(), M=B * T, T=T, last_only=int(last_only), dim=cfg.dim, n_heads=cfg.n_heads,
-        n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden=cfg.intermediate_size,
-        max_seq=slot + T if type(cache) is RingKVCache else cache.max_seq_len, slot=slot,
-        positions=positions.data_ptr(), mask=None if mask is None else mask.data_ptr(),
-        mask_local=None if mask_local is None else mask_local.data_ptr(), cos=table.cos.data_ptr(),
-        ssin=table.sin.data_ptr(), cos_local=None if local is None else local.cos.data_ptr(),
-        ssin_local=None if local is None else local.sin.data_ptr(), eps=cfg.norm_eps,
-        q_factor=1.0 if q_factor is None else q_factor, nthreads=threads, gelu=int(cfg.mlp == "geglu"),
-        softcap=cfg.attn_softcap or 0.0)
+    args, keep = _step_args(model, plan, cache, x, logits, positions, masks, T, last_only,
+                            _tables(model, positions), threads)
     t0 = time.perf_counter()
     failed = library().decode_step(ctypes.byref(args))
     choice.took(threads, time.perf_counter() - t0, B * T)
-    if failed == 1:
-        raise MemoryError("the fused decode step could not allocate its scratch")
-    if failed:
-        raise ValueError(f"decode_step.c refused the shapes (code {failed}); CStep.applies should have")
+    _check(failed)
     for layer in cache.layers:
         layer.length = slot + T - _offset(layer)
     return model.cap_logits(logits)
+
+
+def step_joined(model, calls: list[tuple], *, plan: _Plan, choice: ThreadChoice) -> list[torch.Tensor]:
+    """One decode token for the rows of several caches in one C call (decode_step_joined): calls
+    are (tokens [B_i, 1], positions [B_i, 1] or None, cache, masks) with masks as `step` takes them
+    (CStep.step_joined checked every one); each cache's K and V appended as `step` appends them ->
+    each call's logits [B_i, vocab]. The projections, MLP and head run once over all the rows."""
+    cfg = model.config
+    rows, slots = [c[0].shape[0] for c in calls], [c[2].length for c in calls]
+    positions = [(torch.arange(slot, slot + 1).expand(B, 1) if p is None else p).reshape(B).to(torch.int64)
+                 for B, slot, (_, p, _, _) in zip(rows, slots, calls)]
+    every = torch.cat(positions).contiguous()     # one array: each segment's rows a view into it
+    tables = _tables(model, every)
+    x = model.embed_tokens(torch.cat([c[0] for c in calls])).reshape(sum(rows), cfg.dim).contiguous()
+    logits = torch.empty(sum(rows), cfg.vocab_size)
+    threads = choice.next(sum(rows))
+    segs, keep, at = (StepArgs * len(calls))(), [], 0
+    for i, (B, (_, _, cache, masks)) in enumerate(zip(rows, calls)):
+        masks = tuple(None if m is None else m.contiguous() for m in masks)
+        segs[i], held = _step_args(model, plan, cache, x[at:at + B], logits[at:at + B], every[at:at + B], masks, 1,
+                                   True, tables, threads)
+        keep += [masks, held]
+        at += B
+    t0 = time.perf_counter()
+    failed = library().decode_step_joined(segs, len(calls))
+    choice.took(threads, time.perf_counter() - t0, sum(rows))
+    _check(failed)
+    for slot, (_, _, cache, _) in zip(slots, calls):
+        for layer in cache.layers:
+            layer.length = slot + 1 - _offset(layer)
+    return list(model.cap_logits(logits).split(rows, dim=0))
 
 
 class Unsupported(ValueError):
@@ -483,6 +548,27 @@ class CStep:
                 return step(self.model, tokens, positions, cache, masks, last_only, plan=self.plan, choice=self.threads)
             self.steps["torch"] += 1
         return self.model(tokens, positions, cache, slot_mask, last_only=last_only, window=window)
+
+    def step_joined(self, calls: list[tuple]) -> list[torch.Tensor] | None:
+        """One decode token for several caches' rows in one C call (caramba.evaluation.joined): calls
+        are the forwards each state asked for, (tokens [B_i, 1], positions, cache, slot_mask), each
+        a last-only step of its own cache -> each one's logits [B_i, vocab], its cache written as
+        `__call__` writes it; None (nothing done) unless every one is a step decode_step.c takes,
+        of distinct caches, up to JOIN_MAX_ROWS rows in all and JOIN_MEAN_ROWS a cache on average."""
+        rows = sum(c[0].shape[0] for c in calls)
+        if rows > min(JOIN_MAX_ROWS, JOIN_MEAN_ROWS * len(calls)) or len({id(c[2]) for c in calls}) < len(calls):
+            return None
+        checked = []
+        for tokens, positions, cache, slot_mask in calls:     # every one first: nothing is written before
+            if cache is None or tokens.shape[1] != 1:
+                return None
+            cache.check_room(1)
+            masks = self.masks(tokens.shape[0], 1, cache, slot_mask, tokens.device, None)
+            if masks is None or not self.applies(tokens, cache, masks):
+                return None
+            checked.append((tokens, positions, cache, tuple(None if pair is None else pair[0] for pair in masks)))
+        self.steps["c"] += len(calls)
+        return step_joined(self.model, checked, plan=self.plan, choice=self.threads)
 
     def masks(self, B: int, T: int, cache, slot_mask: torch.Tensor | None, device: torch.device,
               window: int | None) -> tuple | None:

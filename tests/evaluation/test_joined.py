@@ -180,8 +180,13 @@ def test_few_candidates_step_alone_through_the_c_step(loaded):
 
     if choose(loaded.model).name != "c":
         pytest.skip("no fused C step here")
-    results = _run(loaded, _samples(loaded)[:2], CANDIDATES[1:3], batch_size=2)
-    assert [r.joined for r in results] == [0, 0, 0]    # three caches: each steps alone (JOIN_MIN_C)
+    samples = _samples(loaded)[:3]
+    # three caches of 3 rows: the torch forward would join them (JOIN_MEAN_ROWS), so each steps alone (JOIN_MIN_C)
+    results = _run(loaded, samples, CANDIDATES[1:3], batch_size=3)
+    assert [r.joined for r in results] == [0, 0, 0]
+    # of 2 rows a cache the joined C step takes them: two candidates and the baseline join
+    results = _run(loaded, samples[:2], CANDIDATES[1:3], batch_size=2)
+    assert [r.joined for r in results] == [1, 1, 1]
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
