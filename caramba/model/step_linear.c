@@ -28,8 +28,20 @@ static void rows_tile_ref(int RR, const float *w0, const float *w1, const float 
 }
 
 #if HAVE_AVX2
-/* The same, 8 k at a time for every token row. With several token rows the loop computes long
-   enough per byte that the hardware prefetcher falls behind: prefetching the next pair two rows
+/* A tile row's two sums: its 8-lane sums added across, then the k past the last whole 8 (from k),
+   fused (explicitly: every tile that calls this gets the same bits). */
+INLINE void tile_sums(__m256 a, __m256 b, const float *w0, const float *w1, const float *xr, int k, int K,
+                      float *o0, float *o1) {
+    float s0 = hsum8(a), s1 = hsum8(b);
+    for (int kk = k; kk < K; kk++) {
+        s0 = fmaf(w0[kk], xr[kk], s0);
+        s1 = fmaf(w1[kk], xr[kk], s1);
+    }
+    *o0 = s0, *o1 = s1;
+}
+
+/* rows_tile_ref's sums, 8 k at a time for every token row. With several token rows the loop
+   computes long enough per byte that the hardware prefetcher falls behind: prefetching the next pair two rows
    ahead took a batch-8 product over the head's shape from ~14 to ~8.4 ms (2 threads, quiet; /tmp
    microbenchmark). L2: the avx512 levels' (rows_f32_batch_avx512) prefetch, PF_ROWS rows ahead
    into L2 rather than L1 (prefetcht1). A row's arithmetic does not depend on RR. */
@@ -57,13 +69,7 @@ INLINE void rows_tile_avx2(const int RR, const float *w0, const float *w1, const
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) {
-        float s0 = hsum8(a[r]), s1 = hsum8(b[r]);
-        for (int kk = k; kk < K; kk++) {   /* fused, as every copy of the loop compiles the same */
-            s0 = fmaf(w0[kk], x[(long)r * K + kk], s0);
-            s1 = fmaf(w1[kk], x[(long)r * K + kk], s1);
-        }
-        out[0][r] = s0;
-        out[1][r] = s1;
+        tile_sums(a[r], b[r], w0, w1, x + (long)r * K, k, K, out[0] + r, out[1] + r);
     }
 }
 
@@ -119,13 +125,7 @@ INLINE void rows_part_avx2(const int RR, const float *w0, const float *w1, const
         return;
     }
     UNROLL for (int r = 0; r < RR; r++) {
-        float s0 = hsum8(a[r]), s1 = hsum8(b[r]);
-        for (int kk = k; kk < K; kk++) {   /* fused, as every copy of the loop compiles the same */
-            s0 = fmaf(w0[kk], x[(long)r * K + kk], s0);
-            s1 = fmaf(w1[kk], x[(long)r * K + kk], s1);
-        }
-        out[0][r] = s0;
-        out[1][r] = s1;
+        tile_sums(a[r], b[r], w0, w1, x + (long)r * K, k, K, out[0] + r, out[1] + r);
     }
 }
 
