@@ -15,10 +15,10 @@ The baseline answers last, from the cache that holds the context.
 
 Joined answers (join=True): the candidates' questions and decode steps for a batch run as one
 forward over every candidate's rows, each layer attending each candidate's rows through its own
-cache (caramba.evaluation.joined), up to JOIN_ROWS rows; a candidate with decoding-time compression
+cache (caramba.evaluation.joined), up to _join_rows rows; a candidate with decoding-time compression
 answers alone, and where the fused C step would step each candidate (the CPU), fewer than
 JOIN_MIN_C caches answer one at a time. The decode steps join across batches too: the joined
-candidates' questioned states of consecutive batches wait in a wave (up to JOIN_ROWS rows) and
+candidates' questioned states of consecutive batches wait in a wave (up to the join's rows) and
 decode together, so a candidate left answering alone (the one added to a finished frontier, the
 others' answers stored) still steps its batches side by side. The answers are those of one
 candidate at a time (the tests hold them equal); a joined step's seconds are split equally among
@@ -200,7 +200,7 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
     prefilling contexts through the baseline. Samples run `batch_size` at a time, left-padded:
     each row attends to its own tokens only (DecodeState's holes), so a row answers as it would
     alone, up to float rounding. join: the candidates' answers to a batch decoded together, up to
-    JOIN_ROWS rows a step (caramba.evaluation.joined; False: one candidate at a time). contexts: where
+    _join_rows rows a step (caramba.evaluation.joined; False: one candidate at a time). contexts: where
     shared prefills are kept between runs (caramba.evaluation.context_store); answers: where each
     candidate's answers to each batch are (caramba.evaluation.answer_store). prefill_precision "bf16":
     the shared context prefill's projections multiply in bfloat16 (caramba.gemm.bf16_products), on
@@ -353,7 +353,7 @@ def _answer_group(model, tokenizer, group: Sequence[TaskSample], results: list[C
         got = _answer_one(result, state, spent, tokenizer, group, question, stops)
         record(result, got, tuple(now - then for now, then in zip(_seconds(result), before)), False, kept)
 
-    # The candidates still answering on the joined path, a chunk of up to JOIN_ROWS rows at a time,
+    # The candidates still answering on the joined path, a chunk of up to `limit` rows at a time,
     # the baseline (which the others' stores read) in the last; the rest one at a time, first.
     together = [r for r, j in todo if j]
     solo = [r for r, j in todo if not j]
@@ -389,7 +389,7 @@ def _take_stored(results: list[CandidateAnswers], joined: list[bool], answers: A
 
 def _joined_plan(model, results: list[CandidateAnswers], rows: int, backend: Backend, join: bool) -> list[bool]:
     """Per candidate, whether it answers a batch of `rows` samples on the joined path: those whose
-    answers can share a forward, in chunks of up to JOIN_ROWS rows, when there are at least the
+    answers can share a forward, in chunks of up to _join_rows rows, when there are at least the
     fewest worth joining (a short last chunk answers one at a time). Planned over every candidate,
     reused ones included, so a candidate's path (part of its answers' key) does not depend on
     which others the answer store holds."""
@@ -716,9 +716,9 @@ class _Pending:
 
 class _Wave:
     """Joined answers of consecutive batches decoded together: every candidate's rows of every batch
-    in it, up to JOIN_ROWS, step as one forward per token (caramba.evaluation.joined). A candidate
-    that is the only one left answering a batch (the one new candidate of a finished frontier)
-    thus still decodes its batches side by side, not one batch at a time."""
+    in it, up to the join's rows (_join_rows), step as one forward per token (caramba.evaluation.joined).
+    A candidate that is the only one left answering a batch (the one new candidate of a finished
+    frontier) thus still decodes its batches side by side, not one batch at a time."""
 
     def __init__(self, model, tokenizer, stops: set[int]) -> None:
         self.model, self.tokenizer, self.stops = model, tokenizer, stops
