@@ -356,10 +356,14 @@ static void group_scores(Step *s, int r, int g, const float *qg) {
     }
     if (s->wrap) ring_new_keys(s, r, g, qg, b0, c1);
     const uint8_t *mr = s->mask ? s->mask + (long)r * (s->L + s->off) + s->off : NULL;   /* in the layer's slots */
+    /* which slots count (not a hole, masked or a later new token): once for the group's heads, then
+       each head's scores scaled in a loop the compiler vectorizes (sf: key_scores_tokens' scratch) */
+    float *restrict live = s->sf;
+    const float scale = s->scale;
+    for (int i = 0; i < n; i++) live[i] = !(s0 + i < lo || (mr && !mr[s0 + i]) || new_index(s, s0 + i) > tt);
     for (int j = 0; j < rep; j++) {
-        float *sj = sc + (long)j * n;
-        for (int i = 0; i < n; i++)
-            sj[i] = s0 + i < lo || (mr && !mr[s0 + i]) || new_index(s, s0 + i) > tt ? -INFINITY : sj[i] * s->scale;
+        float *restrict sj = sc + (long)j * n;
+        for (int i = 0; i < n; i++) sj[i] = live[i] != 0.0f ? sj[i] * scale : -INFINITY;
         if (s->softcap > 0.0f)
             for (int i = 0; i < n; i++)
                 if (sj[i] != -INFINITY) sj[i] = s->softcap * tanhf(sj[i] / s->softcap);
@@ -395,6 +399,72 @@ static int value_rows(Step *s, int r, int g, int c0, int cn, const float **rows,
     return live;
 }
 
+#if HAVE_AVX2
+/* e^x for 4 floats x <= 0 in double: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to
+   r^10 (relative error < 3e-13), times 2^n built in the exponent bits, then rounded to float. So
+   the result is the correctly rounded e^x, as libm's expf gives it, but for inputs within ~1e-9 ulp
+   of a rounding tie (a float-precision polynomial, ~1 ulp, moved the C step's logits off the torch
+   path's by a q8 activation's rounding more often). x below -200 gives 0, as e^x rounds to. */
+static inline __m128 exp4_rounded(__m128 xf) {
+    const __m256d x = _mm256_max_pd(_mm256_cvtps_pd(xf), _mm256_set1_pd(-200.0));
+    const __m256d shift = _mm256_set1_pd(6755399441055744.0);          /* 1.5 2^52: n in the low bits */
+    const __m256d kd = _mm256_fmadd_pd(x, _mm256_set1_pd(1.4426950408889634), shift);
+    const __m256d n = _mm256_sub_pd(kd, shift);
+    const __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.9082149292705877e-10),
+                                       _mm256_fnmadd_pd(n, _mm256_set1_pd(0.6931471803691238), x));
+    __m256d p = _mm256_set1_pd(1.0 / 3628800);
+    static const double inv_fact[10] = {1.0 / 362880, 1.0 / 40320, 1.0 / 5040, 1.0 / 720, 1.0 / 120,
+                                        1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
+    for (int i = 0; i < 10; i++) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(inv_fact[i]));
+    const __m256i e = _mm256_slli_epi64(_mm256_add_epi64(_mm256_castpd_si256(kd), _mm256_set1_epi64x(1023)), 52);
+    return _mm256_cvtpd_ps(_mm256_mul_pd(p, _mm256_castsi256_pd(e)));
+}
+#endif
+
+/* The softmax weights e_j = exp(score - m_j) of the rep heads' s_j [a0, a1) (s_j = s + j ld) in
+   place (0: a masked slot, -inf), their sums into sum [rep]. With AVX2 8 slots of every head at a
+   time (exp4_rounded: expf's values; libm's expf, a call a slot with the sum carried through
+   memory, was a fifth of the attention's work over a long cache), each sum still taken slot by slot
+   in order as the scalar reference takes it (a sum in lanes moved logits by a q8 activation's
+   rounding); the heads' sums are independent chains, so their latency hides behind the exps. */
+static void softmax_weights(float *restrict s, long ld, int rep, int a0, int a1, const float *m, float *sum) {
+    int i = a0;
+#if HAVE_AVX2
+    if (g_isa >= ISA_AVX2) {
+        const __m256 ninf = _mm256_set1_ps(-INFINITY);
+        for (; i + 8 <= a1; i += 8)
+            for (int j = 0; j < rep; j++) {
+                float *sj = s + j * ld + i;
+                const __m256 x = _mm256_loadu_ps(sj), d = _mm256_sub_ps(x, _mm256_set1_ps(m[j]));
+                const __m256 ex = _mm256_set_m128(exp4_rounded(_mm256_extractf128_ps(d, 1)),
+                                                  exp4_rounded(_mm256_castps256_ps128(d)));
+                _mm256_storeu_ps(sj, _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), ex));
+                float acc = sum[j];
+                for (int l = 0; l < 8; l++) acc += sj[l];
+                sum[j] = acc;
+            }
+    }
+#endif
+    for (int j = 0; j < rep; j++) {
+        float *sj = s + j * ld, acc = sum[j];
+        for (int k = i; k < a1; k++) {
+            if (sj[k] == -INFINITY) { sj[k] = 0.0f; continue; }
+            sj[k] = expf(sj[k] - m[j]);
+            acc += sj[k];
+        }
+        sum[j] = acc;
+    }
+}
+
+/* Whether value slots [c0, c0 + cn) are all read from codes (no new token, nothing above the codes):
+   then value_codes takes them straight from the codes. */
+static int coded_chunk(const Step *s, int c0, int cn) {
+    if (s->vs->kind == KV_FP32 || kv_per_channel((int)s->vs->kind) || c0 + cn > s->vce) return 0;
+    for (int sl = c0; sl < c0 + cn; sl++)
+        if (new_index(s, sl) >= 0) return 0;
+    return 1;
+}
+
 /* Part pi's partials for row r, KV group g: per head its max and sum of exp(score - max) and the
    unnormalized p V, at pg + j part_w. The scores become the softmax weights in place. */
 static void part_partials(Step *s, int r, int g, int pi) {
@@ -412,19 +482,16 @@ static void part_partials(Step *s, int r, int g, int pi) {
         memset(pg + j * s->part_w, 0, sizeof(float) * D);
     }
     if (vzp) memset(s->bsum, 0, sizeof(float) * (size_t)rep * vnb);
-    /* the softmax weights e = exp(score - max) in place (0: masked), their sums */
-    for (int j = 0; j < rep; j++) {
-        float *sj = sc + (long)j * n;
-        for (int i = a0; i < a1; i++) {
-            if (sj[i] == -INFINITY) { sj[i] = 0.0f; continue; }
-            sj[i] = expf(sj[i] - mx[j]);
-            sum[j] += sj[i];
-        }
-    }
-    /* p V, VCHUNK slots at a time: each slot's row decoded once, then every head's output held in
-       registers across the chunk (value_chunk) */
+    softmax_weights(sc, n, rep, a0, a1, mx, sum);
+    /* p V, VCHUNK slots at a time: a chunk of coded slots straight from its codes into every head's
+       sums (kv_stream.c's value_codes), else each slot's row decoded once, then every head's output
+       held in registers across the chunk (value_chunk) */
     for (int c0 = s0 + a0; c0 < s0 + a1; c0 += VCHUNK) {
         const int cn = s0 + a1 - c0 < VCHUNK ? s0 + a1 - c0 : VCHUNK;
+        if (coded_chunk(s, c0, cn)
+            && value_codes(vs, (long)(r / s->T) * s->n_kv + g, s->S, D, c0, cn, sc + (c0 - s0), n, rep, pg, (int)s->part_w,
+                           s->bsum, s->ppb))
+            continue;
         const float *rows[VCHUNK];
         int coded[VCHUNK];
         if (!value_rows(s, r, g, c0, cn, rows, coded)) continue;

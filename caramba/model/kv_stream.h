@@ -70,6 +70,11 @@ HIDDEN void key_scores_tokens(const Stream *st, long rg, long S, int D, const fl
 HIDDEN void key_scores_channels(const Stream *st, long rg, long S, int D, const float *q, int rep, int p0, int n,
                                 float *sc, int ld, float *scratch);
 
+/* p V of up to 16 coded value slots straight from a per-token stream's codes (kv_stream.c); 0: not
+   taken (the caller decodes rows). Scratch: 5 nb 16 floats, nb = D / block. */
+HIDDEN int value_codes(const Stream *st, long rg, long S, int D, int p0, int cn, const float *e, int ld, int rep,
+                       float *o, int ow, float *bsum, float *scratch);
+
 /* A per-token value row's codes as floats (before the block scales): u + off, NF4[u] or u. */
 HIDDEN void decode_row(int kind, const uint8_t *row, int D, float *out);
 

@@ -304,6 +304,29 @@ def test_4_and_2_bit_windowed_and_rotated_caches_equal_the_torch_path(name, batc
     assert_same_cache_kind(ref, got, model.config, policy)
 
 
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_0l", "q4_1", "q2_1", "nf4"])
+@pytest.mark.parametrize("heads", [(2, 2, 64), (6, 2, 64), (8, 2, 64), (5, 1, 64), (6, 2, 32)])
+def test_values_read_straight_from_their_codes_equal_the_torch_path_and_the_reference(kind, heads, taken):
+    """Whole 16-slot chunks of coded values go from their codes to every query head's multiply-add
+    (kv_stream.c's value_codes: 1 to 5 heads a KV head, in groups of 3; 32 or 16 columns a pass;
+    32-wide 2-bit heads fall back to decoded rows), and the softmax weights take a vector exp: the
+    torch path's logits within a storage step, and the scalar level's (libm's expf, rows decoded one
+    by one) too."""
+    from caramba.cache import CachePolicy
+    from caramba.model import isa
+
+    n_heads, n_kv, head_dim = heads
+    policy = CachePolicy.build(kind=kind)
+    model = make_model(seed=14, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim)
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(15))   # 40 slots: 2 whole chunks
+    ref, got = run_both(model, ids, STEPS[:6], kind=policy, max_len=48)
+    assert len(taken) == 6
+    assert_same_cache_kind(ref, got, model.config, policy)
+    with isa.use_isa("scalar"):
+        _, scalar = run_both(model, ids, STEPS[:6], kind=policy, max_len=48)
+    assert_same_cache_kind(scalar, got, model.config, policy)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("name", ["q4_1 k=q4_1c qblock=8", "q2_1 k=q2_1c qblock=16"])
 def test_per_channel_keys_over_many_groups_equal_the_torch_path(name, threads, taken):
