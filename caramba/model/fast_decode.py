@@ -72,10 +72,11 @@ from caramba.model.step_abi import LayerPlan, Lin, StepArgs, Stream
 SOURCES = kernel_build.sources("decode_step")   # caramba.kernel_build.LIBRARIES: one list, setup.py's too
 MAX_ROWS = 16        # beyond this the torch path's GEMMs win
 # A joined step (step_joined) takes up to JOIN_MAX_ROWS rows in all, JOIN_MEAN_ROWS a cache on average:
-# beyond, the torch join's GEMMs and batched attention win (SmolLM2-135M, one thread, mixed kinds,
-# joined C / torch join: 24 caches of 1 row 0.76-0.98 from 512 to 2048 context, 9 of 2 0.79-1.03,
-# 4 of 4 0.94-1.18, 8 of 4 1.11-1.16)
-JOIN_MAX_ROWS, JOIN_MEAN_ROWS = 24, 2
+# beyond, the torch join's GEMMs and batched attention win. SmolLM2-135M, mixed kinds, Zen 4, joined C
+# / torch join since the attention reads values straight from their codes: 2 threads at 1024 tokens
+# of context, 9 caches of 4 rows 0.71, 4 of 8 0.78, 9 of 8 0.88, 2 of 16 0.89, 4 of 16 1.01, 1 of 32
+# 1.05 (at 2048: 4 of 8 0.88, 9 of 8 0.90); 1 thread at 1024: 24 of 1 0.59, 4 of 8 0.93, 9 of 8 1.01
+JOIN_MAX_ROWS, JOIN_MEAN_ROWS = 72, 8
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {"decode_step": ([_P], _I), "decode_step_joined": ([_P, _I], _I),
                "step_linear": ([_P, _P, _I, _P, _I], _I), "step_abi_layout": ([_P], _I),

@@ -175,16 +175,22 @@ def test_on_the_torch_path_two_candidates_join(loaded, monkeypatch):
     assert [r.joined for r in joined] == [2, 2, 2]
 
 
-def test_few_candidates_step_alone_through_the_c_step(loaded):
+def test_few_candidates_step_alone_through_the_c_step(loaded, monkeypatch):
+    from caramba.evaluation import task_eval
+    from caramba.model import fast_decode
     from caramba.model.backend import choose
 
     if choose(loaded.model).name != "c":
         pytest.skip("no fused C step here")
     samples = _samples(loaded)[:3]
-    # three caches of 3 rows: the torch forward would join them (JOIN_MEAN_ROWS), so each steps alone (JOIN_MIN_C)
+    # of 3 rows a cache (up to JOIN_MEAN_ROWS) the joined C step takes them: two candidates and the baseline join
+    results = _run(loaded, samples, CANDIDATES[1:3], batch_size=3)
+    assert [r.joined for r in results] == [1, 1, 1]
+    # past JOIN_MEAN_ROWS the torch forward would join three caches, so each steps alone (JOIN_MIN_C)
+    for module in (task_eval, fast_decode):
+        monkeypatch.setattr(module, "JOIN_MEAN_ROWS", 2)
     results = _run(loaded, samples, CANDIDATES[1:3], batch_size=3)
     assert [r.joined for r in results] == [0, 0, 0]
-    # of 2 rows a cache the joined C step takes them: two candidates and the baseline join
     results = _run(loaded, samples[:2], CANDIDATES[1:3], batch_size=2)
     assert [r.joined for r in results] == [1, 1, 1]
 

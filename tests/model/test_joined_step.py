@@ -234,7 +234,7 @@ def test_a_cache_the_c_step_refuses_joins_through_torch(joined_calls):
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, **tol.cache_paths(w, model.config, "fp16"))
     got = step_together(model, joined[:2], [w.argmax(-1) for w in want[:2]], [None] * 2)
-    assert joined_calls == [[2, 2]]     # JOIN_MEAN_ROWS (2) a cache: joined in C
+    assert joined_calls == [[2, 2]]     # up to JOIN_MEAN_ROWS a cache: joined in C
     want = [s.step(w.argmax(-1)) for s, w in zip(alone[:2], want[:2])]
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, **tol.cache_paths(w, model.config, "q8_0"))
@@ -273,11 +273,12 @@ def test_segments_that_disagree_are_refused(monkeypatch):
 @torch.inference_mode()
 def test_more_rows_than_a_joined_c_step_takes_join_through_torch(joined_calls):
     """Past JOIN_MEAN_ROWS rows a cache on average (or JOIN_MAX_ROWS in all) the torch join wins:
-    two caches of three rows join through it, each state's logits its own step's up to rounding."""
+    two caches of JOIN_MEAN_ROWS + 1 rows join through it, each state's logits its own step's up to rounding."""
     model = make_model(seed=30)
     backend = CStep(model, fast_decode.ThreadChoice(fixed=1))
-    alone, joined = ([_state(model, backend, n, 3, 12, i) for i, n in enumerate(["q4_0", "fp32"])] for _ in range(2))
-    tokens = [torch.tensor([3, 4, 5]), torch.tensor([6, 7, 8])]
+    B = fast_decode.JOIN_MEAN_ROWS + 1
+    alone, joined = ([_state(model, backend, n, B, 12, i) for i, n in enumerate(["q4_0", "fp32"])] for _ in range(2))
+    tokens = [torch.arange(3, 3 + B), torch.arange(20, 20 + B)]
     want = [s.step(t) for s, t in zip(alone, tokens)]
     got = step_together(model, joined, tokens, [None] * 2)
     assert joined_calls == []
