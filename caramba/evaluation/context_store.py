@@ -83,7 +83,8 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()
         h.update(canonical([name, str(t.dtype), list(t.shape)]).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():   # the tensor's own bytes (a copy of a 2k-token context's ~90 MB took ~30 ms)
+            h.update(memoryview(t.view(torch.uint8).numpy()).cast("B"))
     return h.hexdigest()
 
 

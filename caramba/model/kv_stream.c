@@ -103,10 +103,11 @@ static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t
             lo_x = x[i] < lo_x ? x[i] : lo_x;
             hi_x = x[i] > hi_x ? x[i] : hi_x;
         }
-        const uint16_t m = fp32_to_fp16_down(lo_x);
+        /* + 0: an extreme of zero is +0, whichever zero a reduction meets first (as quant's) */
+        const uint16_t m = fp32_to_fp16_down(lo_x + 0.0f);
         const float mf = fp16_to_fp32(m);
         /* rounded up so that min + hi * scale >= max: no element clips */
-        *scale = fp32_to_fp16((hi_x - mf) * (float)(widen / KV_HALF_RANGE[kind]));
+        *scale = fp32_to_fp16((hi_x + 0.0f - mf) * (float)(widen / KV_HALF_RANGE[kind]));
         *minimum = m;
         float safe = fp16_to_fp32(*scale);
         if (safe == 0.0f) safe = 1e-30f;
@@ -151,10 +152,76 @@ static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t
     }
 }
 
+#if HAVE_AVX2
+/* The lowest (or highest) of a block's 8k elements (exact in any order: a zero's sign, which min and
+   max leave to the order, the caller takes away). */
+static float block_extreme(const float *x, int n, int highest) {
+    __m256 m = _mm256_loadu_ps(x);
+    for (int i = 8; i < n; i += 8)
+        m = highest ? _mm256_max_ps(m, _mm256_loadu_ps(x + i)) : _mm256_min_ps(m, _mm256_loadu_ps(x + i));
+    float l[8], r;
+    _mm256_storeu_ps(l, m);
+    r = l[0];
+    for (int k = 1; k < 8; k++) r = highest ? (l[k] > r ? l[k] : r) : (l[k] < r ? l[k] : r);
+    return r;
+}
+
+/* quantize_block for the uniform kinds (not nf4) with n % 8 == 0, 8 elements at a time: the same
+   IEEE operations per element (the extremes, the division by the scale, the shift, floor and the
+   clamp), so the same codes and parameters bit for bit; the scalar loops' ~3.5x of torch's time
+   on a context's store was their one element at a time. */
+static void quantize_block_avx2(int kind, const float *x, int n, uint8_t *u, uint16_t *scale, uint16_t *minimum) {
+    const double widen = 1.0 + 1.0 / 1024;
+    const int zp = kv_zero_point(kind);
+    float mf = 0.0f, add = KV_SHIFT[kind], lo = (float)KV_LO[kind], hi = (float)KV_HI[kind], s;
+    if (zp) {
+        const uint16_t m = fp32_to_fp16_down(block_extreme(x, n, 0) + 0.0f);   /* + 0: a zero is +0 */
+        mf = fp16_to_fp32(m);
+        s = (block_extreme(x, n, 1) + 0.0f - mf) * (float)(widen / KV_HALF_RANGE[kind]);
+        *minimum = m;
+        add = 0.5f, lo = 0.0f;
+    } else {
+        const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), abs));
+        float l[8], amax = 0.0f;
+        _mm256_storeu_ps(l, m);
+        for (int k = 0; k < 8; k++) amax = l[k] > amax ? l[k] : amax;
+        if (KV_MID_TREAD[kind]) {   /* the first element of the largest magnitude, its sign kept */
+            float peak = x[0];
+            for (int i = 0; i < n; i++)
+                if (fabsf(x[i]) == amax) { peak = x[i]; break; }
+            s = peak * (float)(-widen / KV_HALF_RANGE[kind]);
+        } else s = amax * (float)(widen / KV_HALF_RANGE[kind]);
+    }
+    *scale = fp32_to_fp16(s);
+    float safe = fp16_to_fp32(*scale);
+    if (safe == 0.0f) safe = 1e-30f;
+    const __m256 sv = _mm256_set1_ps(safe), mv = _mm256_set1_ps(mf), av = _mm256_set1_ps(add);
+    const __m256 lv = _mm256_set1_ps(lo), hv = _mm256_set1_ps(hi);
+    for (int i = 0; i < n; i += 8) {
+        __m256 y = _mm256_loadu_ps(x + i);
+        if (zp) y = _mm256_sub_ps(y, mv);
+        y = _mm256_div_ps(y, sv);
+        if (add != 0.0f) y = _mm256_add_ps(y, av);
+        const __m256 c = _mm256_min_ps(_mm256_max_ps(_mm256_floor_ps(y), lv), hv);
+        const __m256i q = _mm256_cvttps_epi32(c);
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64((__m128i *)(u + i), _mm_packs_epi16(w, w));   /* int8 bits; codes fit */
+    }
+}
+#endif
+
 /* A head vector of D elements in blocks of qb -> codes u [D] and parameters [D/qb * p] laid out
    as quant.quantize's (the scales, then the minimums). */
 HIDDEN void quantize_vector(int kind, const float *x, int D, int qb, uint8_t *u, uint16_t *par) {
     const int nb = D / qb;
+#if HAVE_AVX2
+    if (g_isa >= ISA_AVX2 && kind != KV_NF4 && qb % 8 == 0) {
+        for (int j = 0; j < nb; j++) quantize_block_avx2(kind, x + j * qb, qb, u + j * qb, par + j, par + nb + j);
+        return;
+    }
+#endif
     for (int j = 0; j < nb; j++) quantize_block(kind, x + j * qb, qb, u + j * qb, par + j, par + nb + j);
 }
 

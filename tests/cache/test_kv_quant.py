@@ -752,7 +752,7 @@ def test_rotate_values_is_an_option_of_the_config_the_cli_and_plans():
 @pytest.mark.parametrize("kind", [k.value for k in KVCacheKind if k.spec.quantized and not k.spec.per_channel])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_quantize_on_the_cpu_is_the_torch_reference_bit_for_bit(kind, threads, monkeypatch):
-    """The C quantizer (kv_stream.c's quantize_rows: quantize's path for codebook kinds) gives the torch
+    """The C quantizer (kv_stream.c's quantize_rows: quantize's path for packed kinds) gives the torch
     reference's codes and parameters bit for bit: block-boundary ties, zeros, fp16 subnormal scales,
     values near the fp16 range, a strided input, any thread count; a tensor with a NaN or inf takes
     the reference's path (the same bits as the reference, NaN where it puts NaN)."""

@@ -513,7 +513,7 @@ KV_KINDS = {kind.value: kid for kind, kid in {**fast_decode.TOKEN_KINDS, **fast_
 
 
 def quantizer_inputs(spec) -> torch.Tensor:
-    """[200, 32] (a codebook kind: [264, 32]): random values over many magnitudes; rows whose block
+    """[208, 32] (a codebook kind: [272, 32]): random values over many magnitudes; rows whose block
     scale comes out as exactly 1/8 and whose other elements are multiples of 1/16, so that x / scale
     (+ the kind's shift) lands exactly on code boundaries (a codebook's: its midpoints, their float32
     neighbours and its levels, times 1/8); ties of magnitude, zeros, signed zeros, fp16 subnormal
@@ -543,7 +543,11 @@ def quantizer_inputs(spec) -> torch.Tensor:
             torch.randint(-16, 17, (32, 32), generator=g) * 0.125,
             torch.randint(-3, 4, (32, 32), generator=g) * 2.0 ** -20,
             torch.tensor([[0.5, -0.5] * 16, [-0.5, 0.5] * 16, [0.0] * 32, [-0.0, 0.0] * 16, [3e4, -2e4] * 16,
-                          [1e-8, -1e-8] * 16, [2.0] * 32, [-7.0] * 32]),
+                          [1e-8, -1e-8] * 16, [2.0] * 32, [-7.0] * 32,
+                          # a block's lowest or highest a zero of either sign, the first of them +0 or -0
+                          [0.0, -0.0, 1.0, 2.0] * 8, [-0.0, 0.0, 1.0, 2.0] * 8, [-1.0, -0.0, 0.0, -2.0] * 8,
+                          [-1.0, 0.0, -0.0, -2.0] * 8, [0.0] * 16 + [-0.0] * 16, [-0.0] * 16 + [0.0] * 16,
+                          [0.0, 3.0] * 16, [-0.0, -3.0] * 16]),
             edges]
     return torch.cat(rows)
 
