@@ -18,9 +18,10 @@ forward over every candidate's rows, each layer attending each candidate's rows 
 cache (caramba.evaluation.joined), up to _join_rows rows; a candidate with decoding-time compression
 answers alone, and where the fused C step would step each candidate (the CPU), fewer than
 JOIN_MIN_C caches answer one at a time. The decode steps join across batches too: the joined
-candidates' questioned states of consecutive batches wait in a wave (up to the join's rows) and
-decode together, so a candidate left answering alone (the one added to a finished frontier, the
-others' answers stored) still steps its batches side by side. The answers are those of one
+candidates' questioned states of consecutive batches wait in a wave (up to WAVE_FORWARDS forwards
+of the join's rows) and decode together, each step in forwards of up to the join's rows, so a
+candidate left answering alone (the one added to a finished frontier, the others' answers stored;
+a 2-bit cache's answers that run to their budget) still steps its batches side by side. The answers are those of one
 candidate at a time (the tests hold them equal); a joined step's seconds are split equally among
 its candidates.
 
@@ -181,6 +182,10 @@ JOIN_ROWS = 32
 # The most cache bytes a wave holds waiting (its states' caches): a lone fp32 candidate's 32 batches
 # of 8k-token contexts would otherwise hold ~12 GB at once on SmolLM2-135M.
 WAVE_BYTES = 2 << 30
+# A wave holds up to this many joined forwards' rows (each step cuts its rows still answering into
+# forwards of the join's rows): the entries still answering when the others are done (a 2-bit cache's
+# answers running to their budget) step their batches side by side instead of each alone.
+WAVE_FORWARDS = 4
 # The fewest candidates worth joining where each would step alone through the fused C step and the
 # joined step is the torch forward (more than JOIN_MEAN_ROWS rows a cache): one C step per candidate
 # beat it for two (1.25x the time at batch 2 on SmolLM2-135M, one thread) and lost to it from four
@@ -716,27 +721,33 @@ class _Pending:
 
 class _Wave:
     """Joined answers of consecutive batches decoded together: every candidate's rows of every batch
-    in it, up to the join's rows (_join_rows), step as one forward per token (caramba.evaluation.joined).
-    A candidate that is the only one left answering a batch (the one new candidate of a finished
-    frontier) thus still decodes its batches side by side, not one batch at a time."""
+    in it (up to WAVE_FORWARDS forwards of the join's rows, _join_rows) step together, each token in
+    forwards of up to the join's rows (caramba.evaluation.joined). A candidate that is the only one
+    left answering a batch (the one new candidate of a finished frontier) thus still decodes its
+    batches side by side, not one batch at a time."""
 
     def __init__(self, model, tokenizer, stops: set[int]) -> None:
         self.model, self.tokenizer, self.stops = model, tokenizer, stops
         self.pending: list[_Pending] = []
+        self.rows = 0      # the most rows a forward of the entries held takes (0: none held)
 
     def add(self, entries: list[_Pending], rows: int = JOIN_ROWS) -> None:
-        """Entries joining the wave; rows: the most rows a step of them takes (_join_rows)."""
+        """Entries joining the wave; rows: the most rows a forward of them takes (_join_rows). The
+        wave holds up to WAVE_FORWARDS such forwards' rows and WAVE_BYTES of caches."""
         held = [*self.pending, *entries]
-        if self.pending and (sum(len(p.group) for p in held) > rows
+        limit = min(rows, self.rows) if self.pending else rows
+        if self.pending and (sum(len(p.group) for p in held) > WAVE_FORWARDS * limit
                              or sum(p.state.cache.nbytes for p in held) > WAVE_BYTES):
             self.flush()
+            limit = rows
         self.pending += entries
+        self.rows = limit
 
     def flush(self) -> None:
-        pending, self.pending = self.pending, []
+        pending, rows, self.pending, self.rows = self.pending, self.rows, [], 0
         if not pending:
             return
-        _decode_joined(self.model, pending, self.stops)
+        _decode_joined(self.model, pending, self.stops, rows)
         for p in pending:
             result = p.result
             result.question_s += p.question_s
@@ -772,26 +783,42 @@ def _questioned(model, results: list[CandidateAnswers], built: list[tuple[Decode
 
 
 @torch.inference_mode()
-def _decode_joined(model, pending: list[_Pending], stops: set[int]) -> None:
-    """Greedy answers of every pending entry: each step decodes the rows of every entry still
-    answering in one forward (one still answering alone steps alone); a step's seconds are split
-    equally among the entries in it."""
+def _decode_joined(model, pending: list[_Pending], stops: set[int], rows: int = JOIN_ROWS) -> None:
+    """Greedy answers of every pending entry: each step decodes the rows of the entries still
+    answering, in order, in forwards of up to `rows` rows (an entry alone in one steps alone); a
+    forward's seconds are split equally among the entries in it."""
     for p in pending:
         p.rows = _Rows(p.group, p.logits.device)
     live = list(range(len(pending)))
     while True:
-        t0 = time.perf_counter()
         tokens = {i: pending[i].rows.take(pending[i].logits, stops, pending[i].result.candidate.label) for i in live}
         live = [i for i in live if pending[i].rows.running]
         if not live:
             break
-        if len(live) == 1:
-            (i,) = live
-            out = [pending[i].state.step(tokens[i], pending[i].rows.mask)]
+        for part in _forwards(live, [len(p.group) for p in pending], rows):
+            t0 = time.perf_counter()
+            if len(part) == 1:
+                (i,) = part
+                out = [pending[i].state.step(tokens[i], pending[i].rows.mask)]
+            else:
+                out = step_together(model, [pending[i].state for i in part], [tokens[i] for i in part],
+                                    [pending[i].rows.mask for i in part])
+            dt = time.perf_counter() - t0
+            for i, x in zip(part, out):
+                pending[i].logits = x
+                pending[i].decode_s += dt / len(part)
+
+
+def _forwards(live: list[int], widths: list[int], rows: int) -> list[list[int]]:
+    """The entries `live` (in order) cut into runs of at most `rows` rows (widths[i]: entry i's), one
+    forward each; an entry wider than `rows` is a run of its own."""
+    parts: list[list[int]] = []
+    used = 0
+    for i in live:
+        if parts and used + widths[i] <= rows:
+            parts[-1].append(i)
+            used += widths[i]
         else:
-            out = step_together(model, [pending[i].state for i in live], [tokens[i] for i in live],
-                                [pending[i].rows.mask for i in live])
-        dt = time.perf_counter() - t0
-        for i, x in zip(live, out):
-            pending[i].logits = x
-            pending[i].decode_s += dt / len(live)
+            parts.append([i])
+            used = widths[i]
+    return parts

@@ -119,6 +119,30 @@ def test_one_new_candidate_decodes_its_batches_side_by_side(loaded, tmp_path, mo
     assert all(a.answer_reused == (r.candidate is not EXTRA) for r in again for a in r.answers)
 
 
+def test_a_wave_of_several_batches_steps_in_forwards_of_the_joins_rows(loaded, monkeypatch):   # noqa: F811
+    """A wave holds up to WAVE_FORWARDS forwards' rows of several batches; each step cuts the entries
+    still answering, in order, into forwards of at most the join's rows (here 4: two candidates of
+    two rows), and the answers are those of one batch a wave."""
+    monkeypatch.setattr(task_eval, "_join_rows", lambda backend, rows: 4)
+    samples = _samples(loaded)
+    monkeypatch.setattr(task_eval, "WAVE_FORWARDS", 1)
+    one, _ = _run(loaded, samples)
+    widths: list[int] = []
+    step = task_eval.step_together
+
+    def counting(model, states, *args):
+        widths.append(sum(s.cache.batch_size for s in states))
+        return step(model, states, *args)
+
+    monkeypatch.setattr(task_eval, "step_together", counting)
+    monkeypatch.setattr(task_eval, "WAVE_FORWARDS", 4)
+    several, _ = _run(loaded, samples)
+    assert widths and max(widths) <= 4
+    assert _answers(several) == _answers(one)
+    assert task_eval._forwards([0, 1, 2, 3], [2, 9, 1, 3], 4) == [[0], [1], [2, 3]]   # 9 > 4: alone
+    assert task_eval._forwards([1, 3, 4], [2, 1, 3, 2, 2], 4) == [[1, 3], [4]]
+
+
 def test_with_own_prefills_only_the_new_candidate_prefills(loaded, tmp_path, answering, monkeypatch):   # noqa: F811
     samples = _samples(loaded)[:2]
     fresh, _ = _run(loaded, samples, [*SOME[:3], EXTRA], prefill="own")
