@@ -55,6 +55,7 @@ from caramba.cache.hybrid import SlidingLayerKVCache
 from caramba.evaluation import answer_store, context_store
 from caramba.evaluation.answer_store import AnswerStore
 from caramba.evaluation.context_store import ContextStore, ids_sha256, model_identity
+from caramba.infer.batched import free_memory_bytes
 from caramba.infer.padding import left_pad
 from caramba.infer.pressing import observing_all, prefill_pressed
 from caramba.infer.decoding_press import DecodingPress
@@ -179,9 +180,11 @@ def store_context(source: KVCache, target: KVCache, dtype: torch.dtype = torch.f
 # decodes (caramba.evaluation.joined); a batch of samples this many rows or wider answers one
 # candidate at a time.
 JOIN_ROWS = 32
-# The most cache bytes a wave holds waiting (its states' caches): a lone fp32 candidate's 32 batches
-# of 8k-token contexts would otherwise hold ~12 GB at once on SmolLM2-135M.
-WAVE_BYTES = 2 << 30
+# The most cache bytes a wave holds waiting (its states' caches): a WAVE_SHARE of the memory free
+# when the wave starts, at most WAVE_BYTES (a lone fp32 candidate's 32 batches of 8k-token contexts
+# would otherwise hold ~12 GB at once on SmolLM2-135M). 8 candidates' batches of 8 rows at 1024
+# tokens are ~1.3 GB a batch: two a wave decoded in 8.6 s, one at a time in 9.0-9.2.
+WAVE_BYTES, WAVE_SHARE = 4 << 30, 4
 # A wave holds up to this many joined forwards' rows (each step cuts its rows still answering into
 # forwards of the join's rows): the entries still answering when the others are done (a 2-bit cache's
 # answers running to their budget) step their batches side by side instead of each alone.
@@ -730,14 +733,15 @@ class _Wave:
         self.model, self.tokenizer, self.stops = model, tokenizer, stops
         self.pending: list[_Pending] = []
         self.rows = 0      # the most rows a forward of the entries held takes (0: none held)
+        self.bytes = min(WAVE_BYTES, free_memory_bytes(model.device) // WAVE_SHARE)
 
     def add(self, entries: list[_Pending], rows: int = JOIN_ROWS) -> None:
         """Entries joining the wave; rows: the most rows a forward of them takes (_join_rows). The
-        wave holds up to WAVE_FORWARDS such forwards' rows and WAVE_BYTES of caches."""
+        wave holds up to WAVE_FORWARDS such forwards' rows and its bytes of caches."""
         held = [*self.pending, *entries]
         limit = min(rows, self.rows) if self.pending else rows
         if self.pending and (sum(len(p.group) for p in held) > WAVE_FORWARDS * limit
-                             or sum(p.state.cache.nbytes for p in held) > WAVE_BYTES):
+                             or sum(p.state.cache.nbytes for p in held) > self.bytes):
             self.flush()
             limit = rows
         self.pending += entries

@@ -92,13 +92,16 @@ def test_stored_answers_are_a_fresh_runs_and_one_more_candidate_answers_alone(lo
     assert answering == [] and context_s == 0 and _answers(third) == _answers(fresh)
 
 
-@pytest.mark.parametrize("bound", ["rows", "bytes"])
+@pytest.mark.parametrize("bound", ["rows", "bytes", "free memory"])
 def test_one_new_candidate_decodes_its_batches_side_by_side(loaded, tmp_path, monkeypatch, bound):   # noqa: F811
     """The one candidate left answering (every other's answers stored) decodes the batches of a wave
     together: its rows of different batches step in one forward, and answer as in a fresh run. A
-    wave holds at most WAVE_BYTES of caches: with none to spare each batch decodes alone."""
+    wave holds at most WAVE_BYTES of caches (or a share of the free memory): with none to spare each
+    batch decodes alone."""
     if bound == "bytes":
         monkeypatch.setattr(task_eval, "WAVE_BYTES", 1)
+    elif bound == "free memory":
+        monkeypatch.setattr(task_eval, "free_memory_bytes", lambda device: task_eval.WAVE_SHARE)
     samples = _samples(loaded)
     fresh, _ = _run(loaded, samples, [*SOME, EXTRA])
     _run(loaded, samples, store=_stores(tmp_path, loaded))
