@@ -21,9 +21,9 @@ JOIN_MIN_C caches answer one at a time. The decode steps join across batches too
 candidates' questioned states of consecutive batches wait in a wave (up to WAVE_FORWARDS forwards
 of the join's rows) and decode together, each step in forwards of up to the join's rows, so a
 candidate left answering alone (the one added to a finished frontier, the others' answers stored;
-a 2-bit cache's answers that run to their budget) still steps its batches side by side. The answers are those of one
-candidate at a time (the tests hold them equal); a joined step's seconds are split equally among
-its candidates.
+a 2-bit cache's answers that run to their budget) still steps its batches side by side. The
+answers are those of one candidate at a time (the tests hold them equal); a joined step's seconds
+are split equally among its candidates.
 
 The context store (caramba.evaluation.context_store): with `contexts`, a batch's shared prefill (the
 baseline's context KV, the rows' positions and padding, every press's kept masks) is read from
@@ -793,13 +793,13 @@ def _decode_joined(model, pending: list[_Pending], stops: set[int], rows: int = 
     forward's seconds are split equally among the entries in it."""
     for p in pending:
         p.rows = _Rows(p.group, p.logits.device)
-    live = list(range(len(pending)))
+    live, widths = list(range(len(pending))), [len(p.group) for p in pending]
     while True:
         tokens = {i: pending[i].rows.take(pending[i].logits, stops, pending[i].result.candidate.label) for i in live}
         live = [i for i in live if pending[i].rows.running]
         if not live:
             break
-        for part in _forwards(live, [len(p.group) for p in pending], rows):
+        for part in _forwards(live, widths, rows):
             t0 = time.perf_counter()
             if len(part) == 1:
                 (i,) = part

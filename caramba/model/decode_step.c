@@ -401,10 +401,10 @@ static int value_rows(Step *s, int r, int g, int c0, int cn, const float **rows,
 
 #if HAVE_AVX2
 /* e^x for 4 floats x <= 0 in double: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to
-   r^10 (relative error < 3e-13), times 2^n built in the exponent bits, then rounded to float. So
-   the result is the correctly rounded e^x, as libm's expf gives it, but for inputs within ~1e-9 ulp
-   of a rounding tie (a float-precision polynomial, ~1 ulp, moved the C step's logits off the torch
-   path's by a q8 activation's rounding more often). x below -200 gives 0, as e^x rounds to. */
+   r^10 (relative error < 3e-13), times 2^n built in the exponent bits, then rounded to float: the
+   correctly rounded e^x but for inputs within ~1e-9 ulp of a rounding tie, so the scalar level's
+   libm expf values (glibc's differs on ~1 in 20000 inputs, where it is the one a ulp off). x below
+   -200 gives 0, as e^x rounds to. */
 static inline __m128 exp4_rounded(__m128 xf) {
     const __m256d x = _mm256_max_pd(_mm256_cvtps_pd(xf), _mm256_set1_pd(-200.0));
     const __m256d shift = _mm256_set1_pd(6755399441055744.0);          /* 1.5 2^52: n in the low bits */

@@ -92,25 +92,53 @@ static inline void fp16_row(const uint16_t *src, float *dst, int n) {
     for (; i < n; i++) dst[i] = fp16_to_fp32(src[i]);   /* the reference, and the vectors' tail */
 }
 
+/* What a block's parameters come from: its lowest and highest element (zero-point kinds), else its
+   largest magnitude and the first element of that magnitude (mid-tread kinds: its sign kept). */
+typedef struct { float lo, hi, amax, peak; } Extremes;
+
+static Extremes extremes_ref(int kind, const float *x, int n) {
+    Extremes e = {x[0], x[0], 0.0f, x[0]};   /* only what the kind's parameters read */
+    if (kv_zero_point(kind))
+        for (int i = 1; i < n; i++) {
+            e.lo = x[i] < e.lo ? x[i] : e.lo;
+            e.hi = x[i] > e.hi ? x[i] : e.hi;
+        }
+    else if (KV_MID_TREAD[kind])
+        for (int i = 1; i < n; i++) e.peak = fabsf(x[i]) > fabsf(e.peak) ? x[i] : e.peak;
+    else
+        for (int i = 0; i < n; i++) e.amax = fmaxf(e.amax, fabsf(x[i]));
+    return e;
+}
+
+/* The block's scale (and minimum) as quant._block_codes makes them -> the divisor its codes take
+   (the scale, 1e-30 for a zero scale) and, zero-point kinds, the minimum as a float (*mf). An
+   extreme of zero is taken as +0 (x + 0), whichever zero a reduction meets first: torch's order
+   and the C loops' differ. */
+static float block_params(int kind, Extremes e, uint16_t *scale, uint16_t *minimum, float *mf) {
+    const double widen = 1.0 + 1.0 / 1024;   /* the scale rounded up: no element clips */
+    float s;
+    *mf = 0.0f;
+    if (kv_zero_point(kind)) {
+        const uint16_t m = fp32_to_fp16_down(e.lo + 0.0f);
+        *mf = fp16_to_fp32(m);
+        *minimum = m;
+        s = (e.hi + 0.0f - *mf) * (float)(widen / KV_HALF_RANGE[kind]);   /* min + hi * scale >= max */
+    } else if (KV_MID_TREAD[kind])   /* the largest-magnitude element lands on code lo */
+        s = e.peak * (float)(-widen / KV_HALF_RANGE[kind]);
+    else                             /* mid-rise (q8_0, q4_0) and nf4's codebook peak */
+        s = e.amax * (float)(widen / KV_HALF_RANGE[kind]);
+    *scale = fp32_to_fp16(s);
+    const float safe = fp16_to_fp32(*scale);
+    return safe == 0.0f ? 1e-30f : safe;
+}
+
 /* One block of n elements -> codes u (one per byte; 8-bit codes as int8 bits) and its scale
    (and minimum), as quant._block_codes computes them. */
 static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t *scale, uint16_t *minimum) {
-    const double widen = 1.0 + 1.0 / 1024;   /* the scale rounded up: no element clips */
+    float mf;
+    const float safe = block_params(kind, extremes_ref(kind, x, n), scale, minimum, &mf);
     if (kv_zero_point(kind)) {
         const int hi = KV_HI[kind];
-        float lo_x = x[0], hi_x = x[0];
-        for (int i = 1; i < n; i++) {
-            lo_x = x[i] < lo_x ? x[i] : lo_x;
-            hi_x = x[i] > hi_x ? x[i] : hi_x;
-        }
-        /* + 0: an extreme of zero is +0, whichever zero a reduction meets first (as quant's) */
-        const uint16_t m = fp32_to_fp16_down(lo_x + 0.0f);
-        const float mf = fp16_to_fp32(m);
-        /* rounded up so that min + hi * scale >= max: no element clips */
-        *scale = fp32_to_fp16((hi_x + 0.0f - mf) * (float)(widen / KV_HALF_RANGE[kind]));
-        *minimum = m;
-        float safe = fp16_to_fp32(*scale);
-        if (safe == 0.0f) safe = 1e-30f;
         for (int i = 0; i < n; i++) {
             const float c = floorf((x[i] - mf) / safe + 0.5f);
             u[i] = (uint8_t)(c < 0.0f ? 0.0f : (c > (float)hi ? (float)hi : c));
@@ -118,11 +146,6 @@ static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t
         return;
     }
     if (kind == KV_NF4) {       /* the nearest level: torch.bucketize(y, midpoints), right=False */
-        float amax = 0.0f;
-        for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
-        *scale = fp32_to_fp16(amax * (float)(widen / KV_HALF_RANGE[kind]));   /* the codebook's peak */
-        float safe = fp16_to_fp32(*scale);
-        if (safe == 0.0f) safe = 1e-30f;
         for (int i = 0; i < n; i++) {
             const float y = x[i] / safe;
             int c = 0;   /* the midpoints strictly below y: a y exactly on one takes the lower level */
@@ -132,19 +155,6 @@ static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t
         return;
     }
     const float lo = (float)KV_LO[kind], hi = (float)KV_HI[kind], shift = KV_SHIFT[kind];
-    float s;
-    if (KV_MID_TREAD[kind]) {   /* the largest-magnitude element (the first of ties) lands on code lo */
-        float peak = x[0];
-        for (int i = 1; i < n; i++) peak = fabsf(x[i]) > fabsf(peak) ? x[i] : peak;
-        s = peak * (float)(-widen / KV_HALF_RANGE[kind]);
-    } else {                    /* mid-rise: q8_0's codes [-128, 127] or q4_0's [0, 15] */
-        float amax = 0.0f;
-        for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
-        s = amax * (float)(widen / KV_HALF_RANGE[kind]);
-    }
-    *scale = fp32_to_fp16(s);
-    float safe = fp16_to_fp32(*scale);
-    if (safe == 0.0f) safe = 1e-30f;
     for (int i = 0; i < n; i++) {
         const float y = x[i] / safe, c = floorf(shift != 0.0f ? y + shift : y);
         const float cl = c < lo ? lo : (c > hi ? hi : c);
@@ -153,50 +163,39 @@ static void quantize_block(int kind, const float *x, int n, uint8_t *u, uint16_t
 }
 
 #if HAVE_AVX2
-/* The lowest (or highest) of a block's 8k elements (exact in any order: a zero's sign, which min and
-   max leave to the order, the caller takes away). */
-static float block_extreme(const float *x, int n, int highest) {
-    __m256 m = _mm256_loadu_ps(x);
-    for (int i = 8; i < n; i += 8)
-        m = highest ? _mm256_max_ps(m, _mm256_loadu_ps(x + i)) : _mm256_min_ps(m, _mm256_loadu_ps(x + i));
-    float l[8], r;
-    _mm256_storeu_ps(l, m);
-    r = l[0];
-    for (int k = 1; k < 8; k++) r = highest ? (l[k] > r ? l[k] : r) : (l[k] < r ? l[k] : r);
-    return r;
+/* extremes_ref 8 elements at a time (n % 8 == 0): min, max and the largest magnitude are exact in
+   any order but for a zero's sign, which block_params takes away; the peak is the first element of
+   the largest magnitude, found by a scan. */
+static Extremes extremes_avx2(int kind, const float *x, int n) {
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 lo = _mm256_loadu_ps(x), hi = lo, am = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        lo = _mm256_min_ps(lo, v), hi = _mm256_max_ps(hi, v), am = _mm256_max_ps(am, _mm256_and_ps(v, abs));
+    }
+    float l[8], h[8], a[8];
+    _mm256_storeu_ps(l, lo), _mm256_storeu_ps(h, hi), _mm256_storeu_ps(a, am);
+    Extremes e = {l[0], h[0], 0.0f, x[0]};
+    for (int k = 0; k < 8; k++) {
+        e.lo = l[k] < e.lo ? l[k] : e.lo;
+        e.hi = h[k] > e.hi ? h[k] : e.hi;
+        e.amax = a[k] > e.amax ? a[k] : e.amax;
+    }
+    if (KV_MID_TREAD[kind])
+        for (int i = 0; i < n; i++)
+            if (fabsf(x[i]) == e.amax) { e.peak = x[i]; break; }
+    return e;
 }
 
 /* quantize_block for the uniform kinds (not nf4) with n % 8 == 0, 8 elements at a time: the same
-   IEEE operations per element (the extremes, the division by the scale, the shift, floor and the
-   clamp), so the same codes and parameters bit for bit; the scalar loops' ~3.5x of torch's time
-   on a context's store was their one element at a time. */
+   IEEE operations per element (the division by the scale, the shift, floor and the clamp), so the
+   same codes and parameters bit for bit; the scalar loops' ~3.5x of torch's time on a context's
+   store was their one element at a time. */
 static void quantize_block_avx2(int kind, const float *x, int n, uint8_t *u, uint16_t *scale, uint16_t *minimum) {
-    const double widen = 1.0 + 1.0 / 1024;
+    float mf;
+    const float safe = block_params(kind, extremes_avx2(kind, x, n), scale, minimum, &mf);
     const int zp = kv_zero_point(kind);
-    float mf = 0.0f, add = KV_SHIFT[kind], lo = (float)KV_LO[kind], hi = (float)KV_HI[kind], s;
-    if (zp) {
-        const uint16_t m = fp32_to_fp16_down(block_extreme(x, n, 0) + 0.0f);   /* + 0: a zero is +0 */
-        mf = fp16_to_fp32(m);
-        s = (block_extreme(x, n, 1) + 0.0f - mf) * (float)(widen / KV_HALF_RANGE[kind]);
-        *minimum = m;
-        add = 0.5f, lo = 0.0f;
-    } else {
-        const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        __m256 m = _mm256_setzero_ps();
-        for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), abs));
-        float l[8], amax = 0.0f;
-        _mm256_storeu_ps(l, m);
-        for (int k = 0; k < 8; k++) amax = l[k] > amax ? l[k] : amax;
-        if (KV_MID_TREAD[kind]) {   /* the first element of the largest magnitude, its sign kept */
-            float peak = x[0];
-            for (int i = 0; i < n; i++)
-                if (fabsf(x[i]) == amax) { peak = x[i]; break; }
-            s = peak * (float)(-widen / KV_HALF_RANGE[kind]);
-        } else s = amax * (float)(widen / KV_HALF_RANGE[kind]);
-    }
-    *scale = fp32_to_fp16(s);
-    float safe = fp16_to_fp32(*scale);
-    if (safe == 0.0f) safe = 1e-30f;
+    const float add = zp ? 0.5f : KV_SHIFT[kind], lo = zp ? 0.0f : (float)KV_LO[kind], hi = (float)KV_HI[kind];
     const __m256 sv = _mm256_set1_ps(safe), mv = _mm256_set1_ps(mf), av = _mm256_set1_ps(add);
     const __m256 lv = _mm256_set1_ps(lo), hv = _mm256_set1_ps(hi);
     for (int i = 0; i < n; i += 8) {
