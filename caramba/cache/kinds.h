@@ -4,20 +4,22 @@
 #define CARAMBA_KINDS_H
 
 /* The fused decode step's cache stream kinds (KindSpec.step; caramba/model/kv_stream.c). */
-enum { KV_FP32 = 0, KV_Q8_0 = 1, KV_Q4_0 = 2, KV_Q4_0L = 3, KV_NF4 = 4, KV_Q4_1 = 5, KV_Q2_1 = 6, KV_Q4_1C = 7, KV_Q2_1C = 8, KV_KINDS = 9 };
-/* Per kind: bits per element; asymmetric levels m + u s (zero_point); blocks of G tokens of one channel
-   (per_channel); code values from a codebook; uniform code c stands for (c + offset) s, quantized as
-   floor(x / s + shift) clipped to [lo, hi] with s = peak (1 + 1/1024) / half_range. */
-static const int KV_BITS[KV_KINDS] = {32, 8, 4, 4, 4, 4, 2, 4, 2};
-static const int KV_ZERO_POINT[KV_KINDS] = {0, 0, 0, 0, 0, 1, 1, 1, 1};
-static const int KV_PER_CHANNEL[KV_KINDS] = {0, 0, 0, 0, 0, 0, 0, 1, 1};
-static const int KV_CODEBOOK[KV_KINDS] = {0, 0, 0, 0, 1, 0, 0, 0, 0};
-static const int KV_MID_TREAD[KV_KINDS] = {0, 0, 0, 1, 0, 0, 0, 0, 0};
-static const int KV_LO[KV_KINDS] = {0, -128, 0, 0, 0, 0, 0, 0, 0};
-static const int KV_HI[KV_KINDS] = {0, 127, 15, 15, 15, 15, 3, 15, 3};
-static const float KV_OFFSET[KV_KINDS] = {0.0f, 0.5f, -7.5f, -8.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-static const float KV_SHIFT[KV_KINDS] = {0.0f, 0.0f, 8.0f, 8.5f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-static const double KV_HALF_RANGE[KV_KINDS] = {0.0, 127.5, 7.5, 8.0, 1.0, 15.0, 3.0, 15.0, 3.0};
+enum { KV_FP32 = 0, KV_Q8_0 = 1, KV_Q4_0 = 2, KV_Q4_0L = 3, KV_NF4 = 4, KV_Q4_1 = 5, KV_Q2_1 = 6, KV_Q4_1C = 7, KV_Q2_1C = 8, KV_FP16 = 9, KV_BF16 = 10, KV_KINDS = 11 };
+/* Per kind: bits per element; float values (fp32, fp16, bf16: no codes); asymmetric levels m + u s
+   (zero_point); blocks of G tokens of one channel (per_channel); code values from a codebook; uniform
+   code c stands for (c + offset) s, quantized as floor(x / s + shift) clipped to [lo, hi] with
+   s = peak (1 + 1/1024) / half_range. */
+static const int KV_BITS[KV_KINDS] = {32, 8, 4, 4, 4, 4, 2, 4, 2, 16, 16};
+static const int KV_FLOAT[KV_KINDS] = {1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1};
+static const int KV_ZERO_POINT[KV_KINDS] = {0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0};
+static const int KV_PER_CHANNEL[KV_KINDS] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0};
+static const int KV_CODEBOOK[KV_KINDS] = {0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0};
+static const int KV_MID_TREAD[KV_KINDS] = {0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0};
+static const int KV_LO[KV_KINDS] = {0, -128, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+static const int KV_HI[KV_KINDS] = {0, 127, 15, 15, 15, 15, 3, 15, 3, 0, 0};
+static const float KV_OFFSET[KV_KINDS] = {0.0f, 0.5f, -7.5f, -8.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+static const float KV_SHIFT[KV_KINDS] = {0.0f, 0.0f, 8.0f, 8.5f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+static const double KV_HALF_RANGE[KV_KINDS] = {0.0, 127.5, 7.5, 8.0, 1.0, 15.0, 3.0, 15.0, 3.0, 0.0, 0.0};
 
 /* quant_attend.c's kinds (KindSpec.kernel): uniform code c stands for (c + offset) s. */
 enum { KIND_Q8_0 = 0, KIND_Q4_0 = 1, KIND_NF4 = 2, KIND_Q4_0L = 3, KIND_KERNELS = 4 };

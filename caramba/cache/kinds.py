@@ -114,8 +114,9 @@ class KindSpec:
             if self.codebook is not None or self.kernel is not None or self.zero_point or self.per_channel:
                 raise ValueError(f"kind {self.name}: a float kind (no code_range) takes no codebook, kernel, "
                                  "zero_point or per_channel")
-            if self.step is not None and self.dtype != torch.float32:
-                raise ValueError(f"kind {self.name}: the fused decode step reads fp32 float streams only (no step=)")
+            if self.step is not None and self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise ValueError(f"kind {self.name}: the fused decode step reads fp32, fp16 and bf16 float streams "
+                                 "only (no step=)")
             if torch.empty(0, dtype=self.dtype).element_size() * 8 != self.bits:
                 raise ValueError(f"kind {self.name}: bits={self.bits} is not the size of {self.dtype}")
             return
@@ -178,8 +179,8 @@ class KVCacheKind(str, Enum):
     Each member's `spec` is its KindSpec; this class body is the one table of kinds."""
 
     FP32 = KindSpec("fp32", bits=32, dtype=torch.float32, step=0)
-    FP16 = KindSpec("fp16", bits=16, dtype=torch.float16)
-    BF16 = KindSpec("bf16", bits=16, dtype=torch.bfloat16)
+    FP16 = KindSpec("fp16", bits=16, dtype=torch.float16, step=9)
+    BF16 = KindSpec("bf16", bits=16, dtype=torch.bfloat16, step=10)
     # int8 codes c in [-128, 127] standing for (c + 1/2) * scale, one fp16 scale per block
     Q8_0 = KindSpec("q8_0", bits=8, dtype=torch.int8, code_range=(-128, 127), kernel=0, step=1, aliases=("q8",))
     # 4-bit codes u in [0, 15] standing for (u - 7.5) * scale, two per byte

@@ -160,7 +160,11 @@ static inline void rotate_in_place(float *v, const float *rot, int D, float *tmp
    what the torch path reads back for it (its codes' values below the stream's r0, else itself). */
 static void new_token_as_read(const Stream *st, const float *src, int D, int at, uint8_t *u, uint16_t *par,
                               float *read) {
-    if (st->kind != KV_FP32 && !kv_per_channel((int)st->kind)) {
+    if (kv_float((int)st->kind)) {       /* fp16 / bf16 values read back rounded */
+        float_as_stored((int)st->kind, src, D, read);
+        return;
+    }
+    if (!kv_per_channel((int)st->kind)) {
         quantize_vector((int)st->kind, src, D, (int)st->block, u, par);
         if (at < st->r0) {
             dequantize_vector((int)st->kind, u, par, D, (int)st->block, read);
@@ -351,7 +355,7 @@ static void group_scores(Step *s, int r, int g, const float *qg) {
     for (int sl = c1 > b0 ? c1 : b0; sl < s1; sl++) {
         const int u = new_index(s, sl);
         if (u > tt) continue;                                  /* a later new token */
-        const float *kk = u >= 0 ? new_row(s, s->kn, r, u, g) : ring_row(ks, rg, sl, D);
+        const float *kk = u >= 0 ? new_row(s, s->kn, r, u, g) : read_row(ks, rg, sl, D, s->tmp);
         for (int j = 0; j < rep; j++) sc[(long)j * n + sl - s0] = dot_f32(kk, qg + (long)j * D, D);
     }
     if (s->wrap) ring_new_keys(s, r, g, qg, b0, c1);
@@ -374,7 +378,7 @@ static void group_scores(Step *s, int r, int g, const float *qg) {
    parameters in ppb), ring rows or new tokens; NULL for the rest. Whether any is. */
 static int value_rows(Step *s, int r, int g, int c0, int cn, const float **rows, int *coded) {
     const Stream *vs = s->vs;
-    const int D = s->D, vnp = (kv_zero_point((int)vs->kind) ? 2 : 1) * (vs->kind == KV_FP32 ? 0 : D / (int)vs->block);
+    const int D = s->D, vnp = (kv_zero_point((int)vs->kind) ? 2 : 1) * (kv_float((int)vs->kind) ? 0 : D / (int)vs->block);
     const int vfw = D * kv_bits((int)vs->kind) / 8;
     const long rg = (long)(r / s->T) * s->n_kv + g;
     int live = 0;
@@ -394,7 +398,7 @@ static int value_rows(Step *s, int r, int g, int c0, int cn, const float **rows,
             const uint16_t *ps = vs->params + h.rg * vnp * h.S + h.at + sl;
             for (int b = 0; b < vnp; b++) pk[b] = fp16_to_fp32(ps[(long)b * h.S]);
             rows[k] = dst;
-        } else rows[k] = ring_row(vs, rg, sl, D);
+        } else rows[k] = read_row(vs, rg, sl, D, s->vbuf + (long)k * D);
     }
     return live;
 }
@@ -459,7 +463,7 @@ static void softmax_weights(float *restrict s, long ld, int rep, int a0, int a1,
 /* Whether value slots [c0, c0 + cn) are all read from codes (no new token, nothing above the codes):
    then value_codes takes them straight from the codes. */
 static int coded_chunk(const Step *s, int c0, int cn) {
-    if (s->vs->kind == KV_FP32 || kv_per_channel((int)s->vs->kind) || c0 + cn > s->vce) return 0;
+    if (kv_float((int)s->vs->kind) || kv_per_channel((int)s->vs->kind) || c0 + cn > s->vce) return 0;
     for (int sl = c0; sl < c0 + cn; sl++)
         if (new_index(s, sl) >= 0) return 0;
     return 1;
@@ -470,7 +474,7 @@ static int coded_chunk(const Step *s, int c0, int cn) {
 static void part_partials(Step *s, int r, int g, int pi) {
     const Stream *vs = s->vs;
     const int D = s->D, rep = s->rep, n = s->n, s0 = s->s0;
-    const int vzp = kv_zero_point((int)vs->kind), vqb = (int)vs->block, vnb = vs->kind == KV_FP32 ? 0 : D / vqb;
+    const int vzp = kv_zero_point((int)vs->kind), vqb = (int)vs->block, vnb = kv_float((int)vs->kind) ? 0 : D / vqb;
     const int a0 = pi * ATT_PART - s0, a1 = a0 + ATT_PART < n ? a0 + ATT_PART : n;   /* in sc */
     float *pg = s->part + (((size_t)pi * s->M + r) * s->n_heads + g * rep) * s->part_w, *sc = s->sc;
     float mx[64], sum[64];
@@ -631,8 +635,8 @@ static void enter_layer(Step *s, int l) {
     layer_slots(s, ks);
     const int slot = s->slot, kr0 = (int)ks->r0, vr0 = (int)vs->r0;
     s->kchan = kv_per_channel((int)ks->kind);
-    s->kce = ks->kind == KV_FP32 ? 0 : s->kchan ? kr0 : (kr0 < slot ? kr0 : slot);
-    s->vce = vs->kind == KV_FP32 ? 0 : (vr0 < slot ? vr0 : slot);
+    s->kce = kv_float((int)ks->kind) ? 0 : s->kchan ? kr0 : (kr0 < slot ? kr0 : slot);
+    s->vce = kv_float((int)vs->kind) ? 0 : (vr0 < slot ? vr0 : slot);
     s->kgroup = s->kchan && s->L % ks->block == 0 && s->L / ks->block <= s->S / ks->block;
 }
 

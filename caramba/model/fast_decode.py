@@ -8,13 +8,14 @@ blocks) and writing K and V into the cache as the torch path does.
 
 It applies to up to MAX_ROWS new token rows (padding and sliding windows come as the cache's
 mask) on an fp32 model with RMSNorm, RoPE and SwiGLU or GeGLU, projections of the kinds above,
-and a KVCache of plain layers whose streams are fp32, per-token q8_0 / q4_0 / q4_0l / nf4 / q4_1 /
-q2_1 (with or without a residual window) or per-channel q4_1c / q2_1c keys, stored rotated or not
-(rotate_keys, rotate_values). The step writes the new token's codes with caramba.cache.quant's
-arithmetic, bit for bit, completes per-channel groups, and keeps the streams' rings and their
-bookkeeping as the torch path does (kv_stream.c). Everything else takes the torch path, which
-stays the reference (tests compare the two): per-channel values, fp16/bf16 caches, and a step
-that must first refill a per-channel group a rollback went into.
+and a KVCache of plain layers whose streams are fp32, fp16, bf16, per-token q8_0 / q4_0 / q4_0l /
+nf4 / q4_1 / q2_1 (with or without a residual window) or per-channel q4_1c / q2_1c keys, stored
+rotated or not (rotate_keys, rotate_values). The step writes the new token's codes with
+caramba.cache.quant's arithmetic, bit for bit (fp16 / bf16 values rounded as torch's copy rounds
+them), completes per-channel groups, and keeps the streams' rings and their bookkeeping as the
+torch path does (kv_stream.c). Everything else takes the torch path, which stays the reference
+(tests compare the two): per-channel values, and a step that must first refill a per-channel
+group a rollback went into.
 
 The newer families' parts (caramba.model.config) are computed too: QK-norm per head or over the
 projection (Qwen3, Gemma 3, OLMo 2), post-norms and no pre-norms (Gemma, OLMo 2), GeGLU, the
@@ -81,11 +82,13 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {"decode_step": ([_P], _I), "decode_step_joined": ([_P, _I], _I),
                "step_linear": ([_P, _P, _I, _P, _I], _I), "step_abi_layout": ([_P], _I),
                "quantize_kv": ([_I, _P, _I, _I, _I, _P, _P], None), "kv_nf4_tables": ([_P, _P], None),
+               "kv_round_floats": ([_I, _P, _I, _P], None),
                **quant.ISA_SIGNATURES}
 library = kernels.Library(SOURCES, _SIGNATURES, "decode steps run through torch's ops")
 
 # decode_step.c's cache stream kinds: KindSpec.step, the ids caramba/cache/kinds.h gives the C side
 KV_FP32 = KVCacheKind.FP32.spec.step
+FLOAT_KINDS = {k.spec.dtype: k.spec.step for k in KVCacheKind if k.spec.step is not None and not k.spec.quantized}
 TOKEN_KINDS = {k: k.spec.step for k in KVCacheKind
                if k.spec.step is not None and k.spec.quantized and not k.spec.per_channel}
 CHANNEL_KINDS = {k: k.spec.step for k in KVCacheKind if k.spec.step is not None and k.spec.per_channel}   # keys only
@@ -203,13 +206,14 @@ def model_applies(model) -> bool:
 
 
 def _stream_kind(stream, keys: bool, head_dim: int) -> int | None:
-    """decode_step.c's kind of a cache stream (kv_stream.c), or None (the torch path): fp32 values,
-    per-token q8_0 / q4_0 / q4_0l / nf4 / q4_1 / q2_1 codes (with or without a residual window), or
+    """decode_step.c's kind of a cache stream (kv_stream.c), or None (the torch path): fp32, fp16 or
+    bf16 values, per-token q8_0 / q4_0 / q4_0l / nf4 / q4_1 / q2_1 codes (with or without a residual window), or
     per-channel q4_1c / q2_1c keys; codes in the layout the stream's role gives them."""
     if stream.head_dim != head_dim:
         return None
     if type(stream) in (FloatStream, PackedFloatStream):
-        return KV_FP32 if _fp32(stream.data) else None
+        data = stream.data
+        return FLOAT_KINDS.get(data.dtype) if data.device.type == "cpu" and data.is_contiguous() else None
     if type(stream) in (QuantStream, PackedQuantStream):
         kind = TOKEN_KINDS.get(stream.kind)
     elif type(stream) in (ChannelQuantStream, PackedChannelStream) and keys:
@@ -238,7 +242,7 @@ class _Layout:
         self.streams, self.layers, self.heads, self.head_dim = streams, layers, heads, head_dim
         self.wraps = [layer.max_seq_len if type(layer) in RINGS else 0 for layer in layers]
         offsets = [_offset(layer) for layer in layers for _ in (0, 1)]
-        self.ringed = [(s, o) for (s, kind, _), o in zip(streams, offsets) if kind != KV_FP32 and s.ring is not None]
+        self.ringed = [(s, o) for (s, kind, _), o in zip(streams, offsets) if kind not in FLOAT_KINDS.values() and s.ring is not None]
         self.channels = [(s, o) for (s, kind, _), o in zip(streams, offsets) if kind in CHANNEL_KINDS.values()]
         self.table: ctypes.Array | None = None    # of step_abi.Stream
         self.bound: list[tuple] = []
@@ -321,9 +325,10 @@ def _build_table(layout: _Layout) -> None:
             bound.append((layer, "valid", layer.valid))
         if i % 2 == 0 and packed:                                # ... and a packed layer's slots
             bound += [(layer, "first", layer.first), (layer, "slots", layer.slots)]
-        if kind == KV_FP32:           # its values, read as a ring of every slot (a packed store's: org + slot)
-            n = s.data.shape[0] if packed else s.data.shape[2]
-            table[i] = Stream(KV_FP32, s.data.data_ptr(), None, 1, s.data.data_ptr(), n, 0, rot, *own)
+        if kind in FLOAT_KINDS.values():   # its values, read as a ring of every slot (a packed store's: org + slot)
+            n = s.data.shape[0] if packed else s.data.shape[2]   # fp16 / bf16 ones: in codes, no ring
+            ring = s.data.data_ptr() if kind == KV_FP32 else None
+            table[i] = Stream(kind, s.data.data_ptr(), None, 1, ring, n, 0, rot, *own)
             bound.append((s, "data", s.data))
             continue
         ring = s.ring

@@ -2,6 +2,8 @@
 
    A stream is one layer's K or V as caramba.cache stores it, passed as a Stream (kv_stream.h):
      KV_FP32: fp32 values [M, n_kv, S, D]; the step reads them as a "ring" of S slots.
+     KV_FP16, KV_BF16 (FloatStream of those dtypes): 16-bit values in the same layout, in codes
+       (read_row widens a row exactly; a new token is rounded to nearest even, as torch's copy).
      per-token quantized kinds (QuantStream: q8_0, q4_0, q4_0l, nf4, q4_1, q2_1): codes packed per head
        vector, k = 8 / bits per byte: element i + f D/k sits in bit field f of byte i (8-bit codes:
        one signed code per byte); keys-major [M, n_kv, Dc, S] for keys, [M, n_kv, S, Dc] for values;
@@ -90,6 +92,58 @@ static inline void fp16_row(const uint16_t *src, float *dst, int n) {
         for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
 #endif
     for (; i < n; i++) dst[i] = fp16_to_fp32(src[i]);   /* the reference, and the vectors' tail */
+}
+
+/* n bf16 values as floats: the top half of each float's bits. */
+static inline void bf16_row(const uint16_t *src, float *dst, int n) {
+    int i = 0;
+#if HAVE_AVX2
+    if (g_isa >= ISA_AVX2)
+        for (; i + 8 <= n; i += 8) {
+            const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+        }
+#endif
+    for (; i < n; i++) {
+        const uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &u, sizeof u);
+    }
+}
+
+/* f as bf16, rounded to nearest even: torch's conversion (c10's round_to_nearest_even; a NaN
+   becomes a quiet NaN). */
+static inline uint16_t fp32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+HIDDEN const float *read_row(const Stream *s, long rg, int p, int D, float *buf) {
+    if (!kv_float((int)s->kind) || s->kind == KV_FP32) return ring_row(s, rg, p, D);
+    const uint16_t *src = (const uint16_t *)s->codes + ring_index(s, rg, p) * D;
+    if (s->kind == KV_FP16) fp16_row(src, buf, D);
+    else bf16_row(src, buf, D);
+    return buf;
+}
+
+/* x [D] as kind's 16-bit values. */
+static void to_half(int kind, const float *x, int D, uint16_t *h) {
+    if (kind == KV_FP16)
+        for (int i = 0; i < D; i++) h[i] = fp32_to_fp16(x[i]);
+    else
+        for (int i = 0; i < D; i++) h[i] = fp32_to_bf16(x[i]);
+}
+
+HIDDEN void float_as_stored(int kind, const float *x, int D, float *out) {
+    if (kind == KV_FP32) {
+        memcpy(out, x, sizeof(float) * D);
+        return;
+    }
+    uint16_t h[512];                 /* stream_ok: D <= 512 */
+    to_half(kind, x, D, h);
+    if (kind == KV_FP16) fp16_row(h, out, D);
+    else bf16_row(h, out, D);
 }
 
 /* What a block's parameters come from: its lowest and highest element (zero-point kinds), else its
@@ -231,6 +285,11 @@ void quantize_kv(int kind, const float *x, int rows, int D, int qb, uint8_t *u, 
     for (int r = 0; r < rows; r++) quantize_vector(kind, x + (long)r * D, D, qb, u + (long)r * D, par + (long)r * np);
 }
 
+/* A float stream's rounding for tests: x [n] as a stream of kind stores and reads it back (out [n]). */
+void kv_round_floats(int kind, const float *x, int n, float *out) {
+    for (int i = 0; i < n; i += 512) float_as_stored(kind, x + i, n - i < 512 ? n - i : 512, out + i);
+}
+
 /* Code field f of byte b: 8-bit kinds' signed code, else the f-th `bits`-wide unsigned field. */
 INLINE float code_field(const int bits, const int f, uint8_t b) {
     if (bits == 8) return (float)(int8_t)b;
@@ -285,6 +344,9 @@ long quantize_rows(int kind, const float *x, long rows, int D, int qb, uint8_t *
 HIDDEN int stream_ok(const Stream *s, int D, int keys) {
     if (s->kind < 0 || s->kind >= KV_KINDS || s->wrap < 0) return 0;
     if (s->kind == KV_FP32) return s->ring != NULL && s->r0 == 0 && (!s->wrap || s->ring_n == s->wrap);
+    if (kv_float(s->kind))           /* fp16 / bf16: the values in codes, laid out as KV_FP32's ring */
+        return s->codes != NULL && s->ring == NULL && s->ring_n > 0 && s->r0 == 0 && D <= 512
+            && (!s->wrap || s->ring_n == s->wrap);
     if (s->wrap && (s->ring != NULL || kv_per_channel(s->kind))) return 0;   /* a ring: slot order is lost */
     if (s->block < 1 || (s->ring == NULL) != (s->ring_n == 0)) return 0;
     if (kv_per_channel(s->kind)) return keys && s->ring != NULL && D % 4 == 0;
@@ -736,7 +798,9 @@ HIDDEN void rotate(const float *x, const float *rot, int D, float *out) {
 HIDDEN void write_new(const Stream *st, int keys, long rg, long S, int D, int slot, const float *x, const uint8_t *u,
                       const uint16_t *par) {
     if (st->ring) memcpy(ring_row(st, rg, slot, D), x, sizeof(float) * D);
-    if (st->kind == KV_FP32 || kv_per_channel(st->kind)) return;
+    if (kv_float(st->kind) && st->kind != KV_FP32)
+        to_half(st->kind, x, D, (uint16_t *)st->codes + ring_index(st, rg, slot) * D);
+    if (kv_float(st->kind) || kv_per_channel(st->kind)) return;
     const HeadAt h = head_at(st, rg, S);
     rg = h.rg, S = h.S, slot += (int)h.at;
     const int bits = kv_bits(st->kind), fw = D * bits / 8, np = (kv_zero_point(st->kind) ? 2 : 1) * (D / st->block);

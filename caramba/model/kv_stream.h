@@ -12,10 +12,11 @@
    by caramba.model.step_abi.Stream. */
 typedef struct {
     int64_t kind;       /* a KV_* id (kinds.h) */
-    void *codes;        /* KV_FP32: the fp32 values; else the codes */
+    void *codes;        /* KV_FP32: the fp32 values; KV_FP16 / KV_BF16: the 16-bit values; else the codes */
     uint16_t *params;   /* fp16 block parameters, or NULL */
     int64_t block;      /* elements per block; per-channel kinds: tokens per group G */
-    float *ring;        /* fp32 copies [M, n_kv, ring_n, D] at slot p % ring_n (KV_FP32: the values), or NULL */
+    float *ring;        /* fp32 copies [M, n_kv, ring_n, D] at slot p % ring_n (KV_FP32: the values), or NULL
+                           (KV_FP16 / KV_BF16: their values, codes, are laid out as this ring would be) */
     int64_t ring_n;
     int64_t r0;         /* positions < r0 are read from codes, the rest from the ring */
     const float *rot;   /* [D, D]: the stream holds x @ rot; NULL: x */
@@ -46,15 +47,27 @@ static inline HeadAt head_at(const Stream *s, long rg, long S) {
 }
 
 static inline int kv_bits(int kind) { return KV_BITS[kind]; }
+static inline int kv_float(int kind) { return KV_FLOAT[kind]; }   /* fp32, fp16, bf16 values: no codes */
 static inline int kv_zero_point(int kind) { return KV_ZERO_POINT[kind]; }
 static inline int kv_per_channel(int kind) { return KV_PER_CHANNEL[kind]; }
 static inline float kv_offset(int kind) { return KV_OFFSET[kind]; }
 
-/* Position p's fp32 copy in the ring, head rg. */
-static inline float *ring_row(const Stream *s, long rg, int p, int D) {
-    if (s->org && s->kind == KV_FP32) return s->ring + (s->org[rg] + p) * D;   /* a packed store's values */
-    return s->ring + (rg * s->ring_n + p % s->ring_n) * D;
+/* The row of position p, head rg, in the ring (a float stream's values: the ring's layout). */
+static inline long ring_index(const Stream *s, long rg, int p) {
+    if (s->org && kv_float((int)s->kind)) return s->org[rg] + p;   /* a packed store's values */
+    return rg * s->ring_n + p % s->ring_n;
 }
+
+/* Position p's fp32 copy in the ring, head rg. */
+static inline float *ring_row(const Stream *s, long rg, int p, int D) { return s->ring + ring_index(s, rg, p) * D; }
+
+/* Position p of head rg as floats from the ring (a quantized stream's fp32 copies, KV_FP32's
+   values) in place, or an fp16 / bf16 stream's row converted (exactly) into buf [D]. */
+HIDDEN const float *read_row(const Stream *s, long rg, int p, int D, float *buf);
+
+/* x [D] as a float stream of this kind reads it back: itself (KV_FP32), or rounded to fp16 / bf16
+   to nearest even (torch's conversions) and widened again. */
+HIDDEN void float_as_stored(int kind, const float *x, int D, float *out);
 
 /* Floats of key_scores_channels' scratch. */
 static inline size_t channel_scratch(int rep, int D) { return (size_t)8 * rep * D + 16 * (size_t)D + 8 * (size_t)rep; }
@@ -85,7 +98,8 @@ HIDDEN void dequantize_vector(int kind, const uint8_t *u, const uint16_t *par, i
 /* out = x [D] @ rot [D, D]. */
 HIDDEN void rotate(const float *x, const float *rot, int D, float *out);
 
-/* The new token's K or V x (as stored) at position slot of head rg: codes, parameters and ring. */
+/* The new token's K or V x (as stored) at position slot of head rg: codes, parameters and ring (a
+   float stream: its values). */
 HIDDEN void write_new(const Stream *st, int keys, long rg, long S, int D, int slot, const float *x, const uint8_t *u,
                       const uint16_t *par);
 

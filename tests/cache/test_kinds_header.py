@@ -48,17 +48,21 @@ def test_the_header_says_what_each_row_says():
 def test_python_reads_the_same_ids():
     """fast_decode's kind maps come from the table (no id of its own)."""
     assert fast_decode.KV_FP32 == KVCacheKind.FP32.spec.step
-    assert {k.spec.step for k in fast_decode.TOKEN_KINDS} | {k.spec.step for k in fast_decode.CHANNEL_KINDS} \
-        == set(range(1, len(fast_decode.TOKEN_KINDS) + len(fast_decode.CHANNEL_KINDS) + 1))
+    assert fast_decode.FLOAT_KINDS == {torch.float32: KVCacheKind.FP32.spec.step, torch.float16: KVCacheKind.FP16.spec.step,
+                                       torch.bfloat16: KVCacheKind.BF16.spec.step}
+    ids = [k.spec.step for k in fast_decode.TOKEN_KINDS] + [k.spec.step for k in fast_decode.CHANNEL_KINDS] \
+        + list(fast_decode.FLOAT_KINDS.values())
+    assert sorted(ids) == list(range(len(ids)))
     assert all(fast_decode.TOKEN_KINDS[k] == k.spec.step for k in fast_decode.TOKEN_KINDS)
 
 
 def test_ids_with_a_gap_are_refused(monkeypatch):
     """A new row whose step id leaves a gap (or repeats one) is caught when the header is made."""
-    gap = KindSpec("q3_test", bits=4, dtype=torch.uint8, code_range=(0, 7), step=11)
+    free = max(k.spec.step for k in KVCacheKind if k.spec.step is not None) + 1
+    gap = KindSpec("q3_test", bits=4, dtype=torch.uint8, code_range=(0, 7), step=free + 1)
 
     class Fake:
         name, spec = "Q3_TEST", gap
     monkeypatch.setattr(kinds_c, "KVCacheKind", [*KVCacheKind, Fake])
-    with pytest.raises(ValueError, match="step ids must be 0..n-1.*Q3_TEST=11"):
+    with pytest.raises(ValueError, match=f"step ids must be 0..n-1.*Q3_TEST={free + 1}"):
         kinds_c.header()

@@ -31,6 +31,8 @@ POLICIES = {
     "fp32 rotated": dict(kind="fp32", rotate_keys=True, rotate_values=True),
     "q8_0 residual_len=4": dict(kind="q8_0", residual_len=4),
     "k=q4_1c,v=q4_1 qblock=4": dict(kind="q4_1", policy="k=q4_1c", qblock=4),
+    "fp16": dict(kind="fp16"),
+    "bf16": dict(kind="bf16"),
 }
 
 
@@ -68,7 +70,7 @@ def _state(model, backend, name: str, batch: int, length: int, seed: int, holes:
 # (policy, batch, context length): different lengths (across ATT_PART's 64 slots), batches, holes
 MIXED = [("q8_0", 1, 70), ("q4_0", 2, 9), ("q4_1", 1, 33), ("nf4", 3, 12), ("fp32", 2, 65), ("q2_1 residual_len=2", 1, 20),
          ("q4_0l", 1, 5), ("q4_0l rotated", 2, 40), ("fp32 rotated", 1, 17), ("q8_0 residual_len=4", 2, 30),
-         ("k=q4_1c,v=q4_1 qblock=4", 1, 21)]
+         ("k=q4_1c,v=q4_1 qblock=4", 1, 21), ("fp16", 2, 25), ("bf16", 1, 50)]
 
 
 def _assert_caches_close(alone: DecodeState, joined: DecodeState, name: str, config) -> None:
@@ -87,7 +89,7 @@ def _assert_caches_close(alone: DecodeState, joined: DecodeState, name: str, con
 @pytest.mark.parametrize("threads", [1, 2])
 @torch.inference_mode()
 def test_joined_steps_equal_each_states_own_c_step(threads, joined_calls):
-    """Eleven states of mixed kinds, lengths, batches and holes: each row's logits within a storage
+    """Thirteen states of mixed kinds, lengths, batches and holes: each row's logits within a storage
     step of its state's own C step (the new K and V come from a product over more rows, so a code
     may land a step away), greedy tokens equal, caches alike; the joined path taken every step."""
     model = make_model(seed=21)
@@ -123,7 +125,7 @@ def test_a_hybrid_models_rings_join(threads, joined_calls):
                       rope_local_theta=100.0)
     model = init_weights_(Transformer(cfg), seed=28).eval().requires_grad_(False)
     backend = CStep(model, fast_decode.ThreadChoice(fixed=threads))
-    mixed = [("fp32", 2, 20), ("q8_0", 1, 5), ("q4_0l rotated", 2, 7), ("nf4", 1, 40)]
+    mixed = [("fp32", 2, 20), ("q8_0", 1, 5), ("q4_0l rotated", 2, 7), ("nf4", 1, 40), ("bf16", 1, 12)]
     alone = [_state(model, backend, n, b, t, i) for i, (n, b, t) in enumerate(mixed)]
     joined = [_state(model, backend, n, b, t, i) for i, (n, b, t) in enumerate(mixed)]
     tokens = [torch.full((b,), 9 + i) for i, (_, b, _) in enumerate(mixed)]
@@ -214,17 +216,19 @@ def test_one_segment_is_the_plain_step_bit_for_bit(name, joined_calls):
 
 @torch.inference_mode()
 def test_a_cache_the_c_step_refuses_joins_through_torch(joined_calls):
-    """An fp16 cache (the C step reads none) in the join: the torch forward joins them all, each
-    state's logits those of its own step up to rounding; without it the C step joins the rest."""
+    """A cache with per-channel values (the C step reads none) in the join: the torch forward joins
+    them all, each state's logits those of its own step up to rounding; without it the C step joins
+    the rest."""
     model = make_model(seed=26)
     backend = CStep(model, fast_decode.ThreadChoice(fixed=1))
     names = ["q8_0", "fp32"]
 
     def states():
         out = [_state(model, backend, n, 2, 12, i) for i, n in enumerate(names)]
-        fp16 = DecodeState(model, model.new_cache(1, 30, "fp16"), backend=backend)
-        fp16.prefill(torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(27)))
-        return out + [fp16]
+        refused = DecodeState(model, model.new_cache(1, 30, CachePolicy.build("fp32", "v=q4_1c", qblock=4)),
+                              backend=backend)
+        refused.prefill(torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(27)))
+        return out + [refused]
 
     alone, joined = states(), states()
     tokens = [torch.tensor([3, 4]), torch.tensor([5, 6]), torch.tensor([7])]
@@ -232,7 +236,7 @@ def test_a_cache_the_c_step_refuses_joins_through_torch(joined_calls):
     got = step_together(model, joined, tokens, [None] * 3)
     assert joined_calls == []
     for w, g in zip(want, got):
-        torch.testing.assert_close(g, w, **tol.cache_paths(w, model.config, "fp16"))
+        torch.testing.assert_close(g, w, **tol.cache_paths(w, model.config, "q4_1c"))
     got = step_together(model, joined[:2], [w.argmax(-1) for w in want[:2]], [None] * 2)
     assert joined_calls == [[2, 2]]     # up to JOIN_MEAN_ROWS a cache: joined in C
     want = [s.step(w.argmax(-1)) for s, w in zip(alone[:2], want[:2])]

@@ -159,6 +159,41 @@ def test_the_projection_formats_are_quant_gemv_hs():
     assert set(fast_decode._QUANT_FORMATS.values()) | {fast_decode.F32_ROWS, fast_decode.F32_COLS} == set(enum.values())
 
 
+def _rounding_cases() -> torch.Tensor:
+    """fp32 inputs where a rounding to fp16 or bf16 can go wrong: random bit patterns (NaNs among
+    them), each also made a tie of either format (both parities) and a bit either side of one;
+    zeros, infinities, the formats' largest values and the inputs that round past them, their
+    subnormals and fp32's."""
+    g = torch.Generator().manual_seed(31)
+    raw = torch.randint(-2**31, 2**31 - 1, (2048,), generator=g, dtype=torch.int64)
+    rows = [raw]
+    for keep, low in ((0xffff0000, (0x8000, 0x7fff, 0x8001)), (0xffffe000, (0x1000, 0x0fff, 0x1001))):
+        rows += [(raw & keep) | v for v in low]
+    bits = torch.cat(rows).to(torch.int32)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 65519.99, 65520.0, -65520.0,
+                            2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14, 1e-40, -1e-45, 3.3895e38, 3.3961e38,
+                            torch.finfo(torch.float32).max, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-11])
+    return torch.cat([bits.view(torch.float32), special])
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_a_16_bit_stream_rounds_new_tokens_as_torch_does(lib, kind):
+    """What the step stores of a new K or V in an fp16 or bf16 stream and reads back: torch's copy
+    into that dtype, rounded to nearest even, at the scalar level (fp32_to_fp16_ref) and with the
+    conversion instruction: the same values, zeros' signs included, and NaN for NaN."""
+    kid = fast_decode.FLOAT_KINDS[{"fp16": torch.float16, "bf16": torch.bfloat16}[kind]]
+    x = _rounding_cases()
+    want = x.to({"fp16": torch.float16, "bf16": torch.bfloat16}[kind]).float()
+    nan = want.isnan()
+    assert nan.any() and (want[~nan] == 0).any() and want.isinf().any()
+    for level in ("scalar", "avx2") if isa.resolve("avx2") == "avx2" else ("scalar",):
+        got = torch.empty_like(x)
+        with isa.use_isa(level):
+            lib.kv_round_floats(kid, x.data_ptr(), x.numel(), got.data_ptr())
+        assert torch.equal(got.isnan(), nan), level
+        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32)), level
+
+
 @pytest.mark.parametrize("kind", [*fast_decode.TOKEN_KINDS, *fast_decode.CHANNEL_KINDS], ids=str)
 def test_the_quantizers_write_the_same_bits_through_their_references(lib, kind):
     """kv_stream.c's fp16 rounding by the conversion instruction and by fp32_to_fp16_ref (the
