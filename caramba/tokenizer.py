@@ -17,6 +17,7 @@ llama`: Gemma, Llama 2) are built in caramba.tokenizer_sentencepiece.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -69,6 +70,7 @@ class Tokenizer:
         stop_token_ids: Iterable[int] = (),
         chat_template: str | None = None,
         source: str = "<memory>",
+        json_sha256: str | None = None,
     ):
         self.backend = backend
         self.bos_token_id = bos_token_id
@@ -77,10 +79,28 @@ class Tokenizer:
         self.unk_token_id = unk_token_id
         self.chat_template = chat_template
         self.source = source
+        self.json_sha256 = json_sha256   # of the tokenizer.json it was read from (content_key)
         # Every id that ends a reply: EOS plus e.g. Llama 3's <|eot_id|> (GGUF eot/eom, generation_config lists).
         eos = [eos_token_id] if eos_token_id is not None else []
         self.stop_token_ids = tuple(dict.fromkeys([*eos, *stop_token_ids]))
         self._template = None   # compiled on first use (caramba.chat_template)
+
+    @property
+    def content_key(self) -> tuple | None:
+        """What its encodings and chat renderings are a function of, as a hashable key: equal for
+        two tokenizers read from the same files (a preflight's and the loaded model's), so what
+        one produced can stand for the other's (caramba.evaluation.tasks' memo). None where it
+        was built in memory (a GGUF's, a test's): no key short of serializing the whole backend
+        (~20 ms for SmolLM2's). Nothing changes a backend after loading it."""
+        if self.json_sha256 is None:
+            return None
+        key = (self.json_sha256, self.chat_template, self.bos_token_id, self.eos_token_id, self._pad_token_id,
+               self.unk_token_id, self.stop_token_ids)
+        try:
+            hash(key)
+        except TypeError:   # a config's odd value (a list among the stop ids): no key rather than an error
+            return None
+        return key
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -141,7 +161,8 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
         """A bare tokenizer.json: no special token ids or chat template (use `from_dir` for those)."""
-        return cls(_load_tokenizer_json(Path(path)), source=str(path))
+        backend, digest = _load_tokenizer_json(Path(path))
+        return cls(backend, source=str(path), json_sha256=digest)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -150,7 +171,7 @@ class Tokenizer:
         path = Path(path)
         if not path.is_dir():
             raise UserError(f"{path}: not a directory (expected an HF model directory with tokenizer.json)")
-        backend = _load_tokenizer_json(path / "tokenizer.json")
+        backend, digest = _load_tokenizer_json(path / "tokenizer.json")
         config = _read_json(path / "tokenizer_config.json")
         generation = _read_json(path / "generation_config.json")
 
@@ -177,6 +198,7 @@ class Tokenizer:
             stop_token_ids=stops,
             chat_template=_chat_template_in_dir(path, config),
             source=str(path),
+            json_sha256=digest,
         )
 
     def save(self, directory: str | Path) -> None:
@@ -414,11 +436,13 @@ def _pre_tokenizer(name: str, path: Path):
     )
 
 
-def _load_tokenizer_json(path: Path) -> tokenizers.Tokenizer:
+def _load_tokenizer_json(path: Path) -> tuple[tokenizers.Tokenizer, str]:
+    """The backend and the sha256 of the bytes it was built from (read once: ~2 ms for SmolLM2's 3.5 MB)."""
     if not path.is_file():
         raise UserError(f"{path}: no such file (a tokenizer.json is needed)")
     try:
-        return tokenizers.Tokenizer.from_file(str(path))
+        raw = path.read_bytes()
+        return tokenizers.Tokenizer.from_str(raw.decode("utf-8")), hashlib.sha256(raw).hexdigest()
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
         raise UserError(f"{path}: not a valid tokenizer.json ({e})") from None
 

@@ -71,6 +71,15 @@ def _one_thread(request):
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _no_samples_kept(monkeypatch):
+    """Each test starts as a fresh process would: with no task samples kept from another test
+    (caramba.evaluation.tasks' memo lives as long as the process)."""
+    from caramba.evaluation import tasks
+
+    monkeypatch.setattr(tasks, "_memo", tasks._Memo(tasks._memo.limit))
+
+
 @pytest.fixture(params=["kernel", "eager"])
 def read_path(request, monkeypatch):
     """Runs a test through both ways a decode step reads a quantized cache: the C kernels

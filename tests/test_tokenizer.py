@@ -167,6 +167,22 @@ def test_save_then_from_dir_round_trips(make_tok, tmp_path):
     assert back.chat_template == CHATML
 
 
+def test_content_key_is_one_for_two_reads_of_the_same_files_and_none_in_memory(make_tok, tmp_path):
+    """Equal keys: what one tokenizer produced stands for the other's (the task samples' memo)."""
+    t = make_tok({"tokenizer.ggml.eot_token_id": 0})
+    t.save(tmp_path / "saved")
+    one, two = Tokenizer.from_dir(tmp_path / "saved"), Tokenizer.from_dir(tmp_path / "saved")
+    assert one is not two and one.content_key == two.content_key is not None and hash(one.content_key)
+    assert t.content_key is None   # built from a GGUF's metadata, in memory
+    assert Tokenizer.from_file(tmp_path / "saved" / "tokenizer.json").content_key[0] == one.content_key[0]
+    config = tmp_path / "saved" / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("assistant", "bot"))   # another chat template
+    assert Tokenizer.from_dir(tmp_path / "saved").content_key != one.content_key
+    raw = tmp_path / "saved" / "tokenizer.json"
+    raw.write_text(raw.read_text() + "\n")   # the same tokenizer, other bytes: another key (a miss, never a wrong hit)
+    assert Tokenizer.from_dir(tmp_path / "saved").content_key[0] != one.content_key[0]
+
+
 def test_from_dir_reads_hf_config_forms(tok, tmp_path):
     tok.backend.save(str(tmp_path / "tokenizer.json"))
     config = {

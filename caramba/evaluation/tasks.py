@@ -18,7 +18,9 @@ text and scoring, in our own code:
 Every sample is deterministic from (task, length, seed, index) and the tokenizer: its random draws
 come from `random.Random(sha256-derived int)`, never global state or hash(). Its context is fitted
 to `length` as RULER fits it: prompt tokens + the task's answer budget <= length, with the
-haystack as large as fits (a bisection on the number of haystack units, per sample).
+haystack as large as fits (a bisection on the number of haystack units, per sample). A process
+makes each sample once for a tokenizer read from a file (`_Memo`): a manifest's preflight makes
+every cell's first sample, and its run asks for the same again.
 
 A prompt is split where a cache policy needs it: `context_ids` (chat template prefix, instruction,
 haystack, up to and including the newline after it) are what a caller prefills and compresses;
@@ -40,7 +42,7 @@ import re
 import string
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from caramba.evaluation.task_words import ADJECTIVES, NOUNS, VERBS
 
@@ -235,8 +237,48 @@ def make_samples(task: str, length: int, n: int, seed: int, tokenizer, *, chat: 
     for name, value, low in (("length", length, 1), ("n", n, 1), ("seed", seed, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}={value!r} must be an integer >= {low}")
-    essay = _essay_words(text_path) if spec.haystack == "essay" else ()
-    return [_make_sample(spec, length, seed, i, tokenizer, chat, essay) for i in range(n)]
+    essay, text_sha = _essay_words(text_path) if spec.haystack == "essay" else ((), None)
+    key = getattr(tokenizer, "content_key", None)   # caramba's Tokenizer read from a file; else no memo
+    if not isinstance(key, tuple):
+        return [_make_sample(spec, length, seed, i, tokenizer, chat, essay) for i in range(n)]
+    samples = []
+    for i in range(n):   # sample i does not depend on n: a preflight's first sample is a run's first
+        cell = (key, spec.name, length, seed, i, bool(chat), text_sha)
+        sample = _memo.get(cell)
+        if sample is None:
+            sample = _make_sample(spec, length, seed, i, tokenizer, chat, essay)
+            _memo.put(cell, sample)
+        samples.append(sample)
+    return samples
+
+
+class _Memo:
+    """Samples made in this process, by everything one is a function of (the tokenizer's content,
+    task, length, seed, index, chat, the essay text's sha256): a manifest's preflight makes each
+    (task, length)'s first sample and its run asks for it again (0.3 s of 9 tasks at 2048 tokens).
+    Bounded: once `limit` prompt tokens are held it adds no more, keeping the first ones (a
+    preflight's, which the runs ask for next) rather than evicting them for a run's later ones.
+    It hands out copies: a caller changing a sample's lists cannot change another's."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held, self.samples = limit, 0, {}
+
+    def get(self, cell: tuple) -> TaskSample | None:
+        sample = self.samples.get(cell)
+        return _copy(sample) if sample is not None else None
+
+    def put(self, cell: tuple, sample: TaskSample) -> None:
+        size = len(sample.context_ids) + len(sample.question_ids)
+        if self.held + size <= self.limit:
+            self.samples[cell] = _copy(sample)
+            self.held += size
+
+
+def _copy(s: TaskSample) -> TaskSample:
+    return replace(s, context_ids=list(s.context_ids), question_ids=list(s.question_ids), answers=list(s.answers))
+
+
+_memo = _Memo(1 << 18)   # ~10 MB of ids and text at most
 
 
 def _sample_seed(task: str, length: int, seed: int, index: int) -> int:
@@ -334,13 +376,15 @@ def _render(tokenizer, parts: _Parts, chat: bool) -> tuple[str, str]:
 # ---- haystacks and draws -----------------------------------------------------------------------
 
 
-def _essay_words(text_path: str | None) -> tuple[str, ...]:
+def _essay_words(text_path: str | None) -> tuple[tuple[str, ...], str]:
+    """The text's words, and the sha256 of the text they were read from (the memo's key)."""
     from caramba.evaluation.evaluate import corpus_text
 
-    words = tuple(corpus_text(text_path).split())
+    text = corpus_text(text_path)
+    words = tuple(text.split())
     if len(words) < 50:
         raise ValueError(f"text_path={text_path!r} holds {len(words)} words; the essay haystack needs at least 50")
-    return words
+    return words, hashlib.sha256(text.encode()).hexdigest()
 
 
 def _essay_sentences(rng: random.Random, essay: Sequence[str], n_words: int) -> list[str]:

@@ -95,6 +95,95 @@ def test_digest_sees_ids_and_answers(samples):
     assert samples_digest(s[::-1]) != base
 
 
+# ---- samples made once a process ---------------------------------------------------------------
+
+
+@pytest.fixture
+def made(monkeypatch) -> list[tuple]:
+    """(task, length, seed, index, chat) of every sample actually generated, in order."""
+    calls, real = [], tasks._make_sample
+
+    def counting(spec, length, seed, index, tokenizer, chat, essay):
+        calls.append((spec.name, length, seed, index, chat))
+        return real(spec, length, seed, index, tokenizer, chat, essay)
+
+    monkeypatch.setattr(tasks, "_make_sample", counting)
+    return calls
+
+
+def saved_tokenizer(directory, chat_template: str | None = CHATML) -> Tokenizer:
+    """The byte tokenizer written to `directory` and read back, as a model's tokenizer is."""
+    byte_tokenizer(chat_template).save(directory)
+    return Tokenizer.from_dir(directory)
+
+
+def fresh(monkeypatch, *args, **kw) -> list[TaskSample]:
+    """make_samples with nothing kept: what a new process makes."""
+    monkeypatch.setattr(tasks, "_memo", tasks._Memo(0))
+    return make_samples(*args, **kw)
+
+
+def essay(path, word: str = "w"):
+    path.write_text(" ".join(f"{word}{i:03d}" + ("." if i % 8 == 7 else "") for i in range(400)))
+    return str(path)
+
+
+def test_a_tokenizer_read_from_the_same_files_gets_the_samples_made_with_the_other(tmp_path, made, monkeypatch):
+    """A preflight's tokenizer and the loaded model's are two objects read from one tokenizer.json:
+    the run's first sample of a cell is the one the preflight made (sample i does not depend on n),
+    its others are made, and all equal what a fresh process makes."""
+    text = essay(tmp_path / "essay.txt")
+    preflight = saved_tokenizer(tmp_path / "tok")
+    run = Tokenizer.from_dir(tmp_path / "tok")
+    assert preflight is not run and preflight.content_key == run.content_key is not None
+    first = make_samples("niah_single_essay", LENGTH, 1, 0, preflight, text_path=text)
+    got = make_samples("niah_single_essay", LENGTH, 3, 0, run, text_path=text)
+    assert made == [("niah_single_essay", LENGTH, 0, i, True) for i in (0, 1, 2)]
+    assert got[0] == first[0]
+    want = fresh(monkeypatch, "niah_single_essay", LENGTH, 3, 0, run, text_path=text)
+    assert got == want and samples_digest(got) == samples_digest(want)
+
+
+def test_a_changed_setting_text_or_tokenizer_makes_its_samples_again(tmp_path, made, monkeypatch):
+    path = tmp_path / "essay.txt"
+    tok = saved_tokenizer(tmp_path / "tok")
+
+    def make(task="niah_single_essay", length=LENGTH, seed=0, tokenizer=tok, chat=True):
+        return make_samples(task, length, 1, seed, tokenizer, chat=chat, text_path=essay(path))
+
+    before = make()
+    assert make() == before and len(made) == 1   # the second from the memo
+    make(seed=1), make(length=LENGTH - 100), make(chat=False), make(task="niah_multikey_essay")
+    assert len(made) == 5
+    other_template = saved_tokenizer(tmp_path / "other", CHATML.replace("assistant", "bot"))
+    make(tokenizer=other_template)
+    (tmp_path / "tok" / "tokenizer.json").write_text((tmp_path / "tok" / "tokenizer.json").read_text()
+                                                     .replace('"<|endoftext|>"', '"<|end|>"'))
+    reread = Tokenizer.from_dir(tmp_path / "tok")   # the same path, another tokenizer.json
+    assert reread.content_key != tok.content_key
+    make(tokenizer=reread)
+    make(tokenizer=byte_tokenizer()), make(tokenizer=byte_tokenizer())   # built in memory: never kept
+    assert len(made) == 9
+    essay(path, word="v")   # the same text path, other words
+    changed = make_samples("niah_single_essay", LENGTH, 1, 0, tok, text_path=str(path))
+    assert len(made) == 10 and "v017" in changed[0].text and changed != before
+    assert changed == fresh(monkeypatch, "niah_single_essay", LENGTH, 1, 0, tok, text_path=str(path))
+
+
+def test_the_kept_samples_are_handed_out_as_copies_up_to_a_bound(tmp_path, made, monkeypatch):
+    tok = saved_tokenizer(tmp_path / "tok")
+    one = make_samples("niah_single", LENGTH, 1, 0, tok)[0]
+    one.context_ids.clear(), one.answers.append("x")    # a caller changing what it got
+    two = make_samples("niah_single", LENGTH, 1, 0, tok)[0]
+    assert len(made) == 1 and two.context_ids and "x" not in two.answers
+    two.question_ids.clear()
+    assert make_samples("niah_single", LENGTH, 1, 0, tok)[0].question_ids
+    monkeypatch.setattr(tasks, "_memo", tasks._Memo(LENGTH))   # room for one sample's prompt, not two
+    make_samples("niah_single", LENGTH, 2, 5, tok), make_samples("niah_single", LENGTH, 2, 5, tok)
+    assert [index for *_, index, _chat in made[1:]] == [0, 1, 1]   # the first kept, the second made again
+    assert 0 < tasks._memo.held <= LENGTH
+
+
 # ---- prompts -----------------------------------------------------------------------------------
 
 

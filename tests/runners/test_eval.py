@@ -221,12 +221,46 @@ def test_same_prompts_for_every_candidate_and_reproducible_from_the_record(tmp_p
     assert len(results) == 2
     digests = {r["tasks"]["prompts_sha256"] for r in results}
     assert len(digests) == 1   # the same samples whatever the protocol
-    # and the digest is what the generators give again for the recorded settings
+    # and the digest is what the generators give again for the recorded settings (made anew, not
+    # handed back from the samples this process kept)
     tok = load_model(str(long_tiny), progress=False).tokenizer
+    monkeypatch.setattr(task_suite, "_memo", task_suite._Memo(0))
     again = task_suite.make_samples("niah_single", LENGTH, 2, 0, tok, chat=True)
     assert task_suite.samples_digest(again) == digests.pop()
     report = invoke("report", manifest)
     assert report.exit_code == 0 and "frontier" in report.output and "q4r" in report.output, report.output
+
+
+def test_a_run_takes_its_preflights_samples_and_makes_only_the_others(tmp_path, monkeypatch, long_tiny):
+    """`caramba run` preflights every run (each cell's first sample) and runs them in one process:
+    a run's first sample is the preflight's, made once; a run with another seed gets its own; and
+    each run's prompts are what a fresh process makes."""
+    monkeypatch.setenv("CARAMBA_RUNS_DIR", str(tmp_path / "runs"))
+    made, real = [], task_suite._make_sample
+
+    def counting(spec, length, seed, index, *rest):
+        made.append((seed, index))
+        return real(spec, length, seed, index, *rest)
+
+    monkeypatch.setattr(task_suite, "_make_sample", counting)
+    sweep = f"""\
+          candidates: [{{cache_kind: q8_0, qblock: 8}}]
+          tasks: {{names: [niah_single], lengths: [{LENGTH}], samples: 2}}
+        matrix:
+          eval.tasks.seed: [0, 1]
+"""
+    r = invoke("run", eval_manifest(tmp_path, long_tiny, sweep))
+    assert r.exit_code == 0, r.output
+    # the preflight: each run's sample 0; the runs: only their sample 1 (was 0, 1 again each)
+    assert made == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    records = [d for d in (tmp_path / "runs" / "ev" / "t").iterdir() if not d.name.startswith(".")]
+    digests = {json.loads((d / "result.json").read_text())["tasks"]["seed"]:
+               json.loads((d / "result.json").read_text())["tasks"]["prompts_sha256"] for d in records}
+    tok = load_model(str(long_tiny), progress=False).tokenizer
+    monkeypatch.setattr(task_suite, "_memo", task_suite._Memo(0))   # a fresh process's samples
+    assert digests == {seed: task_suite.samples_digest(task_suite.make_samples("niah_single", LENGTH, 2, seed, tok))
+                       for seed in (0, 1)}
+    assert digests[0] != digests[1]
 
 
 @pytest.mark.parametrize("section, message", [
