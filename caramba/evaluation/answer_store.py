@@ -62,6 +62,9 @@ class AnswerStore(EntryStore):
         entry = json.loads(data)
         return entry, entry["body"], body_digest(entry["body"])
 
+    def _read(self, path: Path) -> tuple[dict, object, str]:
+        return self._parse(path.read_bytes())
+
     def load(self, key: dict) -> dict | None:
         """The body of the entry for `key`, verified; None when there is none or it was bad (then removed)."""
         return self._load(key)

@@ -435,7 +435,8 @@ RAGGED = {"per_layer": [[[150, 150], [86, 86]], [[70, 70], [38, 38]], [[20, 20],
           "per_row": [[[100, 100], [52, 52]]] * 3}     # a uniform press, rows packed (ragged_rows)
 POLICIES = {"fp32": CachePolicy.build("fp32"), "q8_0": CachePolicy.build("q8_0"),
             "q4_0 residual_len=8": CachePolicy.build("q4_0", residual_len=8),
-            "k=q4_1c,v=q4_1 qblock=16": CachePolicy.build("q4_1", "k=q4_1c", qblock=16)}    # KIVI
+            "k=q4_1c,v=q4_1 qblock=16": CachePolicy.build("q4_1", "k=q4_1c", qblock=16),    # KIVI
+            "bf16": CachePolicy.build("bf16")}     # 16-bit values in a packed store
 
 
 def ragged_run(layout: str, policy: str, threads: int, fast: bool, calls: list, rows: list | None = None):
