@@ -132,7 +132,7 @@ class EntryStore(abc.ABC):
         except FileNotFoundError:
             return None
         except OSError as e:
-            self._discard(path, f"unreadable ({e.strerror})")
+            self._discard(path, f"unreadable ({e.strerror or e})")   # safetensors' own OSErrors carry no strerror
             return None
         except Exception as e:   # noqa: BLE001 - any parse failure is a corrupt entry
             self._discard(path, f"corrupt ({type(e).__name__})")

@@ -163,6 +163,24 @@ def test_the_store_is_bounded_least_recently_used_first(tmp_path):
     assert torch.equal(tensors["x"], blob["x"]) and extra == {}
 
 
+def test_a_loaded_entry_is_a_private_copy_and_a_directory_in_its_place_is_unreadable(tmp_path):
+    """Entries are mapped, not read into memory: writing to the tensors a load handed out changes
+    neither the file nor the next load (copy-on-write). A directory where an entry's file should be
+    is an unreadable entry, reported with the OS's reason."""
+    store = ContextStore(tmp_path)
+    blob = {"x": torch.arange(1024, dtype=torch.float32)}
+    assert store.save({"i": 0}, blob)
+    path = store.path_of({"i": 0})
+    on_disk = path.read_bytes()
+    tensors, _ = store.load({"i": 0})
+    tensors["x"].fill_(-1.0)
+    assert path.read_bytes() == on_disk and torch.equal(store.load({"i": 0})[0]["x"], blob["x"])
+    path.unlink()
+    path.mkdir()
+    assert store.load({"i": 0}) is None
+    assert store.bad[-1].startswith(f"{path.name}: unreadable (") and "(None)" not in store.bad[-1]
+
+
 def test_on_the_torch_path_two_candidates_join(loaded, monkeypatch):
     """Without the fused C step (a GPU, an fp16 model) every candidate steps through the torch
     forward anyway: two are joined, and answer as they do alone."""
