@@ -119,12 +119,9 @@ static inline uint16_t fp32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-HIDDEN const float *read_row(const Stream *s, long rg, int p, int D, float *buf) {
-    if (!kv_float((int)s->kind) || s->kind == KV_FP32) return ring_row(s, rg, p, D);
-    const uint16_t *src = (const uint16_t *)s->codes + ring_index(s, rg, p) * D;
-    if (s->kind == KV_FP16) fp16_row(src, buf, D);
-    else bf16_row(src, buf, D);
-    return buf;
+HIDDEN void widen_row(int kind, const uint16_t *src, float *dst, int n) {
+    if (kind == KV_FP16) fp16_row(src, dst, n);
+    else bf16_row(src, dst, n);
 }
 
 /* x [D] as kind's 16-bit values. */
@@ -142,8 +139,7 @@ HIDDEN void float_as_stored(int kind, const float *x, int D, float *out) {
     }
     uint16_t h[512];                 /* stream_ok: D <= 512 */
     to_half(kind, x, D, h);
-    if (kind == KV_FP16) fp16_row(h, out, D);
-    else bf16_row(h, out, D);
+    widen_row(kind, h, out, D);
 }
 
 /* What a block's parameters come from: its lowest and highest element (zero-point kinds), else its

@@ -61,9 +61,17 @@ static inline long ring_index(const Stream *s, long rg, int p) {
 /* Position p's fp32 copy in the ring, head rg. */
 static inline float *ring_row(const Stream *s, long rg, int p, int D) { return s->ring + ring_index(s, rg, p) * D; }
 
+/* n values of a KV_FP16 or KV_BF16 stream as floats (exact). */
+HIDDEN void widen_row(int kind, const uint16_t *src, float *dst, int n);
+
 /* Position p of head rg as floats from the ring (a quantized stream's fp32 copies, KV_FP32's
-   values) in place, or an fp16 / bf16 stream's row converted (exactly) into buf [D]. */
-HIDDEN const float *read_row(const Stream *s, long rg, int p, int D, float *buf);
+   values) in place, or an fp16 / bf16 stream's row widened into buf [D]. Inline: the attention
+   reads every slot above the codes through it. */
+static inline const float *read_row(const Stream *s, long rg, int p, int D, float *buf) {
+    if (!kv_float((int)s->kind) || s->kind == KV_FP32) return ring_row(s, rg, p, D);
+    widen_row((int)s->kind, (const uint16_t *)s->codes + ring_index(s, rg, p) * D, buf, D);
+    return buf;
+}
 
 /* x [D] as a float stream of this kind reads it back: itself (KV_FP32), or rounded to fp16 / bf16
    to nearest even (torch's conversions) and widened again. */
