@@ -5,7 +5,11 @@ through the cache, exactly as generation does, and the logits predicting each ne
 scored: NLL/PPL of the text, and against the baseline cache (fp32 by default) the KL divergence
 KL(baseline || candidate) and how often the top-1 token agrees (llama.cpp's perplexity tool
 with --kl-divergence). The baseline and every candidate advance in lockstep, so no logits are
-held beyond the step's.
+held beyond the step's. Where they run the same model through the fused C step, a step of all
+their caches is one joined C call (CStep.step_joined: the weights read once for every cache),
+with exact rows (CStep.exact_rows): each cache's logits are the bits its own step gives alone,
+so the scores do not depend on which candidates ran together. Every SPEED_EVERY-th step each
+cache steps alone and is timed: its decode_tok_s.
 
 `evaluate_chunks` ("chunks", comparable with llama.cpp's `llama-perplexity -c CTX`): the text is
 split into non-overlapping windows of `ctx` tokens, each run as one forward through an empty
@@ -39,10 +43,11 @@ from caramba.cache import CachePolicy
 from caramba.infer.decoding_press import DecodingPress
 from caramba.infer.pressing import prefill_pressed
 from caramba.infer.state import DecodeState
-from caramba.model.backend import Backend, choose
+from caramba.model.backend import Backend, CStep, choose
 from caramba.press import PressConfig
 
 CORPUS = "corpus.txt"
+SPEED_EVERY = 32    # a joined lockstep times each cache alone on one step in this many
 
 
 def corpus_text(path: str | Path | None = None) -> str:
@@ -71,7 +76,7 @@ class EvalResult:
     protocol: str = "decode"    # "decode" (evaluate_cache) or "chunks" (evaluate_chunks)
     ppl_stderr: float | None = None           # chunks: llama.cpp's standard error of the PPL
     baseline_ppl_stderr: float | None = None
-    decode_tok_s: float | None = None         # decode: the candidate's scored steps per second (lockstep, 1 row)
+    decode_tok_s: float | None = None         # decode: the candidate's scored steps per second, 1 row alone (module doc)
     baseline_decode_tok_s: float | None = None
 
     @property
@@ -167,8 +172,9 @@ def evaluate_cache(
     models = [model, *_per_candidate(models, model, len(candidates))]
     tokens = torch.tensor([list(ids)], device=model.device)
     n = tokens.shape[1]
-    # decode steps through the fused C step where it applies, as a Generator's; one backend per model
-    forwards = {id(m): choose(m) for m in models}
+    # decode steps through the fused C step where it applies, as a Generator's, with rows summed as a
+    # join sums them (module doc); one backend per model
+    forwards = {id(m): choose(m, exact_rows=True) for m in models}
     base = _Replay(baseline_logits, n - prompt_len, model) if baseline_logits is not None \
         else _Run(forwards[id(model)], model.new_cache(1, n, policies[0]), None)
     runs = [base, *(_Run(forwards[id(m)], m.new_cache(1, n, p), press)
@@ -178,6 +184,7 @@ def evaluate_cache(
     try:
         logits = [r.prefill(tokens[:, :prompt_len]) for r in runs]
         total = n - prompt_len
+        lockstep = _Lockstep(runs, timed_at=min(SPEED_EVERY // 2, (total - 1) // 2))
         for t in range(prompt_len, n):
             if kept is not None:
                 kept.append(logits[0].clone())   # a backend may hand out its own buffer, rewritten next step
@@ -185,7 +192,7 @@ def evaluate_cache(
             for s, lp in zip(scores, logp):
                 s.add(lp, logp[0], tokens[0, t : t + 1])
             if t + 1 < n:
-                logits = [r.timed_step(tokens[:, t : t + 1]) for r in runs]
+                logits = lockstep.step(tokens[:, t : t + 1], t - prompt_len)
             if on_step is not None:
                 on_step(t - prompt_len + 1, total)
     finally:
@@ -258,6 +265,36 @@ class _Run:
     def close(self) -> None:
         if self.decoding is not None:
             self.decoding.close()
+
+
+class _Lockstep:
+    """Every run's next step: the plain runs of one model through its C step (CStep, exact rows)
+    joined into one C call where it takes them (the others, and a cache it refuses this step, alone);
+    on step i = timed_at mod SPEED_EVERY every run alone and timed. Runs that never join (pressed,
+    the torch path, the replayed baseline) are timed at every step, as before."""
+
+    def __init__(self, runs: list, timed_at: int) -> None:
+        self.runs, self.timed_at = runs, timed_at
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(runs):
+            if isinstance(r, _Run) and r.state is None and isinstance(r.forward, CStep):
+                groups.setdefault(id(r.forward), []).append(i)
+        self.groups = [g for g in groups.values() if len(g) > 1]
+        self.joined = {i for g in self.groups for i in g}
+
+    def step(self, token: torch.Tensor, i: int) -> list[torch.Tensor]:
+        if not self.groups or i % SPEED_EVERY == self.timed_at:
+            return [r.timed_step(token) for r in self.runs]
+        out: list[torch.Tensor | None] = [None] * len(self.runs)
+        for group in self.groups:
+            backend = self.runs[group[0]].forward
+            ready = [j for j in group if backend.joins(token, self.runs[j].cache)]
+            got = backend.step_joined([(token, None, self.runs[j].cache, None) for j in ready]) \
+                if len(ready) > 1 else None
+            for j, logits in zip(ready, got or ()):
+                out[j] = logits
+        return [x if x is not None else r.step(token) if j in self.joined else r.timed_step(token)
+                for j, (r, x) in enumerate(zip(self.runs, out))]
 
 
 class _Replay:

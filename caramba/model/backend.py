@@ -51,14 +51,15 @@ class TorchStep:
         return self.model(tokens, positions, cache, slot_mask, last_only=last_only, window=window)
 
 
-def choose(model, threads: ThreadChoice | None = None) -> Backend:
+def choose(model, threads: ThreadChoice | None = None, exact_rows: bool = False) -> Backend:
     """The fused C step where the model allows it (model.fast_decode, True by default), the C
     library loads (CARAMBA_KERNELS=0 or no compiler: it does not) and decode_step.c computes the
     model (fp32 Llama-family on the CPU, projections it can read); else the torch path. threads:
-    the C step's thread choice (default: a fresh ThreadChoice; pass one to keep it across sessions)."""
+    the C step's thread choice (default: a fresh ThreadChoice; pass one to keep it across sessions);
+    exact_rows: CStep's (a row's bits the same alone and joined)."""
     if getattr(model, "fast_decode", True) and fast_decode.library() is not None:
         try:
-            return CStep(model, threads)
+            return CStep(model, threads, exact_rows)
         except fast_decode.Unsupported:
             pass
     return TorchStep(model)

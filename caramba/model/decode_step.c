@@ -580,13 +580,13 @@ static void mlp(Step *s) {
     const LayerPlan *lp = s->lp;
     const int M = s->M, dim = s->dim;
     const long n = (long)M * dim;
-    linear(&lp->o, s->att, M, s->proj, &s->codes, s->cols);
+    linear(&lp->o, s->att, M, s->proj, s->a->row_exact, &s->codes, s->cols);
     const float *ao = post_norm(s, s->proj, lp->post_attn_norm);
     if (lp->mlp_norm) add_rms_norm(s->x, ao, lp->mlp_norm, s->x, s->h, M, dim, s->a->eps);
     else for (long i = 0; i < n; i++) s->x[i] += ao[i];
-    linear(&lp->w13, lp->mlp_norm ? s->h : s->x, M, s->gu, &s->codes, s->cols);
+    linear(&lp->w13, lp->mlp_norm ? s->h : s->x, M, s->gu, s->a->row_exact, &s->codes, s->cols);
     (s->a->gelu ? gelu_mul : silu_mul)(s->gu, s->act, M, s->hidden);
-    linear(&lp->w2, s->act, M, s->proj, &s->codes, s->cols);
+    linear(&lp->w2, s->act, M, s->proj, s->a->row_exact, &s->codes, s->cols);
     const float *mo = post_norm(s, s->proj, lp->post_mlp_norm);
     for (long i = 0; i < n; i++) s->x[i] += mo[i];
 }
@@ -601,7 +601,7 @@ static void head(Step *s) {
         for (int b = 0; b < rows; b++) memmove(s->x + (long)b * dim, s->x + ((long)b * T + T - 1) * dim, sizeof(float) * dim);
     }
     rms_norm(s->x, a->final_norm, s->h, rows, dim, a->eps);
-    linear(a->head, s->h, rows, a->logits, &s->codes, s->cols);
+    linear(a->head, s->h, rows, a->logits, a->row_exact, &s->codes, s->cols);
 }
 
 /* ---- the step -------------------------------------------------------------------------------- */
@@ -657,7 +657,7 @@ static Step segment(const Step *s, int i, int row0) {
    per-channel groups' worksharing loops and the barrier line up. */
 static void layer(Step *s, int l) {
     const LayerPlan *lp = s->lp = s->a->layers + l;
-    linear(&lp->qkv, pre_norm(s, lp->attn_norm), s->M, s->qkv, &s->codes, s->cols);
+    linear(&lp->qkv, pre_norm(s, lp->attn_norm), s->M, s->qkv, s->a->row_exact, &s->codes, s->cols);
     for (int i = 0, row0 = 0; i < s->nseg; row0 += (int)s->segs[i++].M) {
         Step g = segment(s, i, row0);
         enter_layer(&g, l);
@@ -715,7 +715,7 @@ static int same_model(const StepArgs *a, const StepArgs *b, int joined, long row
         || b->dim != a->dim || b->n_heads != a->n_heads || b->n_kv != a->n_kv || b->head_dim != a->head_dim
         || b->hidden != a->hidden || b->cos != a->cos || b->ssin != a->ssin || b->cos_local != a->cos_local
         || b->ssin_local != a->ssin_local || b->eps != a->eps || b->q_factor != a->q_factor || b->gelu != a->gelu
-        || b->softcap != a->softcap)
+        || b->softcap != a->softcap || b->row_exact != a->row_exact)
         return 0;
     return !joined || (b->T == 1 && b->logits == a->logits + rows * a->head->N);
 }
@@ -840,7 +840,7 @@ int step_abi_layout(int64_t *out) {
     OFF(n_layers) OFF(layers) OFF(head) OFF(final_norm) OFF(streams) OFF(x) OFF(logits) OFF(M) OFF(T) OFF(last_only)
     OFF(dim) OFF(n_heads) OFF(n_kv) OFF(head_dim) OFF(hidden) OFF(max_seq) OFF(slot) OFF(positions) OFF(mask)
     OFF(mask_local) OFF(cos) OFF(ssin) OFF(cos_local) OFF(ssin_local) OFF(eps) OFF(q_factor) OFF(nthreads) OFF(gelu)
-    OFF(softcap) OFF(unused)
+    OFF(softcap) OFF(row_exact)
 #undef OFF
 #define OFF(T, F) out[i++] = offsetof(T, F);
     OFF(LayerPlan, qkv) OFF(LayerPlan, o) OFF(LayerPlan, w13) OFF(LayerPlan, w2) OFF(LayerPlan, q_norm)

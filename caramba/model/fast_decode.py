@@ -39,7 +39,9 @@ decode token for the rows of several caches in one call (decode_step.c's decode_
 cache a segment with its own streams, slot, masks and positions, checked as `applies` checks a
 single step, up to JOIN_MAX_ROWS rows in all (JOIN_MEAN_ROWS a cache); the projections, MLP and
 head run once over all the rows. Its logits are each cache's own step's up to the rounding of a
-product over more rows (bit for bit one step of a single cache holding the same rows).
+product over more rows (bit for bit one step of a single cache holding the same rows); with
+`CStep(exact_rows=True)` bit for bit: a lone row's fp32 [N, K] products are then summed as a
+batch's tiles sum each row (the perplexity protocol's lockstep, caramba.evaluation.evaluate).
 
 A ragged press's PressedKVCache (caramba.cache.evict: per-layer and per-head budgets) is read
 too: each layer its own width, each head only its run of survivors, in place, from a dense layer
@@ -80,7 +82,7 @@ MAX_ROWS = 16        # beyond this the torch path's GEMMs win
 JOIN_MAX_ROWS, JOIN_MEAN_ROWS = 72, 8
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {"decode_step": ([_P], _I), "decode_step_joined": ([_P, _I], _I),
-               "step_linear": ([_P, _P, _I, _P, _I], _I), "step_abi_layout": ([_P], _I),
+               "step_linear": ([_P, _P, _I, _P, _I, _I], _I), "step_abi_layout": ([_P], _I),
                "quantize_kv": ([_I, _P, _I, _I, _I, _P, _P], None), "kv_nf4_tables": ([_P, _P], None),
                "kv_round_floats": ([_I, _P, _I, _P], None),
                **quant.ISA_SIGNATURES}
@@ -406,9 +408,11 @@ def _rope_table(model, positions: torch.Tensor, local: bool = False):
 
 
 def _step_args(model, plan: _Plan, cache: KVCache, x: torch.Tensor, logits: torch.Tensor, positions: torch.Tensor,
-               masks: tuple, T: int, last_only: bool, tables: tuple, threads: int) -> tuple[StepArgs, list]:
+               masks: tuple, T: int, last_only: bool, tables: tuple, threads: int,
+               row_exact: bool) -> tuple[StepArgs, list]:
     """decode_step.c's StepArgs of one cache's rows (x [M, dim], logits, positions [M] int64,
-    masks contiguous or None, tables: the rotary tables, the local ones or None) and what they point
+    masks contiguous or None, tables: the rotary tables, the local ones or None, row_exact: CStep's
+    exact_rows) and what they point
     into that the caller does not hold (the cache's Streams). The cache's streams are noted written
     (_stream_table): the step must follow."""
     cfg = model.config
@@ -426,7 +430,7 @@ def _step_args(model, plan: _Plan, cache: KVCache, x: torch.Tensor, logits: torc
         ssin=table.sin.data_ptr(), cos_local=None if local is None else local.cos.data_ptr(),
         ssin_local=None if local is None else local.sin.data_ptr(), eps=cfg.norm_eps,
         q_factor=1.0 if q_factor is None else q_factor, nthreads=threads, gelu=int(cfg.mlp == "geglu"),
-        softcap=cfg.attn_softcap or 0.0)
+        softcap=cfg.attn_softcap or 0.0, row_exact=int(row_exact))
     return args, [streams]
 
 
@@ -444,11 +448,12 @@ def _check(failed: int) -> None:
 
 
 def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVCache,
-         masks: tuple, last_only: bool = False, *, plan: _Plan, choice: ThreadChoice) -> torch.Tensor:
+         masks: tuple, last_only: bool = False, *, plan: _Plan, choice: ThreadChoice,
+         row_exact: bool = False) -> torch.Tensor:
     """logits [B, T, vocab] ([B, 1, vocab] with last_only) of T new tokens per row, their K and V
     appended to the cache; masks: the full layers' and the sliding layers' attention masks
     [B, 1, T, slots] (True: attend) or None each, as CStep.applies took them; plan: the model's
-    weights (CStep's), choice: the thread count's (CStep's)."""
+    weights (CStep's), choice: the thread count's (CStep's), row_exact: its exact_rows."""
     cfg = model.config
     B, T = tokens.shape
     slot = cache.length
@@ -461,7 +466,7 @@ def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVC
     masks = tuple(None if m is None else m.contiguous() for m in masks)
     threads = choice.next(B * T)
     args, keep = _step_args(model, plan, cache, x, logits, positions, masks, T, last_only,
-                            _tables(model, positions), threads)
+                            _tables(model, positions), threads, row_exact)
     t0 = time.perf_counter()
     failed = library().decode_step(ctypes.byref(args))
     choice.took(threads, time.perf_counter() - t0, B * T)
@@ -471,7 +476,8 @@ def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVC
     return model.cap_logits(logits)
 
 
-def step_joined(model, calls: list[tuple], *, plan: _Plan, choice: ThreadChoice) -> list[torch.Tensor]:
+def step_joined(model, calls: list[tuple], *, plan: _Plan, choice: ThreadChoice,
+                row_exact: bool = False) -> list[torch.Tensor]:
     """One decode token for the rows of several caches in one C call (decode_step_joined): calls
     are (tokens [B_i, 1], positions [B_i, 1] or None, cache, masks) with masks as `step` takes them
     (CStep.step_joined checked every one); each cache's K and V appended as `step` appends them ->
@@ -489,7 +495,7 @@ def step_joined(model, calls: list[tuple], *, plan: _Plan, choice: ThreadChoice)
     for i, (B, (_, _, cache, masks)) in enumerate(zip(rows, calls)):
         masks = tuple(None if m is None else m.contiguous() for m in masks)
         segs[i], held = _step_args(model, plan, cache, x[at:at + B], logits[at:at + B], every[at:at + B], masks, 1,
-                                   True, tables, threads)
+                                   True, tables, threads, row_exact)
         keep += [masks, held]
         at += B
     t0 = time.perf_counter()
@@ -513,11 +519,17 @@ class CStep:
     own forward, the torch path. Its plan holds the model's weights as they are when it is built:
     after changing the model (quantize_model, .to(), a module swap) build a new one. Its steps
     run no module's forward, so forward hooks see none of them: a caller that needs them (the
-    contrastive search reads the final norm's output) uses backend.TorchStep."""
+    contrastive search reads the final norm's output) uses backend.TorchStep.
+
+    exact_rows: a single token row's fp32 [N, K] products summed as a batch's tiles sum each row
+    (StepArgs.row_exact), so that every row's logits are the same bits whether it steps alone or
+    joined with other rows (step_joined); a scoring protocol's (caramba.evaluation.evaluate), whose
+    kept scores a later candidate alone must match. Off, a lone row takes dot_f32's four
+    accumulators, ~2% faster and within fp32 rounding of that."""
 
     name = "c"
 
-    def __init__(self, model, threads: ThreadChoice | None = None) -> None:
+    def __init__(self, model, threads: ThreadChoice | None = None, exact_rows: bool = False) -> None:
         if library() is None:
             raise Unsupported(f"the fused decode step is unavailable: {status()}")
         if not model_applies(model):
@@ -532,6 +544,7 @@ class CStep:
                               "torch path") from None
         self.model = model
         self.threads = ThreadChoice() if threads is None else threads
+        self.exact_rows = exact_rows
         self.steps = {"c": 0, "torch": 0}     # forwards of up to MAX_ROWS token rows, by the path taken
 
     @property
@@ -551,7 +564,8 @@ class CStep:
             if masks is not None and self.applies(tokens, cache, masks):
                 self.steps["c"] += 1
                 masks = tuple(None if pair is None else pair[0] for pair in masks)
-                return step(self.model, tokens, positions, cache, masks, last_only, plan=self.plan, choice=self.threads)
+                return step(self.model, tokens, positions, cache, masks, last_only, plan=self.plan, choice=self.threads,
+                            row_exact=self.exact_rows)
             self.steps["torch"] += 1
         return self.model(tokens, positions, cache, slot_mask, last_only=last_only, window=window)
 
@@ -564,17 +578,26 @@ class CStep:
         rows = sum(c[0].shape[0] for c in calls)
         if rows > min(JOIN_MAX_ROWS, JOIN_MEAN_ROWS * len(calls)) or len({id(c[2]) for c in calls}) < len(calls):
             return None
-        checked = []
-        for tokens, positions, cache, slot_mask in calls:     # every one first: nothing is written before
-            if cache is None or tokens.shape[1] != 1:
-                return None
-            cache.check_room(1)
-            masks = self.masks(tokens.shape[0], 1, cache, slot_mask, tokens.device, None)
-            if masks is None or not self.applies(tokens, cache, masks):
-                return None
-            checked.append((tokens, positions, cache, tuple(None if pair is None else pair[0] for pair in masks)))
+        checked = [self._joinable(*call) for call in calls]     # every one first: nothing is written before
+        if any(c is None for c in checked):
+            return None
         self.steps["c"] += len(calls)
-        return step_joined(self.model, checked, plan=self.plan, choice=self.threads)
+        return step_joined(self.model, checked, plan=self.plan, choice=self.threads, row_exact=self.exact_rows)
+
+    def joins(self, tokens: torch.Tensor, cache, slot_mask: torch.Tensor | None = None) -> bool:
+        """Whether step_joined would take this call (one token for each row of `cache`): which of
+        several caches can join this step, the others stepping alone."""
+        return self._joinable(tokens, None, cache, slot_mask) is not None
+
+    def _joinable(self, tokens: torch.Tensor, positions, cache, slot_mask) -> tuple | None:
+        """A call of step_joined's with its masks as the C step reads them, or None: not one it takes."""
+        if cache is None or tokens.shape[1] != 1:
+            return None
+        cache.check_room(1)
+        masks = self.masks(tokens.shape[0], 1, cache, slot_mask, tokens.device, None)
+        if masks is None or not self.applies(tokens, cache, masks):
+            return None
+        return tokens, positions, cache, tuple(None if pair is None else pair[0] for pair in masks)
 
     def masks(self, B: int, T: int, cache, slot_mask: torch.Tensor | None, device: torch.device,
               window: int | None) -> tuple | None:

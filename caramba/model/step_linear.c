@@ -199,7 +199,7 @@ static void rows_f32_batch_avx512(const float *w, const float *x, int M, int N, 
 }
 #endif
 
-/* fp32 [N, K] weights times M >= 2 token rows, weight rows two at a time. */
+/* fp32 [N, K] weights times M token rows (one: row_exact's), weight rows two at a time. */
 static void rows_f32_batch(const float *w, const float *x, int M, int N, int K, float *y, const float *bias,
                            float *part) {
     (void)part;
@@ -525,13 +525,13 @@ static void cols_f32_batch(const float *w, const float *x, int M, int N, int K, 
 /* y [M, N] = x [M, K] W^T (+ bias), x private to the calling thread (every thread holds the same
    values), y shared. Called by every thread of the region; ends with a barrier. cols: shared
    [threads, M, COLS_CHUNK] sums for input-major weights. */
-HIDDEN void linear(const Lin *L, const float *x, int M, float *y, const Act *a, float *cols) {
+HIDDEN void linear(const Lin *L, const float *x, int M, float *y, int row_exact, const Act *a, float *cols) {
     const int N = (int)L->N, K = (int)L->K;
     if (L->fmt == F32_COLS) {
         cols_f32_batch((const float *)L->w, x, M, N, K, y, L->bias, cols);
         return;
     }
-    if (L->fmt == F32_ROWS && M > 1) {
+    if (L->fmt == F32_ROWS && (M > 1 || row_exact)) {
         rows_f32_batch((const float *)L->w, x, M, N, K, y, L->bias, cols + (size_t)omp_get_thread_num() * M * COLS_CHUNK);
         return;
     }
@@ -554,7 +554,7 @@ HIDDEN void linear(const Lin *L, const float *x, int M, float *y, const Act *a, 
    layouts have references too: CARAMBA_ISA=scalar, caramba.model.isa.use_isa). Each thread has
    its own activation codes, as in the step (the wide X16 formats rewrite theirs in place: shared,
    one thread's could be rewritten twice). Returns 1 when scratch could not be allocated. */
-int step_linear(const Lin *L, const float *x, int M, float *y, int nthreads) {
+int step_linear(const Lin *L, const float *x, int M, float *y, int row_exact, int nthreads) {
     const size_t K = (size_t)L->K, codes = 4 * (size_t)M * K + 4, sums = (size_t)M * (K / QK + 1);
     float *cols = malloc(sizeof(float) * ((size_t)nthreads * M * COLS_CHUNK + 2 * (size_t)nthreads * sums));
     int8_t *xq = malloc(codes * (size_t)nthreads);
@@ -565,7 +565,7 @@ int step_linear(const Lin *L, const float *x, int M, float *y, int nthreads) {
             const size_t t = (size_t)omp_get_thread_num();
             float *mine = cols + (size_t)nthreads * M * COLS_CHUNK + 2 * t * sums;
             const Act a = {xq + t * codes, mine, mine + sums};
-            linear(L, x, M, y, &a, cols);
+            linear(L, x, M, y, row_exact, &a, cols);
         }
     }
     free(cols);

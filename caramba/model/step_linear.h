@@ -53,10 +53,11 @@ static inline float dot_f32(const float *w, const float *x, int K) {
 
 /* y [M, N] = x [M, K] W^T (+ bias), x private to the calling thread (every thread holds the same
    values), y shared. Called by every thread of a parallel region; ends with a barrier. a: the
-   thread's activation codes; cols: shared [threads, M, COLS_CHUNK] sums for input-major weights. */
-HIDDEN void linear(const Lin *L, const float *x, int M, float *y, const Act *a, float *cols);
+   thread's activation codes; cols: shared [threads, M, COLS_CHUNK] sums for input-major weights.
+   row_exact: one row of fp32 [N, K] weights summed as the batch tiles sum each row (StepArgs'). */
+HIDDEN void linear(const Lin *L, const float *x, int M, float *y, int row_exact, const Act *a, float *cols);
 
 /* Exported, for tests: one projection of M rows of x (1 when scratch could not be allocated). */
-int step_linear(const Lin *L, const float *x, int M, float *y, int nthreads);
+int step_linear(const Lin *L, const float *x, int M, float *y, int row_exact, int nthreads);
 
 #endif

@@ -255,7 +255,9 @@ def _perplexity_keys(s: PerplexitySettings, ids: list[int], bos: int | None, can
                      baseline: Candidate, models: dict[str, LoadedModel], scores: AnswerStore) -> dict[str, dict]:
     """Each candidate's key in the answer store (answer_store.perplexity_key), whose "baseline" is
     the baseline's logits' key (baseline_logits_key)."""
-    setup = {"protocol": s.protocol, **({"ctx": s.ctx} if s.protocol == "chunks" else {"prompt_len": s.prompt_len})}
+    # decode: the C step's rows summed as a join sums them (evaluate_cache), not as before
+    setup = {"protocol": s.protocol, **({"ctx": s.ctx} if s.protocol == "chunks" else
+                                        {"prompt_len": s.prompt_len, "rows": "exact"})}
     held: dict[int, tuple[dict, str]] = {}   # per model: its identity and its decode path
 
     def identity(m: LoadedModel) -> tuple[dict, str]:   # decode steps take the fused C step where it applies

@@ -88,6 +88,39 @@ def test_a_candidate_scored_against_kept_baseline_logits_equals_its_lockstep_sco
         score([q4], baseline_logits=BaselineLogits(kept.logits[1:]))
 
 
+def test_joined_lockstep_scores_are_each_candidates_own_bit_for_bit(monkeypatch):
+    """The plain caches of one model step as one joined C call (the weights read once) with exact
+    rows: every candidate's scores are bit for bit those of scoring it alone against the kept
+    baseline, whatever ran beside it: kinds the C step takes (per-channel keys too), per-channel
+    values (which it refuses: the torch path, alone) and a pressed cache (never joined). Each cache
+    is timed alone on every SPEED_EVERY-th step: its decode_tok_s."""
+    from caramba.model import fast_decode
+    from caramba.press import PressConfig
+
+    if fast_decode.library() is None:
+        pytest.skip(f"decode step kernel {fast_decode.status()}")
+    joins, real = [], fast_decode.step_joined
+    monkeypatch.setattr(fast_decode, "step_joined", lambda model, calls, **kw: joins.append(len(calls)) or
+                        real(model, calls, **kw))
+    model = make_model(std=0.1)
+    ids = text_ids(80, seed=3)
+    cands = [CachePolicy.build("q8_0", qblock=8), CachePolicy.build("fp16"),
+             CachePolicy.build("q4_1", policy="k=q4_1c", qblock=4), CachePolicy.build("q4_1", policy="v=q4_1c", qblock=4),
+             CachePolicy.build("nf4", qblock=8)]
+    presses = [None, None, None, None, PressConfig(method="knorm", ratio=0.5)]
+    handed: list[BaselineLogits] = []
+    together = evaluate_cache(model, ids, cands, prompt_len=16, presses=presses, on_baseline=handed.append)
+    steps = 80 - 16 - 1
+    timed = len(range(evaluate_module.SPEED_EVERY // 2, steps, evaluate_module.SPEED_EVERY))
+    assert joins == [4] * (steps - timed)      # the baseline, q8_0, fp16 and k=q4_1c
+    assert all(r.decode_tok_s and r.baseline_decode_tok_s for r in together)
+    del joins[:]
+    for cand, press, want in zip(cands, presses, together):
+        (alone,) = evaluate_cache(model, ids, [cand], prompt_len=16, presses=[press], baseline_logits=handed[0])
+        assert scores(alone) == scores(want), cand.describe()
+    assert joins == []
+
+
 def test_too_short_text_is_an_error():
     with pytest.raises(ValueError, match="prompt_len=10 needs at least 12"):
         evaluate_cache(make_model(), text_ids(11), ["q8_0"], prompt_len=10)

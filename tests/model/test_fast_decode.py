@@ -153,7 +153,8 @@ def test_a_rows_step_bits_do_not_depend_on_the_batch_around_it(weights, taken):
     Batches of 2, 5 and 8 copies of one sequence, every token through the C step from an empty
     cache, give the same bits in every row. The block formats give batch 1's bits too; fp32 [N, K]
     weights at batch 1 take dot_f32 (four accumulators a row: a single-accumulator tile measured
-    ~2% slower there), so fp32 batch 1 is within fp32 rounding of the rest. The fp32 head is
+    ~2% slower there), so fp32 batch 1 is within fp32 rounding of the rest, and with exact_rows
+    the same bits. The fp32 head is
     widened to 1003 input-major columns: bands with a scalar tail."""
     model = make_model(seed=12)
     if weights == "q8_0":
@@ -178,6 +179,10 @@ def test_a_rows_step_bits_do_not_depend_on_the_batch_around_it(weights, taken):
             assert torch.equal(runs[batch][row], alone), f"batch {batch}, row {row}"
     bound = tol.forward(runs[1], model.config)
     torch.testing.assert_close(runs[2][:1], runs[1], atol=bound["atol"], rtol=0)
+    exact = CStep(model, fast_decode.ThreadChoice(fixed=2), exact_rows=True)   # batch 1 summed as a batch's rows
+    with torch.inference_mode():
+        cache = model.new_cache(1, 16)
+        assert torch.equal(torch.cat([exact(torch.full((1, 1), t), cache=cache) for t in tokens], 1), runs[2][:1])
 
 
 @pytest.mark.parametrize("name", [None, "q4_0l rotated", "k=q4_1c,v=q4_1 qblock=4", "k=q2_1c,v=q2_1 qblock=4 residual_len=3"])

@@ -113,6 +113,30 @@ def test_joined_steps_equal_each_states_own_c_step(threads, joined_calls):
         _assert_caches_close(a, j, name, model.config)
 
 
+@torch.inference_mode()
+def test_with_exact_rows_joined_steps_are_each_states_own_bit_for_bit(joined_calls):
+    """CStep(exact_rows=True): a row's products are summed the same way in every batch, one row
+    included, so the thirteen mixed states' joined logits and caches are each state's own C step's,
+    bit for bit (without it a one-row state's fp32 [N, K] products take dot_f32: test above)."""
+    model = make_model(seed=21)
+    backend = CStep(model, fast_decode.ThreadChoice(fixed=2), exact_rows=True)
+    alone = [_state(model, backend, n, b, t, i) for i, (n, b, t) in enumerate(MIXED)]
+    joined = [_state(model, backend, n, b, t, i) for i, (n, b, t) in enumerate(MIXED)]
+    tokens = [torch.full((b,), 7 + i) for i, (_, b, _) in enumerate(MIXED)]
+    masks = [None if b == 1 else torch.tensor([True, False] + [True] * (b - 2)) for _, b, _ in MIXED]
+    for _ in range(6):
+        want = [s.step(t, m) for s, t, m in zip(alone, tokens, masks)]
+        got = step_together(model, joined, tokens, masks)
+        for (name, _, _), w, g in zip(MIXED, want, got):
+            assert torch.equal(g, w), name
+        tokens = [w.argmax(-1) for w in want]
+    assert joined_calls == [[b for _, b, _ in MIXED]] * 6
+    for (name, _, _), a, j in zip(MIXED, alone, joined):
+        assert torch.equal(a.next_pos, j.next_pos) and a.cache.length == j.cache.length
+        for x, y in zip(_streams(a.cache), _streams(j.cache)):
+            assert torch.equal(x, y), name
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @torch.inference_mode()
 def test_a_hybrid_models_rings_join(threads, joined_calls):

@@ -230,7 +230,7 @@ def test_the_decode_steps_projection_is_quantlinears(fmt):
             x = activations(M, K, 22 + M)
             y = torch.full((M, N), float("nan"))
             L = Lin(quant.FORMAT_IDS[(fmt, act, "rows")], N, K, lin.qs.data_ptr(), None, None, None)
-            assert lib.step_linear(ctypes.byref(L), x.data_ptr(), M, y.data_ptr(), threads) == 0
+            assert lib.step_linear(ctypes.byref(L), x.data_ptr(), M, y.data_ptr(), 0, threads) == 0
             with torch.inference_mode():
                 assert torch.equal(y, lin(x)), (act, M)
 

@@ -33,13 +33,15 @@ def test_the_structs_are_the_compilers_layout(lib):
     assert list(out[:n]) == layout()
 
 
-def product(lib, fmt: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, threads: int = 1):
-    """step_linear: y = x W^T (+ bias) with W [N, K] given as F32_ROWS, or W^T [K, N] as F32_COLS."""
+def product(lib, fmt: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, threads: int = 1,
+            row_exact: bool = False):
+    """step_linear: y = x W^T (+ bias) with W [N, K] given as F32_ROWS, or W^T [K, N] as F32_COLS;
+    row_exact: one row summed as the batch tiles sum it (StepArgs.row_exact)."""
     M, K = x.shape
     N = w.shape[0] if fmt == fast_decode.F32_ROWS else w.shape[1]
     y = torch.full((M, N), float("nan"))
     L = Lin(fmt, N, K, w.data_ptr(), None, None, None if bias is None else bias.data_ptr())
-    assert lib.step_linear(ctypes.byref(L), x.data_ptr(), M, y.data_ptr(), threads) == 0
+    assert lib.step_linear(ctypes.byref(L), x.data_ptr(), M, y.data_ptr(), int(row_exact), threads) == 0
     return y
 
 
@@ -56,7 +58,8 @@ def test_fp32_products_at_each_level_are_the_exact_product_within_rounding(lib, 
     """Reference and vector loops (row pairs and their tiles, input-major bands and their tails)
     each within K u sum|w x| of the float64 product, which bounds any summation order; and so
     within twice that of each other; avx512's one-row input-major loop gives avx2's bits, and each
-    level's one-row input-major loop the bits of that row in a batch. N over COLS_CHUNK / threads crosses bands."""
+    level's one-row input-major loop the bits of that row in a batch, as is any row alone with
+    row_exact (the [N, K] rows' too). N over COLS_CHUNK / threads crosses bands."""
     g = torch.Generator().manual_seed(M * N + K)
     w = torch.randn(N, K, generator=g)
     x = torch.randn(M, K, generator=g)
@@ -77,6 +80,9 @@ def test_fp32_products_at_each_level_are_the_exact_product_within_rounding(lib, 
                     assert torch.equal(y, got[level]), "a product's bits do not depend on the thread count"
             if fmt == "cols" and M > 1 and level != "scalar":   # the one-row loops: that row's bits in a batch
                 assert torch.equal(product(lib, f, weights, x[:1], bias, 1), got[level][:1]), level
+            for r in {0, M - 1} if M > 1 else ():   # row_exact: a row alone, its bits in the batch (rows too)
+                assert torch.equal(product(lib, f, weights, x[r : r + 1], bias, 2, row_exact=True),
+                                   got[level][r : r + 1]), (level, r)
     if "avx2" in got:
         assert ((got["scalar"].double() - got["avx2"].double()).abs() <= 2 * bound).all()
     if "avx512" in got:   # the same loops (rows) or the same per-column arithmetic, 16 lanes (cols)
@@ -97,7 +103,7 @@ def test_avx512_batch_tiles_for_every_row_count(lib, fmt, N, K):
     and 256 columns) for
     M = 2..33, so every split into tiles and every tail: within K u sum|w x| of the float64
     product, the scalar reference within twice that; the same bits at 1 and 2 threads, as the avx2
-    level's (the same arithmetic per output), and (cols) a row's bits alone."""
+    level's (the same arithmetic per output), and (cols; rows with row_exact) a row's bits alone."""
     if isa.resolve("avx512") != "avx512":
         pytest.skip("no avx512 level here")
     g = torch.Generator().manual_seed(N * K)
@@ -122,6 +128,7 @@ def test_avx512_batch_tiles_for_every_row_count(lib, fmt, N, K):
             assert torch.equal(got, avx2), M
             if fmt == "cols":
                 assert torch.equal(product(lib, f, weights, x[M - 1:], bias), got[M - 1:]), M
+            assert torch.equal(product(lib, f, weights, x[M - 1:], bias, row_exact=True), got[M - 1:]), M
 
 
 @pytest.mark.parametrize("name", ["fp32", "q4_1 qblock=8", "k=q4_1c,v=q4_1 qblock=4", "nf4 qblock=4 residual_len=3",
