@@ -63,7 +63,7 @@ typedef struct {
     int32_t row_exact;            /* nonzero: one token row's fp32 [N, K] products summed as a batch's tiles sum
                                      each row (one accumulator a row, not dot_f32's four), so a row's logits
                                      are the bits it gets among other rows, joined or not (a scoring
-                                     protocol's); 0: dot_f32, ~2% faster at one row. Also the tail's 8 bytes */
+                                     protocol's); 0: dot_f32, ~3-4% faster at one row. Also the tail's 8 bytes */
 } StepArgs;
 
 /* Returns 0; 1 when scratch could not be allocated; 2 for shapes or streams it does not take
