@@ -38,6 +38,7 @@ import math
 import time
 
 import torch
+import torch.nn.functional as F
 
 from caramba.cache import CachePolicy
 from caramba.infer.decoding_press import DecodingPress
@@ -115,6 +116,18 @@ def require_finite(logits: torch.Tensor, what: str) -> None:
                               f"no score is meaningful (a {logits.dtype} overflow? try dtype float32 or bfloat16)")
 
 
+SUM_BLOCK = 1024
+
+
+def row_sums(t: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of t [N, V] in an order that does not depend on torch's thread count: torch
+    splits a long row's sum between its threads (a [1, 262144] row's differs at 1 and 2 threads), so
+    a score computed alone on a busier machine would not be its lockstep run's bit for bit. Blocks of
+    SUM_BLOCK (zero-padded) are each summed whole, then the blocks' sums."""
+    pad = -t.shape[-1] % SUM_BLOCK
+    return F.pad(t, (0, pad)).view(*t.shape[:-1], -1, SUM_BLOCK).sum(-1).sum(-1)
+
+
 class _Score:
     def __init__(self, name: str = "") -> None:
         self.name = name            # the cache whose logits these are, for NonFiniteLogits
@@ -128,7 +141,7 @@ class _Score:
         nll = -lp.gather(-1, targets[:, None])[:, 0].double()
         self.nll += float(nll.sum())
         self.nll2 += float((nll * nll).sum())
-        kl = (base.exp() * (base - lp)).sum(-1).clamp(min=0)
+        kl = row_sums(base.exp() * (base - lp)).clamp(min=0)
         self.kl += float(kl.double().sum())
         self.kl_max = max(self.kl_max, float(kl.max()))
         self.agree += int((lp.argmax(-1) == base.argmax(-1)).sum())

@@ -121,6 +121,26 @@ def test_joined_lockstep_scores_are_each_candidates_own_bit_for_bit(monkeypatch)
     assert joins == []
 
 
+def test_a_rows_kl_sum_does_not_depend_on_torchs_thread_count():
+    """The KL's sum over a long vocabulary (evaluate.row_sums): the same bits at 1 and 2 threads
+    (torch's own sum of a [1, 262144] row splits it between the threads), within fp32 rounding of
+    the float64 sum; rows of any length, padded blocks included."""
+    g = torch.Generator().manual_seed(5)
+    before = torch.get_num_threads()
+    for shape in ((1, 262147), (3, 49152), (2, 1003)):
+        t = torch.rand(*shape, generator=g) * 1e-3
+        got = {}
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                got[n] = evaluate_module.row_sums(t)
+        finally:
+            torch.set_num_threads(before)
+        assert got[1].shape == shape[:1] and torch.equal(got[1], got[2]), shape
+        exact = t.double().sum(-1)
+        assert ((got[1].double() - exact).abs() <= shape[1] * 2**-24 * exact).all(), shape
+
+
 def test_too_short_text_is_an_error():
     with pytest.raises(ValueError, match="prompt_len=10 needs at least 12"):
         evaluate_cache(make_model(), text_ids(11), ["q8_0"], prompt_len=10)
