@@ -242,7 +242,7 @@ static void rows_f32_batch(const float *w, const float *x, int M, int N, int K, 
    8-lane accumulator a weight row, then tile_sums' fused tail, so a row alone gets the bits it
    gets in a batch. ONE_RW weight rows a pass give the loop that many independent chains. A
    SmolLM2 step at 512 tokens, one thread, Zen 4: 4% slower than with dot_f32 (the tile's one row
-   pair: 10-12%; 4 rows a pass 13%, 16 as 8). */
+   pair: 10%; without the prefetch 12%; 4 rows a pass 13%, 16 as 8; decode-speed-log §24). */
 static void rows_one_avx2(const float *w, const float *x, int N, int K, float *y, const float *bias) {
 #pragma omp for schedule(static)
     for (int g = 0; g < (N + ONE_RW - 1) / ONE_RW; g++) {
