@@ -58,6 +58,9 @@ def kernel_dir() -> Path:
 # library name -> where its loaded copy came from: "prebuilt <variant>" or "built here" (for records
 # and tests; the status strings stay 'c')
 origin: dict[str, str] = {}
+# library name -> the loaded file's name: which build (a library built here is named by the hash of its
+# sources, command and CPU), for the keys of kept results (caramba.model.backend.arithmetic)
+files: dict[str, str] = {}
 
 
 def prebuilt_dir() -> Path:
@@ -146,6 +149,7 @@ def load(source: Path | list[Path], signatures: dict[str, tuple[list, object]], 
             try:
                 lib = _bind(ctypes.CDLL(str(found[0])), signatures)
                 origin[_sources(source)[0].stem] = f"prebuilt {found[1]}"
+                files[_sources(source)[0].stem] = found[0].name
                 return lib, "c"
             except (OSError, AttributeError) as e:   # e.g. a missing libgomp: compile here instead
                 print(f"caramba: warning: prebuilt {found[0].name} did not load ({e}); building here",
@@ -155,8 +159,10 @@ def load(source: Path | list[Path], signatures: dict[str, tuple[list, object]], 
         status = "unavailable: no C compiler (cc)"
     else:
         try:
-            lib = _bind(ctypes.CDLL(str(build(source, cc, flags))), signatures)
+            built = build(source, cc, flags)
+            lib = _bind(ctypes.CDLL(str(built)), signatures)
             origin[_sources(source)[0].stem] = "built here"
+            files[_sources(source)[0].stem] = built.name
             return lib, "c"
         except (OSError, AttributeError, subprocess.SubprocessError) as e:
             status = f"unavailable: build failed ({_reason(e)})"

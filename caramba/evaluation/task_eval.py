@@ -62,7 +62,7 @@ from caramba.infer.decoding_press import DecodingPress
 from caramba.evaluation.evaluate import require_finite
 from caramba.evaluation.joined import joinable, prefill_together, step_together
 from caramba.infer.state import DecodeState
-from caramba.model.backend import Backend, TorchStep, choose
+from caramba.model.backend import Backend, TorchStep, arithmetic, choose
 from caramba.model.fast_decode import JOIN_MAX_ROWS, JOIN_MEAN_ROWS, MAX_ROWS
 from caramba.press import PressConfig, kept_masks
 from caramba.evaluation.tasks import TaskSample, score
@@ -459,7 +459,7 @@ def _context_key(model, contexts: ContextStore, group: Sequence[TaskSample], con
             "contexts": [ids_sha256(s.context_ids) for s in group],
             "pad": pad, "width": int(context[0].shape[1]),
             "baseline": {"policy": repr(baseline.policy), "window": baseline.window},
-            "q_chunk": q_chunk, "path": path}
+            "q_chunk": q_chunk, "path": arithmetic(path)}   # the path and the build of its kernels
 
 
 def _context(model, group: Sequence[TaskSample], context: tuple, slots: int, baseline: Candidate,
@@ -563,8 +563,9 @@ def _answer_key(model, answers: AnswerStore, group: Sequence[TaskSample], c: Can
             "candidate": {"baseline": c is baseline, "policy": repr(c.policy), "window": c.window,
                           "press": repr(press) if press is not None else None},
             # the shared context every candidate's store reads: the baseline's cache, prefilled on `path`
-            "baseline": {"policy": repr(baseline.policy), "window": baseline.window, "path": path},
-            "backend": backend.name, "joined": joined}
+            "baseline": {"policy": repr(baseline.policy), "window": baseline.window,
+                         "path": arithmetic(path) if path is not None else None},
+            "backend": arithmetic(backend.name), "joined": joined}
 
 
 def _stored(answers: AnswerStore, key: dict, group: Sequence[TaskSample], tokenizer) -> dict | None:

@@ -24,7 +24,8 @@ from typing import Protocol
 
 import torch
 
-from caramba.model import fast_decode
+from caramba import kernels
+from caramba.model import fast_decode, isa
 from caramba.model.fast_decode import CStep, ThreadChoice
 
 
@@ -51,6 +52,19 @@ class TorchStep:
         return self.model(tokens, positions, cache, slot_mask, last_only=last_only, window=window)
 
 
+def arithmetic(path: str) -> str:
+    """What a decode path's logits depend on besides the model and its inputs, for the keys of kept
+    results (caramba.evaluation's stores): the path ("c" or "torch"), torch's CPU capability (its
+    own kernels: the prefills, the torch path) and, for the C step, which build of decode_step.c
+    runs at which level. Two builds on one CPU round differently (a wheel's prebuilt library and one
+    built here: a q4_0 cache's PPL over 44 tokens 45.6446 and 45.7342), so a runs/ directory
+    shared between them must not hand one's results to the other as its own."""
+    parts = [path, f"torch {torch.backends.cpu.get_cpu_capability()}"]
+    if path == "c" and fast_decode.library() is not None:
+        parts += [kernels.origin.get("decode_step", "?"), kernels.files.get("decode_step", "?"), isa.kernel_isa()]
+    return ", ".join(parts)
+
+
 def choose(model, threads: ThreadChoice | None = None, exact_rows: bool = False) -> Backend:
     """The fused C step where the model allows it (model.fast_decode, True by default), the C
     library loads (CARAMBA_KERNELS=0 or no compiler: it does not) and decode_step.c computes the
@@ -65,4 +79,4 @@ def choose(model, threads: ThreadChoice | None = None, exact_rows: bool = False)
     return TorchStep(model)
 
 
-__all__ = ["Backend", "CStep", "ThreadChoice", "TorchStep", "choose"]
+__all__ = ["Backend", "CStep", "ThreadChoice", "TorchStep", "arithmetic", "choose"]

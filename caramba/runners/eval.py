@@ -30,7 +30,7 @@ from caramba.evaluation.evaluate import BaselineLogits, EvalResult, adds_bos, co
 from caramba.evaluation.task_eval import JOIN_ROWS, Candidate, CandidateAnswers, answer_tasks
 from caramba.manifest import ResolvedRun
 from caramba.manifest.schema import EvalSettings, PerplexitySettings, TaskSettings
-from caramba.model.backend import choose
+from caramba.model.backend import arithmetic, choose
 from caramba.model.zoo import DTYPES, LoadedModel, inspect_source, load_model, resolve_device, resolve_source
 from caramba.runners.generate import check_pressable
 from caramba.runners.registry import BASE_RECORD, KIB, Mode, Workload, is_number, register
@@ -262,8 +262,8 @@ def _perplexity_keys(s: PerplexitySettings, ids: list[int], bos: int | None, can
 
     def identity(m: LoadedModel) -> tuple[dict, str]:   # decode steps take the fused C step where it applies
         if id(m) not in held:
-            held[id(m)] = (model_identity(m.model, m.content_hash),
-                           choose(m.model).name if s.protocol == "decode" else "torch")
+            held[id(m)] = (model_identity(m.model, m.content_hash),   # the path and its kernels' build
+                           arithmetic(choose(m.model).name if s.protocol == "decode" else "torch"))
         return held[id(m)]
 
     base_model, base_path = identity(models[baseline.label])

@@ -116,3 +116,23 @@ def test_a_state_feeds_through_its_backend_and_using_scopes_another(taken):
     assert len(taken) == 1 and state.backend.path == "c"
     chosen = backend.TorchStep(model)
     assert DecodeState(model, model.new_cache(1, 16), backend=chosen).backend is chosen
+
+
+def test_arithmetic_names_the_build_that_computes_a_paths_logits(monkeypatch):
+    """The stores' keys name the decode path and what its bits depend on (backend.arithmetic):
+    torch's CPU capability always; for the C step also the loaded build of decode_step.c (prebuilt
+    or built here, its file) and its level, so another build (a wheel's, a checkout's) is another key."""
+    from caramba import kernels
+    from caramba.model import isa
+
+    torch_path = backend.arithmetic("torch")
+    assert torch_path.startswith("torch, torch ") and torch.backends.cpu.get_cpu_capability() in torch_path
+    if fast_decode.library() is None:
+        assert backend.arithmetic("c") == "c, " + torch_path.split(", ", 1)[1]
+        return
+    here = backend.arithmetic("c")
+    assert kernels.files["decode_step"] in here and isa.kernel_isa() in here
+    monkeypatch.setitem(kernels.files, "decode_step", "decode_step.avx512.so")
+    monkeypatch.setitem(kernels.origin, "decode_step", "prebuilt avx512")
+    other = backend.arithmetic("c")
+    assert other != here and "prebuilt avx512, decode_step.avx512.so" in other
