@@ -125,7 +125,7 @@ def row_sums(t: torch.Tensor) -> torch.Tensor:
     a score computed alone on a busier machine would not be its lockstep run's bit for bit. Blocks of
     SUM_BLOCK (zero-padded) are each summed whole, then the blocks' sums."""
     pad = -t.shape[-1] % SUM_BLOCK
-    return F.pad(t, (0, pad)).view(*t.shape[:-1], -1, SUM_BLOCK).sum(-1).sum(-1)
+    return (F.pad(t, (0, pad)) if pad else t).reshape(*t.shape[:-1], -1, SUM_BLOCK).sum(-1).sum(-1)
 
 
 class _Score:
@@ -300,11 +300,9 @@ class _Lockstep:
             return [r.timed_step(token) for r in self.runs]
         out: list[torch.Tensor | None] = [None] * len(self.runs)
         for group in self.groups:
-            backend = self.runs[group[0]].forward
-            ready = [j for j in group if backend.joins(token, self.runs[j].cache)]
-            got = backend.step_joined([(token, None, self.runs[j].cache, None) for j in ready]) \
-                if len(ready) > 1 else None
-            for j, logits in zip(ready, got or ()):
+            got = self.runs[group[0]].forward.step_joined([(token, None, self.runs[j].cache, None) for j in group],
+                                                          partial=True)
+            for j, logits in zip(group, got or ()):
                 out[j] = logits
         return [x if x is not None else r.step(token) if j in self.joined else r.timed_step(token)
                 for j, (r, x) in enumerate(zip(self.runs, out))]

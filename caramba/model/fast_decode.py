@@ -569,25 +569,26 @@ class CStep:
             self.steps["torch"] += 1
         return self.model(tokens, positions, cache, slot_mask, last_only=last_only, window=window)
 
-    def step_joined(self, calls: list[tuple]) -> list[torch.Tensor] | None:
+    def step_joined(self, calls: list[tuple], partial: bool = False) -> list[torch.Tensor | None] | None:
         """One decode token for several caches' rows in one C call (caramba.evaluation.joined): calls
         are the forwards each state asked for, (tokens [B_i, 1], positions, cache, slot_mask), each
         a last-only step of its own cache -> each one's logits [B_i, vocab], its cache written as
         `__call__` writes it; None (nothing done) unless every one is a step decode_step.c takes,
-        of distinct caches, up to JOIN_MAX_ROWS rows in all and JOIN_MEAN_ROWS a cache on average."""
-        rows = sum(c[0].shape[0] for c in calls)
-        if rows > min(JOIN_MAX_ROWS, JOIN_MEAN_ROWS * len(calls)) or len({id(c[2]) for c in calls}) < len(calls):
+        of distinct caches, up to JOIN_MAX_ROWS rows in all and JOIN_MEAN_ROWS a cache on average.
+        partial: those it takes join, and each other call's place holds None (its caller steps it
+        alone: a cache the C step refuses at this step); None only when it takes none."""
+        def fits(taken: list) -> bool:
+            return sum(c[0].shape[0] for c in taken) <= min(JOIN_MAX_ROWS, JOIN_MEAN_ROWS * len(taken))
+
+        if len({id(c[2]) for c in calls}) < len(calls) or not partial and not fits(calls):
             return None
         checked = [self._joinable(*call) for call in calls]     # every one first: nothing is written before
-        if any(c is None for c in checked):
+        taken = [c for c in checked if c is not None]
+        if not taken or len(taken) < len(calls) and not partial or not fits(taken):
             return None
-        self.steps["c"] += len(calls)
-        return step_joined(self.model, checked, plan=self.plan, choice=self.threads, row_exact=self.exact_rows)
-
-    def joins(self, tokens: torch.Tensor, cache, slot_mask: torch.Tensor | None = None) -> bool:
-        """Whether step_joined would take this call (one token for each row of `cache`): which of
-        several caches can join this step, the others stepping alone."""
-        return self._joinable(tokens, None, cache, slot_mask) is not None
+        self.steps["c"] += len(taken)
+        got = iter(step_joined(self.model, taken, plan=self.plan, choice=self.threads, row_exact=self.exact_rows))
+        return [None if c is None else next(got) for c in checked]
 
     def _joinable(self, tokens: torch.Tensor, positions, cache, slot_mask) -> tuple | None:
         """A call of step_joined's with its masks as the C step reads them, or None: not one it takes."""

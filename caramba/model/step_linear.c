@@ -28,16 +28,18 @@ static void rows_tile_ref(int RR, const float *w0, const float *w1, const float 
 }
 
 #if HAVE_AVX2
-/* A tile row's two sums: its 8-lane sums added across, then the k past the last whole 8 (from k),
-   fused (explicitly: every tile that calls this gets the same bits). */
+/* One output's sum: its 8-lane sums added across, then the k past the last whole 8 (from k),
+   fused (explicitly: every tile, and rows_one_avx2, that calls this gets the same bits). */
+INLINE float tile_sum(__m256 a, const float *w, const float *xr, int k, int K) {
+    float s = hsum8(a);
+    for (int kk = k; kk < K; kk++) s = fmaf(w[kk], xr[kk], s);
+    return s;
+}
+
+/* A tile row's two sums (weight rows w0 and w1). */
 INLINE void tile_sums(__m256 a, __m256 b, const float *w0, const float *w1, const float *xr, int k, int K,
                       float *o0, float *o1) {
-    float s0 = hsum8(a), s1 = hsum8(b);
-    for (int kk = k; kk < K; kk++) {
-        s0 = fmaf(w0[kk], xr[kk], s0);
-        s1 = fmaf(w1[kk], xr[kk], s1);
-    }
-    *o0 = s0, *o1 = s1;
+    *o0 = tile_sum(a, w0, xr, k, K), *o1 = tile_sum(b, w1, xr, k, K);
 }
 
 /* rows_tile_ref's sums, 8 k at a time for every token row. With several token rows the loop
@@ -239,7 +241,7 @@ static void rows_f32_batch(const float *w, const float *x, int M, int N, int K, 
 #define ONE_RW 8   /* weight rows a pass of rows_one_avx2 */
 #endif
 /* One token row of fp32 [N, K] weights summed as rows_tile_avx2 sums each row (row_exact): one
-   8-lane accumulator a weight row, then tile_sums' fused tail, so a row alone gets the bits it
+   8-lane accumulator a weight row, then tile_sum's fused tail, so a row alone gets the bits it
    gets in a batch. ONE_RW weight rows a pass give the loop that many independent chains. A
    SmolLM2 step at 512 tokens, one thread, Zen 4: 4% slower than with dot_f32 (the tile's one row
    pair: 10%; without the prefetch 12%; 4 rows a pass 13%, 16 as 8; decode-speed-log §24). */
@@ -264,11 +266,7 @@ static void rows_one_avx2(const float *w, const float *x, int N, int K, float *y
             _Pragma("GCC unroll 16") for (int j = 0; j < ONE_RW; j++)
                 acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wr[j] + k), xv, acc[j]);
         }
-        for (int j = 0; j < nr; j++) {
-            float sum = hsum8(acc[j]);
-            for (int kk = k; kk < K; kk++) sum = fmaf(wr[j][kk], x[kk], sum);
-            y[n0 + j] = sum + (bias ? bias[n0 + j] : 0.0f);
-        }
+        for (int j = 0; j < nr; j++) y[n0 + j] = tile_sum(acc[j], wr[j], x, k, K) + (bias ? bias[n0 + j] : 0.0f);
     }
 }
 #endif
