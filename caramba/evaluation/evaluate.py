@@ -5,11 +5,13 @@ through the cache, exactly as generation does, and the logits predicting each ne
 scored: NLL/PPL of the text, and against the baseline cache (fp32 by default) the KL divergence
 KL(baseline || candidate) and how often the top-1 token agrees (llama.cpp's perplexity tool
 with --kl-divergence). The baseline and every candidate advance in lockstep, so no logits are
-held beyond the step's. Where they run the same model through the fused C step, a step of all
-their caches is one joined C call (CStep.step_joined: the weights read once for every cache),
-with exact rows (CStep.exact_rows): each cache's logits are the bits its own step gives alone,
-so the scores do not depend on which candidates ran together. Every SPEED_EVERY-th step each
-cache steps alone and is timed: its decode_tok_s.
+held beyond a chunk's. Where they run the same model through the fused C step, up to CHUNK
+steps of all their caches are one joined C call (CStep.step_joined, stepwise: the weights read
+once for every cache and token), or, where a cache takes one token a call (a ring, a residual
+window, per-channel keys), each step of all of them is; with exact rows (CStep.exact_rows) each
+token's logits are the bits its own one-token step gives alone, so the scores do not depend on
+which candidates ran together or on the chunks. Every SPEED_EVERY-th step each cache steps alone
+and is timed: its decode_tok_s.
 
 `evaluate_chunks` ("chunks", comparable with llama.cpp's `llama-perplexity -c CTX`): the text is
 split into non-overlapping windows of `ctx` tokens, each run as one forward through an empty
@@ -29,7 +31,7 @@ alone (caramba.runners.eval keeps them in the context store).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -49,6 +51,7 @@ from caramba.press import PressConfig
 
 CORPUS = "corpus.txt"
 SPEED_EVERY = 32    # a joined lockstep times each cache alone on one step in this many
+CHUNK = 16          # the most steps a lockstep feeds as one stepwise C call (fast_decode.MAX_ROWS)
 
 
 def corpus_text(path: str | Path | None = None) -> str:
@@ -197,7 +200,7 @@ def evaluate_cache(
     try:
         logits = [r.prefill(tokens[:, :prompt_len]) for r in runs]
         total = n - prompt_len
-        lockstep = _Lockstep(runs, timed_at=min(SPEED_EVERY // 2, (total - 1) // 2))
+        stepped = _Lockstep(runs, timed_at=min(SPEED_EVERY // 2, (total - 1) // 2)).rows(tokens[0, prompt_len : n - 1])
         for t in range(prompt_len, n):
             if kept is not None:
                 kept.append(logits[0].clone())   # a backend may hand out its own buffer, rewritten next step
@@ -205,7 +208,7 @@ def evaluate_cache(
             for s, lp in zip(scores, logp):
                 s.add(lp, logp[0], tokens[0, t : t + 1])
             if t + 1 < n:
-                logits = lockstep.step(tokens[:, t : t + 1], t - prompt_len)
+                logits = next(stepped)
             if on_step is not None:
                 on_step(t - prompt_len + 1, total)
     finally:
@@ -281,10 +284,11 @@ class _Run:
 
 
 class _Lockstep:
-    """Every run's next step: the plain runs of one model through its C step (CStep, exact rows)
-    joined into one C call where it takes them (the others, and a cache it refuses this step, alone);
-    on step i = timed_at mod SPEED_EVERY every run alone and timed. Runs that never join (pressed,
-    the torch path, the replayed baseline) are timed at every step, as before."""
+    """Every run's steps over a text: the plain runs of one model through its C step (CStep, exact
+    rows) fed up to CHUNK tokens at a time, stepwise and joined into one C call where it takes them
+    all (else token by token, joined where it takes them); on step i = timed_at mod SPEED_EVERY
+    every run alone and timed. Runs that never join (pressed, the torch path, the
+    replayed baseline) are timed at every step, as before."""
 
     def __init__(self, runs: list, timed_at: int) -> None:
         self.runs, self.timed_at = runs, timed_at
@@ -292,20 +296,46 @@ class _Lockstep:
         for i, r in enumerate(runs):
             if isinstance(r, _Run) and r.state is None and isinstance(r.forward, CStep):
                 groups.setdefault(id(r.forward), []).append(i)
-        self.groups = [g for g in groups.values() if len(g) > 1]
+        self.groups = list(groups.values())
         self.joined = {i for g in self.groups for i in g}
 
-    def step(self, token: torch.Tensor, i: int) -> list[torch.Tensor]:
-        if not self.groups or i % SPEED_EVERY == self.timed_at:
-            return [r.timed_step(token) for r in self.runs]
-        out: list[torch.Tensor | None] = [None] * len(self.runs)
+    def rows(self, tokens: torch.Tensor) -> Iterator[list[torch.Tensor]]:
+        """For each of tokens [n] in turn, every run's logits [1, vocab] after it."""
+        i, n = 0, tokens.shape[0]
+        while i < n:
+            if not self.groups or i % SPEED_EVERY == self.timed_at:
+                yield [r.timed_step(tokens[None, i : i + 1]) for r in self.runs]
+                i += 1
+                continue
+            end = min(n, i + CHUNK, i + (self.timed_at - i) % SPEED_EVERY)   # up to the next timed step
+            yield from zip(*self._chunk(tokens[None, i:end]))
+            i = end
+
+    def _chunk(self, chunk: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Each run's logits after each of the chunk's tokens [1, T]. A group's caches in one stepwise
+        C call where it takes every one; else token by token, joined where the C step takes them
+        (a ring, a residual window or per-channel keys take one token a call, and then the others
+        cost less beside them than in chunks of their own: SmolLM2, Zen 4, ~2.2 against ~3 ms a
+        token), the others alone; the rest alone (a backend may hand out a buffer it rewrites: copied)."""
+        T = chunk.shape[1]
+        rows: list[list] = [[None] * T for _ in self.runs]
         for group in self.groups:
-            got = self.runs[group[0]].forward.step_joined([(token, None, self.runs[j].cache, None) for j in group],
-                                                          partial=True)
-            for j, logits in zip(group, got or ()):
-                out[j] = logits
-        return [x if x is not None else r.step(token) if j in self.joined else r.timed_step(token)
-                for j, (r, x) in enumerate(zip(self.runs, out))]
+            forward = self.runs[group[0]].forward
+            got = forward.step_joined([(chunk, None, self.runs[j].cache, None) for j in group], stepwise=True)
+            if got is not None:
+                for j, logits in zip(group, got):
+                    rows[j] = list(logits[0].split(1))
+                continue
+            for k in range(T):
+                token = chunk[:, k : k + 1]
+                got = forward.step_joined([(token, None, self.runs[j].cache, None) for j in group], partial=True) \
+                    if len(group) > 1 else None
+                for j, logits in zip(group, got or [None] * len(group)):
+                    rows[j][k] = logits if logits is not None else self.runs[j].step(token).clone()
+        for j, r in enumerate(self.runs):
+            if j not in self.joined:
+                rows[j] = [r.timed_step(chunk[:, k : k + 1]).clone() for k in range(T)]
+        return rows
 
 
 class _Replay:

@@ -79,6 +79,14 @@
    with SIMD code has a portable reference (*_ref) that the scalar instruction set level
    (cpu_isa.c: CARAMBA_ISA=scalar, or a build without AVX2) runs and tests compare against.
 
+   A stepwise step (StepArgs.stepwise: a teacher-forced text's T tokens of one cache row, the
+   perplexity protocol's) gives each new token t the attention its own one-token step would: every
+   new token is stored first (one barrier more a layer), then row t is attended as that step's
+   only row (row_as_step: slots below its own read as that step reads them, from codes where it
+   would; its slots and parts cut at its end), and its partials combined over that step's parts.
+   With row_exact the projections' rows are batch-independent too, so the logits are the T steps'
+   bit for bit, the weights read once.
+
    A joined step (decode_step_joined: caramba.evaluation.joined's candidates, each answering from
    its own cache) takes several StepArgs, segments of one model: the projections, MLP and head run
    once over all their rows (the weights are read once, which is most of a step), and each layer's
@@ -102,7 +110,7 @@
    parts and private scratch, and the layer in hand. Every part of the step takes it. */
 typedef struct {
     const StepArgs *a;
-    int M, T, dim, n_heads, n_kv, D, hidden, rep, q_w, qkv_w, kmax, gmax, tid, nt;
+    int M, T, dim, n_heads, n_kv, D, hidden, rep, q_w, qkv_w, kmax, gmax, tid, nt, stepwise;
     int slot0, partmax, nalloc;       /* the model's first new slot; the most parts of a layer; the most
                                          slots a thread takes in one */
     float scale, softcap;             /* softcap 0: scores as they are */
@@ -514,14 +522,48 @@ static void part_partials(Step *s, int r, int g, int pi) {
     }
 }
 
-/* This thread's parts of every row and KV group: each group's heads' scores over the thread's
-   slots, then each part's softmax partials. */
+/* This thread's parts of row r, each KV group: the group's heads' scores over the thread's slots,
+   then each part's softmax partials. */
+static void attend_row(Step *s, int r) {
+    for (int g = 0; g < s->n_kv; g++) {
+        group_scores(s, r, g, s->q + (long)r * s->q_w + (long)g * s->rep * s->D);
+        for (int pi = s->p0; pi < s->p1; pi++) part_partials(s, r, g, pi);
+    }
+}
+
 static void attend(Step *s) {
+    for (int r = 0; r < s->M; r++) attend_row(s, r);
+}
+
+static inline int parts_of(int slots) {
+    return (slots + ATT_PART - 1) / ATT_PART;
+}
+
+/* A stepwise step's row r (StepArgs.stepwise: one cache row, its new tokens already stored) as the
+   one-token step of its own slot: that slot new (read from kn / vn), the slots below it where that
+   step reads them (codes below its kce and vce), this thread's slots and parts cut at its end, and
+   r's buffers at row 0 of a one-token view (the cache row stays 0). 0: the thread has none of its
+   slots. The cut matters for the bits, not only the work: softmax_weights takes whole 8-slot runs
+   in SIMD and the rest in scalar code, and a chunk's later slots would move that boundary. */
+static int row_as_step(const Step *s, int r, Step *w) {
+    *w = *s;
+    const int tt = r % s->T;
+    w->T = 1, w->slot = s->slot + tt, w->at0 = w->slot, w->L = w->slot + 1, w->nparts = parts_of(w->L);
+    w->kce = kv_float((int)s->ks->kind) ? 0 : (int)s->ks->r0 < w->slot ? (int)s->ks->r0 : w->slot;
+    w->vce = kv_float((int)s->vs->kind) ? 0 : (int)s->vs->r0 < w->slot ? (int)s->vs->r0 : w->slot;
+    w->s1 = s->s1 < w->L ? s->s1 : w->L, w->p1 = s->p1 < w->nparts ? s->p1 : w->nparts;
+    w->n = w->s1 - w->s0;
+    if (w->n <= 0) return 0;
+    w->q += (long)r * s->q_w, w->kn += (long)r * s->n_kv * s->D, w->vn += (long)r * s->n_kv * s->D;
+    w->part += (size_t)r * s->n_heads * s->part_w;
+    if (w->mask) w->mask += (long)r * (s->L + s->off);
+    return 1;
+}
+
+static void attend_stepwise(Step *s) {
+    Step w;
     for (int r = 0; r < s->M; r++)
-        for (int g = 0; g < s->n_kv; g++) {
-            group_scores(s, r, g, s->q + (long)r * s->q_w + (long)g * s->rep * s->D);
-            for (int pi = s->p0; pi < s->p1; pi++) part_partials(s, r, g, pi);
-        }
+        if (row_as_step(s, r, &w)) attend_row(&w, 0);
 }
 
 /* The new tokens' K and V into the cache (a ring's at their storage slots), by the thread that owns
@@ -541,16 +583,17 @@ static void store_new_tokens(Step *s) {
    value rotation undone. */
 static void combine_partials(Step *s) {
     const int D = s->D;
-    for (int r = 0; r < s->M; r++)
+    for (int r = 0; r < s->M; r++) {
+        const int nparts = s->stepwise ? parts_of(s->slot + r % s->T + 1) : s->nparts;   /* row_as_step's */
         for (int hh = 0; hh < s->n_heads; hh++) {
             float mx = -INFINITY, sum = 0.0f;
-            for (int pi = 0; pi < s->nparts; pi++) {
+            for (int pi = 0; pi < nparts; pi++) {
                 const float m_t = s->part[(((size_t)pi * s->M + r) * s->n_heads + hh) * s->part_w + D];
                 mx = m_t > mx ? m_t : mx;
             }
             float *o = s->att + (long)r * s->q_w + hh * D;
             memset(o, 0, sizeof(float) * D);
-            for (int pi = 0; pi < s->nparts; pi++) {
+            for (int pi = 0; pi < nparts; pi++) {
                 const float *pt = s->part + (((size_t)pi * s->M + r) * s->n_heads + hh) * s->part_w;
                 if (pt[D] == -INFINITY) continue;
                 const float w = expf(pt[D] - mx);
@@ -561,6 +604,7 @@ static void combine_partials(Step *s) {
             for (int i = 0; i < D; i++) o[i] *= inv;
             if (s->vs->rot) rotate_in_place(o, s->vs->rot, D, s->tmp);
         }
+    }
 }
 
 /* ---- MLP and head ---------------------------------------------------------------------------- */
@@ -613,7 +657,7 @@ static void layer_slots(Step *s, const Stream *ks) {
     s->off = (int)ks->offset, s->slot = s->slot0 - s->off, s->L = s->slot + s->T, s->S = ks->slots;
     s->first = ks->first, s->wrap = (int)ks->wrap, s->at0 = s->slot;
     if (s->wrap) s->L = s->L < s->wrap ? s->L : s->wrap, s->at0 = s->slot % s->wrap;
-    const int np = s->nparts = (s->L + ATT_PART - 1) / ATT_PART;
+    const int np = s->nparts = parts_of(s->L);
     s->p0 = (int)((long)s->tid * np / s->nt), s->p1 = (int)((long)(s->tid + 1) * np / s->nt);
     s->s0 = s->p0 * ATT_PART < s->L ? s->p0 * ATT_PART : s->L;
     s->s1 = s->p1 * ATT_PART < s->L ? s->p1 * ATT_PART : s->L;
@@ -654,7 +698,8 @@ static Step segment(const Step *s, int i, int row0) {
 
 /* The projections run once over every segment's rows (the weights read once); the attention per
    segment, each over its own cache. Every thread walks the segments in the same order, so the
-   per-channel groups' worksharing loops and the barrier line up. */
+   per-channel groups' worksharing loops and the barrier line up. A stepwise step stores its new
+   tokens first (one barrier more), since its later rows read the earlier ones from the cache. */
 static void layer(Step *s, int l) {
     const LayerPlan *lp = s->lp = s->a->layers + l;
     linear(&lp->qkv, pre_norm(s, lp->attn_norm), s->M, s->qkv, s->a->row_exact, &s->codes, s->cols);
@@ -662,13 +707,22 @@ static void layer(Step *s, int l) {
         Step g = segment(s, i, row0);
         enter_layer(&g, l);
         attention_inputs(&g);
-        attend(&g);
+        if (s->stepwise) store_new_tokens(&g);
+        else attend(&g);
     }
 #pragma omp barrier
+    if (s->stepwise) {
+        for (int i = 0, row0 = 0; i < s->nseg; row0 += (int)s->segs[i++].M) {
+            Step g = segment(s, i, row0);
+            enter_layer(&g, l);
+            attend_stepwise(&g);
+        }
+#pragma omp barrier
+    }
     for (int i = 0, row0 = 0; i < s->nseg; row0 += (int)s->segs[i++].M) {
         Step g = segment(s, i, row0);
         enter_layer(&g, l);
-        store_new_tokens(&g);
+        if (!s->stepwise) store_new_tokens(&g);
         combine_partials(&g);
     }
     mlp(s);
@@ -697,6 +751,8 @@ static int segment_streams(const StepArgs *a, Step *s, int *partmax) {
         const Stream *st = a->streams + i;
         if (!stream_ok(st, s->D, i % 2 == 0) || (a->T > 1 && kv_per_channel((int)st->kind))) return 2;   /* groups: one token a step */
         if (!layer_slots_ok(a, st, i % 2 ? st - 1 : st)) return 2;
+        /* stepwise: a step's ring or residual window differs from one token to the next */
+        if (a->stepwise && a->T > 1 && (st->wrap || (!kv_float((int)st->kind) && st->r0 < a->slot - st->offset + a->T))) return 2;
         const int L = (int)(st->wrap && a->slot + a->T > st->wrap ? st->wrap : a->slot - st->offset + a->T);
         const int np = (L + ATT_PART - 1) / ATT_PART;
         *partmax = np > *partmax ? np : *partmax;
@@ -715,9 +771,11 @@ static int same_model(const StepArgs *a, const StepArgs *b, int joined, long row
         || b->dim != a->dim || b->n_heads != a->n_heads || b->n_kv != a->n_kv || b->head_dim != a->head_dim
         || b->hidden != a->hidden || b->cos != a->cos || b->ssin != a->ssin || b->cos_local != a->cos_local
         || b->ssin_local != a->ssin_local || b->eps != a->eps || b->q_factor != a->q_factor || b->gelu != a->gelu
-        || b->softcap != a->softcap || b->row_exact != a->row_exact)
+        || b->softcap != a->softcap || b->row_exact != a->row_exact || b->stepwise != a->stepwise)
         return 0;
-    return !joined || (b->T == 1 && b->logits == a->logits + rows * a->head->N);
+    if (b->stepwise && b->T > 1 && b->M != b->T) return 0;   /* one cache row */
+    return !joined || ((b->T == 1 || (b->stepwise && b->T == a->T && !a->last_only && !b->last_only))
+                       && b->logits == a->logits + rows * a->head->N);
 }
 
 /* The step's shapes from its segments' arguments (the model's: the first's) and where each
@@ -726,7 +784,7 @@ static int step_shapes(const StepArgs *segs, int nseg, Step *s, size_t *part_at)
     const StepArgs *a = segs;
     memset(s, 0, sizeof *s);
     s->a = a, s->segs = segs, s->nseg = nseg, s->part_at = part_at;
-    s->T = (int)a->T, s->dim = (int)a->dim, s->n_heads = (int)a->n_heads, s->n_kv = (int)a->n_kv;
+    s->T = (int)a->T, s->stepwise = a->T > 1 && a->stepwise, s->dim = (int)a->dim, s->n_heads = (int)a->n_heads, s->n_kv = (int)a->n_kv;
     s->D = (int)a->head_dim, s->hidden = (int)a->hidden, s->slot0 = (int)a->slot;
     if (s->D > 512 || s->n_kv < 1 || s->n_heads / s->n_kv > 64) return 2;
     s->rep = s->n_heads / s->n_kv, s->q_w = s->n_heads * s->D;
@@ -840,7 +898,7 @@ int step_abi_layout(int64_t *out) {
     OFF(n_layers) OFF(layers) OFF(head) OFF(final_norm) OFF(streams) OFF(x) OFF(logits) OFF(M) OFF(T) OFF(last_only)
     OFF(dim) OFF(n_heads) OFF(n_kv) OFF(head_dim) OFF(hidden) OFF(max_seq) OFF(slot) OFF(positions) OFF(mask)
     OFF(mask_local) OFF(cos) OFF(ssin) OFF(cos_local) OFF(ssin_local) OFF(eps) OFF(q_factor) OFF(nthreads) OFF(gelu)
-    OFF(softcap) OFF(row_exact)
+    OFF(softcap) OFF(row_exact) OFF(stepwise)
 #undef OFF
 #define OFF(T, F) out[i++] = offsetof(T, F);
     OFF(LayerPlan, qkv) OFF(LayerPlan, o) OFF(LayerPlan, w13) OFF(LayerPlan, w2) OFF(LayerPlan, q_norm)

@@ -1,7 +1,7 @@
 /* The fused decode step's arguments (decode_step.c), mirrored field for field by the ctypes
    Structures of caramba.model.step_abi (tests/model/test_step_parts.py compares sizes and offsets
-   through step_abi_layout). Every field is 8 bytes but the last four, two pairs of 4-byte fields,
-   so the layout has no padding a mirror could get wrong. */
+   through step_abi_layout). Every field is 8 bytes but eps, q_factor, nthreads, gelu, softcap and
+   row_exact, three pairs of 4-byte fields, so the layout has no padding a mirror could get wrong. */
 
 #ifndef CARAMBA_DECODE_STEP_H
 #define CARAMBA_DECODE_STEP_H
@@ -63,7 +63,14 @@ typedef struct {
     int32_t row_exact;            /* nonzero: one token row's fp32 [N, K] products summed as a batch's tiles sum
                                      each row (one accumulator a row, not dot_f32's four), so a row's logits
                                      are the bits it gets among other rows, joined or not (a scoring
-                                     protocol's); 0: dot_f32, ~3-4% faster at one row. Also the tail's 8 bytes */
+                                     protocol's); 0: dot_f32, ~3-4% faster at one row */
+    int64_t stepwise;             /* T > 1 new tokens of one cache row (M == T) fed as T one-token steps would
+                                     be: every new token is stored before any attends, and new token t reads
+                                     slots [0, slot + t) as step t reads them (codes where it would) and
+                                     itself as read back, over step t's parts. With row_exact, a teacher-
+                                     forced text's logits in chunks, bit for bit its steps' (the perplexity
+                                     protocol's). Streams without a ring, residual window or per-channel
+                                     group only (2 otherwise) */
 } StepArgs;
 
 /* Returns 0; 1 when scratch could not be allocated; 2 for shapes or streams it does not take
@@ -76,8 +83,9 @@ int decode_step(const StepArgs *args);
    fields (layers, head, final_norm, shapes, rotary tables, eps, q_factor, gelu, softcap) agree
    between them; nthreads and last_only are the first's. The projections, MLP and head run once
    over every segment's rows, one after another; each layer's attention runs per segment over its
-   own cache. With more than one segment every T is 1 and the logits lie one after another (segs[i]
-   .logits follows segs[i - 1]'s M rows: one [sum M, vocab] array). One segment: decode_step. Returns
+   own cache. With more than one segment every T is 1 (or every segment is stepwise with one T, and
+   none last_only) and the logits lie one after another (segs[i].logits follows segs[i - 1]'s M
+   rows: one [sum M, vocab] array). One segment: decode_step. Returns
    decode_step's codes (2 also for segments that disagree on the model). */
 int decode_step_joined(const StepArgs *segs, int nseg);
 

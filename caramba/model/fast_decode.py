@@ -42,6 +42,11 @@ head run once over all the rows. Its logits are each cache's own step's up to th
 product over more rows (bit for bit one step of a single cache holding the same rows); with
 `CStep(exact_rows=True)` bit for bit: a lone row's fp32 [N, K] products are then summed as a
 batch's tiles sum each row (the perplexity protocol's lockstep, caramba.evaluation.evaluate).
+`step_joined(..., stepwise=True)` takes up to MAX_ROWS consecutive tokens of each cache's one row
+(a teacher-forced text), fed as that many steps would feed them (decode_step.h's
+StepArgs.stepwise): with exact rows each token's logits and the cache are its steps' bit for bit,
+while the weights are read once for all of them. Caches with a ring, a residual window or per-
+channel keys are not taken that way (their boundaries move from one token to the next).
 
 A ragged press's PressedKVCache (caramba.cache.evict: per-layer and per-head budgets) is read
 too: each layer its own width, each head only its run of survivors, in place, from a dense layer
@@ -409,10 +414,10 @@ def _rope_table(model, positions: torch.Tensor, local: bool = False):
 
 def _step_args(model, plan: _Plan, cache: KVCache, x: torch.Tensor, logits: torch.Tensor, positions: torch.Tensor,
                masks: tuple, T: int, last_only: bool, tables: tuple, threads: int,
-               row_exact: bool) -> tuple[StepArgs, list]:
+               row_exact: bool, stepwise: bool = False) -> tuple[StepArgs, list]:
     """decode_step.c's StepArgs of one cache's rows (x [M, dim], logits, positions [M] int64,
     masks contiguous or None, tables: the rotary tables, the local ones or None, row_exact: CStep's
-    exact_rows) and what they point
+    exact_rows, stepwise: StepArgs.stepwise) and what they point
     into that the caller does not hold (the cache's Streams). The cache's streams are noted written
     (_stream_table): the step must follow."""
     cfg = model.config
@@ -430,7 +435,7 @@ def _step_args(model, plan: _Plan, cache: KVCache, x: torch.Tensor, logits: torc
         ssin=table.sin.data_ptr(), cos_local=None if local is None else local.cos.data_ptr(),
         ssin_local=None if local is None else local.sin.data_ptr(), eps=cfg.norm_eps,
         q_factor=1.0 if q_factor is None else q_factor, nthreads=threads, gelu=int(cfg.mlp == "geglu"),
-        softcap=cfg.attn_softcap or 0.0, row_exact=int(row_exact))
+        softcap=cfg.attn_softcap or 0.0, row_exact=int(row_exact), stepwise=int(stepwise))
     return args, [streams]
 
 
@@ -477,25 +482,28 @@ def step(model, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVC
 
 
 def step_joined(model, calls: list[tuple], *, plan: _Plan, choice: ThreadChoice,
-                row_exact: bool = False) -> list[torch.Tensor]:
+                row_exact: bool = False, stepwise: bool = False) -> list[torch.Tensor]:
     """One decode token for the rows of several caches in one C call (decode_step_joined): calls
     are (tokens [B_i, 1], positions [B_i, 1] or None, cache, masks) with masks as `step` takes them
     (CStep.step_joined checked every one); each cache's K and V appended as `step` appends them ->
-    each call's logits [B_i, vocab]. The projections, MLP and head run once over all the rows."""
+    each call's logits [B_i, vocab]. The projections, MLP and head run once over all the rows.
+    stepwise: each call's tokens are [1, T] (one T for all), fed as T steps (StepArgs.stepwise) ->
+    logits [1, T, vocab] each."""
     cfg = model.config
-    rows, slots = [c[0].shape[0] for c in calls], [c[2].length for c in calls]
-    positions = [(torch.arange(slot, slot + 1).expand(B, 1) if p is None else p).reshape(B).to(torch.int64)
+    T = calls[0][0].shape[1]
+    rows, slots = [c[0].numel() for c in calls], [c[2].length for c in calls]
+    positions = [(torch.arange(slot, slot + T).expand(B // T, T) if p is None else p).reshape(B).to(torch.int64)
                  for B, slot, (_, p, _, _) in zip(rows, slots, calls)]
     every = torch.cat(positions).contiguous()     # one array: each segment's rows a view into it
     tables = _tables(model, every)
-    x = model.embed_tokens(torch.cat([c[0] for c in calls])).reshape(sum(rows), cfg.dim).contiguous()
+    x = model.embed_tokens(torch.cat([c[0].reshape(-1) for c in calls])).reshape(sum(rows), cfg.dim).contiguous()
     logits = torch.empty(sum(rows), cfg.vocab_size)
     threads = choice.next(sum(rows))
     segs, keep, at = (StepArgs * len(calls))(), [], 0
     for i, (B, (_, _, cache, masks)) in enumerate(zip(rows, calls)):
         masks = tuple(None if m is None else m.contiguous() for m in masks)
-        segs[i], held = _step_args(model, plan, cache, x[at:at + B], logits[at:at + B], every[at:at + B], masks, 1,
-                                   True, tables, threads, row_exact)
+        segs[i], held = _step_args(model, plan, cache, x[at:at + B], logits[at:at + B], every[at:at + B], masks, T,
+                                   not stepwise, tables, threads, row_exact, stepwise)
         keep += [masks, held]
         at += B
     t0 = time.perf_counter()
@@ -504,8 +512,9 @@ def step_joined(model, calls: list[tuple], *, plan: _Plan, choice: ThreadChoice,
     _check(failed)
     for slot, (_, _, cache, _) in zip(slots, calls):
         for layer in cache.layers:
-            layer.length = slot + 1 - _offset(layer)
-    return list(model.cap_logits(logits).split(rows, dim=0))
+            layer.length = slot + T - _offset(layer)
+    out = model.cap_logits(logits).split(rows, dim=0)
+    return [x.view(1, T, -1) for x in out] if stepwise else list(out)
 
 
 class Unsupported(ValueError):
@@ -569,34 +578,45 @@ class CStep:
             self.steps["torch"] += 1
         return self.model(tokens, positions, cache, slot_mask, last_only=last_only, window=window)
 
-    def step_joined(self, calls: list[tuple], partial: bool = False) -> list[torch.Tensor | None] | None:
+    def step_joined(self, calls: list[tuple], partial: bool = False,
+                    stepwise: bool = False) -> list[torch.Tensor | None] | None:
         """One decode token for several caches' rows in one C call (caramba.evaluation.joined): calls
         are the forwards each state asked for, (tokens [B_i, 1], positions, cache, slot_mask), each
         a last-only step of its own cache -> each one's logits [B_i, vocab], its cache written as
         `__call__` writes it; None (nothing done) unless every one is a step decode_step.c takes,
         of distinct caches, up to JOIN_MAX_ROWS rows in all and JOIN_MEAN_ROWS a cache on average.
         partial: those it takes join, and each other call's place holds None (its caller steps it
-        alone: a cache the C step refuses at this step); None only when it takes none."""
+        alone: a cache the C step refuses at this step); None only when it takes none.
+        stepwise: each call's tokens are T consecutive tokens of one row, [1, T] (one T for all, at
+        most MAX_ROWS), fed as T steps would feed them (StepArgs.stepwise: with exact_rows each
+        token's logits are its step's, bit for bit) -> logits [1, T, vocab] each; the join's row
+        limits do not apply (the torch join is no alternative: it is not those bits). Caches with a
+        ring, a residual window or per-channel keys are not taken."""
         def fits(taken: list) -> bool:
-            return sum(c[0].shape[0] for c in taken) <= min(JOIN_MAX_ROWS, JOIN_MEAN_ROWS * len(taken))
+            return stepwise or sum(c[0].shape[0] for c in taken) <= min(JOIN_MAX_ROWS, JOIN_MEAN_ROWS * len(taken))
 
-        if len({id(c[2]) for c in calls}) < len(calls) or not partial and not fits(calls):
+        if len({id(c[2]) for c in calls}) < len(calls) or not partial and not fits(calls) \
+                or len({c[0].shape[1] for c in calls}) > 1:
             return None
-        checked = [self._joinable(*call) for call in calls]     # every one first: nothing is written before
+        checked = [self._joinable(*call, stepwise=stepwise) for call in calls]   # every one first: nothing is written before
         taken = [c for c in checked if c is not None]
         if not taken or len(taken) < len(calls) and not partial or not fits(taken):
             return None
         self.steps["c"] += len(taken)
-        got = iter(step_joined(self.model, taken, plan=self.plan, choice=self.threads, row_exact=self.exact_rows))
+        got = iter(step_joined(self.model, taken, plan=self.plan, choice=self.threads, row_exact=self.exact_rows,
+                               stepwise=stepwise))
         return [None if c is None else next(got) for c in checked]
 
-    def _joinable(self, tokens: torch.Tensor, positions, cache, slot_mask) -> tuple | None:
+    def _joinable(self, tokens: torch.Tensor, positions, cache, slot_mask, stepwise: bool = False) -> tuple | None:
         """A call of step_joined's with its masks as the C step reads them, or None: not one it takes."""
-        if cache is None or tokens.shape[1] != 1:
+        B, T = tokens.shape
+        if cache is None or (T != 1 if not stepwise else B != 1):
             return None
-        cache.check_room(1)
-        masks = self.masks(tokens.shape[0], 1, cache, slot_mask, tokens.device, None)
+        cache.check_room(T)
+        masks = self.masks(B, T, cache, slot_mask, tokens.device, None)
         if masks is None or not self.applies(tokens, cache, masks):
+            return None
+        if stepwise and T > 1 and not _steps_alike(_cache_layout(cache)):
             return None
         return tokens, positions, cache, tuple(None if pair is None else pair[0] for pair in masks)
 
@@ -636,6 +656,13 @@ class CStep:
         return all(pair is None or _mask_fits(*pair, B, T, [w for w, s in zip(layout.wraps, self.plan.sliding)
                                                                 if s == local], cache.length)
                    for pair, local in zip(masks, (False, True)))
+
+
+def _steps_alike(layout: _Layout) -> bool:
+    """Whether a chunk can be fed as its steps (StepArgs.stepwise): no ring (its later tokens would
+    overwrite slots its earlier ones read), no residual window (its boundary moves each step) and
+    no per-channel group."""
+    return not any(layout.wraps) and not layout.ringed and not layout.channels
 
 
 def _mask_fits(mask: torch.Tensor | None, causal: bool, B: int, T: int, wraps: list[int], length: int) -> bool:

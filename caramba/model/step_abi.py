@@ -2,10 +2,9 @@
 
 decode_step.c takes one StepArgs; its weights come as LayerPlans and a head Lin, its cache as
 Streams (each layer's K, then V). Field for field the C structs: every field 8 bytes but
-StepArgs' last six (eps and q_factor, floats; nthreads and gelu, int32s; softcap, a float, and
-row_exact, an int32 that also keeps the tail a whole 8 bytes), so neither side pads
-differently. tests/model/test_step_parts.py checks sizes and offsets against the compiler's
-(step_abi_layout).
+StepArgs' eps and q_factor (floats), nthreads and gelu (int32s), softcap (a float) and row_exact
+(an int32), three pairs of 4-byte fields, so neither side pads differently.
+tests/model/test_step_parts.py checks sizes and offsets against the compiler's (step_abi_layout).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ class StepArgs(ctypes.Structure):
                 ("positions", _P), ("mask", _P), ("mask_local", _P), ("cos", _P), ("ssin", _P), ("cos_local", _P),
                 ("ssin_local", _P), ("eps", ctypes.c_float), ("q_factor", ctypes.c_float),
                 ("nthreads", ctypes.c_int32), ("gelu", ctypes.c_int32), ("softcap", ctypes.c_float),
-                ("row_exact", ctypes.c_int32)]
+                ("row_exact", ctypes.c_int32), ("stepwise", _L)]
 
 
 def layout() -> list[int]:

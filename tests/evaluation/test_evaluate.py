@@ -90,18 +90,19 @@ def test_a_candidate_scored_against_kept_baseline_logits_equals_its_lockstep_sco
 
 def test_joined_lockstep_scores_are_each_candidates_own_bit_for_bit(monkeypatch):
     """The plain caches of one model step as one joined C call (the weights read once) with exact
-    rows: every candidate's scores are bit for bit those of scoring it alone against the kept
-    baseline, whatever ran beside it: kinds the C step takes (per-channel keys too), per-channel
-    values (which it refuses: the torch path, alone) and a pressed cache (never joined). Each cache
-    is timed alone on every SPEED_EVERY-th step: its decode_tok_s."""
+    rows, CHUNK tokens at a time (stepwise) or, with per-channel keys among them (one token a call),
+    token by token: every candidate's scores are bit for bit those of scoring it alone against the
+    kept baseline, whatever ran beside it: kinds the C step takes in chunks, per-channel keys,
+    per-channel values (which it refuses: the torch path, alone) and a pressed cache (never
+    joined). Each cache is timed alone on every SPEED_EVERY-th step: its decode_tok_s."""
     from caramba.model import fast_decode
     from caramba.press import PressConfig
 
     if fast_decode.library() is None:
         pytest.skip(f"decode step kernel {fast_decode.status()}")
     joins, real = [], fast_decode.step_joined
-    monkeypatch.setattr(fast_decode, "step_joined", lambda model, calls, **kw: joins.append(len(calls)) or
-                        real(model, calls, **kw))
+    monkeypatch.setattr(fast_decode, "step_joined", lambda model, calls, **kw: joins.append(
+        (len(calls), calls[0][0].shape[1] if kw.get("stepwise") else 0)) or real(model, calls, **kw))
     model = make_model(std=0.1)
     ids = text_ids(80, seed=3)
     cands = [CachePolicy.build("q8_0", qblock=8), CachePolicy.build("fp16"),
@@ -111,14 +112,21 @@ def test_joined_lockstep_scores_are_each_candidates_own_bit_for_bit(monkeypatch)
     handed: list[BaselineLogits] = []
     together = evaluate_cache(model, ids, cands, prompt_len=16, presses=presses, on_baseline=handed.append)
     steps = 80 - 16 - 1
-    timed = len(range(evaluate_module.SPEED_EVERY // 2, steps, evaluate_module.SPEED_EVERY))
-    assert joins == [4] * (steps - timed)      # the baseline, q8_0, fp16 and k=q4_1c
+    timed = len(range(evaluate_module.SPEED_EVERY // 2, steps, evaluate_module.SPEED_EVERY))   # 16 and 48
+    # k=q4_1c takes one token a call: the baseline, q8_0, fp16 and k=q4_1c token by token, joined
+    assert joins == [(4, 0)] * (steps - timed)
     assert all(r.decode_tok_s and r.baseline_decode_tok_s for r in together)
     del joins[:]
     for cand, press, want in zip(cands, presses, together):
         (alone,) = evaluate_cache(model, ids, [cand], prompt_len=16, presses=[press], baseline_logits=handed[0])
         assert scores(alone) == scores(want), cand.describe()
-    assert joins == []
+    # q8_0 and fp16 alone: stepwise between the timed steps (16, 16 + 15, 14 tokens: CHUNK at most)
+    assert joins == [(1, 16), (1, 16), (1, 15), (1, 14)] * 2
+    # a lockstep of caches the C step takes in chunks: stepwise, joined, the same scores
+    del joins[:]
+    chunked = evaluate_cache(model, ids, cands[:2], prompt_len=16, baseline_logits=handed[0])
+    assert joins == [(2, 16), (2, 16), (2, 15), (2, 14)]
+    assert [scores(r) for r in chunked] == [scores(r) for r in together[:2]]
 
 
 def test_a_rows_kl_sum_does_not_depend_on_torchs_thread_count():

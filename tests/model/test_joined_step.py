@@ -312,3 +312,63 @@ def test_more_rows_than_a_joined_c_step_takes_join_through_torch(joined_calls):
     assert joined_calls == []
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, **tol.cache_paths(w, model.config, "q4_0"))
+
+
+# every kind a stepwise chunk takes (no ring, residual window or per-channel group), and some it refuses
+STEPWISE = ["fp32", "q8_0", "q4_0", "q4_1", "nf4", "q4_0l", "q4_0l rotated", "fp32 rotated", "fp16", "bf16"]
+NOT_STEPWISE = ["q2_1 residual_len=2", "q8_0 residual_len=4", "k=q4_1c,v=q4_1 qblock=4"]
+
+
+def _prefilled(model, backend, name: str, length: int, seed: int):
+    ids = torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(seed))
+    cache = model.new_cache(1, length + 40, CachePolicy.build(**POLICIES[name]))
+    backend(ids, cache=cache)
+    return cache
+
+
+@pytest.mark.parametrize("level", ["scalar", "native"])
+@pytest.mark.parametrize("threads", [1, 2])
+@torch.inference_mode()
+def test_a_stepwise_chunk_is_its_steps_bit_for_bit(threads, level, monkeypatch):
+    """CStep.step_joined(stepwise=True) with exact rows: T tokens of a cache's row in one C call give
+    each token's logits, and the cache, bit for bit as T one-token steps, alone and joined with
+    every other kind it takes, across the attention's 64-slot parts and 8-slot SIMD runs (contexts
+    of 5, 57 and 100 tokens, chunks of 16, 3 and 1); caches it refuses are None and unwritten. A
+    plain chunk (no stepwise) reads its own new tokens otherwise: other logits."""
+    from caramba.model import isa
+
+    if level == "native":
+        level = isa.resolve("avx512")
+    model = make_model(seed=22, std=0.1)
+    backend = CStep(model, fast_decode.ThreadChoice(fixed=threads), exact_rows=True)
+    ids = torch.randint(0, 97, (1, 19), generator=torch.Generator().manual_seed(9))
+    with isa.use_isa(level):
+        for length in (5, 57, 100):
+            steps = {n: _prefilled(model, backend, n, length, i) for i, n in enumerate(STEPWISE)}
+            alone = {n: _prefilled(model, backend, n, length, i) for i, n in enumerate(STEPWISE)}
+            joined = {n: _prefilled(model, backend, n, length, i) for i, n in enumerate(STEPWISE)}
+            plain = _prefilled(model, backend, "q4_0", length, STEPWISE.index("q4_0"))
+            at = 0
+            for T in (16, 3):
+                chunk = ids[:, at : at + T]
+                want = {n: torch.cat([backend(chunk[:, k : k + 1], cache=c)[:, -1] for k in range(T)])
+                        for n, c in steps.items()}
+                for n, c in alone.items():
+                    (got,) = backend.step_joined([(chunk, None, c, None)], stepwise=True)
+                    assert got.shape == (1, T, model.config.vocab_size) and torch.equal(got[0], want[n]), (n, length, T)
+                got = backend.step_joined([(chunk, None, c, None) for c in joined.values()], stepwise=True)
+                for n, g in zip(joined, got):
+                    assert torch.equal(g[0], want[n]), (n, length, T)
+                if T > 1:
+                    assert not torch.equal(backend(chunk, cache=plain)[0], want["q4_0"]), length
+                at += T
+            for n in STEPWISE:
+                for x, y, z in zip(_streams(steps[n]), _streams(alone[n]), _streams(joined[n])):
+                    assert torch.equal(x, y) and torch.equal(x, z), (n, length)
+    refused = {n: _prefilled(model, backend, n, 20, i) for i, n in enumerate(NOT_STEPWISE)}
+    taken = _prefilled(model, backend, "q4_0", 20, 0)
+    got = backend.step_joined([(ids[:, :4], None, c, None) for c in (*refused.values(), taken)], partial=True,
+                              stepwise=True)
+    assert got[:3] == [None] * 3 and got[3].shape == (1, 4, model.config.vocab_size)
+    assert all(c.length == 20 for c in refused.values()) and taken.length == 24
+    assert backend.step_joined([(ids[:, :4], None, c, None) for c in refused.values()], stepwise=True) is None
