@@ -372,3 +372,22 @@ def test_a_stepwise_chunk_is_its_steps_bit_for_bit(threads, level, monkeypatch):
     assert got[:3] == [None] * 3 and got[3].shape == (1, 4, model.config.vocab_size)
     assert all(c.length == 20 for c in refused.values()) and taken.length == 24
     assert backend.step_joined([(ids[:, :4], None, c, None) for c in refused.values()], stepwise=True) is None
+
+
+@pytest.mark.parametrize("fmt,act", [("q8_0", "q8"), ("q4_0", "q8"), ("q8_0", "i16")])
+@torch.inference_mode()
+def test_a_stepwise_chunk_of_quantized_weights_is_its_steps_bit_for_bit(fmt, act):
+    """The block formats' products quantize each row's activations on their own, so a stepwise
+    chunk through quantized weights is its steps bit for bit too (a weight-format study's lockstep)."""
+    from caramba.model.quant import quantize_model
+
+    model = make_model(seed=23, std=0.1)
+    assert quantize_model(model, fmt, act) > 0
+    backend = CStep(model, fast_decode.ThreadChoice(fixed=2), exact_rows=True)
+    ids = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(4))
+    steps, chunked = (_prefilled(model, backend, "q4_0", 60, 1) for _ in range(2))
+    want = torch.cat([backend(ids[:, k : k + 1], cache=steps)[:, -1] for k in range(16)])
+    (got,) = backend.step_joined([(ids, None, chunked, None)], stepwise=True)
+    assert torch.equal(got[0], want)
+    for x, y in zip(_streams(steps), _streams(chunked)):
+        assert torch.equal(x, y)
