@@ -37,7 +37,8 @@ _QUANT_GEMV = ["model/quant_gemv.c", "model/quant_gemv_ref.c", "model/quant_gemv
                "model/quant_gemv_kq_x86.c", "model/quant_gemv_kq_arm.c", "model/cpu_isa.c"]
 LIBRARIES: dict[str, list[str]] = {
     "quant_gemv": _QUANT_GEMV,
-    "decode_step": ["model/decode_step.c", "model/step_linear.c", "model/kv_stream.c", "model/decode_ops.c",
+    "decode_step": ["model/decode_step.c", "model/attend_sums.c", "model/step_linear.c", "model/kv_stream.c",
+                    "model/decode_ops.c",
                     *_QUANT_GEMV],
     "decode_ops": ["model/decode_ops.c"],
     "quant_gemm": ["model/quant_gemm.c", "model/quant_gemm_i16.c", "model/cpu_isa.c"],
