@@ -38,8 +38,7 @@ _QUANT_GEMV = ["model/quant_gemv.c", "model/quant_gemv_ref.c", "model/quant_gemv
 LIBRARIES: dict[str, list[str]] = {
     "quant_gemv": _QUANT_GEMV,
     "decode_step": ["model/decode_step.c", "model/attend_sums.c", "model/step_linear.c", "model/kv_stream.c",
-                    "model/decode_ops.c",
-                    *_QUANT_GEMV],
+                    "model/decode_ops.c", *_QUANT_GEMV],
     "decode_ops": ["model/decode_ops.c"],
     "quant_gemm": ["model/quant_gemm.c", "model/quant_gemm_i16.c", "model/cpu_isa.c"],
     "quant_attend": ["cache/quant_attend.c", "cache/quant_attend_ref.c", "cache/quant_attend_vec.c",

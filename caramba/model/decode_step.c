@@ -183,6 +183,14 @@ static void new_token_as_read(const Stream *st, const float *src, int D, int at,
     memcpy(read, src, sizeof(float) * D);
 }
 
+/* The end of the slots [0, end) a step whose new token is at `slot` reads from a stream's codes:
+   none for float values, a per-channel stream's whole groups (below r0), else those below r0 and
+   below the new token. */
+static inline int codes_end(const Stream *st, int slot) {
+    const int r0 = (int)st->r0;
+    return kv_float((int)st->kind) ? 0 : kv_per_channel((int)st->kind) ? r0 : r0 < slot ? r0 : slot;
+}
+
 /* x normed by w into h, or x itself without a norm (OLMo 2 has none before attention and MLP). */
 static const float *pre_norm(Step *s, const float *w) {
     if (!w) return s->x;
@@ -414,8 +422,7 @@ static int row_as_step(const Step *s, int r, Step *w) {
     *w = *s;
     const int tt = r % s->T;
     w->T = 1, w->slot = s->slot + tt, w->at0 = w->slot, w->L = w->slot + 1, w->nparts = parts_of(w->L);
-    w->kce = kv_float((int)s->ks->kind) ? 0 : (int)s->ks->r0 < w->slot ? (int)s->ks->r0 : w->slot;
-    w->vce = kv_float((int)s->vs->kind) ? 0 : (int)s->vs->r0 < w->slot ? (int)s->vs->r0 : w->slot;
+    w->kce = codes_end(s->ks, w->slot), w->vce = codes_end(s->vs, w->slot);
     w->s1 = s->s1 < w->L ? s->s1 : w->L, w->p1 = s->p1 < w->nparts ? s->p1 : w->nparts;
     w->n = w->s1 - w->s0;
     if (w->n <= 0) return 0;
@@ -542,10 +549,8 @@ static void enter_layer(Step *s, int l) {
     s->cos = local ? a->cos_local : a->cos, s->ssin = local ? a->ssin_local : a->ssin;
     const Stream *ks = s->ks, *vs = s->vs;
     layer_slots(s, ks);
-    const int slot = s->slot, kr0 = (int)ks->r0, vr0 = (int)vs->r0;
     s->kchan = kv_per_channel((int)ks->kind);
-    s->kce = kv_float((int)ks->kind) ? 0 : s->kchan ? kr0 : (kr0 < slot ? kr0 : slot);
-    s->vce = kv_float((int)vs->kind) ? 0 : (vr0 < slot ? vr0 : slot);
+    s->kce = codes_end(ks, s->slot), s->vce = codes_end(vs, s->slot);   /* values are never per channel (stream_ok) */
     s->kgroup = s->kchan && s->L % ks->block == 0 && s->L / ks->block <= s->S / ks->block;
 }
 
@@ -619,7 +624,7 @@ static int segment_streams(const StepArgs *a, Step *s, int *partmax) {
         /* stepwise: a step's ring or residual window differs from one token to the next */
         if (a->stepwise && a->T > 1 && (st->wrap || (!kv_float((int)st->kind) && st->r0 < a->slot - st->offset + a->T))) return 2;
         const int L = (int)(st->wrap && a->slot + a->T > st->wrap ? st->wrap : a->slot - st->offset + a->T);
-        const int np = (L + ATT_PART - 1) / ATT_PART;
+        const int np = parts_of(L);
         *partmax = np > *partmax ? np : *partmax;
         if (kv_per_channel((int)st->kind)) {
             s->gmax = st->block > s->gmax ? (int)st->block : s->gmax;
