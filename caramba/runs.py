@@ -572,11 +572,12 @@ class RunDir:
             raise RunError(f"{self.final} already holds a finished run; use --force to redo it")
         # an attempt that died before finishing: its files mean nothing
         self._note(self.staging, _remove_entry(self.staging))
+        self.path = self.staging   # before mkdir: an interrupt just after it finds the attempt where it is
         try:
             os.mkdir(self.staging)
         except OSError as e:
+            self.path = self.final
             raise RecordError(f"cannot create {self.staging}: {e.strerror}") from None
-        self.path = self.staging
 
     def write_text(self, name: str, text: str) -> Path:
         atomic_write_text(self.path / name, text)

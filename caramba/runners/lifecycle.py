@@ -35,24 +35,35 @@ def locked(record: RunDir) -> Iterator[bool]:
 
 
 class Attempt:
-    """One attempt at a record, under its lock. Creating it begins the record (built aside in
+    """One attempt at a record, under its lock. Entering it begins the record (built aside in
     `.<id>.partial`; a finished record stays in place); the `with` block writes the record's
     files through `record.path`; leaving the block normally finishes it (DONE with its files'
-    digests, then swapped in).
+    digests, then swapped in). The record is begun in `__enter__`, not on creation, so that no
+    statement lies between the attempt's directory and the block that abandons it: a Ctrl-C
+    landing there left the directory without its `interrupted` log.
 
     Leaving it by an exception, which always propagates: a UserError discards the attempt; an
     interrupt (Ctrl-C, SIGTERM, SystemExit) logs `interrupted` and abandons it; any other failure
     logs its traceback (a RunError's message says enough) and `FAILED: <message>`, and abandons
     it. `message` is then the failure as a line (with a note when the log could not be written),
-    `where` the directory that holds the attempt's files."""
+    `where` the directory that holds the attempt's files. `begun` is False while the record
+    could not be begun (begin's RecordError is the caller's to report: no attempt, no log)."""
 
     def __init__(self, record: RunDir):
         self.record = record
         self.message = ""
-        record.begin(force=True)
+        self.begun = False
         self.where: Path = record.path
 
     def __enter__(self) -> Attempt:
+        try:
+            self.record.begin(force=True)
+        except (KeyboardInterrupt, SystemExit) as e:   # after the attempt's directory was made
+            if self.record.path == self.record.staging and self.record.staging.is_dir():
+                self._failed(e, e.__traceback__)
+            raise
+        self.begun = True
+        self.where = self.record.path
         return self
 
     def __exit__(self, kind, error, tb) -> bool:

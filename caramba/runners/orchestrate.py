@@ -256,9 +256,9 @@ def _one(r: ResolvedRun, name: str, record: RunDir, digest: str, force: bool, ch
         raise RecordError(status.detail)
     console.rule(f"{name} ({r.run.mode})")
     attempt = Attempt(record)   # built aside: the finished record stays until the new one is complete
-    _notices(record, name, console)   # a .partial that was not caramba's directory, removed by begin()
     try:
         with attempt:
+            _notices(record, name, console)   # a .partial that was not caramba's directory, removed by begin()
             _run_one(r, record, resolved_yaml, digest, run_info, models, console)
     except UserError:
         raise
@@ -268,6 +268,8 @@ def _one(r: ResolvedRun, name: str, record: RunDir, digest: str, force: bool, ch
                           f"the attempt's log is in {escape(str(attempt.where))}[/yellow]", soft_wrap=True)
         raise
     except Exception:  # a failed run is reported and the manifest goes on
+        if not attempt.begun:   # no attempt to report (its directory could not be made): the caller says why
+            raise
         kept = f"; the finished record {record.final} is kept" if record.is_done() else ""
         console.print(f"[red]failed[/red] {escape(name)}: {escape(attempt.message)} "
                       f"(log: {escape(str(attempt.where / 'log.txt'))}{kept})", soft_wrap=True)

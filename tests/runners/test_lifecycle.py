@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
 from caramba.errors import RunError, UserError
 from caramba.runners.lifecycle import Attempt, locked, one_off
-from caramba.runs import RunDir
+from caramba.runs import RecordError, RunDir
 
 
 def _record(tmp_path) -> RunDir:
@@ -78,3 +80,36 @@ def test_one_off_records_take_fresh_names(tmp_path, monkeypatch):
     second = one_off("bench", "cli", "stamp", lambda r: r.write_text("result.json", "{}"))
     assert (first.final.name, second.final.name) == ("stamp", "stamp-2")
     assert first.is_done() and second.is_done() and first._lock_fd is None and second._lock_fd is None
+
+
+def test_an_interrupt_as_the_attempt_begins_still_leaves_its_log(tmp_path, monkeypatch):
+    """Ctrl-C landing just after begin() made the attempt's directory, before the `with` block was
+    entered: the attempt was left without its `interrupted` log (a flaky sweep test caught it)."""
+    record = _record(tmp_path)
+    begin = RunDir.begin
+
+    def begin_then_ctrl_c(self, force=False):
+        begin(self, force)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(RunDir, "begin", begin_then_ctrl_c)
+    attempt = Attempt(record)
+    assert not record.staging.exists()   # creating an attempt begins nothing
+    with pytest.raises(KeyboardInterrupt), attempt:
+        pass
+    assert attempt.where == record.final and "interrupted" in (record.final / "log.txt").read_text()
+    assert not attempt.begun and record.status().state == "failed"
+
+
+def test_a_record_that_cannot_be_begun_is_no_attempt(tmp_path, monkeypatch):
+    record = _record(tmp_path)
+    mkdir = os.mkdir
+
+    def full(path, *args, **kwargs):
+        if Path(path) == record.staging:
+            raise OSError(28, "No space left on device")
+        return mkdir(path, *args, **kwargs)
+    monkeypatch.setattr(os, "mkdir", full)
+    attempt = Attempt(record)
+    with pytest.raises(RecordError, match="cannot create"), attempt:
+        pass
+    assert not attempt.begun and record.path == record.final and not record.final.exists()
