@@ -237,21 +237,22 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].context_ids) + len(samples[i].question_ids))
     per_channel = any(_per_channel(model, c) for c in [*candidates, baseline])
     wave = _Wave(model, tokenizer, stops)
-    for first in range(0, len(order), batch_size):
-        batch = [samples[i] for i in order[first : first + batch_size]]
-        for group in _equal_questions(batch) if per_channel else [batch]:
-            # The cores free now (caramba.threads), chosen per batch: a long eval outlives the load it began in.
-            choice = threads.choose() if device.type == "cpu" else None
-            with threads.applied(choice) if choice is not None else contextlib.nullcontext():
-                context_s += _answer_group(model, tokenizer, group, results, baseline, prefill, q_chunk, stops, pad,
-                                           on_answer, backend, join, contexts if prefill == "shared" else None,
-                                           answers if answers is not None and answers.enabled else None,
-                                           prefill_precision, wave)
-            for result in results:
-                result.threads.append(choice.used if choice is not None else None)
-    choice = threads.choose() if device.type == "cpu" and wave.pending else None
-    with threads.applied(choice) if choice is not None else contextlib.nullcontext():
-        wave.flush()
+    with contexts.writing() if contexts is not None else contextlib.nullcontext():
+        for first in range(0, len(order), batch_size):
+            batch = [samples[i] for i in order[first : first + batch_size]]
+            for group in _equal_questions(batch) if per_channel else [batch]:
+                # The cores free now (caramba.threads), chosen per batch: a long eval outlives the load it began in.
+                choice = threads.choose() if device.type == "cpu" else None
+                with threads.applied(choice) if choice is not None else contextlib.nullcontext():
+                    context_s += _answer_group(model, tokenizer, group, results, baseline, prefill, q_chunk, stops,
+                                               pad, on_answer, backend, join, contexts if prefill == "shared" else None,
+                                               answers if answers is not None and answers.enabled else None,
+                                               prefill_precision, wave)
+                for result in results:
+                    result.threads.append(choice.used if choice is not None else None)
+        choice = threads.choose() if device.type == "cpu" and wave.pending else None
+        with threads.applied(choice) if choice is not None else contextlib.nullcontext():
+            wave.flush()
     for result in results:   # the samples' order (a wave's answers arrive after later batches' stored ones)
         placed: dict[tuple, list[Answer]] = {}
         for a in result.answers:

@@ -147,8 +147,9 @@ def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, reco
                       **cache_bytes(model, c.policy, context), **weights_row(models[c.label])}
             for c in [*candidates, baseline]}
     result: dict[str, Any] = {"mode": "eval", "baseline": baseline.label}
-    contexts = ContextStore(record.root, model=model_identity(model, loaded.content_hash)) \
-        if record.path is not None else None     # `caramba eval` records nothing, keeps nothing
+    # written in the background while the eval goes on; `caramba eval` records nothing, keeps nothing
+    contexts = ContextStore(record.root, model=model_identity(model, loaded.content_hash), background=True) \
+        if record.path is not None else None
     with Progress(console=console, transient=True) as bar:
         if ppl_ids is not None:
             scores = AnswerStore.beside(contexts, PERPLEXITY_SUBDIR) if contexts is not None and contexts.enabled \
@@ -372,7 +373,7 @@ def time_budget(results: list[CandidateAnswers], context_s: float, wall_s: float
     answer store cost nothing now: counted apart, with the seconds they took when computed."""
     store = contexts if contexts is not None and contexts.enabled else None
     return {"wall_s": wall_s, "context_prefill_s": context_s,
-            "context_save_s": store.save_s if store else 0.0,
+            "context_save_s": store.save_s if store else 0.0, "context_write_s": store.write_s if store else 0.0,
             "store_s": sum(r.store_s for r in results), "question_s": sum(r.question_s for r in results),
             "decode_s": sum(r.decode_s for r in results),
             "contexts_reused": store.reused if store else 0, "contexts_computed": store.computed if store else None,

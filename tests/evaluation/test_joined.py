@@ -5,9 +5,12 @@ fresh prefill; bad store entries recomputed, never trusted."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from caramba.cache import CachePolicy
 from caramba.evaluation import tasks as task_suite
@@ -161,6 +164,79 @@ def test_the_store_is_bounded_least_recently_used_first(tmp_path):
     assert not ContextStore(tmp_path, max_bytes=0).save({"i": 9}, blob)
     tensors, extra = store.load({"i": 3})
     assert torch.equal(tensors["x"], blob["x"]) and extra == {}
+
+
+def _entries(directory) -> dict:
+    """Each entry file's metadata and tensors' bytes (safetensors writes its metadata in any order)."""
+    out = {}
+    for path in directory.iterdir():
+        with safe_open(path, "pt") as f:
+            out[path.name] = (f.metadata(), {k: f.get_tensor(k).numpy().tobytes() for k in f.keys()})
+    return out
+
+
+def test_a_background_store_writes_the_entries_a_foreground_one_writes(loaded, tmp_path):
+    """The eval's store writes in a thread while the eval goes on: after answer_tasks the same entries
+    (metadata and tensors' bytes) and the same answers; the writer's time is counted apart and its thread is gone."""
+    samples = _samples(loaded)[:2]
+    candidates = CANDIDATES[:3]
+    fore, back = _store(tmp_path / "fore", loaded), _store(tmp_path / "back", loaded, background=True)
+    first = _run(loaded, samples, candidates, batch_size=1, contexts=fore)
+    second = _run(loaded, samples, candidates, batch_size=1, contexts=back)
+    files = _entries(tmp_path / "fore" / DIRNAME)
+    assert len(files) == 2 and files == _entries(tmp_path / "back" / DIRNAME)
+    assert _answers(second) == _answers(first)
+    assert back.write_s > 0 and fore.write_s > 0 and back._writer is None and not back._writes
+    assert not any(t.name.startswith("caramba-entry-writer") for t in threading.enumerate())
+    again = _store(tmp_path / "back", loaded, background=True)
+    assert _answers(_run(loaded, samples, candidates, batch_size=1, contexts=again)) == _answers(first)
+    assert again.reused == 2 and not again.bad
+
+
+def test_a_background_store_holds_at_most_pending_entries_and_raises_a_failed_write(tmp_path, monkeypatch):
+    from caramba.evaluation import context_store
+
+    written, release = [], threading.Event()
+    real = context_store.atomic_write_bytes
+
+    def slow(path, data):
+        release.wait(10)
+        if b"full" in data[:4096]:   # the header holds the metadata
+            raise OSError(28, "No space left on device", str(path))
+        real(path, data)
+        written.append(path)
+    monkeypatch.setattr(context_store, "atomic_write_bytes", slow)
+    store = ContextStore(tmp_path, background=True)
+    blob = {"x": torch.zeros(1024)}
+    assert store.save({"i": 0}, blob) and store.save({"i": 1}, blob)
+    assert len(store._writes) == context_store.PENDING == 2 and not written   # both in the writer's hands
+    threading.Timer(0.2, release.set).start()
+    assert store.save({"i": 2}, blob)          # waited for the oldest before taking a third
+    assert written[0] == store.path_of({"i": 0})
+    got = store.load({"i": 2})                  # still queued or being written: read once written
+    assert got is not None and torch.equal(got[0]["x"], blob["x"])
+    assert store.save({"i": 3}, blob, {"note": "full"})   # queued; its write fails in the thread
+    with pytest.raises(OSError, match="No space left") as failed:
+        store.flush()
+    assert failed.value.filename == str(store.path_of({"i": 3}))
+    assert store._writer is None and {p.name for p in tmp_path.joinpath(DIRNAME).iterdir()} == {
+        store.path_of({"i": i}).name for i in range(3)}
+
+
+def test_ctrl_c_in_a_writing_block_keeps_the_writes_under_way(tmp_path, monkeypatch):
+    from caramba.evaluation import context_store
+
+    real = context_store.atomic_write_bytes
+
+    def slow(path, data):
+        time.sleep(0.3)
+        real(path, data)
+    monkeypatch.setattr(context_store, "atomic_write_bytes", slow)
+    store = ContextStore(tmp_path, background=True)
+    with pytest.raises(KeyboardInterrupt), store.writing():
+        store.save({"i": 0}, {"x": torch.zeros(8)})
+        raise KeyboardInterrupt
+    assert store.load({"i": 0}) is not None and store._writer is None and store.save_s >= 0.2
 
 
 def test_a_loaded_entry_is_a_private_copy_and_a_directory_in_its_place_is_unreadable(tmp_path):
