@@ -58,9 +58,13 @@ def kernel_dir() -> Path:
 # library name -> where its loaded copy came from: "prebuilt <variant>" or "built here" (for records
 # and tests; the status strings stay 'c')
 origin: dict[str, str] = {}
-# library name -> the loaded file's name: which build (a library built here is named by the hash of its
-# sources, command and CPU), for the keys of kept results (caramba.model.backend.arithmetic)
+# library name -> the loaded file's name (a library built here is named by the hash of its sources,
+# command and CPU), for records
 files: dict[str, str] = {}
+# library name -> the sha256 of the loaded file's bytes: which machine code computes, for the keys of
+# kept results (caramba.model.backend.arithmetic). A comment edited in a source renames a build here
+# but compiles to the same bytes, so results kept before stay valid; another compiler's do not.
+digests: dict[str, str] = {}
 
 
 def prebuilt_dir() -> Path:
@@ -148,8 +152,7 @@ def load(source: Path | list[Path], signatures: dict[str, tuple[list, object]], 
         if found:
             try:
                 lib = _bind(ctypes.CDLL(str(found[0])), signatures)
-                origin[_sources(source)[0].stem] = f"prebuilt {found[1]}"
-                files[_sources(source)[0].stem] = found[0].name
+                _loaded(source, f"prebuilt {found[1]}", found[0])
                 return lib, "c"
             except (OSError, AttributeError) as e:   # e.g. a missing libgomp: compile here instead
                 print(f"caramba: warning: prebuilt {found[0].name} did not load ({e}); building here",
@@ -161,13 +164,18 @@ def load(source: Path | list[Path], signatures: dict[str, tuple[list, object]], 
         try:
             built = build(source, cc, flags)
             lib = _bind(ctypes.CDLL(str(built)), signatures)
-            origin[_sources(source)[0].stem] = "built here"
-            files[_sources(source)[0].stem] = built.name
+            _loaded(source, "built here", built)
             return lib, "c"
         except (OSError, AttributeError, subprocess.SubprocessError) as e:
             status = f"unavailable: build failed ({_reason(e)})"
     print(f"caramba: warning: {purpose} through the slower eager path: kernels {status}", file=sys.stderr, flush=True)
     return None, status
+
+
+def _loaded(source: Path | list[Path], where: str, path: Path) -> None:
+    name = _sources(source)[0].stem
+    origin[name], files[name] = where, path.name
+    digests[name] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 def _bind(lib: ctypes.CDLL, signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL:

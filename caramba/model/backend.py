@@ -55,13 +55,15 @@ class TorchStep:
 def arithmetic(path: str) -> str:
     """What a decode path's logits depend on besides the model and its inputs, for the keys of kept
     results (caramba.evaluation's stores): the path ("c" or "torch"), torch's CPU capability (its
-    own kernels: the prefills, the torch path) and, for the C step, which build of decode_step.c
-    runs at which level. Two builds on one CPU round differently (a wheel's prebuilt library and one
-    built here: a q4_0 cache's PPL over 44 tokens 45.6446 and 45.7342), so a runs/ directory
-    shared between them must not hand one's results to the other as its own."""
+    own kernels: the prefills, the torch path) and, for the C step, which machine code of
+    decode_step.c runs (the sha256 of the loaded library's bytes) at which level. Two builds on one
+    CPU round differently (a wheel's prebuilt library and one built here: a q4_0 cache's PPL over 44
+    tokens 45.6446 and 45.7342), so a runs/ directory shared between them must not hand one's
+    results to the other as its own; a source edit that compiles to the same bytes (a comment)
+    keeps what was kept."""
     parts = [path, f"torch {torch.backends.cpu.get_cpu_capability()}"]
     if path == "c" and fast_decode.library() is not None:
-        parts += [kernels.origin.get("decode_step", "?"), kernels.files.get("decode_step", "?"), isa.kernel_isa()]
+        parts += [f"decode_step {kernels.digests.get('decode_step', '?')}", isa.kernel_isa()]
     return ", ".join(parts)
 
 

@@ -5,6 +5,8 @@ takes the C step."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -120,8 +122,11 @@ def test_a_state_feeds_through_its_backend_and_using_scopes_another(taken):
 
 def test_arithmetic_names_the_build_that_computes_a_paths_logits(monkeypatch):
     """The stores' keys name the decode path and what its bits depend on (backend.arithmetic):
-    torch's CPU capability always; for the C step also the loaded build of decode_step.c (prebuilt
-    or built here, its file) and its level, so another build (a wheel's, a checkout's) is another key."""
+    torch's CPU capability always; for the C step also the loaded decode_step library's bytes (their
+    sha256) and its level, so another build (a wheel's, a checkout's) is another key, and the same
+    bytes under another name (a build here after a comment was edited) the same key."""
+    import hashlib
+
     from caramba import kernels
     from caramba.model import isa
 
@@ -131,8 +136,13 @@ def test_arithmetic_names_the_build_that_computes_a_paths_logits(monkeypatch):
         assert backend.arithmetic("c") == "c, " + torch_path.split(", ", 1)[1]
         return
     here = backend.arithmetic("c")
-    assert kernels.files["decode_step"] in here and isa.kernel_isa() in here
-    monkeypatch.setitem(kernels.files, "decode_step", "decode_step.avx512.so")
+    loaded = Path(fast_decode.library()._name)   # ctypes keeps the path it opened
+    assert loaded.name == kernels.files["decode_step"]
+    assert kernels.digests["decode_step"] == hashlib.sha256(loaded.read_bytes()).hexdigest()[:16]
+    assert kernels.digests["decode_step"] in here and isa.kernel_isa() in here
+    monkeypatch.setitem(kernels.files, "decode_step", "decode_step-avx512-0123456789abcdef.so")
     monkeypatch.setitem(kernels.origin, "decode_step", "prebuilt avx512")
+    assert backend.arithmetic("c") == here
+    monkeypatch.setitem(kernels.digests, "decode_step", "0" * 16)
     other = backend.arithmetic("c")
-    assert other != here and "prebuilt avx512, decode_step.avx512.so" in other
+    assert other != here and "decode_step 0000000000000000" in other
