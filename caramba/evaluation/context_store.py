@@ -23,8 +23,8 @@ recently used entries (a hit touches its file) go until the rest fit.
 
 An eval's context store writes in the background (`background=True`): an entry is made (copied,
 digested, serialized) in the caller's thread, and one writer thread writes and fsyncs it while
-the eval goes on, at most `PENDING` entries at a time; `flush()`, or leaving a `writing()` block,
-waits for them and raises a write that failed. Of a 2k-token context's ~0.47 s to save, ~0.27 s
+the eval goes on, holding at most `PENDING_BYTES` of entries not yet written (any one entry, however
+large); `flush()`, or leaving a `writing()` block, waits for them and raises a write that failed. Of a 2k-token context's ~0.47 s to save, ~0.27 s
 was the write and its fsync (Zen 4, a `/tmp` benchmark, median of 5).
 
 `EntryStore` is that machinery for any entry (keyed file names, verified reads, atomic writes,
@@ -55,7 +55,9 @@ SUFFIX = ".safetensors"
 FORMAT = 1
 DEFAULT_MB = 4096
 ENV = "CARAMBA_CONTEXT_STORE_MB"
-PENDING = 2   # entries a background store holds in memory while they are written (~94 MB each at 2k tokens)
+# what a background store holds in memory while it is written, beyond the entry being made: two of
+# SmolLM2's 2k-token entries (94 MB each); a larger entry waits for the writes before it
+PENDING_BYTES = 256 * 2**20
 
 
 def default_max_bytes() -> int:
@@ -117,7 +119,7 @@ class EntryStore(abc.ABC):
         self.model = model
         self.background = background
         self._writer: ThreadPoolExecutor | None = None
-        self._writes: dict[Path, Future] = {}   # entries being written, oldest first
+        self._writes: dict[Path, tuple[Future, int]] = {}   # entries being written (and their bytes), oldest first
         self.reused = self.computed = 0
         self.load_s = self.save_s = 0.0   # reading and verifying the entries reused; writing new ones
         self.write_s = 0.0                # the writer thread's writes (background)
@@ -145,7 +147,7 @@ class EntryStore(abc.ABC):
             return None
         path = self.path_of(key)
         if path in self._writes:   # being written: read it once written (a failed write raises here)
-            self._writes.pop(path).result()
+            self._writes.pop(path)[0].result()
         try:
             meta, payload, digest = self._read(path)
         except FileNotFoundError:
@@ -180,15 +182,15 @@ class EntryStore(abc.ABC):
         if not self.background:
             self._write(path, data)
             return True
-        for done in [p for p, f in self._writes.items() if f.done()]:
-            self._writes.pop(done).result()
-        while len(self._writes) >= PENDING:   # bounded memory: wait for the oldest
-            self._writes.pop(next(iter(self._writes))).result()
+        for done in [p for p, (f, _) in self._writes.items() if f.done()]:
+            self._writes.pop(done)[0].result()
+        while self._writes and sum(n for _, n in self._writes.values()) + len(data) > PENDING_BYTES:
+            self._writes.pop(next(iter(self._writes)))[0].result()   # bounded memory: wait for the oldest
         if path in self._writes:   # the same entry again: after the write before it
-            self._writes.pop(path).result()
+            self._writes.pop(path)[0].result()
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="caramba-entry-writer")
-        self._writes[path] = self._writer.submit(self._write, path, data)
+        self._writes[path] = (self._writer.submit(self._write, path, data), len(data))
         return True
 
     def _write(self, path: Path, data: bytes) -> None:
@@ -204,7 +206,7 @@ class EntryStore(abc.ABC):
         failed: BaseException | None = None
         while self._writes:
             try:
-                self._writes.pop(next(iter(self._writes))).result()
+                self._writes.pop(next(iter(self._writes)))[0].result()
             except Exception as e:   # noqa: BLE001 - raised below, once every write is done
                 failed = failed or e
         if self._writer is not None:

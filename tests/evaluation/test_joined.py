@@ -193,7 +193,7 @@ def test_a_background_store_writes_the_entries_a_foreground_one_writes(loaded, t
     assert again.reused == 2 and not again.bad
 
 
-def test_a_background_store_holds_at_most_pending_entries_and_raises_a_failed_write(tmp_path, monkeypatch):
+def test_a_background_store_holds_at_most_its_pending_bytes_and_raises_a_failed_write(tmp_path, monkeypatch):
     from caramba.evaluation import context_store
 
     written, release = [], threading.Event()
@@ -206,10 +206,11 @@ def test_a_background_store_holds_at_most_pending_entries_and_raises_a_failed_wr
         real(path, data)
         written.append(path)
     monkeypatch.setattr(context_store, "atomic_write_bytes", slow)
-    store = ContextStore(tmp_path, background=True)
     blob = {"x": torch.zeros(1024)}
+    monkeypatch.setattr(context_store, "PENDING_BYTES", 10_000)   # two of these entries (~4.3 kB), not three
+    store = ContextStore(tmp_path, background=True)
     assert store.save({"i": 0}, blob) and store.save({"i": 1}, blob)
-    assert len(store._writes) == context_store.PENDING == 2 and not written   # both in the writer's hands
+    assert len(store._writes) == 2 and not written   # both in the writer's hands
     threading.Timer(0.2, release.set).start()
     assert store.save({"i": 2}, blob)          # waited for the oldest before taking a third
     assert written[0] == store.path_of({"i": 0})
