@@ -35,6 +35,7 @@
    (caramba/cache/kinds.h); kv_stream.h declares what decode_step.c calls. */
 
 #include "kv_stream.h"
+#include "kv_codes.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -350,28 +351,6 @@ HIDDEN int stream_ok(const Stream *s, int D, int keys) {
 }
 
 #if HAVE_AVX2
-/* Code field f of 8 consecutive bytes, as floats. */
-INLINE __m256 code_fields8(const int bits, const int f, const uint8_t *c) {
-    const __m128i b = _mm_loadl_epi64((const __m128i *)c);
-    if (bits == 8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    const __m256i u = _mm256_srli_epi32(_mm256_cvtepu8_epi32(b), bits * f);
-    return _mm256_cvtepi32_ps(_mm256_and_si256(u, _mm256_set1_epi32((1 << bits) - 1)));
-}
-
-/* code_value of 8 consecutive bytes: the codes (nf == 0) or nf4 levels. A 16-entry lookup is two
-   8-lane permutes (which read an index's low 3 bits) and a blend on its bit 3, moved to the sign
-   bit; field 0's higher bits fall out of both, so it needs no mask. */
-INLINE __m256 code_values8(const int bits, const int f, const int nf, const uint8_t *c) {
-    if (!nf) return code_fields8(bits, f, c);
-    __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
-    if (f) u = _mm256_srli_epi32(u, 4);
-    const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(NF4_LEVELS), u);
-    const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(NF4_LEVELS + 8), u);
-    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(u, 28)));
-}
-#endif
-
-#if HAVE_AVX2
 /* Bytes ahead in each code row that key_field_slots16 asks the cache for: keys-major codes are
    read 16 slots at a time across a block's rows (32 rows, S bytes apart), more streams than the
    hardware prefetcher follows, and loads of q8_0's codes were two thirds of the key scores' time.
@@ -398,6 +377,26 @@ INLINE void key_field_slots16(const int bits, const int f, const int nf, const i
         _mm256_storeu_ps(t + (long)jj * n + i, acc[jj][0]);
         _mm256_storeu_ps(t + (long)jj * n + i + 8, acc[jj][1]);
     }
+}
+#endif
+
+#if HAVE_AVX512
+/* key_field_slots16 in one 512-bit vector of slots: each lane's sum the same. Taken for nf4 keys:
+   perf on SmolLM2's 8-row step at 2048 tokens (one thread, Zen 4) counted 32% fewer samples in the
+   key scores for nf4, but 22-29% more for q4_0, q4_1 and q8_0, whose 8-code widening the permute
+   and a 512-bit widen (both shuffles) do not beat on a core with 256-bit units. */
+INLINE void key_field_slots16_512(const int bits, const int f, const int jn, const uint8_t *c0, long S, const float *qj,
+                                  int D, int a, int b, int i, float *t, int n, __m512 table) {
+    __m512 acc[4];
+    for (int jj = 0; jj < jn; jj++) acc[jj] = _mm512_setzero_ps();
+    const int ahead = (i & 63) == 0 && i + KEY_PREFETCH < n;
+    for (int row = a; row < b; row++) {
+        const uint8_t *cr = c0 + (long)(row - a) * S + i;
+        if (ahead) _mm_prefetch((const char *)cr + KEY_PREFETCH, _MM_HINT_T0);
+        const __m512 v = code_values16(bits, f, cr, table);
+        for (int jj = 0; jj < jn; jj++) acc[jj] = _mm512_fmadd_ps(_mm512_set1_ps(qj[(long)jj * D + row]), v, acc[jj]);
+    }
+    for (int jj = 0; jj < jn; jj++) _mm512_storeu_ps(t + (long)jj * n + i, acc[jj]);
 }
 #endif
 
@@ -428,6 +427,18 @@ INLINE void key_field_rows(const int bits, const int f, const int nf, const uint
         const float *qj = q + (long)j0 * D + f * fw;
         float *tj = t + (long)j0 * n;
         int i = 0;
+#if HAVE_AVX512   /* nf4 only: its lookup is code_values8's two permutes and a blend (see key_field_slots16_512) */
+        if (nf && g_isa >= ISA_AVX512) {
+            const __m512 table = code_table16(bits, nf, 0.0f);
+            for (; i + 16 <= n; i += 16)
+            switch (jn) {
+                case 1: key_field_slots16_512(bits, f, 1, c0, S, qj, D, a, b, i, tj, n, table); break;
+                case 2: key_field_slots16_512(bits, f, 2, c0, S, qj, D, a, b, i, tj, n, table); break;
+                case 3: key_field_slots16_512(bits, f, 3, c0, S, qj, D, a, b, i, tj, n, table); break;
+                default: key_field_slots16_512(bits, f, 4, c0, S, qj, D, a, b, i, tj, n, table); break;
+            }
+        }
+#endif
 #if HAVE_AVX2
         if (g_isa >= ISA_AVX2)
             for (; i + 16 <= n; i += 16)      /* two vectors of slots: each row read 16 codes at a time */
@@ -674,11 +685,50 @@ INLINE void value_code_cols(const int bits, const int f, const int nf, const int
         for (int v = 0; v < NV; v++) _mm256_storeu_ps(o + (long)jj * ow + col + 8 * v, acc[jj][v]);
 }
 
+#if HAVE_AVX512
+/* value_code_cols in 512-bit vectors (NV of them: 2 or 1) for 2- and 4-bit codes, decoded through
+   code_values16 (table: the codes' values + off, so no mask, no offset to add, nf4's lookup in one
+   permute): each lane's sum the same. perf as key_field_slots16_512's, twice: 7-9% fewer samples in
+   value_codes for q4_0, 11-14% for q2_1 and nf4; q4_1's plain 4-bit codes 5% more both times and
+   q8_0's 7% more, so those two keep the 256-bit loop. */
+INLINE void value_code_cols512(const int bits, const int f, const int jn, const int NV, const uint8_t *rows, int fw,
+                               int cb, int cn, const uint8_t *live, const float *w, int wl, __m512 table, float *o,
+                               int ow, int col) {
+    __m512 acc[3][2];
+    for (int jj = 0; jj < jn; jj++)
+        for (int v = 0; v < NV; v++) acc[jj][v] = _mm512_loadu_ps(o + (long)jj * ow + col + 16 * v);
+    for (int k = 0; k < cn; k++) {
+        if (!live[k]) continue;
+        const uint8_t *c = rows + (long)k * fw + cb;
+        __m512 x[2];
+        for (int v = 0; v < NV; v++) x[v] = code_values16(bits, f, c + 16 * v, table);
+        for (int jj = 0; jj < jn; jj++) {
+            const __m512 wv = _mm512_set1_ps(w[(long)jj * wl + k]);
+            for (int v = 0; v < NV; v++) acc[jj][v] = _mm512_fmadd_ps(wv, x[v], acc[jj][v]);
+        }
+    }
+    for (int jj = 0; jj < jn; jj++)
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + (long)jj * ow + col + 16 * v, acc[jj][v]);
+}
+#endif
+
 /* value_code_cols for field f of every column group of 8 NV in the block of width vqb (NV 4 or 2). */
 INLINE void value_code_field(const int bits, const int f, const int nf, const int jn, const uint8_t *rows, int fw,
                              int cn, const uint8_t *live, const float *w, int vqb, int cnl, float off, float *o,
                              int ow) {
     const int NV = fw % 32 == 0 && vqb % 32 == 0 ? 4 : 2;
+#if HAVE_AVX512
+    if (g_isa >= ISA_AVX512 && (bits == 2 || (bits == 4 && (nf || off != 0.0f)))) {   /* not q8_0, q4_1 */
+        const __m512 table = code_table16(bits, nf, off);
+        for (int cb = 0; cb < fw; cb += 8 * NV) {
+            const int col = f * fw + cb;
+            const float *wb = w + (long)(col / vqb) * 3 * cnl;
+            if (NV == 4) value_code_cols512(bits, f, jn, 2, rows, fw, cb, cn, live, wb, cnl, table, o, ow, col);
+            else value_code_cols512(bits, f, jn, 1, rows, fw, cb, cn, live, wb, cnl, table, o, ow, col);
+        }
+        return;
+    }
+#endif
     for (int cb = 0; cb < fw; cb += 8 * NV) {
         const int col = f * fw + cb;
         const float *wb = w + (long)(col / vqb) * 3 * cnl;   /* the block's weights, [3 heads, cnl] */

@@ -244,6 +244,32 @@ def test_decode_steps_are_bit_identical_at_every_vector_level(level, weights):
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("kind, qblock", [("q4_0", 32), ("q4_0", 16), ("q4_1", 32), ("nf4", 32), ("nf4", 16),
+                                          ("q2_1", 32), ("q4_0l", 32), ("q8_0", 32)])
+def test_attention_over_codes_is_bit_identical_at_every_vector_level(level, kind, qblock):
+    """The key scores and values read straight from a quantized cache's codes (kv_stream.c; at the
+    avx512 levels 16 codes a permute, kv_codes.h) give avx2's logits and cache bit for bit: SmolLM2's
+    head shapes (head_dim 64, 3 query heads a KV head), a context of 150 tokens, two steps."""
+    if level == "scalar" or not isa.available("avx2"):
+        pytest.skip("the scalar reference sums in another order" if level == "scalar" else "CPU lacks avx2")
+    if fast_decode.library() is None:
+        pytest.skip(f"decode step kernel {fast_decode.status()}")
+    from caramba.cache import CachePolicy
+
+    model = make_model(seed=5, head_dim=64, n_heads=6, n_kv_heads=2)
+    ids = torch.randint(0, 97, (2, 150), generator=torch.Generator().manual_seed(6))
+    runs = []
+    for name in (level, "avx2"):
+        with isa.use_isa(name), torch.inference_mode():
+            cache = model.new_cache(2, 160, CachePolicy.build(kind, qblock=qblock))
+            model(ids, cache=cache)
+            step = CStep(model)
+            steps = [step(torch.full((2, 1), t), cache=cache) for t in (5, 6)]
+            assert step.path == "c"
+        runs.append(torch.cat([s.reshape(-1) for s in steps]))
+    assert torch.equal(runs[0], runs[1])
+
+
 # --- the choice ------------------------------------------------------------------------------------
 
 def test_the_choice_is_the_best_level_the_cpu_has_and_never_one_it_lacks():
