@@ -382,9 +382,9 @@ INLINE void key_field_slots16(const int bits, const int f, const int nf, const i
 
 #if HAVE_AVX512
 /* key_field_slots16 in one 512-bit vector of slots: each lane's sum the same. Taken for nf4 keys:
-   perf on SmolLM2's 8-row step at 2048 tokens (one thread, Zen 4) counted 32% fewer samples in the
-   key scores for nf4, but 22-29% more for q4_0, q4_1 and q8_0, whose 8-code widening the permute
-   and a 512-bit widen (both shuffles) do not beat on a core with 256-bit units. */
+   perf on SmolLM2's 8-row step at 2048 tokens (one thread, Zen 4) counted ~30% fewer samples in
+   the key scores for nf4 (three runs), but 17-29% more for q4_0, q4_1 and q8_0, whose 8-code
+   widening the permute and a 512-bit widen do not beat on a core with 256-bit units. */
 INLINE void key_field_slots16_512(const int bits, const int f, const int jn, const uint8_t *c0, long S, const float *qj,
                                   int D, int a, int b, int i, float *t, int n, __m512 table) {
     __m512 acc[4];
@@ -687,10 +687,10 @@ INLINE void value_code_cols(const int bits, const int f, const int nf, const int
 
 #if HAVE_AVX512
 /* value_code_cols in 512-bit vectors (NV of them: 2 or 1) for 2- and 4-bit codes, decoded through
-   code_values16 (table: the codes' values + off, so no mask, no offset to add, nf4's lookup in one
-   permute): each lane's sum the same. perf as key_field_slots16_512's, twice: 7-9% fewer samples in
-   value_codes for q4_0, 11-14% for q2_1 and nf4; q4_1's plain 4-bit codes 5% more both times and
-   q8_0's 7% more, so those two keep the 256-bit loop. */
+   code_values16 (table: the codes' values + off: no mask, no offset to add, nf4's lookup in one
+   permute): each lane's sum the same. Taken for nf4 and 2-bit codes, where perf (as for
+   key_field_slots16_512, three alternated runs) counted 12-14% fewer samples in value_codes; q4_0's
+   were the same, q4_1's 5% and q8_0's 7% more, so those keep the 256-bit loop. */
 INLINE void value_code_cols512(const int bits, const int f, const int jn, const int NV, const uint8_t *rows, int fw,
                                int cb, int cn, const uint8_t *live, const float *w, int wl, __m512 table, float *o,
                                int ow, int col) {
@@ -718,7 +718,7 @@ INLINE void value_code_field(const int bits, const int f, const int nf, const in
                              int ow) {
     const int NV = fw % 32 == 0 && vqb % 32 == 0 ? 4 : 2;
 #if HAVE_AVX512
-    if (g_isa >= ISA_AVX512 && (bits == 2 || (bits == 4 && (nf || off != 0.0f)))) {   /* not q8_0, q4_1 */
+    if (g_isa >= ISA_AVX512 && (bits == 2 || nf)) {   /* where it measured faster (value_code_cols512) */
         const __m512 table = code_table16(bits, nf, off);
         for (int cb = 0; cb < fw; cb += 8 * NV) {
             const int col = f * fw + cb;
