@@ -123,6 +123,8 @@ class EntryStore(abc.ABC):
         self.reused = self.computed = 0
         self.load_s = self.save_s = 0.0   # reading and verifying the entries reused; writing new ones
         self.write_s = 0.0                # the writer thread's writes (background)
+        self.written_bytes = 0            # the entries this store wrote
+        self.evicted: list[str] = []      # entries this store wrote and then evicted to stay in its bound
         self.bad: list[str] = []          # entries found bad and removed: "<file>: why"
         self.reused_keys: list[str] = []      # the entries reused / (re)computed: their files' sha256 names
         self.computed_keys: list[str] = []
@@ -196,6 +198,7 @@ class EntryStore(abc.ABC):
     def _write(self, path: Path, data: bytes) -> None:
         t0 = time.perf_counter()
         atomic_write_bytes(path, data)
+        self.written_bytes += len(data)
         self._evict(keep=path)
         self.write_s += time.perf_counter() - t0
 
@@ -247,6 +250,8 @@ class EntryStore(abc.ABC):
                 continue
             p.unlink(missing_ok=True)
             total -= size
+            if p.stem in self.computed_keys:   # this run's own: a rerun computes it again
+                self.evicted.append(p.stem)
 
     def _discard(self, path: Path, why: str) -> None:
         self.bad.append(f"{path.name}: {why}")
@@ -258,7 +263,19 @@ class EntryStore(abc.ABC):
     def summary(self) -> dict:
         return {"dir": str(self.dir), "reused": self.reused, "computed": self.computed, "bad": list(self.bad),
                 "reused_keys": list(self.reused_keys), "computed_keys": list(self.computed_keys),
-                "load_s": self.load_s, "save_s": self.save_s, "write_s": self.write_s}
+                "load_s": self.load_s, "save_s": self.save_s, "write_s": self.write_s,
+                "written_bytes": self.written_bytes, "evicted": list(self.evicted)}
+
+    def bound_note(self) -> str | None:
+        """What to tell the researcher when this store evicted entries it wrote itself (the bound
+        is smaller than one run's entries, so a rerun recomputes them): the variable and a size that
+        would have kept them; None when nothing of its own was evicted."""
+        if not self.evicted:
+            return None
+        need = -(-self.written_bytes * 5 // 4 // 2**20)   # this run's entries and a quarter more, in MiB
+        return (f"the context store ({self.max_bytes // 2**20} MiB) evicted {len(self.evicted)} of the "
+                f"{len(self.computed_keys)} entries this run wrote, so a rerun or a new candidate prefills those "
+                f"again; set {ENV}={need} (or more) to keep them")
 
 
 class ContextStore(EntryStore):

@@ -159,6 +159,10 @@ def run_eval(loaded: LoadedModel, settings: EvalSettings, seed: int | None, reco
         if samples:
             result["tasks"] = _tasks(model, tok, settings.tasks, samples, candidates, baseline, rows, record, bar,
                                      contexts, models)
+    note = contexts.bound_note() if contexts is not None else None
+    if note:
+        console.print(f"[yellow]{escape(note)}[/yellow]", soft_wrap=True)
+        record.log(note)
     base_bytes, base_weights = rows[baseline.label]["bytes_per_token"], rows[baseline.label]["weight_bytes"]
     for row in rows.values():
         row["bytes_ratio"] = row["bytes_per_token"] / base_bytes

@@ -224,6 +224,22 @@ def test_a_background_store_holds_at_most_its_pending_bytes_and_raises_a_failed_
         store.path_of({"i": i}).name for i in range(3)}
 
 
+def test_a_bound_smaller_than_one_runs_contexts_is_said_with_a_size_that_fits(loaded, tmp_path):
+    """A store that evicts entries of the run that wrote them (a 16-sample frontier writes ~40 GB of
+    contexts against the default 4 GiB) says so, with the variable and a size that keeps them."""
+    samples = _samples(loaded)[:3]
+    small = _store(tmp_path, loaded, max_bytes=200_000, background=True)   # ~1 of these ~0.12-0.15 MB entries
+    _run(loaded, samples, CANDIDATES[:2], batch_size=1, contexts=small)
+    assert small.computed == 3 and len(small.evicted) == 2 and set(small.evicted) < set(small.computed_keys)
+    note = small.bound_note()
+    need = int(note.split("CARAMBA_CONTEXT_STORE_MB=")[1].split()[0])
+    assert "evicted 2 of the 3 entries" in note and need * 2**20 >= small.written_bytes
+    roomy = _store(tmp_path / "roomy", loaded, max_bytes=need * 2**20, background=True)
+    _run(loaded, samples, CANDIDATES[:2], batch_size=1, contexts=roomy)
+    assert not roomy.evicted and roomy.bound_note() is None
+    assert len(list((tmp_path / "roomy" / DIRNAME).glob("*.safetensors"))) == 3
+
+
 def test_ctrl_c_in_a_writing_block_keeps_the_writes_under_way(tmp_path, monkeypatch):
     from caramba.evaluation import context_store
 
