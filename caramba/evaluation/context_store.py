@@ -23,9 +23,10 @@ recently used entries (a hit touches its file) go until the rest fit.
 
 An eval's context store writes in the background (`background=True`): an entry is made (copied,
 digested, serialized) in the caller's thread, and one writer thread writes and fsyncs it while
-the eval goes on, holding at most `PENDING_BYTES` of entries not yet written (any one entry, however
-large); `flush()`, or leaving a `writing()` block, waits for them and raises a write that failed. Of a 2k-token context's ~0.47 s to save, ~0.27 s
-was the write and its fsync (Zen 4, a `/tmp` benchmark, median of 5).
+the eval goes on, holding at most `PENDING_BYTES` of entries not yet written (any one entry,
+however large); `flush()`, or leaving a `writing()` block, waits for them and raises a write that
+failed. Of a 2k-token context's ~0.47 s to save, ~0.27 s was the write and its fsync (Zen 4, a
+`/tmp` benchmark, median of 5).
 
 `EntryStore` is that machinery for any entry (keyed file names, verified reads, atomic writes,
 the bound); the answer store (caramba.evaluation.answer_store) keeps its JSON entries with it.
