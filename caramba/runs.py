@@ -700,6 +700,11 @@ def capture_env(seed: int | None, device: str) -> dict[str, Any]:
     env["kernels"] = kernel_status() if torch else None
     # where each loaded library came from: "prebuilt <variant>" (the install's) or "built here"
     env["kernel_builds"] = kernel_builds() if torch else None
+    # glibc's thresholds for freed memory (caramba.model.heap), set here already where a CPU model's
+    # load will set them (the record is begun before the model loads): ~10% of a prefill's time
+    heap = __import__("caramba.model.heap", fromlist=["status"])
+    on_cpu = torch is not None and (device == "cpu" or (device == "auto" and not cuda))
+    env["heap"] = heap.keep_freed() if on_cpu else heap.status()
     return env
 
 

@@ -126,11 +126,13 @@ def test_capture_env_keys_and_json(tmp_path, monkeypatch):
     expected = {
         "timestamp_utc", "caramba_version", "python", "platform", "machine", "cpu_model", "logical_cores",
         "load_average", "seed", "device", "git", "torch_version", "torch_threads", "cuda_version", "gpu",
-        "kernel_isa", "decode_step",
+        "kernel_isa", "decode_step", "heap",
     }  # fmt: skip
     assert expected <= env.keys()
     assert env["kernel_isa"] in ("scalar", "avx2", "avxvnni", "avx512", "avx512vnni") or env["kernel_isa"].startswith("eager")
     assert env["decode_step"] == "c" or env["decode_step"].startswith(("off", "unavailable"))
+    # a CPU run's record says what was done to malloc's thresholds (caramba.model.heap)
+    assert env["heap"].startswith(("glibc: mmap threshold", "off", "left alone")), env["heap"]
     # every C library's status, by what it runs (an install without kernels must show in the record)
     assert set(env["kernels"]) == {"decode_step", "quant_weights", "quant_prefill", "kv_attention", "decode_ops"}
     assert env["kernels"]["decode_step"] == env["decode_step"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from caramba.errors import UserError
-from caramba.model import arena, gguf_loader, hf_loader, native, quant
+from caramba.model import arena, gguf_loader, heap, hf_loader, native, quant
 from caramba.model.config import ModelConfig
 from caramba.model.state_dict import fuse_hf_state_dict
 from caramba.model.transformer import Transformer
@@ -189,6 +189,7 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str = "float32", device: str 
             _quantize_weights(model, weights, path, dev)
         if dev.type == "cpu":
             arena.place(model)   # out of the file's pages, onto huge pages: decode reads them faster
+            heap.keep_freed()    # a forward's freed temporaries reused, not faulted in afresh
     except ValueError as e:
         raise UserError(f"cannot load model {source!r}: {e}") from None
     # The model knows where it came from, so library code that holds only the model (a Generator
