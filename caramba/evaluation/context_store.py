@@ -126,6 +126,7 @@ class EntryStore(abc.ABC):
         self.write_s = 0.0                # the writer thread's writes (background)
         self.written_bytes = 0            # the entries this store wrote
         self.evicted: list[str] = []      # entries this store wrote and then evicted to stay in its bound
+        self.too_large: dict[str, int] = {}   # entries not kept, each larger than the whole bound: their bytes
         self.bad: list[str] = []          # entries found bad and removed: "<file>: why"
         self.reused_keys: list[str] = []      # the entries reused / (re)computed: their files' sha256 names
         self.computed_keys: list[str] = []
@@ -178,10 +179,11 @@ class EntryStore(abc.ABC):
         entries beyond max_bytes. False when it was not kept (larger than the bound). background:
         queued for the writer; a write that fails raises at the next save, a load of its entry or
         flush()."""
+        path = self.path_of(key)
         if len(data) > self.max_bytes:
+            self.too_large[path.stem] = len(data)
             return False
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.path_of(key)
         if not self.background:
             self._write(path, data)
             return True
@@ -265,18 +267,25 @@ class EntryStore(abc.ABC):
         return {"dir": str(self.dir), "reused": self.reused, "computed": self.computed, "bad": list(self.bad),
                 "reused_keys": list(self.reused_keys), "computed_keys": list(self.computed_keys),
                 "load_s": self.load_s, "save_s": self.save_s, "write_s": self.write_s,
-                "written_bytes": self.written_bytes, "evicted": list(self.evicted)}
+                "written_bytes": self.written_bytes, "evicted": list(self.evicted),
+                "too_large": sorted(self.too_large)}
 
     def bound_note(self) -> str | None:
-        """What to tell the researcher when this store evicted entries it wrote itself (the bound
-        is smaller than one run's entries, so a rerun recomputes them): the variable and a size that
-        would have kept them; None when nothing of its own was evicted."""
-        if not self.evicted:
+        """What to tell the researcher when this store could not keep entries of its own run (the
+        bound is smaller than the run's entries, or than one entry, so a rerun recomputes them): the
+        variable and a size that would have kept them; None when it kept them all."""
+        if not (self.evicted or self.too_large):
             return None
-        need = -(-self.written_bytes * 5 // 4 // 2**20)   # this run's entries and a quarter more, in MiB
-        return (f"the context store ({self.max_bytes // 2**20} MiB) evicted {len(self.evicted)} of the "
-                f"{len(self.computed_keys)} entries this run wrote, so a rerun or a new candidate prefills those "
-                f"again; set {ENV}={need} (or more) to keep them")
+        lost = []
+        if self.evicted:
+            lost.append(f"evicted {len(self.evicted)} of the {len(self.computed_keys)} entries this run wrote")
+        if self.too_large:
+            lost.append(f"did not keep {len(self.too_large)} larger than its whole bound (the largest "
+                        f"{-(-max(self.too_large.values()) // 2**20)} MiB)")
+        # this run's entries and a quarter more, in MiB
+        need = -(-(self.written_bytes + sum(self.too_large.values())) * 5 // 4 // 2**20)
+        return (f"the context store ({self.max_bytes // 2**20} MiB) {' and '.join(lost)}, so a rerun or a new "
+                f"candidate prefills those again; set {ENV}={need} (or more) to keep them")
 
 
 class ContextStore(EntryStore):

@@ -240,6 +240,24 @@ def test_a_bound_smaller_than_one_runs_contexts_is_said_with_a_size_that_fits(lo
     assert len(list((tmp_path / "roomy" / DIRNAME).glob("*.safetensors"))) == 3
 
 
+def test_an_entry_larger_than_the_whole_bound_is_said_and_sized(loaded, tmp_path):
+    """An entry no bound of this size can keep (over 4 GiB at the default: a batch of long
+    contexts) is not written, and the run says so with a size that keeps it."""
+    samples = _samples(loaded)[:2]
+    tiny = _store(tmp_path, loaded, max_bytes=50_000, background=True)   # below one ~0.12-0.15 MB entry
+    _run(loaded, samples, CANDIDATES[:2], batch_size=1, contexts=tiny)
+    assert tiny.computed == 2 and len(tiny.too_large) == 2 and not tiny.evicted and tiny.written_bytes == 0
+    assert set(tiny.summary()["too_large"]) == set(tiny.computed_keys)
+    note = tiny.bound_note()
+    assert "did not keep 2 larger than its whole bound" in note and "evicted" not in note, note
+    need = int(note.split("CARAMBA_CONTEXT_STORE_MB=")[1].split()[0])
+    assert need * 2**20 >= sum(tiny.too_large.values())
+    roomy = _store(tmp_path / "roomy", loaded, max_bytes=need * 2**20, background=True)
+    _run(loaded, samples, CANDIDATES[:2], batch_size=1, contexts=roomy)
+    assert not roomy.too_large and not roomy.evicted and roomy.bound_note() is None
+    assert len(list((tmp_path / "roomy" / DIRNAME).glob("*.safetensors"))) == 2
+
+
 def test_ctrl_c_in_a_writing_block_keeps_the_writes_under_way(tmp_path, monkeypatch):
     from caramba.evaluation import context_store
 
