@@ -127,6 +127,9 @@ def _linear(module: nn.Module, n: int, k: int) -> tuple[Lin, list[torch.Tensor]]
         fmt, tensors = F32_ROWS, [module.weight, None, None]
     elif type(module) is InputMajorLinear and _fp32(module.weight_t) and tuple(module.weight_t.shape) == (k, n):
         fmt, tensors = F32_COLS, [module.weight_t, None, None]
+    elif type(module) is InputMajorLinear and module.layout == "rows" and _fp32(module.weight_t.t()) \
+            and tuple(module.weight_t.shape) == (k, n):   # held row-major (InputMajorLinear.hold_row_major)
+        fmt, tensors = F32_ROWS, [module.weight_t.t(), None, None]
     elif type(module) is quant.QuantLinear and (module.out_features, module.in_features) == (n, k) \
             and module.c_readable():   # not after a cast of its fp16 scales to fp32, say
         fmt, tensors = _QUANT_FORMATS[(module.fmt, module.act, module.layout)], [module.qs, module.d, module.m]

@@ -83,16 +83,33 @@ class Attention(nn.Module):
 
 
 class InputMajorLinear(nn.Module):
-    """y = x @ weight_t, with the weight stored [in, out] (the transpose of nn.Linear's).
+    """y = x @ weight_t, with weight_t [in, out] (the transpose of nn.Linear's weight).
 
-    For wide outputs (the gate|up projection, the vocabulary head) a batch-1 decode step
-    streams this layout markedly faster on CPU than nn.Linear's [out, in]; see docs/benchmarks.md,
-    the fp32 rows. Narrow projections stay nn.Linear, which is as fast or faster there.
+    The loaders write the wide projections (the gate|up projection, GPT-2's fc, the vocabulary
+    head) this way: torch's batch-1 GEMV streamed it markedly faster than nn.Linear's [out, in]
+    (docs/benchmarks.md, the fp32 rows). Its memory may be held either way: as built, [in, out]
+    contiguous; or, after hold_row_major(), [out, in] contiguous with weight_t its transposed view
+    (`layout` "rows"). load_model holds a CPU model's MLP projections row-major: the fused C step
+    reads them at least as fast (SmolLM2, 1 and 8 token rows, avx2 and avx512 levels,
+    docs/decode-speed-log.md §28) and oneDNN's AVX2 GEMM, a prefill's, reads a transposed weight at
+    ~0.6x or pays a copy of it on every call.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+
+    @property
+    def layout(self) -> str | None:
+        """"rows" when the weight is held [out, in] (hold_row_major), else None: part of
+        caramba.evaluation's model identity, since a product's summation order follows it."""
+        w = self.weight_t
+        return "rows" if w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous() else None
+
+    def hold_row_major(self) -> None:
+        """Hold the weight's memory [out, in]; weight_t (its values, state_dict) is unchanged."""
+        if self.layout is None:
+            self.weight_t = nn.Parameter(self.weight_t.detach().t().contiguous().t(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense(x, self.weight_t.t())   # x @ weight_t; prefill-sized fp32: oneDNN (caramba.gemm)

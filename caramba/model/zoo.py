@@ -22,6 +22,7 @@ import torch
 from caramba.errors import UserError
 from caramba.model import arena, gguf_loader, heap, hf_loader, native, quant
 from caramba.model.config import ModelConfig
+from caramba.model.layers import InputMajorLinear
 from caramba.model.state_dict import fuse_hf_state_dict
 from caramba.model.transformer import Transformer
 from caramba.tokenizer import Tokenizer
@@ -188,6 +189,9 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str = "float32", device: str 
         if weights != "fp32":
             _quantize_weights(model, weights, path, dev)
         if dev.type == "cpu":
+            for module in model.modules():   # the MLP's wide projections row-major (InputMajorLinear's doc)
+                if isinstance(module, InputMajorLinear) and module is not model.head:
+                    module.hold_row_major()
             arena.place(model)   # out of the file's pages, onto huge pages: decode reads them faster
             heap.keep_freed()    # a forward's freed temporaries reused, not faulted in afresh
     except ValueError as e:

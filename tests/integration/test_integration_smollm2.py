@@ -43,6 +43,18 @@ def test_config_read_from_gguf(smollm2):
     assert (cfg.vocab_size, cfg.rope_theta, cfg.tie_embeddings) == (49152, 100000.0, True)
 
 
+def test_the_loaded_mlp_is_held_row_major_and_the_head_input_major(smollm2):
+    """load_model's layout for a CPU model (InputMajorLinear.hold_row_major): every gate|up [out, in]
+    in memory, read by the C step as rows; the tied head stays [in, out] (the embedding's rows)."""
+    from caramba.model import fast_decode, quant
+
+    model = smollm2.model
+    assert {layer.mlp.w13.layout for layer in model.layers} == {"rows"} and model.head.layout is None
+    assert model.head.weight_t.is_contiguous()
+    if fast_decode.library() is not None:
+        assert {p.w13.fmt for p in fast_decode._Plan(model).layers} == {quant.F32_ROWS}
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_token_ids_equal_hf(smollm2, reference, prompt):
     assert smollm2.tokenizer.encode(prompt) == reference[1].encode(prompt)

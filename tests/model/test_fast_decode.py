@@ -78,6 +78,26 @@ def test_steps_equal_the_torch_path(batch, threads, overrides, taken):
     assert_same(ref, got, model.config)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("mlp", ["swiglu", "geglu"])
+def test_an_mlp_held_row_major_is_read_as_rows_and_equals_the_torch_path(batch, mlp, taken):
+    """load_model holds a CPU model's gate|up row-major (InputMajorLinear.hold_row_major): the step
+    reads it as an nn.Linear's rows, and both paths agree with each other and with the input-major
+    model they came from."""
+    model = make_model(seed=4, mlp=mlp)
+    ids = torch.randint(0, 97, (batch, 5), generator=torch.Generator().manual_seed(5))
+    before, _ = run_both(model, ids, [7, 8, 9])
+    for layer in model.layers:
+        layer.mlp.w13.hold_row_major()
+    plan = fast_decode._Plan(model)
+    assert {p.w13.fmt for p in plan.layers} == {quant.F32_ROWS}
+    taken.clear()
+    ref, got = run_both(model, ids, [7, 8, 9])
+    assert len(taken) == 3
+    assert_same(ref, got, model.config)
+    assert_same(before, got, model.config)
+
+
 @pytest.mark.parametrize("fmt,act", [("q8_0", "f32"), ("q4_1", "f32")])
 def test_quantized_weights_with_fp32_activations_equal_the_torch_path(fmt, act, taken):
     model = make_model(seed=3)

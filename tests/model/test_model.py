@@ -258,3 +258,26 @@ def test_half_precision_forward_is_close_to_fp32(dtype, tol):
     cache = half.new_cache(2, 12)
     inc = [half(tokens[:, :4], cache=cache)] + [half(tokens[:, t : t + 1], cache=cache) for t in range(4, 12)]
     assert (torch.cat(inc, 1).float() - expected).abs().max() / scale < tol
+
+
+def test_an_mlp_held_row_major_keeps_its_values_and_says_so():
+    """InputMajorLinear.hold_row_major changes where the weight's memory runs, not its values: the
+    state dict is the same, the logits agree to fp32 rounding, and the model's identity (the keys
+    of kept results) changes with the summation order."""
+    from caramba.evaluation.context_store import model_identity
+
+    model = make_model(seed=0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    identity = model_identity(model, "x")
+    ids = torch.randint(0, 97, (2, 70), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        before = model(ids)
+        for layer in model.layers:
+            layer.mlp.w13.hold_row_major()
+            layer.mlp.w13.hold_row_major()   # twice: a no-op
+        after = model(ids)
+    w13 = model.layers[0].mlp.w13
+    assert w13.layout == "rows" and w13.weight_t.t().is_contiguous() and model.head.layout is None
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert model_identity(model, "x") != identity
+    torch.testing.assert_close(after, before, atol=tol.forward(before, model.config)["atol"], rtol=0)
