@@ -46,7 +46,8 @@ def _kept_after_free(keep: bool, env: dict[str, str] | None = None) -> int:
     root = str(Path(heap.__file__).resolve().parents[2])   # the directory holding the caramba package
     out = subprocess.run([sys.executable, "-c", _PROBE.format(root=root, keep=keep)],
                          capture_output=True, text=True, check=True,
-                         env={k: v for k, v in (env or os.environ).items() if not k.startswith("MALLOC_")})
+                         env={k: v for k, v in (env or os.environ).items()   # glibc's defaults, glibc's malloc
+                              if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")})
     return int(out.stdout)
 
 
