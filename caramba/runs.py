@@ -702,6 +702,7 @@ def capture_env(seed: int | None, device: str) -> dict[str, Any]:
     env["kernel_builds"] = kernel_builds() if torch else None
     # glibc's thresholds for freed memory (caramba.model.heap), set here already where a CPU model's
     # load will set them (the record is begun before the model loads): ~10% of a prefill's time
+    # lazy: the caramba.model package imports torch; keeps --help free of it (the CLI imports this module)
     heap = __import__("caramba.model.heap", fromlist=["status"])
     on_cpu = torch is not None and (device == "cpu" or (device == "auto" and not cuda))
     env["heap"] = heap.keep_freed() if on_cpu else heap.status()
