@@ -278,7 +278,8 @@ class EntryStore(abc.ABC):
             return None
         lost = []
         if self.evicted:
-            lost.append(f"evicted {len(self.evicted)} of the {len(self.computed_keys)} entries this run wrote")
+            written = len(self.computed_keys) - len(self.too_large)   # a too-large entry was made, not written
+            lost.append(f"evicted {len(self.evicted)} of the {written} entries this run wrote")
         if self.too_large:
             lost.append(f"did not keep {len(self.too_large)} larger than its whole bound (the largest "
                         f"{-(-max(self.too_large.values()) // 2**20)} MiB)")

@@ -7,8 +7,9 @@ unmaps them on free, and trims the heap's free top above its trim threshold, so 
 touched gigabytes of new pages: 370 thousand minor page faults in one 2048-token prefill of
 SmolLM2, 1.7 million in a batch of 8 contexts of 1024 tokens (the eval's shared prefill), each a
 kernel entry and a zeroed page. With the thresholds below the second prefill faults no page and
-runs ~10% faster (AMD EPYC Zen 4, 2 threads: 8 x 1024 tokens in chunks of 512, 14.3-14.4 s ->
-12.3-12.5 s; docs/decode-speed-log.md §27).
+runs ~10-20% faster (AMD EPYC Zen 4, 2 threads: 8 x 1024 tokens in chunks of 512, 14.3-15.6 s ->
+12.4-12.9 s in four processes of five; one 2048-token prefill 4.1-4.7 -> 3.5-4.0 s;
+docs/decode-speed-log.md §27).
 
 `keep_freed()` sets them once per process (mallopt: the same as MALLOC_MMAP_THRESHOLD_ and
 MALLOC_TRIM_THRESHOLD_ in the environment); caramba.model.zoo.load_model calls it for a CPU model.
