@@ -69,7 +69,8 @@ import torch  # noqa: E402
 
 import llamacpp  # noqa: E402  (benchmarks/llamacpp.py)
 from caramba.cache import kernel as cache_kernel  # noqa: E402
-from caramba.model import fast_decode, fused, isa, quant  # noqa: E402
+from caramba import fused  # noqa: E402
+from caramba.model import fast_decode, isa, quant  # noqa: E402
 from caramba.model.backend import Backend, TorchStep, choose  # noqa: E402
 from caramba.model.zoo import load_model, resolve_source  # noqa: E402
 

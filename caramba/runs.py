@@ -719,7 +719,8 @@ def kernel_builds() -> dict[str, str]:
 def kernel_status() -> dict[str, str]:
     """Each C kernel library's status ('c', else why not: caramba.kernels), by what it runs."""
     from caramba.cache import kernel   # lazy: keeps --help free of torch (the CLI imports this module)
-    from caramba.model import fast_decode, fused, quant, quant_gemm   # lazy: keeps --help free of torch
+    from caramba import fused   # lazy: keeps --help free of torch
+    from caramba.model import fast_decode, quant, quant_gemm   # lazy: keeps --help free of torch
 
     return {"decode_step": fast_decode.status(), "quant_weights": quant.status(),
             "quant_prefill": quant_gemm.library.status(), "kv_attention": kernel.status(),

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from caramba.cache import kernel as cache_kernel
-from caramba.model import fast_decode, fused, quant, quant_gemm
+from caramba import fused
+from caramba.model import fast_decode, quant, quant_gemm
 
 PACKAGE = Path(__file__).resolve().parents[1] / "caramba"
 SOURCES = sorted(PACKAGE.rglob("*.c")) + sorted(PACKAGE.rglob("*.h"))

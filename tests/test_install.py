@@ -87,7 +87,8 @@ def test_the_wheel_carries_every_file_its_kernels_include(wheel):
                 assert path in names, f"{name} includes {included}, which the wheel lacks"
     # every library's sources, as its module lists them, are in the wheel
     from caramba.cache import kernel
-    from caramba.model import fast_decode, fused, quant, quant_gemm
+    from caramba import fused
+    from caramba.model import fast_decode, quant, quant_gemm
 
     for source in [kernel.SOURCE, fused.SOURCE, *quant.SOURCES, *fast_decode.SOURCES, *quant_gemm.SOURCES]:
         assert source.relative_to(ROOT).as_posix() in names

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / "caramba"
 # The engine: models, caches, generation, presses, the shared helpers they run on and the hooks
 # the layers above fill in (caramba.resolvers).
 ENGINE = ("caramba.model", "caramba.cache", "caramba.infer", "caramba.press", "caramba.tokenizer",
-          "caramba.kernels", "caramba.gemm", "caramba.threads", "caramba.options", "caramba.resolvers")
+          "caramba.kernels", "caramba.gemm", "caramba.fused", "caramba.threads", "caramba.options", "caramba.resolvers")
 # What builds on the engine; the engine never reaches up into it. The package root counts too:
 # it wires the autotune in as the default cache resolver.
 ABOVE = ("caramba.evaluation", "caramba.autotune", "caramba.runners", "caramba.manifest", "caramba.cli", "caramba.cli_eval",

@@ -7,10 +7,11 @@ SmolLM2-135M (9 query heads over 3 KV heads, 64 wide) at ~44 GFLOP/s on one core
 causal attention (T queries at the end of S keys: a prompt, or a chunk of one after the chunks
 the cache already holds, left-padded rows and windows included: any mask that hides nothing
 causal attention would show) is here computed per KV head and block of BLOCK queries: the
-scores of the group's query heads stacked, [rep x n, end], against the keys up to the block's
+scores of the group's query heads side by side, [n x rep, end], against the keys up to the block's
 last query, masked (the upper triangle of the block's diagonal, or the mask's own rows), the
-softmax, then the probabilities times those values, both products through caramba.gemm.dense
-(oneDNN where it applies). Per layer, one thread, alternated: 3.5 against 6.7 ms at 512 tokens,
+softmax (one threaded C pass where caramba.fused runs: at 512 tokens torch's masked_fill and
+softmax were ~4% of a prefill), then the probabilities times those values, both products through
+caramba.gemm.dense (oneDNN where it applies). Per layer, one thread, alternated: 3.5 against 6.7 ms at 512 tokens,
 39 against 64 ms at 2048 (docs/decode-speed-log.md §12). The same arithmetic in another order:
 outputs agree with SDPA's to rounding (tests/cache/test_sdpa.py), not bit for bit.
 
@@ -26,7 +27,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from caramba import gemm
+from caramba import fused, gemm
 
 BLOCK = 128       # queries per block: 128 ran faster than 256 or 512 at 512 and 2048 tokens
 # Where the blocks start to win (Zen 5, one layer, alternated): a prompt from 192 tokens (SDPA is
@@ -94,25 +95,33 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     B, H, T, D = q.shape
     KVH, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     (P, padded), rep = causal_offset(mask, causal, T, S), H // KVH
-    q = (q * D ** -0.5).contiguous()
-    out = torch.empty(B, H, T, Dv, dtype=q.dtype)
-    above = torch.ones(BLOCK, BLOCK, dtype=torch.bool).triu(1)   # a block's queries never see later keys
+    # each query's group of heads side by side, [B, KVH, T, rep, D], scaled: a block's queries are
+    # then one [n * rep, D] matrix, and its output rows land in out [B, T, H, Dv] as they come
+    grouped = torch.empty(B, KVH, T, rep, D, dtype=q.dtype)
+    torch.mul(q.view(B, KVH, rep, T, D).transpose(2, 3), D ** -0.5, out=grouped)
+    out = torch.empty(B, T, H, Dv, dtype=q.dtype)
+    fast = fused.available()
+    if not fast:   # torch's masked_fill: a block's queries never see later keys
+        above = torch.ones(BLOCK, BLOCK, dtype=torch.bool).triu(1)[:, None]
     for b in range(B):
         for g in range(KVH):
             keys, values = k[b, g].contiguous(), v[b, g].contiguous()       # [S, D], [S, Dv]
-            heads = q[b, g * rep:(g + 1) * rep]                             # [rep, T, D]
             for s0 in range(0, T, BLOCK):
                 s1 = min(T, s0 + BLOCK)
                 n, end = s1 - s0, P + s1                                    # the block sees keys [0, end)
-                scores = gemm.dense(heads[:, s0:s1].reshape(rep * n, D), keys[:end], projection=False)
-                if padded:   # the mask's own rows (they hide later slots too)
-                    scores.view(rep, n, end).masked_fill_(~mask[b % mask.shape[0], 0, s0:s1, :end], float("-inf"))
+                scores = gemm.dense(grouped[b, g, s0:s1].view(n * rep, D), keys[:end], projection=False)
+                rows = mask[b % mask.shape[0], 0, s0:s1, :end] if padded else None   # they hide later slots too
+                if fast:     # mask and softmax in one threaded pass
+                    probs = fused.causal_softmax(scores, rep, P + s0, rows)
                 else:
-                    scores.view(rep, n, end)[:, :, P + s0:].masked_fill_(above[:n, :n], float("-inf"))
-                probs = torch.softmax(scores, dim=-1)
-                out[b, g * rep:(g + 1) * rep, s0:s1] = gemm.dense(probs, values[:end].t(),
-                                                                  projection=False).view(rep, n, Dv)
-    return out
+                    if padded:
+                        scores.view(n, rep, end).masked_fill_(~rows[:, None], float("-inf"))
+                    else:
+                        scores.view(n, rep, end)[:, :, P + s0:].masked_fill_(above[:n, :, :n], float("-inf"))
+                    probs = torch.softmax(scores, dim=-1)
+                out[b, s0:s1, g * rep:(g + 1) * rep] = gemm.dense(probs, values[:end].t(),
+                                                                  projection=False).view(n, rep, Dv)
+    return out.transpose(1, 2)
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

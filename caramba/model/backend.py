@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from caramba import kernels
+from caramba import fused, kernels
 from caramba.model import fast_decode, isa
 from caramba.model.fast_decode import CStep, ThreadChoice
 
@@ -60,8 +60,11 @@ def arithmetic(path: str) -> str:
     CPU round differently (a wheel's prebuilt library and one built here: a q4_0 cache's PPL over 44
     tokens 45.6446 and 45.7342), so a runs/ directory shared between them must not hand one's
     results to the other as its own; a source edit that compiles to the same bytes (a comment)
-    keeps what was kept."""
+    keeps what was kept. Either path's forwards of many rows (a prefill) take caramba.fused's
+    elementwise kernels where they run, so their build is named too."""
     parts = [path, f"torch {torch.backends.cpu.get_cpu_capability()}"]
+    if fused.digest() is not None:
+        parts.append(f"decode_ops {fused.digest()}")
     if path == "c" and fast_decode.library() is not None:
         parts += [f"decode_step {kernels.digests.get('decode_step', '?')}", isa.kernel_isa()]
     return ", ".join(parts)

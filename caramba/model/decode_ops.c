@@ -1,8 +1,11 @@
-/* Small fused ops of a CPU decode step (caramba.model.transformer).
+/* Small fused ops of a CPU forward (caramba.model.transformer): a decode step's and a prefill's.
 
    At batch 1 a decode step's elementwise work is tiny (a 576-wide vector), so torch's per-op
    dispatch dominates it: RMSNorm alone is five aten ops (pow, mean, add, rsqrt, mul), ~60 us per
-   norm on a loaded 2-core box against ~1 us of arithmetic. One C call does it.
+   norm on a loaded 2-core box against ~1 us of arithmetic. One C call does it. A prefill's rows
+   take the same kernels split over threads (the `_par` entries below, for caramba.fused):
+   five passes over a [512, 576] activation cost more than one, and a row's result is the same
+   whichever call computes it, so a prompt fed whole or in chunks rounds the same.
 
    rms_norm: y[r] = w * x[r] / sqrt(mean(x[r]^2) + eps), in fp32 like the reference (transformers'
    LlamaRMSNorm): the sum of squares is accumulated in double, so the result is at least as close
@@ -11,6 +14,7 @@
 #include "decode_ops.h"
 
 #include <math.h>
+#include <stddef.h>
 
 void rms_norm(const float *x, const float *w, float *y, long rows, int dim, float eps) {
     for (long r = 0; r < rows; r++) {
@@ -111,3 +115,93 @@ void silu_mul_ref(const float *gu, float *y, long rows, int hidden) { glu_ref(gu
 void silu_mul(const float *gu, float *y, long rows, int hidden) { glu(gu, y, rows, hidden, 0); }
 void gelu_mul_ref(const float *gu, float *y, long rows, int hidden) { glu_ref(gu, y, rows, hidden, 1); }
 void gelu_mul(const float *gu, float *y, long rows, int hidden) { glu(gu, y, rows, hidden, 1); }
+
+/* ---- a prefill's rows, split over threads ------------------------------------------------------
+
+   The same per-row arithmetic as above (so the same bits for a row, whatever the row count or the
+   thread count), rows in static chunks. Called from Python (caramba.fused), never from
+   inside decode_step.c's parallel region. */
+
+void rms_norm_par(const float *x, const float *w, float *y, long rows, int dim, float eps, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+    for (long r = 0; r < rows; r++) rms_norm(x + r * dim, w, y + r * dim, 1, dim, eps);
+}
+
+void add_rms_norm_par(const float *x, const float *h, const float *w, float *s, float *y, long rows, int dim,
+                      float eps, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+    for (long r = 0; r < rows; r++)
+        add_rms_norm(x + r * dim, h + r * dim, w, s + r * dim, y + r * dim, 1, dim, eps);
+}
+
+void glu_par(const float *gu, float *y, long rows, int hidden, int gelu, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+    for (long r = 0; r < rows; r++) glu(gu + r * 2 * hidden, y + r * hidden, 1, hidden, gelu);
+}
+
+/* Rotary embeddings of a projection's q and k heads in HF's half-rotation convention:
+   out[r, h] = x[r, h] * cos[r] + roll(x[r, h], D / 2) * signed_sin[r] for the first `heads` heads
+   of each row of qkv (row stride `stride` floats, heads D wide), cos and signed_sin [rows, D]
+   (caramba.model.rope.RotaryTable: sin's first half negated), out [rows, heads, D]. */
+void rope_rows(const float *qkv, const float *cos, const float *ssin, float *out, long rows, int heads, int D,
+               long stride, int nthreads) {
+    const int half = D / 2;
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+    for (long r = 0; r < rows; r++) {
+        const float *c = cos + r * D, *sn = ssin + r * D;
+        for (int h = 0; h < heads; h++) {
+            const float *x = qkv + r * stride + (long)h * D;
+            float *o = out + (r * heads + h) * D;
+            for (int i = 0; i < half; i++) o[i] = x[i] * c[i] + x[i + half] * sn[i];
+            for (int i = half; i < D; i++) o[i] = x[i] * c[i] + x[i - half] * sn[i];
+        }
+    }
+}
+
+/* A causal softmax in place over score rows [rows, end] of a block of attention queries
+   (caramba.cache.sdpa): row i is query t = i / rep of the block (each query's `rep` heads side by
+   side), and sees keys [0, first + t] (first: the block's first query's slot), those of them a
+   mask row allows where `mask` is given (bytes [rows / rep, mask_stride], nonzero: seen; left
+   padding). Keys it does not see get probability 0. Every row sees at least one key (its own). */
+static void softmax_row(float *s, int len, const unsigned char *m, int end) {
+    float mx = -INFINITY;
+    int j = 0;
+    if (!m) {   /* a max is exact in any order: a vectorizable loop */
+        for (; j < len; j++) mx = s[j] > mx ? s[j] : mx;
+    } else {
+        for (; j < len; j++) if (m[j] && s[j] > mx) mx = s[j];
+    }
+    double sum = 0.0;
+    j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (!m) {
+        const __m256 vm = _mm256_set1_ps(mx);
+        __m256 acc = _mm256_setzero_ps();
+        for (; j + 8 <= len; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+            _mm256_storeu_ps(s + j, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc);
+        for (int k = 0; k < 8; k++) sum += lanes[k];
+    }
+#endif
+    for (; j < len; j++) {
+        const float e = (!m || m[j]) ? expf(s[j] - mx) : 0.0f;
+        s[j] = e;
+        sum += e;
+    }
+    const float inv = (float)(1.0 / sum);
+    for (j = 0; j < len; j++) s[j] *= inv;
+    for (; j < end; j++) s[j] = 0.0f;
+}
+
+void causal_softmax(float *scores, long rows, int end, int rep, int first, const unsigned char *mask,
+                    long mask_stride, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+    for (long i = 0; i < rows; i++) {
+        const int t = (int)(i / rep), len = first + t + 1 < end ? first + t + 1 : end;
+        softmax_row(scores + i * end, len, mask ? mask + t * mask_stride : NULL, end);
+    }
+}

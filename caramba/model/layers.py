@@ -11,7 +11,7 @@ from torch import nn
 
 from caramba.cache import LayerKVCache
 from caramba.cache.sdpa import attention, softcapped_attention
-from caramba.model import fused
+from caramba import fused
 from caramba.gemm import dense, linear
 from caramba.model.config import ModelConfig
 from caramba.model.rope import apply_rope
@@ -56,6 +56,7 @@ class Attention(nn.Module):
         if self.qk_norm == "projection":
             q, k, v = qkv.split([self.q_width, self.kv_width, self.kv_width], dim=-1)
             qkv = torch.cat([self.q_norm(q.contiguous()), self.k_norm(k.contiguous()), v], dim=-1)
+        rows = qkv                                                    # [B, T, width]
         qkv = qkv.view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
         if self.qk_norm == "head":
@@ -63,8 +64,10 @@ class Attention(nn.Module):
         if cos is not None:  # learned absolute positions (GPT-2) are already in x: nothing to rotate
             if self.qk_norm == "head":
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            else:
-                qk = apply_rope(qkv[:, : self.n_heads + self.n_kv_heads], cos, sin)  # q and k heads in one go
+            else:   # q and k heads in one go
+                rotate = self.n_heads + self.n_kv_heads
+                qk = fused.rope_heads(rows, cos, sin, rotate) if fused.rope_applies(rows, cos) \
+                    else apply_rope(qkv[:, :rotate], cos, sin)
                 q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)             # [B, H, T, D], [B, KVH, T, D]
         if self.q_factor is not None:
             q = q * self.q_factor

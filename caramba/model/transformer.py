@@ -16,7 +16,7 @@ from torch import nn
 from caramba.cache import CachePolicy, KVCache, KVCacheKind, LayerKVCache
 from caramba.cache import hybrid
 from caramba.cache.mask import attention_mask, narrowest
-from caramba.model import fused
+from caramba import fused
 from caramba.model.config import ModelConfig
 from caramba.model.decoupled import DecoupledAttention, decoupled_cache
 from caramba.model.layers import MLP, Attention, GeluMLP, InputMajorLinear, RMSNorm, make_norm

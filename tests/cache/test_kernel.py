@@ -321,7 +321,8 @@ def test_arm_variants_follow_the_cpu_features():
 
 
 def test_every_library_module_takes_its_sources_from_the_one_list():
-    from caramba.model import fast_decode, fused, quant, quant_gemm
+    from caramba import fused
+    from caramba.model import fast_decode, quant, quant_gemm
 
     assert {s[0].stem: s for s in (kernel.SOURCES, [fused.SOURCE], quant.SOURCES, fast_decode.SOURCES,
                                    quant_gemm.SOURCES)} == \
@@ -362,7 +363,7 @@ def test_a_prebuilt_library_loads_with_no_compiler_and_a_stale_one_is_ignored(mo
     chosen = kernel_build.choose(_cpu(), [v.name for v in kernel_build.variants()])
     if chosen is None:
         pytest.skip(f"no prebuilt variant for {kernel_build.machine()}")
-    from caramba.model import fused
+    from caramba import fused
 
     sources = kernel_build.sources("decode_ops")
     digest = kernel_build.source_hash(sources)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from caramba import gemm
+from caramba import fused, gemm
 from caramba.cache import sdpa
 import tolerance as tol
 
@@ -22,6 +22,17 @@ def small_thresholds(request, monkeypatch):
     if "thresholds" not in request.node.name:
         monkeypatch.setattr(sdpa, "MIN_TOKENS", 64)
         monkeypatch.setattr(sdpa, "MIN_CHUNK", 64)
+
+
+@pytest.fixture(autouse=True, params=["c", "torch"])
+def softmax(request, monkeypatch):
+    """Every test with the blocks' mask and softmax in one C pass (caramba.fused) and with torch's
+    masked_fill and softmax (where the kernels cannot be built)."""
+    if request.param == "torch":
+        monkeypatch.setattr(fused, "available", lambda: False)
+    elif not fused.available():
+        pytest.skip(f"fused kernels {fused.status()}")
+    return request.param
 
 
 @needs_onednn

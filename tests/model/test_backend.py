@@ -130,8 +130,16 @@ def test_arithmetic_names_the_build_that_computes_a_paths_logits(monkeypatch):
     from caramba import kernels
     from caramba.model import isa
 
+    from caramba import fused
+
     torch_path = backend.arithmetic("torch")
     assert torch_path.startswith("torch, torch ") and torch.backends.cpu.get_cpu_capability() in torch_path
+    if fused.library() is not None:    # a prefill's elementwise kernels: their build, on either path
+        built = kernels.digests["decode_ops"]
+        assert f"decode_ops {built}" in torch_path
+        monkeypatch.setitem(kernels.digests, "decode_ops", "1" * 16)
+        assert backend.arithmetic("torch") == torch_path.replace(built, "1" * 16)
+        monkeypatch.setitem(kernels.digests, "decode_ops", built)
     if fast_decode.library() is None:
         assert backend.arithmetic("c") == "c, " + torch_path.split(", ", 1)[1]
         return

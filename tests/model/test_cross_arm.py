@@ -33,7 +33,8 @@ import tolerance as tol
 from caramba import kernel_build
 from caramba.cache import KVCacheKind, KVCacheTensorConfig, LayerKVCache
 from caramba.cache import kernel as cache_kernel
-from caramba.model import fast_decode, fused, isa, quant, quant_gemm
+from caramba import fused
+from caramba.model import fast_decode, isa, quant, quant_gemm
 from test_interleaved import x16_block_case
 from test_isa import FORMATS, SHAPES, U, exact_product, layer, random_blocks
 

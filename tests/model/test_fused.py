@@ -1,5 +1,5 @@
-"""The fused decode-step ops (caramba.model.fused, decode_ops.c) against torch's, and the model's
-decode steps with and without them."""
+"""The fused ops (caramba.fused, decode_ops.c) against torch's, a prefill's threaded rows against
+a decode step's single ones, and the model's forwards with and without them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from caramba.model import fused
+from caramba import fused
+from caramba.model.rope import apply_rope
 import tolerance as tol
 from conftest import make_model
 
@@ -69,12 +70,71 @@ def test_silu_mul_and_its_reference_agree_within_their_bounds():
         assert torch.equal(got[:, tail:], ref[:, tail:]), "the vector loop's tail is the reference"
 
 
-def test_applies_only_to_small_fp32_cpu_inference():
+def test_applies_only_to_fp32_cpu_inference():
     assert fused.applies(torch.zeros(1, 1, 64))
-    assert not fused.applies(torch.zeros(1, fused.MAX_ROWS + 1, 64))          # prefill: torch's ops
+    assert fused.applies(torch.zeros(1, 600, 64))                             # a prefill's rows too
     assert not fused.applies(torch.zeros(1, 1, 64, dtype=torch.bfloat16))
     assert not fused.applies(torch.zeros(1, 1, 64, requires_grad=True))
     assert not fused.applies(torch.zeros(1, 64, 2).transpose(1, 2))           # not contiguous
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_prefills_rows_are_each_rows_bits_alone(threads, monkeypatch):
+    """Over SERIAL_ROWS rows the ops split the rows over threads; each row's result is the bits the
+    same row gets alone (a decode step's call): a prompt rounds the same fed whole or in chunks."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    rows, dim, hidden = fused.SERIAL_ROWS * 4 + 3, 96, 40
+    x, h, w = randn(1, rows, dim, seed=1) * 3, randn(1, rows, dim, seed=2), randn(dim, seed=3)
+    gu = randn(1, rows, 2 * hidden, seed=4) * 3
+    many = [fused.rms_norm(x, w, 1e-5), *fused.add_rms_norm(x, h, w, 1e-5), fused.silu_mul(gu, hidden),
+            fused.gelu_mul(gu, hidden)]
+    for r in range(rows):
+        one = [fused.rms_norm(x[:, r:r + 1], w, 1e-5), *fused.add_rms_norm(x[:, r:r + 1], h[:, r:r + 1], w, 1e-5),
+               fused.silu_mul(gu[:, r:r + 1], hidden), fused.gelu_mul(gu[:, r:r + 1], hidden)]
+        for got, want in zip(many, one):
+            assert torch.equal(got[:, r:r + 1], want), r
+
+
+@pytest.mark.parametrize("B,T,heads,kv,D", [(1, 40, 9, 3, 64), (2, 17, 4, 2, 16), (1, 5, 2, 1, 8)])
+def test_rope_heads_is_apply_rope_within_a_rounding(B, T, heads, kv, D):
+    """RoPE of a projection's q and k heads in one pass: x cos + roll(x) signed_sin, each element
+    two products and a sum (a fused multiply-add may take one rounding less), against torch's three
+    ops; the v heads after them are left out, and the result is laid out [B, T, heads, D]."""
+    from caramba.model.config import ModelConfig
+    from caramba.model.rope import RotaryTable
+    cfg = ModelConfig(vocab_size=16, dim=heads * D, n_layers=1, n_heads=heads, n_kv_heads=kv, head_dim=D,
+                      intermediate_size=8, max_position_embeddings=64)
+    qkv = randn(B, T, (heads + 2 * kv) * D, seed=5) * 2
+    positions = torch.arange(3, 3 + T).expand(B, T)
+    cos, sin = RotaryTable(cfg, 64)(positions, torch.float32)
+    assert fused.rope_applies(qkv, cos)
+    got = fused.rope_heads(qkv, cos, sin, heads + kv)
+    view = qkv.view(B, T, heads + 2 * kv, D).transpose(1, 2)[:, :heads + kv]
+    want = apply_rope(view, cos, sin)
+    assert got.shape == want.shape == (B, heads + kv, T, D)
+    assert got.transpose(1, 2).is_contiguous()
+    bound = 2 * 2.0 ** -24 * (view.abs() * cos.abs() + view.roll(D // 2, -1).abs() * sin.abs())   # two roundings
+    assert ((got - want).abs() <= bound + 1e-30).all()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_causal_softmax_is_torchs_masked_softmax(padded):
+    """A block of n queries, rep rows each (row i: query i // rep), query t seeing keys [0, first +
+    t] (and, padded, only those its mask row allows): torch's softmax over the scores with every
+    hidden key at -inf, within the exp's few ulp; the hidden keys' probabilities are exactly 0."""
+    n, rep, first = 37, 3, 50
+    end = first + n
+    scores = randn(n * rep, end, seed=8) * 4
+    seen = torch.ones(n, end, dtype=torch.bool).tril(first)
+    mask = None
+    if padded:
+        mask = seen.clone()
+        mask[:, :7] = False                      # left padding: 7 slots no query sees
+        seen = mask
+    want = torch.softmax(scores.masked_fill(~seen.repeat_interleave(rep, 0), float("-inf")), -1)
+    got = fused.causal_softmax(scores.clone(), rep, first, mask)
+    assert torch.equal(got == 0, want == 0)
+    torch.testing.assert_close(got, want, **tol.elementwise(want, 8))
 
 
 def test_decode_steps_equal_the_unfused_model(monkeypatch):
@@ -92,6 +152,23 @@ def test_decode_steps_equal_the_unfused_model(monkeypatch):
     got = steps()
     monkeypatch.setattr(fused, "applies", lambda x: False)
     ref = steps()
+    torch.testing.assert_close(got, ref, **tol.forward(ref, model.config))
+
+
+def test_a_prefill_equals_the_unfused_model(monkeypatch):
+    """A prompt of 70 tokens (over SERIAL_ROWS: the threaded rows, RoPE in one pass) against
+    torch's ops."""
+    model = make_model(seed=3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(1))
+
+    def prefill():
+        with torch.inference_mode():
+            return model(ids, cache=model.new_cache(2, 80))
+
+    got = prefill()
+    monkeypatch.setattr(fused, "applies", lambda x: False)
+    monkeypatch.setattr(fused, "rope_applies", lambda *a: False)
+    ref = prefill()
     torch.testing.assert_close(got, ref, **tol.forward(ref, model.config))
 
 
