@@ -163,29 +163,47 @@ void rope_rows(const float *qkv, const float *cos, const float *ssin, float *out
    side), and sees keys [0, first + t] (first: the block's first query's slot), those of them a
    mask row allows where `mask` is given (bytes [rows / rep, mask_stride], nonzero: seen; left
    padding). Keys it does not see get probability 0. Every row sees at least one key (its own). */
+#if defined(__AVX2__) && defined(__FMA__)
+/* 8 of a row's scores, those its mask bytes hide (if any) at -inf; *seen: the lanes shown. */
+static inline __m256 masked8(const float *s, const unsigned char *m, __m256 *seen) {
+    const __m256 v = _mm256_loadu_ps(s);
+    if (!m) return v;
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m));
+    *seen = _mm256_castsi256_ps(_mm256_cmpgt_epi32(bytes, _mm256_setzero_si256()));
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, *seen);
+}
+#endif
+
+/* One row: the max over the keys shown (two vector accumulators: a max is exact in any order),
+   exp(s - max) summed in double, times 1 / sum; keys hidden or past len get 0. */
 static void softmax_row(float *s, int len, const unsigned char *m, int end) {
     float mx = -INFINITY;
     int j = 0;
-    if (!m) {   /* a max is exact in any order: a vectorizable loop */
-        for (; j < len; j++) mx = s[j] > mx ? s[j] : mx;
-    } else {
-        for (; j < len; j++) if (m[j] && s[j] > mx) mx = s[j];
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 seen = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+    for (; j + 16 <= len; j += 16) {
+        m0 = _mm256_max_ps(m0, masked8(s + j, m ? m + j : NULL, &seen));
+        m1 = _mm256_max_ps(m1, masked8(s + j + 8, m ? m + j + 8 : NULL, &seen));
     }
+    for (; j + 8 <= len; j += 8) m0 = _mm256_max_ps(m0, masked8(s + j, m ? m + j : NULL, &seen));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
+    for (int k = 0; k < 8; k++) mx = lanes[k] > mx ? lanes[k] : mx;
+#endif
+    for (; j < len; j++) if ((!m || m[j]) && s[j] > mx) mx = s[j];
     double sum = 0.0;
     j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    if (!m) {
-        const __m256 vm = _mm256_set1_ps(mx);
-        __m256 acc = _mm256_setzero_ps();
-        for (; j + 8 <= len; j += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
-            _mm256_storeu_ps(s + j, e);
-            acc = _mm256_add_ps(acc, e);
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc);
-        for (int k = 0; k < 8; k++) sum += lanes[k];
+    const __m256 vm = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    for (; j + 8 <= len; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(masked8(s + j, m ? m + j : NULL, &seen), vm));
+        if (m) e = _mm256_and_ps(e, seen);   /* exp8 of -inf is ~1e-38, not 0 */
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
     }
+    _mm256_storeu_ps(lanes, acc);
+    for (int k = 0; k < 8; k++) sum += lanes[k];
 #endif
     for (; j < len; j++) {
         const float e = (!m || m[j]) ? expf(s[j] - mx) : 0.0f;
