@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as the reference does, then scale in the model's dtype.
         if fused.applies(x) and self.weight.dtype == torch.float32:
-            return fused.rms_norm(x, self.weight, self.eps)   # decode steps: one C call, not five ops
+            return fused.rms_norm(x, self.weight, self.eps)   # one C pass, not five ops (threads over a prefill's rows)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
