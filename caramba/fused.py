@@ -36,7 +36,7 @@ _SIGNATURES = {
     "causal_softmax": ([_P, _L, _I, _I, _I, _P, _L, _I], None),
 }
 # library(): the loaded elementwise kernels, or None.
-library = kernels.Library(SOURCE, _SIGNATURES, "decode steps run elementwise ops")
+library = kernels.Library(SOURCE, _SIGNATURES, "forwards run elementwise ops")
 
 
 def status() -> str:
