@@ -22,11 +22,9 @@ from caramba import kernel_build, kernels
 (SOURCE,) = kernel_build.sources("decode_ops")   # caramba.kernel_build.LIBRARIES
 SERIAL_ROWS = 16   # up to this many rows (decode steps) one thread: a parallel region costs more
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    "rms_norm": ([_P] * 3 + [_L, _I, _F], None),
-    "add_rms_norm": ([_P] * 5 + [_L, _I, _F], None),
-    "silu_mul": ([_P] * 2 + [_L, _I], None),
-    "silu_mul_ref": ([_P] * 2 + [_L, _I], None),   # the portable reference, for tests
+_SIGNATURES = {   # the single-threaded entries' are decode_step.c's; Python calls the _par ones
+    "silu_mul": ([_P] * 2 + [_L, _I], None),       # the vector loop and its portable reference, for tests
+    "silu_mul_ref": ([_P] * 2 + [_L, _I], None),
     "gelu_mul": ([_P] * 2 + [_L, _I], None),
     "gelu_mul_ref": ([_P] * 2 + [_L, _I], None),
     "rms_norm_par": ([_P] * 3 + [_L, _I, _F, _I], None),
@@ -47,7 +45,7 @@ def status() -> str:
 def digest() -> str | None:
     """The loaded build of decode_ops.c (the sha256 of its library's bytes, as caramba.kernels
     records it), or None where the fused ops do not run."""
-    return kernels.digests.get("decode_ops") if library() is not None else None
+    return kernels.digests.get("decode_ops") if available() else None
 
 
 def available() -> bool:
@@ -58,7 +56,7 @@ def available() -> bool:
 def applies(x: torch.Tensor) -> bool:
     """Whether x (activations [..., dim]) takes the fused path."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
-            and not (torch.is_grad_enabled() and x.requires_grad) and library() is not None)
+            and not (torch.is_grad_enabled() and x.requires_grad) and available())
 
 
 def _threads(rows: int) -> int:
