@@ -12,11 +12,12 @@ Each state's bookkeeping (its positions, its slot mask's new slot, its rows' `ne
 DecodeState.step's own: the states are stepped through a `_Collect` backend that records the
 forward each would have run instead of running it, and the forwards recorded are then run
 together. A decode step (`step_together`) whose states all step through the fused C step
-(caramba.model.fast_decode.CStep) runs as one joined C call when it takes every state's cache
+(caramba.model.fast_decode.CStep) runs the caches it takes as one joined C call
 (CStep.step_joined: decode_step.c's decode_step_joined, each cache a segment, up to
 fast_decode.JOIN_MAX_ROWS rows, JOIN_MEAN_ROWS a cache): the projections, MLP and head run once
-over all the rows and each layer's attention per cache, as the C step reads it alone. Otherwise,
-and for the questions (`prefill_together`), the joined forward is the model's torch forward. A
+over their rows and each layer's attention per cache, as the C step reads it alone; the caches it
+refuses at that step join in one torch forward. Otherwise, and for the questions
+(`prefill_together`), the joined forward is the model's torch forward. A
 row's logits are those of stepping its state alone, up to float rounding of the batched products
 (a greedy answer far from a tie is the same token).
 """
@@ -141,9 +142,12 @@ def prefill_together(model, states: Sequence[DecodeState], tokens: torch.Tensor,
 
 
 def _together(model, feeds: list, states: Sequence[DecodeState], steps: bool = False) -> list[torch.Tensor]:
-    """Run each state's feed through a _Collect backend, then the forwards collected as one: one
-    joined C step where every state steps through the fused C step (steps: a decode token each) and
-    it takes them all, else the torch forward."""
+    """Run each state's feed through a _Collect backend, then the forwards collected as one: where
+    every state steps through the fused C step (steps: a decode token each), one joined C step of
+    those it takes and one torch forward of the rest (a per-channel cache's step that completes a
+    group or whose rows group from different slots: caramba.model.fast_decode.CStep.applies), else
+    one torch forward of all. (One refused cache sent the whole join to the torch forward before,
+    whose attention over each cache is the slower one.)"""
     calls = []
     for feed, state in zip(feeds, states):
         collect = _Collect(model.config.vocab_size)
@@ -152,9 +156,18 @@ def _together(model, feeds: list, states: Sequence[DecodeState], steps: bool = F
         calls.append(collect.call)
     backend = states[0].backend
     if steps and all(getattr(s.backend, "name", None) == "c" and s.backend.model is model for s in states):
-        logits = backend.step_joined(calls)
+        logits = backend.step_joined(calls, partial=True)
         if logits is not None:
+            rest = [i for i, x in enumerate(logits) if x is None]
+            for i, x in zip(rest, _torch_join(model, [calls[i] for i in rest]) if rest else []):
+                logits[i] = x
             return logits
+    return _torch_join(model, calls)
+
+
+def _torch_join(model, calls: list[tuple]) -> list[torch.Tensor]:
+    """The forwards collected (tokens, positions, cache, slot_mask) as one torch forward -> each
+    one's last-position logits."""
     ids = torch.cat([c[0] for c in calls], dim=0)
     positions = torch.cat([c[1] for c in calls], dim=0)
     cache = JoinedKVCache([c[2] for c in calls], [c[3] for c in calls])

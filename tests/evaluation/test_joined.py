@@ -324,6 +324,48 @@ def test_few_candidates_step_alone_through_the_c_step(loaded, monkeypatch):
     assert [r.joined for r in results] == [1, 1, 1]
 
 
+@torch.inference_mode()
+def test_the_c_step_takes_its_caches_of_a_join_and_the_torch_forward_the_rest(loaded, monkeypatch):
+    """Two left-padded rows whose first tokens lie 3 slots apart: a per-channel cache (groups of 8)
+    groups them from different slots, which the C step refuses (an eval's batches keep such rows
+    apart: task_eval._batches; here they are joined on purpose). Only that cache steps through the
+    torch forward, the q8_0 cache beside it in the C step, and each state's logits are its own step's."""
+    from caramba.evaluation import joined
+    from caramba.evaluation.joined import step_together
+    from caramba.infer.state import DecodeState
+    from caramba.model.backend import choose
+
+    model = loaded.model
+    if choose(model).name != "c":
+        pytest.skip("no fused C step here")
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, :3] = False
+
+    def states() -> list[DecodeState]:
+        out = []
+        for policy in (CachePolicy.build("q8_0", qblock=8), CachePolicy.build(policy={"k": "q4_1c", "v": "q4_1"},
+                                                                               qblock=8)):
+            state = DecodeState(model, model.new_cache(2, 64, policy), backend=choose(model))
+            state.cache.set_origins(torch.tensor([0, 3]))     # as the eval's shared context sets them
+            state.prefill(ids, mask)
+            out.append(state)
+        return out
+
+    refused, real = [], joined._torch_join
+    monkeypatch.setattr(joined, "_torch_join", lambda model, calls: refused.append(len(calls)) or real(model, calls))
+    alone, together = states(), states()
+    tokens = [torch.tensor([5, 7])] * 2
+    for _ in range(3):
+        want = [s.step(t) for s, t in zip(alone, tokens)]
+        got = step_together(model, together, tokens, [None, None])
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        tokens = [w.argmax(-1) for w in want]
+    assert refused == [1, 1, 1]          # the per-channel cache each step, never both
+    assert together[0].backend.steps["c"] >= 3
+
+
 @pytest.mark.parametrize("hybrid", [False, True])
 @torch.inference_mode()
 def test_a_joined_step_is_each_states_own_step(hybrid):
