@@ -232,24 +232,19 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
     pad = next(iter(stops), 0)
     device = model.device
     backend = choose(model)     # one for the whole eval: its thread choice carries across batches
-    # Batches of samples of similar length: a row shorter than its batch's longest is padding the
-    # prefill computes anyway. The answers are put back in the samples' order at the end.
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i].context_ids) + len(samples[i].question_ids))
-    per_channel = any(_per_channel(model, c) for c in [*candidates, baseline])
+    channel_group = math.lcm(*(_channel_group(model, c) for c in [*candidates, baseline]))
     wave = _Wave(model, tokenizer, stops)
     with contexts.writing() if contexts is not None else contextlib.nullcontext():
-        for first in range(0, len(order), batch_size):
-            batch = [samples[i] for i in order[first : first + batch_size]]
-            for group in _equal_questions(batch) if per_channel else [batch]:
-                # The cores free now (caramba.threads), chosen per batch: a long eval outlives the load it began in.
-                choice = threads.choose() if device.type == "cpu" else None
-                with threads.applied(choice) if choice is not None else contextlib.nullcontext():
-                    context_s += _answer_group(model, tokenizer, group, results, baseline, prefill, q_chunk, stops,
-                                               pad, on_answer, backend, join, contexts if prefill == "shared" else None,
-                                               answers if answers is not None and answers.enabled else None,
-                                               prefill_precision, wave)
-                for result in results:
-                    result.threads.append(choice.used if choice is not None else None)
+        for group in _batches(samples, batch_size, channel_group):
+            # The cores free now (caramba.threads), chosen per batch: a long eval outlives the load it began in.
+            choice = threads.choose() if device.type == "cpu" else None
+            with threads.applied(choice) if choice is not None else contextlib.nullcontext():
+                context_s += _answer_group(model, tokenizer, group, results, baseline, prefill, q_chunk, stops,
+                                           pad, on_answer, backend, join, contexts if prefill == "shared" else None,
+                                           answers if answers is not None and answers.enabled else None,
+                                           prefill_precision, wave)
+            for result in results:
+                result.threads.append(choice.used if choice is not None else None)
         choice = threads.choose() if device.type == "cpu" and wave.pending else None
         with threads.applied(choice) if choice is not None else contextlib.nullcontext():
             wave.flush()
@@ -261,20 +256,47 @@ def answer_tasks(model, tokenizer, samples: Sequence[TaskSample], candidates: Se
     return results, context_s
 
 
-def _per_channel(model, c: Candidate) -> bool:
-    """Whether a candidate quantizes keys per channel (KIVI): its groups run along each row's tokens
-    from the row's first one, so the holes a left-padded question leaves after a shorter row's
-    context would shift them (the rows would answer unlike the same samples alone)."""
+def _channel_group(model, c: Candidate) -> int:
+    """The tokens a candidate's per-channel key group spans (KIVI), 1 where it has none. Its groups
+    run along each row's tokens from the row's first one, so the holes a left-padded question leaves
+    after a shorter row's context would shift them (the rows would answer unlike the same samples
+    alone), and rows that begin at different slots modulo the group step on the torch path."""
     probe = model.new_cache(1, 1, c.policy)
-    return any(cfg.spec.per_channel for layer in probe.layers for cfg in getattr(layer, "configs", ()))
+    return math.lcm(1, *(cfg.qblock for layer in probe.layers for cfg in getattr(layer, "configs", ())
+                         if cfg.spec.per_channel))
 
 
-def _equal_questions(batch: list[TaskSample]) -> list[list[TaskSample]]:
-    """A batch cut into runs of samples whose questions have one length (in order, so the answers
-    keep the samples' order): no holes between a row's context and its question."""
+def _batches(samples: Sequence[TaskSample], batch_size: int, channel_group: int = 1) -> list[list[TaskSample]]:
+    """The samples in batches of up to batch_size, each answered as one: samples of similar prompt
+    length together (a row shorter than its batch's longest is padding the prefill computes anyway).
+    With per-channel keys (channel_group > 1: the lcm of the candidates' groups) a batch is cut
+    where its questions' lengths or its contexts' lengths modulo the group change (_aligned_runs),
+    so the samples are ordered by those first."""
+    def key(i: int) -> tuple[int, ...]:
+        context, question = len(samples[i].context_ids), len(samples[i].question_ids)
+        return (question, context % channel_group, context + question) if channel_group > 1 \
+            else (context + question,)
+    order = sorted(range(len(samples)), key=key)
+    out: list[list[TaskSample]] = []
+    for first in range(0, len(order), batch_size):
+        batch = [samples[i] for i in order[first : first + batch_size]]
+        out += _aligned_runs(batch, channel_group) if channel_group > 1 else [batch]
+    return out
+
+
+def _aligned_runs(batch: list[TaskSample], channel_group: int) -> list[list[TaskSample]]:
+    """A batch cut into runs of samples whose questions have one length (no holes between a row's
+    context and its question) and whose contexts' lengths agree modulo channel_group: left-padded to
+    the longest, every row then begins at a multiple of the group, where the cache's groups begin, so
+    the fused C step takes its steps. Rows that begin elsewhere (their own phases) step on the torch
+    path, which reads their codes back in full every step: kv-frontier.yaml at 8 samples, 2048
+    tokens (Zen 4, 2 threads), a joined step of nine caches' 8 rows with two such caches among them
+    took 1.21 s, one of 72 rows all in the C step 0.41-0.48 s (docs/eval.md)."""
     runs: list[list[TaskSample]] = []
     for sample in batch:
-        if runs and len(runs[-1][-1].question_ids) == len(sample.question_ids):
+        last = runs[-1][-1] if runs else None
+        if last is not None and len(last.question_ids) == len(sample.question_ids) \
+                and (len(last.context_ids) - len(sample.context_ids)) % channel_group == 0:
             runs[-1].append(sample)
         else:
             runs.append([sample])

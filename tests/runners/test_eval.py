@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from caramba.cache import CachePolicy
 from caramba.cli import app
 from caramba.evaluation import tasks as task_suite
-from caramba.evaluation.task_eval import Candidate, answer_tasks, store_context, wilson
+from caramba.evaluation.task_eval import Candidate, _batches, answer_tasks, store_context, wilson
 from caramba.model.zoo import load_model
 from test_cli import invoke, write_tiny_model
 
@@ -415,8 +415,8 @@ def test_batched_answers_equal_one_sample_at_a_time(loaded):
     samples += task_suite.make_samples("niah_multivalue", 1100, 2, 1, loaded.tokenizer, chat=True)
     assert len({len(s.context_ids) for s in samples}) > 1 and len({len(s.question_ids) for s in samples}) > 1
     q8, fp32 = Candidate("q8", CachePolicy.build("q8_0", qblock=8)), Candidate("fp32", CachePolicy.build("fp32"))
-    # per-channel keys (KIVI, with a residual window): a padded question batch is cut into runs of one
-    # question length, since holes between a context and its question would shift the key groups
+    # per-channel keys (KIVI, with a residual window): a batch is cut into runs of one question length
+    # (holes between a context and its question would shift the key groups) whose rows begin at a group
     kivi = Candidate("kivi", CachePolicy.build(policy={"k": "q2_1c", "v": "q2_1"}, qblock=16, residual_len=8))
     eos = [int(loaded.tokenizer.eos_token_id)] if loaded.tokenizer.eos_token_id is not None else []
     alone, _ = answer_tasks(loaded.model, loaded.tokenizer, samples, [q8, kivi], fp32, eos_ids=eos, batch_size=1)
@@ -424,6 +424,20 @@ def test_batched_answers_equal_one_sample_at_a_time(loaded):
     for a, b in zip(alone, batched):
         assert [x.output_ids for x in a.answers] == [x.output_ids for x in b.answers]
         assert [x.steps for x in a.answers] == [x.steps for x in b.answers]
+
+
+def test_per_channel_batches_hold_rows_that_begin_at_a_group():
+    """With per-channel keys (groups of 8 tokens) a batch's rows share a question length and a context
+    length modulo 8, so that left-padded each begins at a multiple of 8 (where the C step reads the
+    groups); the samples are ordered so that such rows fill whole batches. Without, by prompt length."""
+    def sample(i: int, context: int, question: int) -> task_suite.TaskSample:
+        return task_suite.TaskSample("t", 64, i, [1] * context, [2] * question, ["x"], 4, "")
+
+    samples = [sample(i, 40 + 8 * i + i % 2, 3) for i in range(8)]
+    assert [[s.index for s in g] for g in _batches(samples, 4, 8)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert [[s.index for s in g] for g in _batches(samples, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    mixed = [sample(0, 48, 3), sample(1, 56, 3), sample(2, 64, 4), sample(3, 65, 4), sample(4, 73, 4)]
+    assert [[s.index for s in g] for g in _batches(mixed, 8, 8)] == [[0, 1], [2], [3, 4]]
 
 
 def test_an_interrupted_sweep_resumes_with_exactly_the_unfinished_eval_runs(tmp_path, monkeypatch, long_tiny):
