@@ -144,9 +144,9 @@ def prefill_together(model, states: Sequence[DecodeState], tokens: torch.Tensor,
 def _together(model, feeds: list, states: Sequence[DecodeState], steps: bool = False) -> list[torch.Tensor]:
     """Run each state's feed through a _Collect backend, then the forwards collected as one: where
     every state steps through the fused C step (steps: a decode token each), one joined C step of
-    those it takes and one torch forward of the rest (a per-channel cache's step that completes a
-    group or whose rows group from different slots: caramba.model.fast_decode.CStep.applies), else
-    one torch forward of all. (One refused cache sent the whole join to the torch forward before,
+    those it takes and one torch forward of the rest (a per-channel cache whose rows group their keys
+    from different slots, or one a rollback left to refill: caramba.model.fast_decode.CStep.applies),
+    else one torch forward of all. (One refused cache sent the whole join to the torch forward before,
     whose attention over each cache is the slower one.)"""
     calls = []
     for feed, state in zip(feeds, states):
