@@ -159,8 +159,9 @@ def _together(model, feeds: list, states: Sequence[DecodeState], steps: bool = F
         logits = backend.step_joined(calls, partial=True)
         if logits is not None:
             rest = [i for i, x in enumerate(logits) if x is None]
-            for i, x in zip(rest, _torch_join(model, [calls[i] for i in rest]) if rest else []):
-                logits[i] = x
+            if rest:
+                for i, x in zip(rest, _torch_join(model, [calls[i] for i in rest])):
+                    logits[i] = x
             return logits
     return _torch_join(model, calls)
 
